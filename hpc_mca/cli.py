@@ -1,5 +1,0 @@
-import click
-
-@click.group()
-def main() -> None:
-    """hpc-mca"""

@@ -1,0 +1,267 @@
+"""Megatron-Core on CPU: the one place where hpc-mca patches torch and Megatron.
+
+Megatron-Core is written for CUDA. Its algorithms (tensor/pipeline/expert parallelism, DDP,
+the distributed optimizer, dist_checkpointing) are device-agnostic torch code, but it reaches
+for CUDA in a few recurring ways: ``torch.cuda.current_device()`` as a factory ``device``,
+literal ``device="cuda"`` and ``.cuda()``, the CUDA RNG for its seed tracker, CUDA streams and
+events around gradient communication, and ``tensor.type()`` strings such as
+``'torch.cuda.FloatTensor'`` in optimizer checks. On a CUDA-less machine (development laptops,
+CI, the 2-core boxes this project is tested on) each of those raises.
+
+``activate()`` installs the patches listed in :data:`PATCHES`. It is a no-op when CUDA is
+available, so GPU runs execute unmodified Megatron-Core (NCCL, Transformer Engine). Every
+patch names the Megatron code it answers; ``tests/test_cpu_compat.py`` shows, patch by patch,
+that the Megatron call fails without it and works with it.
+
+What the patches do NOT change: numerics. Devices are remapped to CPU and the "CUDA" RNG is
+the CPU default generator, which is what CPU kernels draw from anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["PATCHES", "Patch", "activate", "active_patches", "needed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    name: str
+    """Short identifier, used by ``activate(skip=...)`` and the tests."""
+    answers: str
+    """The Megatron-Core (or torch) code that fails on CPU without this patch."""
+    apply: Callable[[], None]
+    """Installs the patch; called at most once per process."""
+
+
+_ACTIVE: list[str] = []
+
+
+def needed() -> bool:
+    """The patches are needed exactly when this torch cannot use CUDA."""
+    return not torch.cuda.is_available()
+
+
+def active_patches() -> list[str]:
+    return list(_ACTIVE)
+
+
+def activate(skip: Iterable[str] = ()) -> list[str]:
+    """Install every patch (except ``skip``) if CUDA is absent; return the names installed.
+
+    Idempotent. ``skip`` exists for the tests that prove each patch is necessary.
+    """
+    if not needed():
+        return []
+    skipped = set(skip)
+    unknown = skipped - {p.name for p in PATCHES}
+    if unknown:
+        raise ValueError(f"unknown cpu_compat patch(es) {sorted(unknown)}; valid: {[p.name for p in PATCHES]}")
+    for patch in PATCHES:
+        if patch.name in skipped or patch.name in _ACTIVE:
+            continue
+        patch.apply()
+        _ACTIVE.append(patch.name)
+    return active_patches()
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Devices: a torch function mode that rewrites CUDA devices to CPU.
+# --------------------------------------------------------------------------------------------
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int device means "CUDA device <int>" to torch factories (and is what
+    # torch.cuda.current_device() returns). Excludes bool, which is an int subclass.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_CPU = torch.device("cpu")
+_CUDA_TYPE_NAMES = {  # tensor.type() on CPU -> the name Megatron's optimizer checks expect
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps every CUDA device argument to CPU, makes ``.cuda()`` a no-op move to CPU, and
+    reports CUDA type names from ``tensor.type()``.
+
+    Answers: torch.cuda.current_device()/"cuda" used as ``device=`` throughout megatron/core
+    (e.g. utils.GlobalMemoryBuffer.get_tensor, transformer/utils.get_default_causal_mask,
+    optimizer/clip_grads.py, distributed/param_and_grad_buffer.py) and the ``.type()`` checks
+    in optimizer/optimizer.py, optimizer/distrib_optimizer.py and optimizer/clip_grads.py.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]  # already in CPU memory; pinning needs an accelerator
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = _CPU
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            # Tensor.to(device, ...): a positional int/str/device is a device (dtypes are not).
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+def _install_device_mode() -> None:
+    # Entered for the life of the process: the mode stack is per thread, and Megatron runs its
+    # training step on the main thread (autograd on CPU runs backward on the calling thread).
+    _CudaToCpuMode().__enter__()
+    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+    torch.cuda.device_count = lambda: 1  # type: ignore[assignment]
+    torch.cuda.set_device = lambda device: None  # type: ignore[assignment]
+
+
+# --------------------------------------------------------------------------------------------
+# 2. RNG: Megatron's CudaRNGStatesTracker on the CPU default generator.
+# --------------------------------------------------------------------------------------------
+
+def _install_rng() -> None:
+    """Answers tensor_parallel/random.py: model_parallel_cuda_manual_seed and
+    CudaRNGStatesTracker.add/fork call torch.cuda.manual_seed/get_rng_state and the module's
+    _get_cuda_rng_state/_set_cuda_rng_state, all of which need a CUDA generator.
+
+    On CPU every kernel draws from ``torch.default_generator``, so that is the generator the
+    tracker must save, seed and swap for dropout in tensor-parallel regions to differ per rank.
+    The generator is called directly: ``torch.manual_seed`` itself calls
+    ``torch.cuda.manual_seed_all`` and would recurse into these patches.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    gen = torch.default_generator
+
+    def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        return gen.get_state()
+
+    def set_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+        gen.set_state(new_state)
+
+    def manual_seed(seed: int) -> None:
+        gen.manual_seed(int(seed))
+
+    # fork() warns whenever the CPU generator changed inside a forked region; here the forked
+    # generator IS the CPU generator, so the warning would fire on every dropout call.
+    logging.getLogger(mrandom.__name__).addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+    )
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+    for module in (torch.cuda, torch.cuda.random):
+        module.get_rng_state = get_state  # type: ignore[attr-defined]
+        module.set_rng_state = set_state  # type: ignore[attr-defined]
+        module.manual_seed = manual_seed  # type: ignore[attr-defined]
+        module.manual_seed_all = manual_seed  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Streams, events, synchronize: torch.cpu's equivalents.
+# --------------------------------------------------------------------------------------------
+
+class _CpuStream(torch.cpu.Stream):
+    """torch.cpu.Stream plus the methods Megatron calls on CUDA streams (all no-ops: CPU ops
+    run synchronously in program order)."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
+        super().__init__()
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> "_CpuEvent":
+        return event if event is not None else _CpuEvent()
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+
+class _CpuEvent:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_DEFAULT_STREAM = _CpuStream()
+
+
+def _install_streams() -> None:
+    """Answers distributed/distributed_data_parallel.py (communication_stream =
+    torch.cuda.Stream(...)), distributed/param_and_grad_buffer.py
+    (torch.cuda.current_stream().wait_stream), transformer/moe/* (Event/Stream) and the
+    torch.cuda.synchronize()/empty_cache() calls around timers and checkpointing."""
+    torch.cuda.Stream = _CpuStream  # type: ignore[assignment,misc]
+    torch.cuda.Event = _CpuEvent  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda device=None: _DEFAULT_STREAM  # type: ignore[assignment]
+    torch.cuda.default_stream = lambda device=None: _DEFAULT_STREAM  # type: ignore[assignment]
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    torch.cuda.empty_cache = lambda: None  # type: ignore[assignment]
+    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------------------------
+# 4. MoE all-to-all: split sizes as lists for gloo.
+# --------------------------------------------------------------------------------------------
+
+def _install_alltoall_splits() -> None:
+    """Answers transformer/moe/token_dispatcher.py (MoEAlltoAllTokenDispatcher) and
+    tensor_parallel/mappings.py all_to_all: the dispatcher hands ``input_split_sizes`` /
+    ``output_split_sizes`` to torch.distributed.all_to_all_single as tensors, which gloo's
+    binding rejects ("all_to_all_single(): incompatible function arguments"). NCCL accepts
+    the same call because the sizes arrive there already converted on the CUDA path."""
+    original = torch.distributed.all_to_all_single
+
+    @functools.wraps(original)
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        return original(output, input, _as_list(output_split_sizes), _as_list(input_split_sizes), *args, **kwargs)
+
+    torch.distributed.all_to_all_single = all_to_all_single
+    from megatron.core.tensor_parallel import mappings
+
+    if getattr(mappings, "all_to_all_single", None) is original:
+        mappings.all_to_all_single = all_to_all_single
+
+
+def _as_list(sizes: Any) -> Any:
+    if isinstance(sizes, torch.Tensor):
+        return sizes.tolist()
+    if sizes is not None and not isinstance(sizes, list):
+        return [int(s) for s in sizes]
+    return sizes
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("devices", "torch.cuda.current_device()/device='cuda'/.cuda()/.type() across megatron/core", _install_device_mode),
+    Patch("rng", "megatron/core/tensor_parallel/random.py CUDA RNG tracker", _install_rng),
+    Patch("streams", "torch.cuda.Stream/Event/current_stream/synchronize in DDP, MoE, timers", _install_streams),
+    Patch("alltoall", "MoE alltoall dispatcher split sizes on gloo", _install_alltoall_splits),
+)

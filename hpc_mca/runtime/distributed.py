@@ -1,0 +1,134 @@
+"""Process-group setup: the one place that brings up torch.distributed and Megatron-Core.
+
+``init_distributed`` runs on every rank, in this order:
+
+1. read the rank environment (Slurm step, torchrun, or single process) — ``runtime.env``;
+2. validate the requested layout against the world size and the model, and raise
+   ``LayoutError`` *before* any collective, so that every rank fails alone with the same
+   one-line message instead of some ranks waiting forever in a rendezvous;
+3. pick the device and backend: NCCL on CUDA (one GPU per local rank), gloo otherwise, in
+   which case the CPU compatibility patches (``runtime.cpu_compat``) are activated;
+4. ``torch.distributed.init_process_group`` over TCP at MASTER_ADDR:MASTER_PORT;
+5. ``parallel_state.initialize_model_parallel`` for TP/PP/VP/CP/EP/expert-TP;
+6. seeds: Python, NumPy, torch and Megatron's model-parallel RNG tracker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hpc_mca.runtime import cpu_compat
+from hpc_mca.runtime.env import RankEnv, from_environ
+from hpc_mca.topology import Layout, LayoutError, ModelShape, check_layout
+
+__all__ = ["RankContext", "init_distributed", "shutdown"]
+
+_DEFAULT_TIMEOUT_S = 600
+
+
+@dataclasses.dataclass(frozen=True)
+class RankContext:
+    """What a rank knows after bootstrap."""
+
+    env: RankEnv
+    layout: Layout
+    """The layout with ``dp`` resolved from the world size."""
+    device: torch.device
+    backend: str
+    """'nccl' or 'gloo'."""
+    seed: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+
+def init_distributed(
+    layout: Layout,
+    *,
+    model: ModelShape | None = None,
+    seed: int = 1234,
+    env: RankEnv | None = None,
+    timeout_s: float | None = None,
+    global_batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+) -> RankContext:
+    """Bring up torch.distributed and Megatron-Core model parallelism on this rank.
+
+    Raises ``LayoutError`` (one violation per line) without touching the network when the
+    layout cannot work for this world size or model.
+    """
+    env = env or from_environ()
+    violations = check_layout(layout, env.world_size, model, global_batch_size=global_batch_size,
+                              micro_batch_size=micro_batch_size)
+    if violations:
+        raise LayoutError(violations)
+    layout = layout.resolved(env.world_size)
+
+    device, backend = _select_device(env)
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("HPC_MCA_DIST_TIMEOUT", _DEFAULT_TIMEOUT_S))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            init_method=env.init_method,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    _init_model_parallel(layout)
+    _seed_everything(seed)
+    return RankContext(env=env, layout=layout, device=device, backend=backend, seed=seed)
+
+
+def _select_device(env: RankEnv) -> tuple[torch.device, str]:
+    if torch.cuda.is_available():
+        local = env.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local), "nccl"
+    cpu_compat.activate()
+    return torch.device("cpu"), "gloo"
+
+
+def _init_model_parallel(layout: Layout) -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
+
+
+def _seed_everything(seed: int) -> None:
+    """Same base seed on every rank; Megatron's tracker derives the per-TP-rank streams
+    (dropout inside tensor-parallel regions) and the expert-parallel streams from it."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    """Tear down Megatron's groups and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

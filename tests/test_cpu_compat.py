@@ -1,0 +1,53 @@
+"""Each CPU-compat patch is necessary: the Megatron call it answers fails without it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_mca.runtime import cpu_compat
+
+PROBE = Path(__file__).with_name("compat_probe.py")
+
+# patch -> the probes that must fail when only that patch is left out
+NEEDED_BY = {
+    "devices": {"probe_causal_mask", "probe_ddp_overlap"},
+    "rng": {"probe_tracker_fork"},
+    "streams": {"probe_ddp_overlap"},
+    "alltoall": {"probe_alltoall"},
+}
+
+
+def run_probe(*skip: str) -> dict[str, str]:
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(PROBE), *skip],
+                          capture_output=True, text=True, timeout=180, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_patch_table_matches_tests():
+    assert {p.name for p in cpu_compat.PATCHES} == set(NEEDED_BY)
+
+
+@pytest.mark.skipif(not cpu_compat.needed(), reason="CUDA present: the compat layer stays inactive")
+def test_all_probes_pass_with_every_patch():
+    results = run_probe()
+    assert results.pop("installed") == [p.name for p in cpu_compat.PATCHES]
+    assert set(results.values()) == {"OK"}, results
+
+
+@pytest.mark.skipif(not cpu_compat.needed(), reason="CUDA present: the compat layer stays inactive")
+@pytest.mark.parametrize("patch", sorted(NEEDED_BY))
+def test_each_patch_is_necessary(patch):
+    results = run_probe(patch)
+    assert patch not in results.pop("installed")
+    failing = {name for name, outcome in results.items() if outcome != "OK"}
+    assert failing == NEEDED_BY[patch], results
+
+
+def test_unknown_patch_name_is_rejected():
+    if not cpu_compat.needed():
+        pytest.skip("CUDA present: activate() returns before validating")
+    with pytest.raises(ValueError, match="unknown cpu_compat patch"):
+        cpu_compat.activate(skip=["no-such-patch"])
