@@ -1,0 +1,106 @@
+"""Property tests: check_layout against an independent oracle, and the planner over
+nodes 1..1024 × GPUs/node {1, 2, 4, 8} × dense, GQA and MoE shapes."""
+
+from __future__ import annotations
+
+import re
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hpc_mca.topology import Layout, ModelShape, check_layout
+
+SHAPES = {
+    # Qwen2.5-0.5B-like: 14 heads / 2 KV heads leave TP only 1 or 2; tied embeddings.
+    "dense-small": ModelShape(num_layers=24, hidden_size=896, num_attention_heads=14,
+                              num_query_groups=2, ffn_hidden_size=4864, vocab_size=151936,
+                              tie_word_embeddings=True),
+    # GPT-2-small-like: no GQA, two-matrix MLP.
+    "mha": ModelShape(num_layers=12, hidden_size=768, num_attention_heads=12,
+                      num_query_groups=12, ffn_hidden_size=3072, vocab_size=50257,
+                      gated_linear_unit=False),
+    "gqa-8b": ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32,
+                         num_query_groups=8, ffn_hidden_size=14336, vocab_size=128256),
+    "dense-70b": ModelShape(num_layers=80, hidden_size=8192, num_attention_heads=64,
+                            num_query_groups=8, ffn_hidden_size=28672, vocab_size=128256),
+    "dense-405b": ModelShape(num_layers=126, hidden_size=16384, num_attention_heads=128,
+                             num_query_groups=8, ffn_hidden_size=53248, vocab_size=128256),
+    "mixtral-8x7b": ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32,
+                               num_query_groups=8, ffn_hidden_size=14336, vocab_size=32000,
+                               num_experts=8, moe_router_topk=2),
+    "qwen3-moe-30b": ModelShape(num_layers=48, hidden_size=2048, num_attention_heads=32,
+                                num_query_groups=4, head_dim=128, ffn_hidden_size=6144,
+                                vocab_size=151936, num_experts=128, moe_ffn_hidden_size=768,
+                                moe_router_topk=8),
+}
+
+shapes = st.sampled_from(sorted(SHAPES)).map(SHAPES.__getitem__)
+gpus_per_node = st.sampled_from([1, 2, 4, 8])
+nodes = st.integers(min_value=1, max_value=1024)
+
+
+def oracle_valid(lay: Layout, world: int, model: ModelShape, gpn: int, gbs: int, mbs: int,
+                 seq: int) -> bool:
+    """The rules restated as plain arithmetic, written independently of rules.py."""
+    if world % (lay.tp * lay.pp * lay.cp):
+        return False
+    dp = world // (lay.tp * lay.pp * lay.cp)
+    sp = lay.tp > 1
+    tp_ok = (gpn % lay.tp == 0 and model.num_attention_heads % lay.tp == 0
+             and (model.num_query_groups % lay.tp == 0 or lay.tp % model.num_query_groups == 0)
+             and model.ffn_hidden_size % lay.tp == 0)
+    vp = lay.vp or 1
+    pp_ok = model.num_layers % (lay.pp * vp) == 0 and (lay.vp is None or lay.pp > 1)
+    align = (2 * lay.cp if lay.cp > 1 else 1) * (lay.tp if sp else 1)
+    if model.is_moe:
+        moe_ok = (model.num_experts % lay.ep == 0
+                  and (lay.tp * lay.cp * dp) % (lay.ep * lay.etp) == 0
+                  and model.expert_ffn_hidden_size % lay.etp == 0 and gpn % lay.etp == 0)
+    else:
+        moe_ok = lay.ep == 1
+    batch_ok = gbs % (mbs * dp) == 0 and (
+        lay.vp is None or lay.pp == 1 or (gbs // (mbs * dp)) % lay.pp == 0)
+    return tp_ok and pp_ok and seq % align == 0 and moe_ok and batch_ok
+
+
+layouts = st.builds(
+    Layout,
+    tp=st.sampled_from([1, 2, 3, 4, 6, 8, 16]),
+    pp=st.sampled_from([1, 2, 3, 4, 5, 8]),
+    cp=st.sampled_from([1, 2, 3, 4, 8]),
+    ep=st.sampled_from([1, 2, 3, 4, 8, 16]),
+    etp=st.sampled_from([1, 2, 4]),
+    vp=st.sampled_from([None, 1, 2, 3, 4]),
+)
+
+
+@settings(max_examples=400, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(lay=layouts, n=st.integers(1, 64), gpn=gpus_per_node, model=shapes,
+       gbs=st.sampled_from([1, 6, 32, 96, 128, 256, 1000, 1024]), mbs=st.sampled_from([1, 2, 3]),
+       seq=st.sampled_from([1000, 2048, 4096, 6144, 32768]))
+def test_check_layout_agrees_with_oracle(lay, n, gpn, model, gbs, mbs, seq):
+    world = n * gpn
+    lines = check_layout(lay, world, model, gpus_per_node=gpn, global_batch_size=gbs,
+                         micro_batch_size=mbs, seq_length=seq)
+    assert (lines == []) == oracle_valid(lay, world, model, gpn, gbs, mbs, seq), lines
+    assert all("\n" not in line and "; valid" in line for line in lines)
+
+
+_FIELDS = {"tensor_parallel_size": "tp", "pipeline_parallel_size": "pp",
+           "expert_parallel_size": "ep", "expert_tensor_parallel_size": "etp"}
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(lay=layouts, n=st.integers(1, 64), gpn=gpus_per_node, model=shapes)
+def test_suggested_values_fix_their_line(lay, n, gpn, model):
+    """Each 'valid:' value for a layout field makes that field's violation go away."""
+    world = n * gpn
+    for line in check_layout(lay, world, model, gpus_per_node=gpn):
+        match = re.match(r"(\w+)=\d+ .*; valid: ([\d, ]+)$", line)
+        if not match or match[1] not in _FIELDS:
+            continue
+        for value in map(int, match[2].split(", ")):
+            fixed = Layout(**{**lay.__dict__, _FIELDS[match[1]]: value})
+            again = check_layout(fixed, world, model, gpus_per_node=gpn)
+            assert not any(other.startswith(match[1] + "=") for other in again), (line, again)
