@@ -34,10 +34,11 @@ def smoke(tp: int, pp: int, vp: int | None, layers: int, hidden: int, heads: int
     """
     from hpc_mca.topology import Layout, LayoutError, ModelShape
 
-    shape = ModelShape(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                       num_query_groups=kv_heads or heads, ffn_hidden_size=4 * hidden, vocab_size=vocab)
-    layout = Layout(tp=tp, pp=pp, vp=vp)
     try:
+        shape = ModelShape(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                           num_query_groups=kv_heads or heads, ffn_hidden_size=4 * hidden,
+                           vocab_size=vocab)
+        layout = Layout(tp=tp, pp=pp, vp=vp)
         _run(shape, layout, seq_length, global_batch_size, micro_batch_size, steps, seed, out)
     except LayoutError as err:
         # Every rank validates alone, before any collective: all exit, none waits.

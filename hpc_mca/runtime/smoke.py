@@ -50,7 +50,10 @@ def build_tiny_gpt(shape: ModelShape, seq_length: int, ctx: RankContext) -> list
         pipeline_dtype=torch.float32,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        tensor_model_parallel_size=ctx.layout.tp,
+        pipeline_model_parallel_size=ctx.layout.pp,
         virtual_pipeline_model_parallel_size=ctx.layout.vp,
+        context_parallel_size=ctx.layout.cp,
         # gloo delivers batched isend/irecv out of order (FACTS.md): unbatched p2p is correct
         # everywhere, so use it whenever the backend is gloo.
         batch_p2p_comm=ctx.backend != "gloo",
@@ -109,7 +112,11 @@ def run_smoke(cfg: SmokeConfig, ctx: RankContext) -> list[dict[str, Any]]:
     """Train ``cfg.steps`` steps on the fixed batch; return per-step loss and grad norm (every
     rank returns the same values: losses are averaged over micro-batches and DP ranks)."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -120,6 +127,8 @@ def run_smoke(cfg: SmokeConfig, ctx: RankContext) -> list[dict[str, Any]]:
         DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
     ]
+    # The schedule only reduces gradients across DP (and embedding/PP groups) through this hook.
+    chunks[0].config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=cfg.lr, clip_grad=0.0), model)
     forward_backward = get_forward_backward_func()
     tokens = fixed_batch(cfg)
