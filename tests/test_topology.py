@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from hpc_mca.topology import Layout, LayoutError, ModelShape, check_layout
+from hpc_mca.topology import (Layout, LayoutError, ModelShape, balanced_pipeline_layout,
+                              check_layout, megatron_pipeline_layout)
 
 # Llama-3-8B's public config.json values (the keys the planner reads).
 LLAMA3_8B_CONFIG = {
@@ -278,7 +278,8 @@ def test_interleaving_needs_microbatches_in_pp_groups(llama8b):
 def test_bad_scalar_inputs():
     assert check_layout(Layout(), 0) == ["world_size=0 must be a positive integer"]
     assert check_layout(Layout(), 8, global_batch_size=0, seq_length=-1) == [
-        "global_batch_size=0 must be a positive integer", "seq_length=-1 must be a positive integer"]
+        "global_batch_size=0 must be a positive integer",
+        "seq_length=-1 must be a positive integer"]
 
 
 def test_every_violation_is_one_line(llama8b):
@@ -290,3 +291,16 @@ def test_every_violation_is_one_line(llama8b):
 def test_rules_without_model_only_check_arithmetic():
     assert check_layout(Layout(tp=8, pp=4), 64) == []
     assert check_layout(Layout(tp=8, pp=4), 64, gpus_per_node=4) != []
+
+
+def test_balanced_pipeline_layout():
+    # 126 layers (Llama-3.1-405B) on 8 stages: embedding and loss count as a layer each.
+    assert balanced_pipeline_layout(126, 8) == (15, 16, 16, 16, 16, 16, 16, 15)
+    assert balanced_pipeline_layout(32, 3) == (10, 12, 10)
+    assert balanced_pipeline_layout(32, 32) is None  # first/last stage would be empty
+    layout = Layout(pp=2, vp=2, pipeline_layout=(1, 2, 2, 1))
+    assert megatron_pipeline_layout(layout) == [
+        ["embedding", "decoder"], ["decoder"] * 2, ["decoder"] * 2, ["decoder", "loss"]]
+    assert megatron_pipeline_layout(Layout(pp=2)) is None
+    assert Layout(pp=8, pipeline_layout=balanced_pipeline_layout(126, 8)).describe() == (
+        "TP1 PP8(15,16×6,15) CP1 DP?")

@@ -8,7 +8,7 @@ import re
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpc_mca.topology import Layout, ModelShape, check_layout
+from hpc_mca.topology import Layout, LayoutError, ModelShape, check_layout, plan
 
 SHAPES = {
     # Qwen2.5-0.5B-like: 14 heads / 2 KV heads leave TP only 1 or 2; tied embeddings.
@@ -104,3 +104,79 @@ def test_suggested_values_fix_their_line(lay, n, gpn, model):
             fixed = Layout(**{**lay.__dict__, _FIELDS[match[1]]: value})
             again = check_layout(fixed, world, model, gpus_per_node=gpn)
             assert not any(other.startswith(match[1] + "=") for other in again), (line, again)
+
+
+# --- planner -----------------------------------------------------------------------------------
+
+
+@st.composite
+def plan_inputs(draw):
+    n, gpn = draw(nodes), draw(gpus_per_node)
+    world = n * gpn
+    # Half the batches are "nice" multiples of the world size, half arbitrary recipe values.
+    gbs = draw(st.one_of(st.sampled_from([16, 64, 128, 256, 512, 1024, 2048, 4096]),
+                         st.integers(1, 8).map(lambda k: k * world)))
+    return dict(model=draw(shapes), nodes=n, gpus_per_node=gpn, global_batch_size=gbs,
+                seq_length=draw(st.sampled_from([2048, 4096, 8192, 32768, 131072])),
+                gpu=draw(st.sampled_from(["H100-80GB", "H200-141GB", "A100-40GB", "A100-80GB"])),
+                stage=draw(st.sampled_from(["pt", "sft", "dpo"])), lora=draw(st.booleans()),
+                sequence_packing=draw(st.booleans()))
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(inputs=plan_inputs())
+def test_planner_never_emits_a_layout_that_breaks_a_rule(inputs):
+    try:
+        p = plan(**inputs)
+    except LayoutError as err:
+        assert len(err.violations) == 1 and "\n" not in err.violations[0]
+        assert err.violations[0].startswith(("no layout fits", f"nodes={inputs['nodes']} gives"))
+        return
+    world = inputs["nodes"] * inputs["gpus_per_node"]
+    assert check_layout(p.layout, world, inputs["model"], gpus_per_node=inputs["gpus_per_node"],
+                        global_batch_size=inputs["global_batch_size"],
+                        micro_batch_size=p.micro_batch_size, seq_length=inputs["seq_length"],
+                        sequence_packing=inputs["sequence_packing"]) == []
+    assert p.layout.dp * p.layout.model_parallel_size == world
+    assert p.layout.tp <= inputs["gpus_per_node"]
+    assert p.memory.total <= p.usable_bytes
+    assert p.num_microbatches * p.micro_batch_size * p.layout.dp == inputs["global_batch_size"]
+    assert p.reason and "\n" not in p.reason
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(inputs=plan_inputs())
+def test_more_memory_never_needs_more_parallelism_or_recompute(inputs):
+    """Same job on H200 instead of H100: never more recompute, never more model parallelism
+    at the same recompute level (the search order does not depend on the GPU)."""
+    try:
+        small = plan(**{**inputs, "gpu": "H100-80GB"})
+    except LayoutError:
+        return
+    big = plan(**{**inputs, "gpu": "H200-141GB"})
+    order = ["none", "selective", "full"]
+    assert order.index(big.recompute) <= order.index(small.recompute)
+    if big.recompute == small.recompute:
+        assert big.layout.model_parallel_size <= small.layout.model_parallel_size
+
+
+def _plan_or_none(model: ModelShape, n: int):
+    try:
+        return plan(model=model, nodes=n, gpus_per_node=8, seq_length=4096,
+                    global_batch_size=32 * n)
+    except LayoutError:
+        return None
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(n=st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128, 256, 512]), model=shapes)
+def test_plans_survive_doubling_the_cluster(n, model):
+    """With whole 8-GPU nodes and 32 sequences per node, a job that plans on n nodes plans on
+    2n (the same model parallelism only gains DP), and from 64 nodes up every shape plans."""
+    small = _plan_or_none(model, n)
+    if small is None:
+        assert n < 64, "every test shape, even 405B, should fit on 64 × 8 H100"
+        return
+    big = _plan_or_none(model, 2 * n)
+    assert big is not None
+    assert big.layout.model_parallel_size <= small.layout.model_parallel_size

@@ -70,7 +70,8 @@ class Layout:
 
     def describe(self) -> str:
         """Compact form for reports, e.g. ``TP4 PP2 VP4 CP2 DP1`` (EP/ETP only for MoE)."""
-        parts = [f"TP{self.tp}", f"PP{self.pp}"]
+        stages = "" if self.pipeline_layout is None else f"({_run_length(self.pipeline_layout)})"
+        parts = [f"TP{self.tp}", f"PP{self.pp}{stages}"]
         if self.vp is not None:
             parts.append(f"VP{self.vp}")
         parts.append(f"CP{self.cp}")
@@ -90,9 +91,8 @@ def _size_violations(layout: Layout) -> list[str]:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             lines.append(f"{long}={value!r} must be a positive integer")
     stages = layout.pipeline_layout
-    if stages is not None and (
-        not isinstance(stages, tuple) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in stages)
-    ):
+    if stages is not None and not (isinstance(stages, tuple) and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in stages)):
         lines.append(f"pipeline_layout={stages!r} must be a tuple of layer counts >= 0")
     return lines
 
@@ -114,6 +114,44 @@ def world_violations(layout: Layout, world_size: int) -> list[str]:
             f"TP·PP·CP={mp}; valid: {world_size // mp}"
         ]
     return []
+
+
+def balanced_pipeline_layout(num_layers: int, stages: int) -> tuple[int, ...] | None:
+    """Layers per virtual stage when ``stages`` does not divide ``num_layers``.
+
+    The embedding and the output layer plus loss each weigh about one transformer layer (the
+    idea behind Megatron's account_for_embedding/loss_in_pipeline_split), so the first and last
+    stages get one layer fewer and the rest is spread evenly. None if a stage would be empty.
+    """
+    units = num_layers + 2
+    sizes = [units // stages + (1 if 0 < i <= units % stages else 0) for i in range(stages)]
+    sizes[0] -= 1
+    sizes[-1] -= 1
+    if stages == 1 or min(sizes) < 1 or sum(sizes) != num_layers:
+        return None
+    return tuple(sizes)
+
+
+def megatron_pipeline_layout(layout: Layout) -> list[list[str]] | None:
+    """``pipeline_layout`` as Megatron-Core's ``pipeline_model_parallel_layout`` (a list per
+    virtual stage in the same order, embedding first and loss last); None when even."""
+    if layout.pipeline_layout is None:
+        return None
+    stages = [["decoder"] * n for n in layout.pipeline_layout]
+    stages[0].insert(0, "embedding")
+    stages[-1].append("loss")
+    return stages
+
+
+def _run_length(sizes: tuple[int, ...]) -> str:
+    """15,16,16,16,15 -> '15,16×3,15'."""
+    runs: list[list[int]] = []
+    for n in sizes:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return ",".join(f"{n}×{count}" if count > 1 else str(n) for n, count in runs)
 
 
 def divisors(n: int) -> list[int]:

@@ -27,7 +27,11 @@ class _Job:
     micro_batch_size: int
     seq_length: int | None
     sequence_packing: bool
-    sequence_parallel: bool
+    sequence_parallel_given: bool | None
+
+    def sequence_parallel(self, tp: int) -> bool:
+        """Sequence parallelism at TP size ``tp``: as given, else on whenever TP > 1."""
+        return tp > 1 if self.sequence_parallel_given is None else self.sequence_parallel_given
 
     @property
     def dp(self) -> int | None:
@@ -60,10 +64,12 @@ def check_layout(
     if bad_input:
         return bad_input
     job = _Job(layout, world_size, model, gpus_per_node, global_batch_size,
-               micro_batch_size or 1, seq_length, sequence_packing,
-               layout.tp > 1 if sequence_parallel is None else sequence_parallel)
-    tp_pp_lines = _tp_lines(job) + _pp_lines(job)
-    lines = tp_pp_lines + [line for rule in _OTHER_FIELD_RULES for line in rule(job)]
+               micro_batch_size or 1, seq_length, sequence_packing, sequence_parallel)
+    tp_lines = _tp_lines(job)
+    tp_pp_lines = tp_lines + _pp_lines(job)
+    # A bad TP also breaks the sequence alignment it is part of; say so once, on the TP line.
+    seq_lines = [] if tp_lines else _cp_lines(job)
+    lines = tp_pp_lines + [line for rule in _OTHER_FIELD_RULES for line in rule(job)] + seq_lines
     # The TP and PP lines already suggest values that make TP·PP·CP divide the world, so the
     # product rule only gets its own line when neither of them fired.
     if job.dp is not None or not tp_pp_lines:
@@ -132,7 +138,9 @@ def _tp_lines(job: _Job) -> list[str]:
         return []
     rest = lay.pp * lay.cp
     valid = [t for t in divisors(job.world_size)
-             if job.world_size % (t * rest) == 0 and not _tp_problems(t, job)]
+             if job.world_size % (t * rest) == 0 and not _tp_problems(t, job)
+             and (job.seq_length is None or job.seq_length % seq_alignment(
+                 lay.cp, t, job.sequence_parallel(t)) == 0)]
     return _line(FIELD_NAMES["tp"], lay.tp, problems, nearest(lay.tp, valid))
 
 
@@ -193,13 +201,14 @@ def seq_alignment(cp: int, tp: int, sequence_parallel: bool) -> int:
 
 def _cp_lines(job: _Job) -> list[str]:
     lay, seq = job.layout, job.seq_length
-    align = seq_alignment(lay.cp, lay.tp, job.sequence_parallel)
+    sp = job.sequence_parallel(lay.tp)
+    align = seq_alignment(lay.cp, lay.tp, sp)
     if seq is None or seq % align == 0:
         return []
-    factors = (["2·CP"] if lay.cp > 1 else []) + (["TP"] if job.sequence_parallel else [])
+    factors = (["2·CP"] if lay.cp > 1 else []) + (["TP"] if sp else [])
     sizes = ([f"{FIELD_NAMES['cp']}={lay.cp}"] if lay.cp > 1 else []) + (
         [f"{FIELD_NAMES['tp']}={lay.tp} with sequence parallelism"]
-        if job.sequence_parallel else [])
+        if sp else [])
     why = f"a multiple of {'·'.join(factors)}={align} ({', '.join(sizes)})"
     if job.sequence_packing and lay.cp > 1:
         why += "; with sequence packing every packed sequence must be padded to it"
@@ -296,5 +305,5 @@ def _batch_lines(job: _Job) -> list[str]:
 
 
 _OTHER_FIELD_RULES: tuple[Callable[[_Job], list[str]], ...] = (
-    _vp_lines, _pipeline_layout_lines, _cp_lines, _ep_lines, _etp_lines,
+    _vp_lines, _pipeline_layout_lines, _ep_lines, _etp_lines,
 )

@@ -1,0 +1,242 @@
+"""Per-GPU memory estimate of a Megatron-Core training step.
+
+The estimate is the sum of four parts, each per GPU and in bytes:
+
+* parameters: bf16/fp16 weights take 2 B per parameter (fp32 runs 4 B). DPO without LoRA also
+  keeps a frozen reference copy of the policy, sharded the same way.
+* gradients: Megatron's DDP accumulates into fp32 ``main_grad`` buffers, 4 B per *trainable*
+  parameter, allocated in full even with the distributed optimizer (it reduce-scatters into
+  them but does not shrink them).
+* optimizer state: Adam's two moments plus the fp32 master copy, 12 B per trainable parameter
+  (fp32 runs need no master copy: 8 B). The distributed optimizer shards this over the
+  data-parallel ranks: DP·CP for dense weights, the expert-data-parallel ranks for experts.
+* activations: what the backward pass needs, after Korthikanti et al. ("Reducing Activation
+  Recomputation in Large Transformer Models"), whose per-layer figure is s·b·h·(34 + 5·a·s/h)
+  bytes. We count the saved tensors of a modern block instead of using 34 (GQA, SwiGLU and MoE
+  change it; for Llama-3-8B the count below gives exactly 34·h per token), and the 5·a·s/h
+  attention-score term vanishes with flash/fused attention. Sequence parallelism splits every
+  saved tensor over TP and context parallelism splits the sequence, so the total is divided by
+  TP·CP. Full recompute keeps only each layer's input plus one layer's working set.
+
+With LoRA only the adapters are trainable: the frozen base costs its weights and nothing else.
+Vocabulary padding (to a multiple of 128·TP, as Megatron does) is included; small items
+(norm weights counted, router/bias buffers, RNG states, the CUDA context) are left to the
+headroom in :class:`hpc_mca.topology.hardware.GpuSpec`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layout import Layout
+from .model import ModelShape
+
+STAGES = ("pt", "sft", "dpo")
+PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one training step processes and how, apart from the parallel layout."""
+
+    seq_length: int
+    """Tokens per sequence (per packed sample with sequence packing)."""
+    micro_batch_size: int = 1
+    """Sequences per forward/backward on one DP rank."""
+    num_microbatches: int = 1
+    """Micro-batches per step per DP rank (global / (micro · DP)); bounds pipeline in-flight."""
+    stage: str = "pt"
+    """pt (pretrain), sft, or dpo (chosen+rejected pairs, plus a reference model)."""
+    precision: str = "bf16"
+    """bf16, fp16, fp8 (estimated like bf16: weights stay bf16) or fp32."""
+    lora: bool = False
+    """Train LoRA adapters on all linear layers instead of the full model."""
+    lora_rank: int = 16
+    """LoRA rank r: each adapted (in → out) linear gains r·(in + out) parameters."""
+    recompute: str = "none"
+    """none, selective (attention core only) or full (every layer, uniform, 1 layer a chunk)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer)."""
+    flash_attention: bool = True
+    """Fused attention that never materialises the s×s score matrix."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU on the busiest pipeline stage."""
+
+    params: int
+    """Model weights resident on the GPU (plus the DPO reference copy)."""
+    grads: int
+    """fp32 gradient buffers of the trainable parameters."""
+    optimizer: int
+    """Adam moments and fp32 master weights (this rank's shard)."""
+    activations: int
+    """Saved activations of the in-flight micro-batches plus the loss logits."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class _Counts:
+    """Parameters held by one GPU, split by how they are sharded."""
+
+    dense: int = 0     # TP-sharded (or replicated) weights; optimizer sharded over DP·CP
+    expert: int = 0    # routed experts, sharded over EP·ETP; optimizer over expert DP
+    adapters: int = 0  # LoRA adapters (the only trainable weights with LoRA)
+
+
+def padded_vocab(model: ModelShape, tp: int) -> int:
+    """Megatron pads the vocabulary so each TP shard is a multiple of 128 rows."""
+    step = 128 * tp
+    return -(-model.vocab_size // step) * step
+
+
+def layers_on_rank(model: ModelShape, layout: Layout, rank: int) -> int:
+    """Transformer layers a pipeline rank holds (all its virtual chunks)."""
+    if layout.pipeline_layout is None:
+        return model.num_layers // layout.pp
+    return sum(layout.pipeline_layout[rank::layout.pp])
+
+
+def _mlp_mats(model: ModelShape) -> int:
+    return 3 if model.gated_linear_unit else 2
+
+
+def _layer_counts(model: ModelShape, layout: Layout, lora_rank: int) -> _Counts:
+    """Parameters of one transformer layer on one GPU."""
+    h, d, tp = model.hidden_size, model.kv_channels, layout.tp
+    hq, hkv, mats = model.num_attention_heads * d, model.num_query_groups * d, _mlp_mats(model)
+    attn = h * hq + 2 * h * hkv + hq * h           # QKV (GQA-narrow K and V) and output proj
+    fc1_out = (mats - 1) * model.ffn_hidden_size   # gate+up for SwiGLU, up alone otherwise
+    lora_attn = lora_rank * ((h + hq + 2 * hkv) + (hq + h))
+    if not model.is_moe:
+        mlp = mats * h * model.ffn_hidden_size
+        lora_mlp = lora_rank * ((h + fc1_out) + (model.ffn_hidden_size + h))
+        return _Counts(dense=(attn + mlp) // tp + 2 * h,
+                       adapters=(lora_attn + lora_mlp) // tp)
+    fe, fs = model.expert_ffn_hidden_size, model.moe_shared_expert_ffn_hidden_size
+    local_experts = model.num_experts // layout.ep
+    router = h * model.num_experts                 # replicated on every TP rank
+    shared = mats * h * fs
+    expert = local_experts * mats * h * fe // layout.etp
+    lora_expert = local_experts * lora_rank * ((h + (mats - 1) * fe) + (fe + h)) // layout.etp
+    return _Counts(dense=(attn + shared) // tp + router + 2 * h, expert=expert,
+                   adapters=(lora_attn + lora_rank * (mats * fs + 2 * h)) // tp + lora_expert)
+
+
+def _stage_counts(model: ModelShape, layout: Layout, rank: int, lora_rank: int) -> _Counts:
+    """Parameters on one GPU of pipeline rank ``rank``: its layers plus embedding/output."""
+    per_layer = _layer_counts(model, layout, lora_rank)
+    n = layers_on_rank(model, layout, rank)
+    table = padded_vocab(model, layout.tp) * model.hidden_size // layout.tp
+    first, last = rank == 0, rank == layout.pp - 1
+    # The output layer is its own matrix unless tied; with PP > 1 even a tied one is copied to
+    # the last stage, which is where Megatron keeps its gradient in sync with the embedding.
+    tables = int(first) + int(last and (layout.pp > 1 or not model.tie_word_embeddings))
+    return _Counts(dense=n * per_layer.dense + tables * table + int(last) * model.hidden_size,
+                   expert=n * per_layer.expert, adapters=n * per_layer.adapters)
+
+
+def _weight_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def _state_memory(counts: _Counts, layout: Layout, work: Workload) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes for the parameters in ``counts``."""
+    w = _weight_bytes(work.precision)
+    base = counts.dense + counts.expert
+    params = base * w + (counts.adapters * w if work.lora else 0)
+    if work.stage == "dpo" and not work.lora:
+        params += base * w  # frozen reference model (with LoRA the base itself is the reference)
+    dense, expert = (counts.adapters, 0) if work.lora else (counts.dense, counts.expert)
+    grads = 4 * (dense + expert)
+    per_param = 8 if work.precision == "fp32" else 12
+    dp = layout.dp or 1
+    dense_shard, expert_shard = 1, 1
+    if work.use_distributed_optimizer:
+        dense_shard = dp * layout.cp
+        expert_shard = max(1, layout.tp * layout.cp * dp // (layout.ep * layout.etp))
+    optimizer = per_param * dense // dense_shard + per_param * expert // expert_shard
+    return params, grads, optimizer
+
+
+def _tokens(work: Workload, layout: Layout) -> int:
+    """Tokens of one micro-batch on one CP rank (DPO runs chosen and rejected together)."""
+    pairs = 2 if work.stage == "dpo" else 1
+    return -(-work.seq_length // layout.cp) * work.micro_batch_size * pairs
+
+
+def _layer_bytes_per_token(model: ModelShape, work: Workload, layout: Layout) -> int:
+    """Bytes one layer saves for backward per token, before the TP split (2 B per element)."""
+    h, d, mats = model.hidden_size, model.kv_channels, _mlp_mats(model)
+    hq, hkv = model.num_attention_heads * d, model.num_query_groups * d
+    # Attention: norm input, QKV input, Q/K/V, core-attention output (also the proj input).
+    attn = 2 * (2 * h + hq + 2 * hkv + hq)
+    if work.flash_attention:
+        attn += 4 * model.num_attention_heads  # fp32 softmax log-sum-exp per head
+    elif work.recompute != "selective":
+        # Scores, softmax and dropout mask: Korthikanti's 5·a·s per token (s local under CP).
+        attn += 5 * model.num_attention_heads * -(-work.seq_length // layout.cp)
+    if not model.is_moe:
+        # Norm input, fc1 input, fc1 output (gate+up), activation output (fc2 input).
+        return attn + 2 * (2 * h + mats * model.ffn_hidden_size)
+    fe, fs, k = model.expert_ffn_hidden_size, model.moe_shared_expert_ffn_hidden_size, \
+        model.moe_router_topk
+    # Each token is copied to k experts: the dispatched input plus that expert's fc1/act outputs;
+    # the router keeps fp32 logits/probabilities per expert.
+    moe = 2 * (2 * h + k * (h + mats * fe) + mats * fs) + 4 * model.num_experts
+    return attn + moe
+
+
+def _inflight_layers(model: ModelShape, layout: Layout, work: Workload, rank: int) -> float:
+    """Layer-activations a pipeline rank holds at its peak, in units of one micro-batch·layer.
+
+    1F1B: rank r runs PP−r forward micro-batches before its first backward, so rank 0 holds PP
+    micro-batches of its L/PP layers (L layers' worth in total). The interleaved schedule warms
+    up 2·(PP−r−1) + (VP−1)·PP chunks of L/(PP·VP) layers before the first backward.
+    """
+    layers = layers_on_rank(model, layout, rank)
+    if layout.vp is None:
+        return min(layout.pp - rank, work.num_microbatches) * layers
+    chunks = 2 * (layout.pp - rank - 1) + (layout.vp - 1) * layout.pp + 1
+    return min(chunks, work.num_microbatches * layout.vp) * layers / layout.vp
+
+
+def _activation_memory(model: ModelShape, layout: Layout, work: Workload, rank: int) -> int:
+    per_layer = _tokens(work, layout) * _layer_bytes_per_token(model, work, layout) // layout.tp
+    if work.recompute == "full":
+        # Only each layer's (sequence-parallel) input survives; backward re-runs one layer at a
+        # time, so one layer's full activations come back on top.
+        stored = _tokens(work, layout) * 2 * model.hidden_size // layout.tp
+        total = _inflight_layers(model, layout, work, rank) * stored + per_layer
+    else:
+        total = _inflight_layers(model, layout, work, rank) * per_layer
+    if rank == layout.pp - 1:
+        # Loss: bf16 logits plus the fp32 softmax the fused vocab-parallel cross entropy keeps.
+        total += _tokens(work, layout) * padded_vocab(model, layout.tp) // layout.tp * 6
+    return int(total)
+
+
+def _busiest_ranks(model: ModelShape, layout: Layout) -> list[int]:
+    """Pipeline ranks that can peak: the first (most micro-batches in flight, embedding), the
+    last (output layer, logits) and, with an explicit layout, the one holding most layers."""
+    ranks = {0, layout.pp - 1}
+    if layout.pipeline_layout is not None:
+        loads = [layers_on_rank(model, layout, r) for r in range(layout.pp)]
+        ranks.add(loads.index(max(loads)))
+    return sorted(ranks)
+
+
+def estimate_memory(model: ModelShape, layout: Layout, work: Workload) -> MemoryEstimate:
+    """Per-GPU memory of the busiest pipeline stage (first or last) for a resolved layout."""
+    estimates = []
+    for rank in _busiest_ranks(model, layout):
+        counts = _stage_counts(model, layout, rank, work.lora_rank)
+        params, grads, optimizer = _state_memory(counts, layout, work)
+        estimates.append(MemoryEstimate(params, grads, optimizer,
+                                        _activation_memory(model, layout, work, rank)))
+    return max(estimates, key=lambda e: e.total)

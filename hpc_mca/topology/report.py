@@ -1,0 +1,47 @@
+"""Plain-text rendering of a Plan for the CLI (no colours, fixed-width labels)."""
+
+from __future__ import annotations
+
+from .hardware import GiB
+from .planner import Plan
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def _header(plan: Plan) -> str:
+    req = plan.request
+    name = req.shape.name or f"{req.shape.num_layers}-layer model"
+    lora = " LoRA" if req.lora else ""
+    packed = " packed" if req.sequence_packing else ""
+    return (f"plan for {name}: {req.nodes} node(s) × {req.node_size} {req.gpu_spec.name} "
+            f"(world {req.world_size}), {req.stage}{lora} {req.precision}, seq {req.seq_length}"
+            f"{packed}, global batch {req.global_batch_size}")
+
+
+def _rows(plan: Plan) -> list[tuple[str, str]]:
+    lay, mem = plan.layout, plan.memory
+    sp = "on" if plan.sequence_parallel else "off"
+    optimizer = "distributed (sharded over data-parallel ranks)" \
+        if plan.use_distributed_optimizer else "replicated (not sharded)"
+    source = "forced" if plan.forced else "planned"
+    return [
+        ("layout", f"{lay.describe()}  ({source}; sequence parallel {sp})"),
+        ("batch", f"micro {plan.micro_batch_size} × DP {lay.dp} × {plan.num_microbatches} "
+                  f"micro-batches = global {plan.request.global_batch_size}"),
+        ("recompute", plan.recompute),
+        ("optimizer", optimizer),
+        ("memory/GPU", f"params {_gib(mem.params)} | grads {_gib(mem.grads)} | optimizer "
+                       f"{_gib(mem.optimizer)} | activations {_gib(mem.activations)}"),
+        ("", f"total {_gib(mem.total)} of {_gib(plan.usable_bytes)} usable "
+             f"({plan.request.gpu_spec.name}: {_gib(plan.request.gpu_spec.memory_bytes)})"),
+        ("why", plan.reason),
+    ]
+
+
+def format_plan_table(plan: Plan) -> str:
+    """The plan as a short, aligned text table, header line first."""
+    width = max(len(label) for label, _ in _rows(plan))
+    lines = [_header(plan)] + [f"  {label:<{width}}  {text}" for label, text in _rows(plan)]
+    return "\n".join(lines)

@@ -1,0 +1,264 @@
+"""Topology planner: memory model, plan(), forced layouts, presets, bad input and the table."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc_mca.topology import (GPU_PRESETS, Layout, LayoutError, ModelShape, PlanRequest,
+                              Workload, check_layout, estimate_memory, format_plan_table,
+                              get_gpu, plan)
+from hpc_mca.topology.hardware import GiB
+
+LLAMA3_8B = ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32,
+                       num_query_groups=8, ffn_hidden_size=14336, vocab_size=128256)
+QWEN3_30B_A3B = ModelShape(num_layers=48, hidden_size=2048, num_attention_heads=32,
+                           num_query_groups=4, head_dim=128, ffn_hidden_size=6144,
+                           vocab_size=151936, num_experts=128, moe_ffn_hidden_size=768,
+                           moe_router_topk=8)
+LLAMA3_405B = ModelShape(num_layers=126, hidden_size=16384, num_attention_heads=128,
+                         num_query_groups=8, ffn_hidden_size=53248, vocab_size=128256)
+
+# The public Megatron-Bridge recipe: Llama3-8B pretrain on 16×H100 at seq 16384, TP4 PP2 CP2.
+RECIPE = dict(model=LLAMA3_8B, nodes=2, gpus_per_node=8, gpu="H100-80GB", seq_length=16384,
+              global_batch_size=512)
+
+
+def _valid(p) -> list[str]:
+    req = p.request
+    return check_layout(p.layout, req.world_size, req.shape, gpus_per_node=req.node_size,
+                        global_batch_size=req.global_batch_size,
+                        micro_batch_size=p.micro_batch_size, seq_length=req.seq_length,
+                        sequence_packing=req.sequence_packing)
+
+
+# --- acceptance --------------------------------------------------------------------------------
+
+def test_recipe_layout_is_accepted_and_fits():
+    p = plan(**RECIPE, layout=Layout(tp=4, pp=2, cp=2))
+    assert p.forced and p.layout == Layout(tp=4, pp=2, cp=2, dp=1)
+    assert p.memory.total <= p.usable_bytes and p.recompute == "none"
+    assert _valid(p) == []
+
+
+def test_planner_own_plan_for_recipe_fits_and_is_valid():
+    p = plan(**RECIPE)
+    assert _valid(p) == [] and p.memory.total <= p.usable_bytes
+    assert p.layout.dp * p.layout.model_parallel_size == 16
+    assert "\n" not in p.reason and p.layout.describe() in p.reason
+
+
+def test_recipe_memory_matches_hand_count():
+    """TP4 PP2 CP2 DP1, first pipeline stage, counted by hand from the formulas."""
+    layout = Layout(tp=4, pp=2, cp=2).resolved(16)
+    est = estimate_memory(LLAMA3_8B, layout, Workload(seq_length=16384, num_microbatches=512))
+    attn = 4096 * 4096 * 2 + 2 * 4096 * 1024          # Q and O full width, K and V GQA-narrow
+    mlp = 3 * 4096 * 14336                             # SwiGLU: gate, up, down
+    per_layer = (attn + mlp) // 4 + 2 * 4096           # TP4 shards; two norms replicated
+    embedding = 128512 * 4096 // 4                     # vocab padded to a multiple of 128·TP
+    params = 16 * per_layer + embedding                # 16 layers on a PP2 stage
+    assert est.params == 2 * params                    # bf16
+    assert est.grads == 4 * params                     # fp32 main_grad
+    assert est.optimizer == 12 * params // 2           # Adam + master, sharded over DP·CP = 2
+    # 8192 tokens per CP rank; 34·h bytes per token and layer (+ fp32 LSE), split over TP4;
+    # 1F1B keeps PP=2 micro-batches of 16 layers in flight on the first stage.
+    per_token = 34 * 4096 + 4 * 32
+    assert est.activations == 32 * (8192 * per_token // 4)
+    assert round(est.total / GiB, 1) == 19.7
+
+
+# --- memory model directions ---------------------------------------------------------------------
+
+def _est(layout: Layout, world: int, **work) -> object:
+    base = dict(seq_length=4096, num_microbatches=64)
+    return estimate_memory(LLAMA3_8B, layout.resolved(world), Workload(**{**base, **work}))
+
+
+def test_lora_trains_only_adapters():
+    full, lora = _est(Layout(), 8), _est(Layout(), 8, lora=True)
+    assert lora.grads < full.grads / 100 and lora.optimizer < full.optimizer / 100
+    assert lora.params > full.params  # base weights plus adapters
+    assert lora.activations == full.activations
+
+
+def test_dpo_adds_reference_and_pairs():
+    pt, dpo = _est(Layout(), 8), _est(Layout(), 8, stage="dpo")
+    assert dpo.params == 2 * pt.params and dpo.grads == pt.grads
+    assert dpo.activations > 1.9 * pt.activations
+    assert _est(Layout(), 8, stage="dpo", lora=True).params < dpo.params  # base is reference
+
+
+def test_distributed_optimizer_shards_by_dp():
+    sharded = _est(Layout(), 8)
+    replicated = _est(Layout(), 8, use_distributed_optimizer=False)
+    assert replicated.optimizer == pytest.approx(8 * sharded.optimizer, rel=1e-6)
+
+
+def test_full_recompute_shrinks_activations():
+    # Layer activations drop ~17x (2·h of 34·h per token kept); the loss logits stay.
+    assert _est(Layout(), 8, recompute="full").activations < _est(Layout(), 8).activations / 4
+
+
+def test_tp_and_cp_divide_activations():
+    one = _est(Layout(), 8, seq_length=8192).activations
+    assert _est(Layout(tp=2, cp=2), 8, seq_length=8192).activations < one / 3.5
+
+
+def test_no_flash_attention_costs_score_memory():
+    flash = _est(Layout(), 8).activations
+    assert _est(Layout(), 8, flash_attention=False).activations > 2 * flash
+    assert _est(Layout(), 8, flash_attention=False, recompute="selective").activations == \
+        pytest.approx(flash, rel=0.01)
+
+
+def test_fp32_weights_and_optimizer():
+    bf16, fp32 = _est(Layout(), 8), _est(Layout(), 8, precision="fp32")
+    assert fp32.params == 2 * bf16.params
+    assert fp32.optimizer == pytest.approx(bf16.optimizer * 8 / 12, rel=1e-6)
+
+
+def test_moe_experts_shard_over_ep():
+    layout = Layout(ep=8).resolved(8)
+    est = estimate_memory(QWEN3_30B_A3B, layout, Workload(seq_length=4096))
+    dense_only = estimate_memory(QWEN3_30B_A3B, Layout(ep=1).resolved(8), Workload(4096))
+    assert est.params < dense_only.params / 4
+
+
+def test_pipeline_interleaving_memory_factor():
+    # Interleaving holds (1 + (PP-1)/(PP·VP)) times the 1F1B activations on the first stage.
+    plain = _est(Layout(pp=4), 4, num_microbatches=64).activations
+    inter = _est(Layout(pp=4, vp=2), 4, num_microbatches=64).activations
+    assert inter / plain == pytest.approx(1 + 3 / 8, rel=0.01)
+
+
+# --- plan() choices -----------------------------------------------------------------------------
+
+def test_small_model_is_pure_data_parallel():
+    p = plan(model=LLAMA3_8B, nodes=4, seq_length=2048, global_batch_size=256, lora=True)
+    assert (p.layout.tp, p.layout.pp, p.layout.cp) == (1, 1, 1) and p.layout.dp == 32
+    assert p.micro_batch_size == 4  # grows to 8k tokens per micro-batch
+    assert "fits one GPU" in p.reason
+
+
+def test_long_sequence_uses_context_parallel():
+    p = plan(model=LLAMA3_8B, nodes=4, seq_length=131072, global_batch_size=64)
+    assert p.layout.cp > 1 and "CP" in p.reason and _valid(p) == []
+
+
+def test_moe_uses_expert_parallel():
+    p = plan(model=QWEN3_30B_A3B, nodes=2, seq_length=4096, global_batch_size=512)
+    assert p.layout.ep > 1 and "experts" in p.reason and _valid(p) == []
+
+
+def test_pipeline_gets_interleaved_when_bubble_is_large():
+    model = ModelShape(num_layers=80, hidden_size=8192, num_attention_heads=64,
+                       num_query_groups=8, ffn_hidden_size=28672, vocab_size=128256)
+    p = plan(model=model, nodes=1024, seq_length=8192, global_batch_size=2048)
+    assert p.layout.pp > 1 and p.layout.vp is not None and _valid(p) == []
+    assert (p.layout.pp - 1) / (p.layout.vp * p.num_microbatches) <= 0.05
+
+
+def test_full_recompute_only_when_nothing_else_fits():
+    # One GPU per node rules out TP; PP and CP cannot shrink 16k-token activations enough.
+    p = plan(model=LLAMA3_8B, nodes=2, gpus_per_node=1, seq_length=16384, global_batch_size=16,
+             gpu="H200-141GB")
+    assert p.layout.model_parallel_size == 1
+    assert p.recompute == "full" and "only with full recompute" in p.reason
+
+
+def test_plan_is_deterministic():
+    assert plan(**RECIPE) == plan(**RECIPE)
+
+
+def test_plan_accepts_request_object_and_overrides():
+    req = PlanRequest(**RECIPE)
+    assert plan(req) == plan(**RECIPE)
+    assert plan(req, nodes=4).layout.dp == 2 * plan(req).layout.dp
+
+
+def test_gpu_memory_override_and_presets():
+    assert set(GPU_PRESETS) == {"H100-80GB", "H200-141GB", "A100-40GB", "A100-80GB", "CPU"}
+    assert get_gpu("h100").name == "H100-80GB"
+    assert get_gpu("A100-80GB", memory_gib=40).memory_bytes == 40 * GiB
+    tiny = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                      ffn_hidden_size=256, vocab_size=1000)
+    p = plan(model=tiny, nodes=1, gpu="CPU", gpus_per_node=2, seq_length=128,
+             global_batch_size=8)
+    assert p.layout.dp == 2 and p.usable_bytes < 16 * GiB
+
+
+# --- bad input: one line each -----------------------------------------------------------------
+
+def _error_lines(**kwargs) -> list[str]:
+    with pytest.raises(LayoutError) as err:
+        plan(**{**RECIPE, **kwargs})
+    assert str(err.value) == "\n".join(err.value.violations)
+    return err.value.violations
+
+
+def test_zero_nodes():
+    assert _error_lines(nodes=0) == ["nodes=0 must be a positive integer"]
+
+
+def test_unknown_gpu_preset_names_valid_ones():
+    assert _error_lines(gpu="V100") == [
+        "gpu='V100' is not a known GPU preset; valid: A100-40GB, A100-80GB, CPU, H100-80GB, "
+        "H200-141GB"]
+
+
+def test_forced_tp3_with_32_heads():
+    [line] = _error_lines(layout=Layout(tp=3))
+    assert line.startswith("tensor_parallel_size=3 does not divide num_attention_heads=32")
+    assert line.endswith("valid: 1, 2, 4, 8")
+
+
+def test_missing_config_path(tmp_path):
+    [line] = _error_lines(model=tmp_path / "llama")
+    assert line.startswith("model config not found: ") and "llama" in line
+
+
+def test_other_bad_fields_each_one_line():
+    lines = _error_lines(stage="ppo", precision="int4", seq_length=0, recompute="some")
+    assert lines == ["seq_length=0 must be a positive integer",
+                     "stage='ppo' is not valid; valid: pt, sft, dpo",
+                     "precision='int4' is not valid; valid: bf16, fp16, fp8, fp32",
+                     "recompute='some' is not valid; valid: none, selective, full"]
+
+
+def test_fp8_needs_hopper():
+    [line] = _error_lines(gpu="A100-80GB", precision="fp8")
+    assert line.startswith("precision='fp8' needs an FP8 GPU (H100-80GB, H200-141GB)")
+
+
+def test_forced_layout_that_does_not_fit():
+    [line] = _error_lines(model=LLAMA3_405B, nodes=1, layout=Layout(tp=8))
+    assert "needs" in line and "usable on H100-80GB" in line
+
+
+def test_nothing_fits():
+    [line] = _error_lines(model=LLAMA3_405B, nodes=1)
+    assert line.startswith("no layout fits 1 node(s) × 8 H100-80GB")
+
+
+def test_no_valid_split_suggests_node_counts():
+    # 19 × 8 GPUs: the factor 19 fits neither DP (128 is a power of two), TP (> 8) nor PP
+    # (32 layers over 19 stages would leave the first stage empty).
+    [line] = _error_lines(nodes=19, seq_length=4096, global_batch_size=128)
+    assert line.startswith("nodes=19 gives world_size=152") and line.endswith("valid nodes: 18, 20")
+
+
+def test_uneven_pipeline_gets_balanced_layout():
+    # 3 nodes × 8 with a power-of-two batch: the factor 3 has to go into PP, 32 layers / 3.
+    p = plan(**{**RECIPE, "nodes": 3, "seq_length": 4096, "global_batch_size": 128})
+    assert p.layout.pp % 3 == 0 and sum(p.layout.pipeline_layout) == 32
+    assert _valid(p) == []
+
+
+# --- table ------------------------------------------------------------------------------------
+
+def test_format_plan_table():
+    text = format_plan_table(plan(**RECIPE, layout=Layout(tp=4, pp=2, cp=2)))
+    lines = text.splitlines()
+    assert lines[0].startswith("plan for 32-layer model: 2 node(s) × 8 H100-80GB (world 16)")
+    assert any(line.strip().startswith("layout") and "TP4 PP2 CP2 DP1" in line for line in lines)
+    assert "params 1.9 GiB | grads 3.7 GiB | optimizer 5.6 GiB | activations 8.5 GiB" in text
+    assert "total 19.7 GiB of 70.1 GiB usable" in text and "why" in text
