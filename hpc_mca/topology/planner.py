@@ -8,9 +8,11 @@ Strategy, in order of preference (each step only when the previous cannot fit):
    before CP (PP splits weights, CP only splits activations, which matters for long sequences);
 4. for MoE, the smallest EP that fits (EP reuses data-parallel ranks, so it costs no DP).
 
-Then the micro-batch grows while a micro-batch has under 8k tokens, and pipelines get
-interleaved (VP) with chunks of at least 4 layers. Every candidate goes through check_layout
-before it is returned, so the planner can never emit a layout the rules reject.
+A PP size that does not divide the layers gets a balanced explicit ``pipeline_layout``. On the
+chosen layout the micro-batch then grows while it holds at most 8k tokens, and a pipeline is
+interleaved (VP chunks of >= 4 layers) until its bubble is under 5%. Every candidate goes
+through check_layout before it is returned, so the planner never emits a layout the rules
+reject.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def check_layout(
     tp_lines = _tp_lines(job)
     tp_pp_lines = tp_lines + _pp_lines(job)
     # A bad TP also breaks the sequence alignment it is part of; say so once, on the TP line.
-    seq_lines = [] if tp_lines else _cp_lines(job)
+    seq_lines = [] if tp_lines else _seq_lines(job)
     lines = tp_pp_lines + [line for rule in _OTHER_FIELD_RULES for line in rule(job)] + seq_lines
     # The TP and PP lines already suggest values that make TP·PP·CP divide the world, so the
     # product rule only gets its own line when neither of them fired.
@@ -199,7 +199,7 @@ def seq_alignment(cp: int, tp: int, sequence_parallel: bool) -> int:
     return (2 * cp if cp > 1 else 1) * (tp if sequence_parallel else 1)
 
 
-def _cp_lines(job: _Job) -> list[str]:
+def _seq_lines(job: _Job) -> list[str]:
     lay, seq = job.layout, job.seq_length
     sp = job.sequence_parallel(lay.tp)
     align = seq_alignment(lay.cp, lay.tp, sp)
