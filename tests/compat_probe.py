@@ -59,7 +59,26 @@ def probe_ddp_overlap():
     assert model.module.lin.weight.main_grad.sum().item() == 32.0
 
 
-PROBES = [probe_alltoall, probe_causal_mask, probe_tracker_fork, probe_ddp_overlap]
+def probe_backward_allocates():
+    # Autograd Functions' backward (Megatron's all-to-all, activation recompute) allocates on
+    # "cuda" while the engine runs: the device mapping must also hold inside backward.
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    class Masked(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * get_default_causal_mask(2).float().sum()
+
+    x = torch.ones(2, requires_grad=True)
+    Masked.apply(x).sum().backward()
+    assert x.grad.tolist() == [1.0, 1.0]
+
+
+PROBES = [probe_backward_allocates, probe_alltoall, probe_causal_mask, probe_tracker_fork, probe_ddp_overlap]
 
 if __name__ == "__main__":
     installed = cpu_compat.activate(skip=sys.argv[1:])

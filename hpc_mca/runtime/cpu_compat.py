@@ -26,6 +26,8 @@ import logging
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple  # private: see _backward
+from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["PATCHES", "Patch", "activate", "active_patches", "needed"]
@@ -111,12 +113,30 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return _CUDA_TYPE_NAMES.get(name, name)
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
+            return self._backward(*args, **kwargs)
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = _CPU
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             # Tensor.to(device, ...): a positional int/str/device is a device (dtypes are not).
             args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)
+
+    def _backward(self, tensors, gradient=None, retain_graph=None, create_graph=False, inputs=None, **kw):
+        """Run backward with this mode active.
+
+        A mode is switched off while its handler runs, and backward executes Python code of
+        autograd Functions (Megatron's all-to-all, activation recompute, ...) that allocates on
+        "cuda". Re-entering the mode and calling ``torch.autograd.backward`` would dispatch
+        back here forever, so this calls the engine the way ``torch.autograd.backward`` does.
+        """
+        gradient = kw.pop("grad_tensors", gradient)
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(gradient, len(tensors)), is_grads_batched=False)
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs or ())
+        with self:
+            _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph,
+                                 create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
 
 
 def _install_device_mode() -> None:

@@ -27,6 +27,8 @@ class SmokeConfig:
     micro_batch_size: int = 1
     steps: int = 1
     lr: float = 1e-3
+    distributed_optimizer: bool = False
+    """Shard optimizer state over DP ranks (Megatron's DistributedOptimizer)."""
     data_seed: int = 20251121
     """Seed of the token batch; identical on every rank so every layout sees the same data."""
 
@@ -54,9 +56,12 @@ def build_tiny_gpt(shape: ModelShape, seq_length: int, ctx: RankContext) -> list
         pipeline_model_parallel_size=ctx.layout.pp,
         virtual_pipeline_model_parallel_size=ctx.layout.vp,
         context_parallel_size=ctx.layout.cp,
+        expert_model_parallel_size=ctx.layout.ep,
+        expert_tensor_parallel_size=ctx.layout.etp,
         # gloo delivers batched isend/irecv out of order (FACTS.md): unbatched p2p is correct
         # everywhere, so use it whenever the backend is gloo.
         batch_p2p_comm=ctx.backend != "gloo",
+        **_moe_kwargs(shape),
     )
     chunks = []
     vp = ctx.layout.vp or 1
@@ -65,7 +70,7 @@ def build_tiny_gpt(shape: ModelShape, seq_length: int, ctx: RankContext) -> list
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=chunk)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=get_gpt_layer_local_spec(num_experts=shape.num_experts or None),
             vocab_size=shape.vocab_size,
             max_sequence_length=seq_length,
             pre_process=pre,
@@ -75,6 +80,20 @@ def build_tiny_gpt(shape: ModelShape, seq_length: int, ctx: RankContext) -> list
         )
         chunks.append(model.to(ctx.device))
     return chunks
+
+
+def _moe_kwargs(shape: ModelShape) -> dict[str, Any]:
+    if not shape.is_moe:
+        return {}
+    return {
+        "num_moe_experts": shape.num_experts,
+        "moe_router_topk": shape.moe_router_topk,
+        "moe_ffn_hidden_size": shape.expert_ffn_hidden_size,
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_aux_loss_coeff": 1e-2,
+        # The local (non-grouped) expert MLP has no bias support in Megatron.
+        "add_bias_linear": False,
+    }
 
 
 def fixed_batch(cfg: SmokeConfig) -> torch.Tensor:
@@ -122,14 +141,16 @@ def run_smoke(cfg: SmokeConfig, ctx: RankContext) -> list[dict[str, Any]]:
 
     num_micro = cfg.global_batch_size // (cfg.micro_batch_size * ctx.layout.dp)
     chunks = build_tiny_gpt(cfg.model, cfg.seq_length, ctx)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                               use_distributed_optimizer=cfg.distributed_optimizer)
     model = [
         DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
     ]
     # The schedule only reduces gradients across DP (and embedding/PP groups) through this hook.
     chunks[0].config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=cfg.lr, clip_grad=0.0), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=cfg.lr, clip_grad=0.0,
+                                                       use_distributed_optimizer=cfg.distributed_optimizer), model)
     forward_backward = get_forward_backward_func()
     tokens = fixed_batch(cfg)
     results = []
