@@ -1,0 +1,41 @@
+"""The CLI stays light: importing it and printing help never imports torch or megatron."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+HEAVY = ("torch", "megatron", "transformers")
+
+
+def _run_python(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_import_and_help_do_not_import_torch():
+    out = _run_python(
+        "import sys\n"
+        "import hpc_mca.cli\n"
+        "from click.testing import CliRunner\n"
+        "for args in (['--help'], ['smoke', '--help']):\n"
+        "    result = CliRunner().invoke(hpc_mca.cli.main, args)\n"
+        "    assert result.exit_code == 0, result.output\n"
+        "    print(result.output)\n"
+        f"print('HEAVY', sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))\n"
+    )
+    assert "HEAVY []" in out
+    assert "smoke" in out and "--tp" in out
+
+
+def test_console_script_help():
+    script = Path(sys.executable).with_name("hpc-mca")
+    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "Usage: hpc-mca" in proc.stdout
+
+
+def test_unknown_command_names_the_valid_ones():
+    script = Path(sys.executable).with_name("hpc-mca")
+    proc = subprocess.run([str(script), "smok"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "No such command 'smok'" in proc.stderr
