@@ -1,0 +1,196 @@
+"""hpc_mca.trainer.config: YAML + overrides, type checks, cross-field rules, resolved output."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpc_mca.trainer.config import (
+    ConfigError,
+    TrainConfig,
+    load_config,
+    total_training_steps,
+)
+
+LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64,
+         "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128,
+         "vocab_size": 100}
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    """A directory with a config-only model, a dataset file and a YAML using relative paths."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA))
+    (tmp_path / "train.jsonl").write_text('{"instruction": "1+1=", "output": "2"}\n')
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "model_name_or_path": "model", "dataset": "train.jsonl", "stage": "sft",
+        "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2,
+        "learning_rate": "1e-3", "max_steps": 10,
+        "parallel": {"tensor_model_parallel_size": 2},
+    }))
+    return tmp_path
+
+
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    message = str(err.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_yaml_flat_and_sectioned_keys_with_relative_paths(run: Path):
+    config = load_config(run / "run.yaml")
+    assert config.model.model_name_or_path == str(run / "model")
+    assert config.data.dataset == [str(run / "train.jsonl")]
+    assert config.training.learning_rate == pytest.approx(1e-3)  # "1e-3" is a YAML string
+    assert config.parallel.tensor_model_parallel_size == 2
+
+
+def test_overrides_flat_dotted_and_yaml_typed(run: Path):
+    config = load_config(run / "run.yaml", [
+        "training.learning_rate=2e-4", "bf16=true", "warmup_steps=3",
+        "lr_scheduler_type=cosine_with_min_lr", "lr_scheduler_kwargs={min_lr_rate: 0.1}",
+        "training.lr_scheduler_kwargs.min_lr_rate=0.2", "report_to=none",
+    ])
+    tr = config.training
+    assert (tr.learning_rate, tr.bf16, tr.warmup_steps) == (2e-4, True, 3)
+    assert tr.lr_scheduler_kwargs == {"min_lr_rate": 0.2}
+    assert tr.report_to == ["none"]
+
+
+def test_unknown_key_suggests_closest(run: Path):
+    with pytest.raises(ConfigError) as err:
+        load_config(run / "run.yaml", ["learnig_rate=1e-4"])
+    assert _one_line(err) == ("unknown config key 'learnig_rate'; did you mean "
+                              "'training.learning_rate'?")
+    with pytest.raises(ConfigError, match="did you mean 'parallel.tensor_model_parallel_size'"):
+        load_config(None, ["parallel.tensor_parallel_size=2"])
+
+
+def test_unknown_key_in_yaml(tmp_path: Path):
+    (tmp_path / "bad.yaml").write_text("trainng:\n  seed: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "bad.yaml")
+    assert "unknown config key 'trainng'" in _one_line(err)
+
+
+def test_type_errors_name_the_field():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["per_device_train_batch_size=two"])
+    assert _one_line(err) == ("training.per_device_train_batch_size='two' must be an integer")
+    with pytest.raises(ConfigError, match="training.bf16='yes please' must be true or false"):
+        load_config(None, ["bf16=yes please"])
+
+
+def test_resolve_derives_dp_accumulation_and_seq_length(run: Path):
+    config = load_config(run / "run.yaml", ["global_batch_size=8", "cutoff_len=64"])
+    resolved = config.resolve(world_size=4)
+    assert resolved.parallel.data_parallel_size == 2
+    assert resolved.training.gradient_accumulation_steps == 2  # 8 / (2 micro × 2 DP)
+    assert resolved.data.seq_length == 64
+    assert resolved.parallel.expert_tensor_parallel_size == 2
+    assert config.parallel.data_parallel_size is None  # resolve returns a copy
+    again = resolved.resolve(world_size=4)
+    assert again == resolved
+
+
+def test_global_batch_not_divisible_by_micro_times_dp(run: Path):
+    config = load_config(run / "run.yaml", ["global_batch_size=6"])
+    with pytest.raises(ConfigError) as err:
+        config.resolve(world_size=4)  # DP 2, micro 2 -> multiples of 4
+    message = _one_line(err)
+    assert message.startswith("training.per_device_train_batch_size=2 does not divide "
+                              "training.global_batch_size/parallel.data_parallel_size=6/2=3")
+    assert message.endswith("valid: 1, 3")
+
+
+def test_layout_rule_uses_topology_and_model_shape(run: Path):
+    config = load_config(run / "run.yaml", ["tensor_model_parallel_size=3"])
+    with pytest.raises(ConfigError) as err:
+        config.resolve(world_size=6)
+    assert _one_line(err).startswith(
+        "parallel.tensor_model_parallel_size=3 does not divide num_attention_heads=4")
+
+
+@pytest.mark.parametrize("override, message", [
+    (["stage=dpo"], "finetuning.stage='dpo' is not yet supported; valid: pt, sft"),
+    (["stage=ppo"], "finetuning.stage='ppo' is not valid; valid: pt, sft"),
+    (["max_steps=-1", "num_train_epochs=0"], "set max_steps > 0 or num_train_epochs > 0"),
+    (["warmup_ratio=1.5"], "training.warmup_ratio=1.5 must be in [0, 1)"),
+    (["warmup_steps=2", "warmup_ratio=0.1"], "are both set; valid: one of them"),
+    (["warmup_steps=10", "lr_scheduler_type=cosine"], "valid: warmup_steps < 10"),
+    (["lr_scheduler_type=cosin"], "training.lr_scheduler_type='cosin' is not a known scheduler; "
+                                  "valid: constant, constant_with_warmup, linear, cosine"),
+    (["bf16=true", "fp16=true"], "training.bf16 and training.fp16 are both true"),
+    (["optim=lion"], "training.optim='lion' is not valid; valid: adam, sgd"),
+    (["dataset_format=text"], "data.dataset_format='text' does not fit finetuning.stage='sft'"),
+    (["attention_backend=xformers"], "valid: auto, te, flash, torch"),
+    (["overlap_param_gather=true"], "needs parallel.use_distributed_optimizer=true"),
+    (["recompute_granularity=full"], "parallel.recompute_num_layers=None must be >= 1"),
+    (["seq_length=16", "cutoff_len=32"], "data.seq_length=16 is shorter than data.cutoff_len=32"),
+    (["output_dir="], "training.output_dir is required"),
+    (["gradient_accumulation_steps=3", "global_batch_size=8"],
+     "training.gradient_accumulation_steps=3 disagrees"),
+])
+def test_cross_field_rules(run: Path, override: list[str], message: str):
+    with pytest.raises(ConfigError) as err:
+        load_config(run / "run.yaml", override).resolve(world_size=4)
+    assert message in _one_line(err)
+
+
+def test_missing_model_config_is_reported(tmp_path: Path):
+    config = load_config(None, [f"model_name_or_path={tmp_path}", "dataset=x.jsonl",
+                                f"output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="has no config.json"):
+        config.resolve(world_size=1)
+
+
+def test_sequence_parallel_off_without_tp(run: Path):
+    config = load_config(run / "run.yaml", ["tensor_model_parallel_size=1",
+                                            "sequence_parallel=true"])
+    assert config.resolve(world_size=2).parallel.sequence_parallel is False
+
+
+def test_save_resolved_round_trips(run: Path, tmp_path: Path):
+    resolved = load_config(run / "run.yaml", ["lr_scheduler_kwargs={min_lr: 1.0e-5}"]).resolve(2)
+    path = resolved.save_resolved(tmp_path / "run_dir")
+    assert path.name == "resolved_config.yaml"
+    reloaded = load_config(path)
+    assert reloaded == resolved
+    assert yaml.safe_load(path.read_text())["parallel"]["data_parallel_size"] == 1
+
+
+def test_total_training_steps(run: Path):
+    resolved = load_config(run / "run.yaml", ["max_steps=-1", "num_train_epochs=2"]).resolve(2)
+    assert resolved.training.global_batch_size == 2
+    assert total_training_steps(resolved.training, num_rows=11) == 10  # 5 whole batches × 2
+    with pytest.raises(ConfigError, match="fewer than one training.global_batch_size=2"):
+        total_training_steps(resolved.training, num_rows=1)
+
+
+def test_field_names_are_unique_and_documented():
+    import dataclasses
+    import inspect
+
+    seen = set()
+    for section in dataclasses.fields(TrainConfig):
+        cls = section.type if isinstance(section.type, type) else type(getattr(TrainConfig(),
+                                                                               section.name))
+        source = inspect.getsource(cls)
+        for f in dataclasses.fields(cls):
+            assert f.name not in seen
+            seen.add(f.name)
+            # A docstring line directly follows every field declaration.
+            lines = source.splitlines()
+            at = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{f.name}:"))
+            assert lines[at + 1].strip().startswith('"""'), f.name
+
+
+def test_config_import_stays_light():
+    code = ("import sys, hpc_mca.trainer, hpc_mca.trainer.config, hpc_mca.trainer.lr_scheduler;"
+            "print(sorted(m for m in ('torch', 'megatron', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
