@@ -1,0 +1,199 @@
+"""Hugging Face safetensors checkpoints: locate, pre-check from headers, read slices.
+
+A checkpoint is ``model.safetensors`` or shards listed by ``model.safetensors.index.json``.
+:func:`inspect_checkpoint` reads only the JSON headers of the shard files (a few KB each, no
+tensor data) and compares them with what the config implies, so that every rank fails with the
+same one-line :class:`ModelLoadError` (naming file and tensor) before any of them allocates the
+model or enters a collective. :class:`SliceReader` then opens, lazily, only the shards that hold
+pieces a rank needs and reads just those rows/columns (``safe_open(...).get_slice``), so a rank's
+memory stays near what it owns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from hpc_mca.models.errors import ModelLoadError
+from hpc_mca.models.hf_config import HFModelSpec
+from hpc_mca.models.mapping import Piece, hf_tensor_shapes
+
+__all__ = [
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "HFCheckpoint",
+    "SliceReader",
+    "inspect_checkpoint",
+    "read_header",
+]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+_MAX_HEADER_BYTES = 100 * 2**20  # the safetensors format's own limit
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Tensor name -> dtype and shape, from the header of one safetensors file (no data read)."""
+    try:
+        with path.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            if not 0 < size <= _MAX_HEADER_BYTES:
+                raise ValueError(f"header length {size} is out of range")
+            header = json.loads(handle.read(size))
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"{path}: not a readable safetensors file ({err})") from None
+    header.pop("__metadata__", None)
+    return {
+        name: TensorInfo(str(entry["dtype"]), tuple(int(n) for n in entry["shape"]))
+        for name, entry in header.items()
+    }
+
+
+@dataclass(frozen=True)
+class HFCheckpoint:
+    """Where each tensor of an HF checkpoint lives."""
+
+    directory: Path
+    weight_map: Mapping[str, str]
+    """Tensor name -> file name inside ``directory``."""
+    index_path: Path | None = None
+    """The index file of a sharded checkpoint; None for a single ``model.safetensors``."""
+
+    @classmethod
+    def open(cls, directory: Path) -> HFCheckpoint:
+        """Find the checkpoint in ``directory`` (index first, then a single file)."""
+        index = directory / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                raise ModelLoadError(f"{index}: unreadable index ({err!r})") from None
+            return cls(directory, dict(weight_map), index)
+        single = directory / SINGLE_FILE
+        if single.is_file():
+            return cls(directory, dict.fromkeys(read_header(single), SINGLE_FILE))
+        raise ModelLoadError(
+            f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints "
+            "are supported)"
+        )
+
+    @property
+    def listing(self) -> Path:
+        """The file that says which tensors exist: the index, or the single file."""
+        return self.index_path or self.directory / SINGLE_FILE
+
+    def path_of(self, tensor: str) -> Path:
+        return self.directory / self.weight_map[tensor]
+
+
+def inspect_checkpoint(spec: HFModelSpec, directory: Path | None = None) -> HFCheckpoint:
+    """Check that the checkpoint holds every tensor ``spec`` implies, with matching shapes.
+
+    Reads headers only. Raises ModelLoadError naming the file and the tensor for a missing
+    shard file, a missing tensor, a shape mismatch or a non-float dtype. Extra tensors (e.g. a
+    saved ``lm_head.weight`` of a tied model) are ignored.
+    """
+    directory = directory or spec.directory
+    if directory is None:
+        raise ModelLoadError(f"{spec.source}: no model directory to read weights from")
+    ckpt = HFCheckpoint.open(Path(directory))
+    expected = hf_tensor_shapes(spec)
+    _check_files_exist(ckpt, expected)
+    headers: dict[str, dict[str, TensorInfo]] = {}
+    for name, shape in expected.items():
+        if name not in ckpt.weight_map:
+            raise ModelLoadError(
+                f"{ckpt.listing}: tensor {name} is missing ({spec.source} with model_type "
+                f"{spec.model_type!r} needs it)"
+            )
+        file = ckpt.weight_map[name]
+        if file not in headers:
+            headers[file] = read_header(ckpt.directory / file)
+        _check_tensor(ckpt, spec, name, shape, headers[file])
+    return ckpt
+
+
+def _check_files_exist(ckpt: HFCheckpoint, expected: Mapping[str, Any]) -> None:
+    holders: dict[str, str] = {}  # file -> a tensor it should hold, preferring needed ones
+    for needed_only in (True, False):
+        for name, file in ckpt.weight_map.items():
+            if name in expected or not needed_only:
+                holders.setdefault(file, name)
+    for file, tensor in holders.items():
+        if not (ckpt.directory / file).is_file():
+            raise ModelLoadError(
+                f"{ckpt.directory / file}: shard file is missing (listed in {ckpt.listing} "
+                f"for tensor {tensor})"
+            )
+
+
+def _check_tensor(
+    ckpt: HFCheckpoint,
+    spec: HFModelSpec,
+    name: str,
+    shape: tuple[int, ...],
+    header: Mapping[str, TensorInfo],
+) -> None:
+    path = ckpt.path_of(name)
+    info = header.get(name)
+    if info is None:
+        raise ModelLoadError(f"{path}: tensor {name} is missing (listed in {ckpt.listing})")
+    if info.shape != shape:
+        raise ModelLoadError(
+            f"{path}: tensor {name} has shape {list(info.shape)} but {spec.source} implies "
+            f"{list(shape)}"
+        )
+    if info.dtype not in _FLOAT_DTYPES:
+        raise ModelLoadError(
+            f"{path}: tensor {name} has dtype {info.dtype} (supported: {', '.join(_FLOAT_DTYPES)})"
+        )
+
+
+class SliceReader(contextlib.AbstractContextManager["SliceReader"]):
+    """Reads pieces of HF tensors, opening each shard file on first use only."""
+
+    def __init__(self, ckpt: HFCheckpoint) -> None:
+        self._ckpt = ckpt
+        self._files: dict[str, Any] = {}
+        self._stack = contextlib.ExitStack()
+
+    @property
+    def opened(self) -> list[str]:
+        """File names opened so far (the tests check that a rank opened only what it needs)."""
+        return sorted(self._files)
+
+    def read(self, piece: Piece) -> Any:
+        """The piece as a CPU tensor in the checkpoint's dtype."""
+        from safetensors import safe_open
+
+        file = self._ckpt.weight_map[piece.hf_name]
+        if file not in self._files:
+            path = self._ckpt.directory / file
+            self._files[file] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+        handle = self._files[file]
+        if piece.dim is None:
+            return handle.get_tensor(piece.hf_name)
+        view = handle.get_slice(piece.hf_name)
+        if piece.dim == 0:
+            return view[piece.hf_start : piece.hf_stop]
+        return view[:, piece.hf_start : piece.hf_stop]
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stack.close()

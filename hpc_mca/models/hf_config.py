@@ -1,0 +1,294 @@
+"""Hugging Face ``config.json`` -> the facts hpc-mca needs to build the same model in Megatron.
+
+:func:`read_hf_config` parses the config with the ``transformers`` class of its ``model_type``
+(so missing keys take exactly the defaults transformers itself would use, and configs written by
+transformers 4.x and 5.x read the same) and returns an :class:`HFModelSpec`: a frozen,
+family-independent description. Anything Megatron's local layer spec would compute differently
+from transformers is refused here with one :class:`ModelLoadError` line that names the config
+file, the option and what is supported, before anything is allocated.
+
+Supported families and what distinguishes them:
+
+=========== ======================================================================
+llama       RMSNorm, SwiGLU, RoPE (default, linear or llama3 scaling), GQA
+mistral     as llama; a sliding window is refused only when it is shorter than the
+            sequence length (then it changes nothing)
+qwen2       as llama plus biases on the q/k/v projections
+qwen3       as llama plus RMSNorm on each query/key head (qk-norm), explicit head_dim
+qwen3_moe   qwen3 attention, every layer a softmax top-k MoE (norm_topk_prob honoured)
+mixtral     mistral attention, every layer a softmax top-k MoE (renormalised top-k)
+=========== ======================================================================
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpc_mca.models.errors import ModelLoadError
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "SUPPORTED_ROPE_TYPES",
+    "HFModelSpec",
+    "RopeSpec",
+    "check_sequence_length",
+    "read_hf_config",
+]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+_QKV_BIAS_TYPES = frozenset({"qwen2"})
+_QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe"})
+_MOE_TYPES = frozenset({"qwen3_moe", "mixtral"})
+_ALWAYS_WINDOWED_TYPES = frozenset({"mistral", "mixtral"})
+"""Families where a non-null ``sliding_window`` applies to every layer (no layer_types)."""
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding parameters in transformers' terms (``rope_parameters``)."""
+
+    theta: float
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class HFModelSpec:
+    """A supported HF causal LM, described independently of its family's key names."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    """Key/value heads (GQA groups)."""
+    head_dim: int
+    ffn_hidden_size: int
+    """Dense MLP width (HF ``intermediate_size``); unused when every layer is MoE."""
+    vocab_size: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    """Window of the layers that use sliding-window attention; None when all attend fully."""
+    num_experts: int = 0
+    moe_router_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_renormalize_topk: bool = False
+    """True: top-k probabilities are renormalised to sum to 1 (Mixtral, norm_topk_prob)."""
+    router_aux_loss_coef: float = 0.0
+    router_jitter_noise: float = 0.0
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+    dtype: str | None = None
+    """The checkpoint's declared dtype ("bfloat16", "float32", ...), if the config names one."""
+    source: str = "config"
+    """Where the config came from, for error messages (a config.json path or "config")."""
+    directory: Path | None = None
+    """The HF model directory, when the config was read from one."""
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The config.json contents as read, written back (updated) on export."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def moe_prefix(self) -> str:
+        """HF module name of the MoE block inside a layer."""
+        return "block_sparse_moe" if self.model_type == "mixtral" else "mlp"
+
+
+def read_hf_config(source: str | Path | Mapping[str, Any]) -> HFModelSpec:
+    """Parse an HF model directory, a ``config.json`` path, or a config dict.
+
+    Raises ModelLoadError (one line naming the file) for a missing/unreadable config, an
+    unsupported ``model_type``, or an option Megatron's local spec would not reproduce.
+    """
+    if isinstance(source, Mapping):
+        raw, where, directory = dict(source), "config", None
+    else:
+        path = Path(source)
+        config_path = path / "config.json" if path.is_dir() else path
+        raw, where = _read_json(config_path), str(config_path)
+        directory = config_path.parent
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{where}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    cfg = _transformers_config(model_type, raw, where)
+    _refuse_unsupported_options(cfg, model_type, where)
+    return _spec_from_config(cfg, model_type, raw, where, directory)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: config file not found (give an HF model directory)")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"{path}: not readable JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: not a JSON object")
+    return data
+
+
+def _transformers_config(model_type: str, raw: Mapping[str, Any], where: str) -> Any:
+    """The transformers config object, which fills defaults and normalises rope keys."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(dict(raw))
+    except Exception as err:  # noqa: BLE001 - transformers raises many kinds on bad configs
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ModelLoadError(f"{where}: transformers rejects this config: {message}") from None
+
+
+def _refuse_unsupported_options(cfg: Any, model_type: str, where: str) -> None:
+    """Options of these families that Megatron's local spec does not compute the same way."""
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{where}: hidden_act={act!r} is not supported (supported: 'silu')")
+    if getattr(cfg, "attention_bias", False) and model_type not in _QKV_BIAS_TYPES:
+        raise ModelLoadError(
+            f"{where}: attention_bias=true (a bias on o_proj too) is not supported for "
+            f"{model_type} (supported: false; q/k/v-only biases as in qwen2)"
+        )
+    if getattr(cfg, "mlp_bias", False):
+        raise ModelLoadError(f"{where}: mlp_bias=true is not supported (supported: false)")
+    if model_type == "qwen3_moe":
+        dense_layers = list(getattr(cfg, "mlp_only_layers", None) or [])
+        step = getattr(cfg, "decoder_sparse_step", 1)
+        if dense_layers or step != 1:
+            raise ModelLoadError(
+                f"{where}: mlp_only_layers={dense_layers} / decoder_sparse_step={step} (dense "
+                "layers between MoE layers) is not supported (supported: every layer MoE)"
+            )
+    if model_type in _MOE_TYPES and _num_experts(cfg) < 1:
+        raise ModelLoadError(f"{where}: {model_type} config has no experts (num_experts)")
+
+
+def _num_experts(cfg: Any) -> int:
+    return int(getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0)
+
+
+def _rope_spec(cfg: Any, where: str) -> RopeSpec:
+    """RoPE from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x)."""
+    params = getattr(cfg, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(cfg, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"{where}: rope_scaling type {rope_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        raise ModelLoadError(
+            f"{where}: partial_rotary_factor={partial} is not supported (supported: 1.0)"
+        )
+    spec = RopeSpec(theta=float(params["rope_theta"]), type=rope_type)
+    if rope_type == "linear":
+        return RopeSpec(theta=spec.theta, type=rope_type, factor=float(params["factor"]))
+    if rope_type == "llama3":
+        return RopeSpec(
+            theta=spec.theta,
+            type=rope_type,
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    return spec
+
+
+def _sliding_window(cfg: Any, model_type: str) -> int | None:
+    """The window that some layer actually uses, or None when every layer attends fully."""
+    window = getattr(cfg, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    if model_type in _ALWAYS_WINDOWED_TYPES or getattr(cfg, "use_sliding_window", False):
+        return int(window)
+    return None
+
+
+def _dtype_name(cfg: Any) -> str | None:
+    value = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    if value is None:
+        return None
+    return str(value).removeprefix("torch.")
+
+
+def _spec_from_config(
+    cfg: Any, model_type: str, raw: Mapping[str, Any], where: str, directory: Path | None
+) -> HFModelSpec:
+    heads = int(cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    experts = _num_experts(cfg) if model_type in _MOE_TYPES else 0
+    # Mixtral's experts are intermediate_size wide; only Qwen-MoE has a separate expert width.
+    moe_ffn = cfg.moe_intermediate_size if model_type == "qwen3_moe" else cfg.intermediate_size
+    return HFModelSpec(
+        model_type=model_type,
+        num_layers=int(cfg.num_hidden_layers),
+        hidden_size=int(cfg.hidden_size),
+        num_attention_heads=heads,
+        num_query_groups=int(getattr(cfg, "num_key_value_heads", None) or heads),
+        head_dim=int(head_dim),
+        ffn_hidden_size=int(cfg.intermediate_size),
+        vocab_size=int(cfg.vocab_size),
+        rms_norm_eps=float(cfg.rms_norm_eps),
+        rope=_rope_spec(cfg, where),
+        max_position_embeddings=int(cfg.max_position_embeddings),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qkv_bias=model_type in _QKV_BIAS_TYPES,
+        qk_norm=model_type in _QK_NORM_TYPES,
+        sliding_window=_sliding_window(cfg, model_type),
+        num_experts=experts,
+        moe_router_topk=int(cfg.num_experts_per_tok) if experts else 0,
+        moe_ffn_hidden_size=int(moe_ffn) if experts else 0,
+        moe_renormalize_topk=bool(model_type == "mixtral" or getattr(cfg, "norm_topk_prob", False)),
+        router_aux_loss_coef=float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0),
+        router_jitter_noise=float(getattr(cfg, "router_jitter_noise", 0.0) or 0.0),
+        attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
+        initializer_range=float(getattr(cfg, "initializer_range", 0.02)),
+        dtype=_dtype_name(cfg),
+        source=where,
+        directory=directory,
+        raw=dict(raw),
+    )
+
+
+def check_sequence_length(spec: HFModelSpec, seq_length: int) -> None:
+    """Refuse a sliding window shorter than the sequences the model will see.
+
+    A window at least as long as the sequence masks nothing, so Mistral-style configs with a
+    4k window run unchanged at seq_length <= 4k; beyond that the torch/local attention would
+    silently attend further back than the checkpoint was trained to.
+    """
+    if not isinstance(seq_length, int) or isinstance(seq_length, bool) or seq_length < 1:
+        raise ModelLoadError(f"{spec.source}: seq_length={seq_length!r} must be a positive integer")
+    if spec.sliding_window is not None and spec.sliding_window < seq_length:
+        raise ModelLoadError(
+            f"{spec.source}: sliding_window={spec.sliding_window} is shorter than "
+            f"seq_length={seq_length}; sliding-window attention is not supported "
+            f"(supported: seq_length <= {spec.sliding_window}, or full attention)"
+        )
