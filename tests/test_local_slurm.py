@@ -1,0 +1,97 @@
+"""The local Slurm cluster (bin/local-slurm) behaves like a real one: multi-node steps, requeue."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import slurm_cluster as slurm
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_two_nodes_two_tasks_each(slurm_cluster: None, tmp_path: Path) -> None:
+    out = tmp_path / "ranks.out"
+    job_id = slurm.sbatch(
+        "#!/bin/bash\n"
+        "set -euo pipefail\n"
+        "srun bash -c 'echo \"rank $SLURM_PROCID $SLURM_NODEID $SLURMD_NODENAME $(hostname)\"'\n",
+        "--nodes=2",
+        "--ntasks-per-node=2",
+        "--time=2",
+        f"--output={out}",
+    )
+    assert slurm.wait_for_job(job_id, timeout=120) == "COMPLETED", out.read_text()
+    rows = [line.split() for line in out.read_text().splitlines() if line.startswith("rank ")]
+    assert sorted(int(row[1]) for row in rows) == [0, 1, 2, 3], rows
+    assert {row[2] for row in rows} == {"0", "1"}, rows
+    assert len({row[3] for row in rows}) == 2, rows
+
+
+REQUEUE_ONCE = """#!/bin/bash
+set -euo pipefail
+restart=${SLURM_RESTART_COUNT:-0}
+echo "run job=$SLURM_JOB_ID restart=$restart start=$(date +%s.%N)"
+if [[ "$restart" == 0 ]]; then
+    echo "requeue at=$(date +%s.%N)"
+    scontrol requeue "$SLURM_JOB_ID"
+    sleep 120  # the requeue ends this run
+    exit 1
+fi
+echo "done"
+"""
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_requeue_from_batch_script_keeps_job_id(slurm_cluster: None, tmp_path: Path) -> None:
+    out = tmp_path / "requeue.out"
+    job_id = slurm.sbatch(REQUEUE_ONCE, "--requeue", "--open-mode=append", f"--output={out}")
+    assert slurm.wait_for_job(job_id, timeout=120) == "COMPLETED", out.read_text()
+    assert slurm.job_restart_count(job_id) == 1
+    fields = [
+        dict(kv.split("=", 1) for kv in line.split()[1:])
+        for line in out.read_text().splitlines()
+        if line.startswith(("run ", "requeue "))
+    ]
+    runs = [f for f in fields if "job" in f]
+    assert [(r["job"], r["restart"]) for r in runs] == [(job_id, "0"), (job_id, "1")]
+    assert "done" in out.read_text()
+    requeued_at = next(float(f["at"]) for f in fields if "at" in f)
+    latency = float(runs[1]["start"]) - requeued_at
+    print(f"requeue -> restart: {latency:.1f} s")
+    assert latency < 15, f"requeued job took {latency:.1f} s to restart"
+
+
+def _shell_scripts() -> list[str]:
+    """Files in bin/ and sbatch/ whose #! line names a shell (not e.g. a Python entry point)."""
+    names = []
+    for folder in ("bin", "sbatch"):
+        for path in sorted((slurm.REPO / folder).glob("*")):
+            if path.is_file():
+                with path.open("rb") as f:
+                    first = f.readline()
+                if first.startswith(b"#!") and first.rstrip().endswith((b"sh", b"bash")):
+                    names.append(f"{folder}/{path.name}")
+    return names
+
+
+def _ensure_shellcheck() -> str | None:
+    """shellcheck's path; installed through bin/local-slurm install when missing and root."""
+    if shutil.which("shellcheck") is None and os.geteuid() == 0:
+        subprocess.run([str(slurm.LOCAL_SLURM), "install"], capture_output=True, check=False)
+    return shutil.which("shellcheck")
+
+
+# Not marked slurm/slow: a lint that takes a fraction of a second and needs no cluster.
+@pytest.mark.parametrize("script", _shell_scripts())
+def test_shellcheck_clean(script: str) -> None:
+    shellcheck = _ensure_shellcheck()
+    if shellcheck is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+    args = [shellcheck, "--external-sources", str(slurm.REPO / script)]
+    done = subprocess.run(args, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout
