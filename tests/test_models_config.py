@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -264,3 +265,20 @@ def test_sliding_window_refused_only_when_it_matters(tmp_path):
                            "use_sliding_window": False})
     check_sequence_length(qwen, 256)
 
+
+def test_build_model_fails_before_allocating(llama, tmp_path, monkeypatch):
+    from hpc_mca.models import build
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the model was being built")
+
+    monkeypatch.setattr(build, "_transformer_config", must_not_run)
+    monkeypatch.setattr(build, "_build_chunk", must_not_run)
+    ctx = types.SimpleNamespace(layout=Layout(dp=1), env=types.SimpleNamespace(world_size=1),
+                                backend="gloo", device=torch.device("cpu"))
+    model = _copy(llama, tmp_path / "m")
+    _edit_config(model, num_key_value_heads=4)
+    _one_line_error(lambda: build.build_model(model, ctx), "model.layers.0.self_attn.k_proj.weight",
+                    str(model / "model.safetensors"))
+    _edit_config(model, model_type="phi3")
+    _one_line_error(lambda: build.build_model(model, ctx), "'phi3'")

@@ -1,0 +1,166 @@
+"""Build the Megatron-Core GPT model chunks of this rank from a Hugging Face model.
+
+``build_model`` runs on every rank after ``init_distributed``, in this order:
+
+1. parse ``config.json`` and refuse unsupported models/options (:mod:`.hf_config`);
+2. pre-check the safetensors headers against the config (:mod:`.checkpoint`) and the layout
+   against the model (``topology.check_layout``) - all before anything is allocated, so every
+   rank fails alone with the same one-line error instead of hanging in a collective;
+3. build one GPTModel per virtual pipeline chunk with the local layer spec and the selected
+   core attention, HF's RoPE frequencies, and padded vocabulary logits masked;
+4. load the weights each rank owns (:mod:`.weights`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpc_mca.models.attention import core_attention_class
+from hpc_mca.models.checkpoint import inspect_checkpoint
+from hpc_mca.models.errors import ModelLoadError
+from hpc_mca.models.hf_config import HFModelSpec, check_sequence_length, read_hf_config
+from hpc_mca.models.mapping import padded_vocab_size
+from hpc_mca.models.megatron_config import (
+    block_spec,
+    layer_spec,
+    rope_inv_freq,
+    transformer_config_kwargs,
+)
+from hpc_mca.models.weights import load_hf_weights
+from hpc_mca.runtime.distributed import RankContext
+from hpc_mca.topology import LayoutError, ModelShape, check_layout
+
+__all__ = ["build_model"]
+
+
+def build_model(
+    source: str | Path | Mapping[str, Any],
+    ctx: RankContext,
+    *,
+    seq_length: int | None = None,
+    load_weights: bool | None = None,
+    attention_backend: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    make_vocab_size_divisible_by: int = 128,
+    config_overrides: Mapping[str, Any] | None = None,
+) -> list[torch.nn.Module]:
+    """This rank's GPTModel chunks (one per virtual pipeline stage) for an HF model.
+
+    ``source`` is an HF model directory (config.json + safetensors), a config.json path or a
+    config dict. Weights are loaded when ``load_weights`` is True, or None and ``source`` is a
+    path; otherwise parameters are randomly initialised (identically for every TP size).
+    ``seq_length`` (default: the config's max_position_embeddings) is the longest sequence the
+    model will see; it only matters for refusing sliding windows shorter than that.
+
+    Raises ModelLoadError / LayoutError (one line) before allocating anything.
+    """
+    spec = read_hf_config(source)
+    check_sequence_length(spec, seq_length or spec.max_position_embeddings)
+    load = load_weights if load_weights is not None else not isinstance(source, Mapping)
+    if load and spec.directory is None:
+        raise ModelLoadError("load_weights=True needs an HF model directory, not a config dict")
+    checkpoint = inspect_checkpoint(spec) if load else None
+    _check_layout(spec, ctx)
+    config = _transformer_config(spec, ctx, dtype, load, config_overrides)
+    layer = layer_spec(spec, core_attention_class(attention_backend))
+    vocab = padded_vocab_size(spec.vocab_size, ctx.layout.tp, make_vocab_size_divisible_by)
+    max_len = seq_length or spec.max_position_embeddings
+    chunks = [
+        _build_chunk(spec, config, layer, vocab, max_len, stage, ctx)
+        for stage in range(ctx.layout.vp or 1)
+    ]
+    if checkpoint is not None:
+        load_hf_weights(chunks, spec, checkpoint=checkpoint)
+    return chunks
+
+
+def _check_layout(spec: HFModelSpec, ctx: RankContext) -> None:
+    """The layout rules of the planner, for this model (TP divides heads and groups, EP
+    divides experts, PP fits the layers, ...); sequence parallel is off with the local spec."""
+    shape = ModelShape.from_hf_config(spec.raw)
+    violations = check_layout(ctx.layout, ctx.env.world_size, shape, sequence_parallel=False)
+    if violations:
+        raise LayoutError(violations)
+
+
+def _transformer_config(
+    spec: HFModelSpec,
+    ctx: RankContext,
+    dtype: torch.dtype,
+    loading: bool,
+    overrides: Mapping[str, Any] | None,
+) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    init = {
+        # Loading overwrites every parameter: skip the random init and allocate only the local
+        # shard. Random init builds each full weight on CPU and slices it, which makes initial
+        # weights identical for every TP size (FACTS.md).
+        "use_cpu_initialization": not loading,
+        "perform_initialization": not loading,
+    }
+    kwargs = transformer_config_kwargs(
+        spec, ctx.layout, dtype=dtype, gloo=ctx.backend == "gloo",
+        overrides={**init, **(overrides or {})},
+    )
+    return TransformerConfig(**kwargs)
+
+
+def _build_chunk(
+    spec: HFModelSpec,
+    config: Any,
+    layer: Any,
+    padded_vocab: int,
+    max_len: int,
+    stage: int,
+    ctx: RankContext,
+) -> torch.nn.Module:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    vp_stage = stage if ctx.layout.vp else None
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(layer, config, vp_stage),
+        vocab_size=padded_vocab,
+        max_sequence_length=max_len,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=spec.rope.theta,
+        vp_stage=vp_stage,
+    )
+    rotary = model.rotary_pos_emb
+    rotary.inv_freq = rope_inv_freq(spec.rope, spec.head_dim).to(rotary.inv_freq.device)
+    if model.post_process:
+        _mask_padded_vocab(model, spec.vocab_size)
+    return model.to(ctx.device)
+
+
+def _mask_padded_vocab(model: torch.nn.Module, vocab_size: int) -> None:
+    """Make logits of Megatron's vocabulary padding the dtype's minimum, so that they take no
+    probability in softmax/cross-entropy and can never be sampled or argmax-ed.
+
+    The output layer is vocabulary-parallel: TP rank r produces columns
+    ``[r*Vp/tp, (r+1)*Vp/tp)``, and only the columns at or past ``vocab_size`` are padding.
+    """
+    tp = model.pg_collection.tp
+    rank, size = (tp.rank(), tp.size()) if tp is not None else (0, 1)
+    width = model.vocab_size // size
+    real = min(max(vocab_size - rank * width, 0), width)
+    if real == width:
+        return
+
+    def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        # In place: no second logits-sized tensor. Autograd allows it because the matmul
+        # saves its inputs, not its output, and index_fill's backward zeroes those gradients.
+        logits, bias = output
+        padding = torch.arange(real, width, device=logits.device)
+        return logits.index_fill_(-1, padding, torch.finfo(logits.dtype).min), bias
+
+    model.output_layer.register_forward_hook(hook)

@@ -1,0 +1,259 @@
+"""Export Megatron model chunks, in any TP/PP/EP/VP layout, to a Hugging Face directory.
+
+Every rank runs :func:`save_hf_checkpoint`. The same plans that import weights
+(:func:`~hpc_mca.models.weights.local_plans`) say which slice of which HF tensor each rank
+holds; each HF element has exactly one exporting rank (see :mod:`.mapping`). After one
+``all_gather_object`` of that (small) metadata, every rank checks that the pieces tile each HF
+tensor exactly - so a bad plan fails on all ranks alike instead of hanging one of them - and
+then rank 0 assembles the tensors one at a time in file order, receiving each remote piece with
+a point-to-point ``recv`` while the owners ``send`` their pieces in the same order. Rank 0
+holds at most one output shard plus one tensor, no rank ever materialises the whole model.
+
+The directory gets ``config.json`` (the source config, with the dtype updated), safetensors
+files (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` plus
+``model.safetensors.index.json`` beyond ``max_shard_bytes``) in transformers' own naming, so
+``AutoModelForCausalLM.from_pretrained`` loads it, and the tokenizer/generation files of the
+source directory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpc_mca.models.checkpoint import INDEX_FILE, SINGLE_FILE
+from hpc_mca.models.errors import ModelLoadError
+from hpc_mca.models.hf_config import HFModelSpec, read_hf_config
+from hpc_mca.models.mapping import Piece, hf_tensor_shapes
+from hpc_mca.models.weights import local_plans
+
+__all__ = ["TOKENIZER_FILES", "save_hf_checkpoint"]
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+"""Files copied from the source model directory when present."""
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One piece this rank exports: where it goes and the parameter it comes from."""
+
+    piece: Piece
+    param: torch.Tensor
+
+    def tensor(self) -> torch.Tensor:
+        p = self.piece
+        data = self.param.detach()
+        return data if p.dim is None else data.narrow(p.dim, p.local_start, p.length)
+
+
+@dataclass(frozen=True)
+class _Meta:
+    """What rank 0 needs to know about a remote piece to receive and place it."""
+
+    rank: int
+    piece: Piece
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def save_hf_checkpoint(
+    chunks: Sequence[torch.nn.Module],
+    out_dir: str | Path,
+    source: str | Path | HFModelSpec,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Write this model as an HF checkpoint into ``out_dir`` (called on every rank).
+
+    ``source`` is the HF model (directory or spec) the chunks were built from: its config is
+    written back and its tokenizer files copied. ``dtype`` defaults to the config's declared
+    dtype, else the parameters' dtype. Old ``model*.safetensors`` files in ``out_dir`` are
+    removed first; ``out_dir`` must not be the source directory.
+    """
+    spec = source if isinstance(source, HFModelSpec) else read_hf_config(source)
+    out = Path(out_dir)
+    if spec.directory is not None and out.resolve() == spec.directory.resolve():
+        raise ModelLoadError(f"{out}: export directory is the source model directory")
+    shapes = hf_tensor_shapes(spec)
+    order = {name: i for i, name in enumerate(shapes)}
+    items = sorted(
+        (_Item(piece, param) for chunk in chunks for plan, param in local_plans(chunk, spec)
+         if plan.exported for piece in plan.pieces),
+        key=lambda item: (order[item.piece.hf_name], item.piece.hf_start),
+    )
+    plan = _gather_plan(items, shapes)
+    if _rank() != 0:
+        for item in items:
+            dist.send(item.tensor().contiguous(), dst=0)
+    else:
+        out_dtype = dtype or _declared_dtype(spec) or items[0].param.dtype
+        _write(out, shapes, plan, items, out_dtype, max_shard_bytes)
+        _write_config(out, spec, out_dtype)
+        _copy_tokenizer_files(spec, out)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _gather_plan(
+    items: Sequence[_Item], shapes: dict[str, tuple[int, ...]]
+) -> dict[str, list[_Meta]]:
+    """Every rank's pieces per HF tensor, checked to tile each tensor exactly once."""
+    mine = [
+        _Meta(_rank(), it.piece, tuple(it.tensor().shape), str(it.param.dtype)) for it in items
+    ]
+    everyone = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, mine)
+    plan: dict[str, list[_Meta]] = defaultdict(list)
+    for metas in everyone:
+        for meta in metas:
+            plan[meta.piece.hf_name].append(meta)
+    for name, shape in shapes.items():
+        plan[name].sort(key=lambda meta: (meta.rank, meta.piece.hf_start))
+        _check_tiling(name, shape, plan[name])
+    return plan
+
+
+def _check_tiling(name: str, shape: tuple[int, ...], metas: list[_Meta]) -> None:
+    if not metas:
+        raise ModelLoadError(f"export: no rank holds tensor {name}")
+    if metas[0].piece.dim is None:
+        if len(metas) != 1:
+            raise ModelLoadError(f"export: tensor {name} is exported by {len(metas)} ranks")
+        return
+    dim = metas[0].piece.dim
+    spans = sorted((m.piece.hf_start, m.piece.hf_stop) for m in metas)
+    edges = [0] + [stop for _, stop in spans]
+    if any(m.piece.dim != dim for m in metas) or [s for s, _ in spans] != edges[:-1] or \
+            edges[-1] != shape[dim]:
+        raise ModelLoadError(
+            f"export: the pieces of tensor {name} along dim {dim} ({spans}) do not tile "
+            f"[0, {shape[dim]})"
+        )
+
+
+def _declared_dtype(spec: HFModelSpec) -> torch.dtype | None:
+    value = getattr(torch, spec.dtype, None) if spec.dtype else None
+    return value if isinstance(value, torch.dtype) else None
+
+
+def _write(
+    out: Path,
+    shapes: dict[str, tuple[int, ...]],
+    plan: dict[str, list[_Meta]],
+    items: Sequence[_Item],
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+) -> None:
+    """Rank 0: assemble each tensor from local and received pieces and stream it to shards."""
+    local = iter(items)
+    device = items[0].param.device if items else torch.device("cpu")
+    with _ShardWriter(out, max_shard_bytes) as writer:
+        for name, shape in shapes.items():
+            full = torch.empty(shape, dtype=dtype)
+            for meta in plan[name]:
+                if meta.rank == 0:
+                    part = next(local).tensor()
+                else:
+                    part = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype.split(".")[-1]),
+                                       device=device)
+                    dist.recv(part, src=meta.rank)
+                p = meta.piece
+                target = full if p.dim is None else full.narrow(p.dim, p.hf_start, p.length)
+                target.copy_(part)
+            writer.add(name, full)
+
+
+class _ShardWriter:
+    """Accumulates tensors and writes a safetensors shard whenever ``max_bytes`` would be
+    exceeded; names the files the way transformers does once the shard count is known."""
+
+    def __init__(self, out: Path, max_bytes: int) -> None:
+        self.out, self.max_bytes = out, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+
+    def __enter__(self) -> _ShardWriter:
+        self.out.mkdir(parents=True, exist_ok=True)
+        for old in [*self.out.glob("model*.safetensors"), self.out / INDEX_FILE]:
+            old.unlink(missing_ok=True)
+        return self
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.out / f"model-part-{len(self.files) + 1:05d}.safetensors.tmp"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.files.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is not None:
+            return
+        if self.pending or not self.files:
+            self._flush()
+        if len(self.files) == 1:
+            self.files[0][0].rename(self.out / SINGLE_FILE)
+            return
+        weight_map, count = {}, len(self.files)
+        for i, (path, names) in enumerate(self.files, start=1):
+            final = f"model-{i:05d}-of-{count:05d}.safetensors"
+            path.rename(self.out / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_config(out: Path, spec: HFModelSpec, dtype: torch.dtype) -> None:
+    """The source config as read, with the dtype key (whichever spelling it used) updated."""
+    config = dict(spec.raw)
+    # transformers 5 writes "dtype", 4.x "torch_dtype"; both read "torch_dtype".
+    key = "dtype" if "dtype" in config else "torch_dtype"
+    config[key] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _copy_tokenizer_files(spec: HFModelSpec, out: Path) -> None:
+    if spec.directory is None:
+        return
+    for name in TOKENIZER_FILES:
+        path = spec.directory / name
+        if path.is_file():
+            shutil.copyfile(path, out / name)
+

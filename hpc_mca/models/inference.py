@@ -1,0 +1,110 @@
+"""Forward-only logits through the pipeline schedule, gathered to the full real vocabulary.
+
+Used for parity checks against transformers and for evaluation: the same call works for any
+TP/PP/VP/EP layout because it goes through Megatron's forward-backward schedule (which moves
+activations between pipeline stages) with ``forward_only=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["forward_logits", "thd_packed_seq_params"]
+
+
+def forward_logits(
+    chunks: Sequence[torch.nn.Module],
+    input_ids: torch.Tensor,
+    vocab_size: int,
+    *,
+    position_ids: torch.Tensor | None = None,
+    packed_seq_params: Any = None,
+    micro_batch_size: int | None = None,
+) -> torch.Tensor | None:
+    """Logits ``[batch, seq, vocab_size]`` on the ranks of the last pipeline stage, None on
+    the others.
+
+    ``input_ids`` is ``[batch, seq]`` (``[1, tokens]`` with ``packed_seq_params`` in THD
+    format), run as micro-batches of ``micro_batch_size`` rows (default: the whole batch, or
+    single rows with virtual pipeline chunks, whose interleaved schedule needs at least PP
+    micro-batches). Tensor-parallel vocabulary shards are gathered and Megatron's vocabulary
+    padding is cut off.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    device = next(chunks[0].parameters()).device
+    input_ids = input_ids.to(device)
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.size(1), device=device).expand_as(input_ids)
+    size = micro_batch_size or (1 if len(chunks) > 1 else input_ids.size(0))
+    batches = [
+        {"tokens": tokens, "position_ids": positions}
+        for tokens, positions in zip(input_ids.split(size), position_ids.to(device).split(size))
+    ]
+    iterators: Any = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
+    modes = [chunk.training for chunk in chunks]
+    for chunk in chunks:
+        chunk.eval()  # no dropout; MoE layers refuse TP without sequence parallel when training
+    try:
+        with torch.no_grad():
+            outputs = get_forward_backward_func()(
+                forward_step_func=_logits_step(vocab_size, packed_seq_params),
+                data_iterator=iterators,
+                model=list(chunks) if len(chunks) > 1 else chunks[0],
+                num_microbatches=len(batches),
+                seq_length=input_ids.size(1),
+                micro_batch_size=size,
+                forward_only=True,
+            )
+    finally:
+        for chunk, mode in zip(chunks, modes):
+            chunk.train(mode)
+    return torch.cat([out["logits"] for out in outputs]) if outputs else None
+
+
+def _logits_step(vocab_size: int, packed_seq_params: Any) -> Any:
+    """A schedule forward step whose "loss" function hands back the gathered logits."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    def forward_step(data_iterator: Any, model: torch.nn.Module) -> Any:
+        data = next(data_iterator)
+        output = model(data["tokens"], data["position_ids"], None,
+                       packed_seq_params=packed_seq_params)
+
+        def collect(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            full = gather_from_tensor_model_parallel_region(logits, group=model.pg_collection.tp)
+            return logits.new_zeros(()), {"logits": full[..., :vocab_size].detach()}
+
+        return output, collect
+
+    return forward_step
+
+
+def thd_packed_seq_params(
+    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None = None
+) -> Any:
+    """``PackedSeqParams`` for one packed row of documents, in THD format.
+
+    ``max_seqlen_*`` is the longest *padded* document: Megatron sizes the RoPE table from it
+    and applies RoPE per padded slot range. (Megatron also treats a RoPE table exactly as long
+    as the whole pack as absolute positions across documents, so no bound larger than the
+    longest document may be passed.)
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = cu_seqlens.to(torch.int32)
+    cu_pad = None if cu_seqlens_padded is None else cu_seqlens_padded.to(torch.int32)
+    slots = cu if cu_pad is None else cu_pad
+    longest = int((slots[1:] - slots[:-1]).max()) if slots.numel() > 1 else 0
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_pad,
+        cu_seqlens_kv_padded=cu_pad,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )

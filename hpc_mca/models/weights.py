@@ -1,0 +1,124 @@
+"""Import Hugging Face safetensors weights into the local Megatron model chunks of a rank.
+
+Every parameter of every chunk gets a :class:`~hpc_mca.models.mapping.ParamPlan` (which pieces
+of which HF tensors it holds, given this rank's TP/EP/expert-TP coordinates and the global
+index of the layer it belongs to); the pieces are read with ``get_slice`` from the shards that
+hold them and copied into the parameter, converting dtype and device on the way. A parameter
+no plan covers, or a piece whose shape disagrees with its slot, is an error rather than a
+silently random weight.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpc_mca.models.checkpoint import HFCheckpoint, SliceReader, inspect_checkpoint
+from hpc_mca.models.errors import ModelLoadError
+from hpc_mca.models.hf_config import HFModelSpec, read_hf_config
+from hpc_mca.models.mapping import ParamPlan, ShardCoords, plan_param
+
+__all__ = ["load_hf_weights", "local_plans", "shard_coords", "unwrap"]
+
+_LAYER_INDEX = re.compile(r"decoder\.layers\.(\d+)\.")
+
+
+def _rank_and_size(group: Any) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return group.rank(), group.size()
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers (their parameter names gain
+    ``module.`` prefixes that the mapping does not know)."""
+    while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def shard_coords(chunk: torch.nn.Module) -> ShardCoords:
+    """This rank's weight coordinates, from the process groups the chunk was built with."""
+    pg = chunk.pg_collection
+    tp_rank, tp_size = _rank_and_size(pg.tp)
+    ep_rank, ep_size = _rank_and_size(getattr(pg, "ep", None))
+    etp_rank, etp_size = _rank_and_size(getattr(pg, "expt_tp", None))
+    dp_rank, _ = _rank_and_size(getattr(pg, "dp_cp", None))
+    edp_rank, _ = _rank_and_size(getattr(pg, "expt_dp", None))
+    return ShardCoords(
+        padded_vocab_size=chunk.vocab_size,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        ep_rank=ep_rank,
+        ep_size=ep_size,
+        etp_rank=etp_rank,
+        etp_size=etp_size,
+        dp_rank=dp_rank,
+        edp_rank=edp_rank,
+    )
+
+
+def local_plans(
+    chunk: torch.nn.Module, spec: HFModelSpec
+) -> Iterator[tuple[ParamPlan, torch.nn.Parameter]]:
+    """(plan, parameter) for every parameter of one GPTModel chunk.
+
+    Layers are numbered model-wide through ``layer_number`` (1-based, set by Megatron from the
+    pipeline/virtual-pipeline offset), which also covers uneven pipeline layouts.
+    """
+    chunk = unwrap(chunk)
+    coords = shard_coords(chunk)
+    layers = getattr(getattr(chunk, "decoder", None), "layers", [])
+    global_index = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
+    for name, param in chunk.named_parameters():
+        match = _LAYER_INDEX.match(name)
+        layer = global_index[int(match.group(1))] if match else None
+        yield plan_param(spec, coords, name, layer), param
+
+
+def load_hf_weights(
+    chunks: Sequence[torch.nn.Module],
+    source: str | Path | HFModelSpec,
+    *,
+    checkpoint: HFCheckpoint | None = None,
+) -> list[str]:
+    """Fill every parameter of ``chunks`` from the HF checkpoint at ``source``.
+
+    Returns the shard files this rank opened (only those holding pieces it needs).
+    """
+    spec = source if isinstance(source, HFModelSpec) else read_hf_config(source)
+    ckpt = checkpoint or inspect_checkpoint(spec)
+    with SliceReader(ckpt) as reader, torch.no_grad():
+        for chunk in chunks:
+            for plan, param in local_plans(chunk, spec):
+                _fill(param, plan, reader, ckpt)
+        return reader.opened
+
+
+def _fill(
+    param: torch.nn.Parameter, plan: ParamPlan, reader: SliceReader, ckpt: HFCheckpoint
+) -> None:
+    if plan.padded:
+        param.zero_()  # vocabulary padding rows: never a real token, never a real logit
+    filled = 0
+    for piece in plan.pieces:
+        source = reader.read(piece)
+        target = param if piece.dim is None else param.narrow(piece.dim, piece.local_start,
+                                                              piece.length)
+        if target.shape != source.shape:
+            raise ModelLoadError(
+                f"{ckpt.path_of(piece.hf_name)}: tensor {piece.hf_name} slice "
+                f"[{piece.hf_start}:{piece.hf_stop}] has shape {list(source.shape)} but "
+                f"Megatron parameter {plan.name} expects {list(target.shape)}"
+            )
+        target.copy_(source)
+        filled += source.numel()
+    if filled != param.numel() and not plan.padded:
+        raise ModelLoadError(
+            f"Megatron parameter {plan.name}: the checkpoint covers {filled} of its "
+            f"{param.numel()} elements"
+        )

@@ -1,0 +1,119 @@
+"""Rank program of tests/test_models.py: build HF models in Megatron layouts and report.
+
+Usage (every rank, under torchrun or as a single process):
+    python tests/models_worker.py MODELS_DIR OUT_DIR JOBS_JSON
+
+``MODELS_DIR`` holds one HF directory per model and ``inputs.pt`` (token ids); ``JOBS_JSON`` is a
+list of ``{"name", "layout": {...Layout fields}, "models": [...], "export": bool,
+"packed": bool, "opened": bool, "shard_bytes": int}``. For each job and model the rank holding the full logits
+(last pipeline stage, TP rank 0, first data-parallel replica) saves
+``OUT_DIR/<job>/<model>.logits.pt`` (and ``.loss.pt``, Megatron's per-token loss, where one
+stage holds the whole model); with ``export`` the model is written back to
+``OUT_DIR/<job>/<model>.export``; ``packed`` saves per-document vs packed logits; ``opened``
+records which shard files each rank read. Rank 0 writes ``OUT_DIR/<job>/timings.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _save_if_holder(tensor: torch.Tensor | None, path: Path) -> None:
+    from megatron.core import parallel_state
+
+    first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    if tensor is not None and first_replica and parallel_state.get_tensor_model_parallel_rank() == 0:
+        torch.save(tensor, path)
+
+
+def packed_vs_alone(chunks, vocab: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Three documents packed in one row, without and with per-document padding, against
+    each document run alone. Padding slots hold random tokens that must not leak."""
+    from hpc_mca.models.inference import forward_logits, thd_packed_seq_params
+
+    lengths, padded = [5, 7, 4], [8, 8, 4]
+    docs = [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
+    result = {"alone": torch.cat([forward_logits(chunks, d[None], vocab)[0] for d in docs])}
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    result["packed"] = forward_logits(chunks, ids, vocab, position_ids=pos,
+                                      packed_seq_params=thd_packed_seq_params(cu))[0]
+    cu_pad = torch.tensor([0, *padded]).cumsum(0)
+    slots = [torch.cat([d, torch.randint(0, vocab, (p - len(d),), generator=generator)])
+             for d, p in zip(docs, padded)]
+    pos = torch.cat([torch.arange(p) for p in padded])[None]
+    out = forward_logits(chunks, torch.cat(slots)[None], vocab, position_ids=pos,
+                         packed_seq_params=thd_packed_seq_params(cu, cu_pad))[0]
+    real = torch.cat([torch.arange(start, start + n) for start, n in zip(cu_pad[:-1], lengths)])
+    result["packed_padded"] = out[real]
+    return result
+
+
+def per_token_loss(chunks, inputs: torch.Tensor) -> torch.Tensor | None:
+    """Megatron's (vocab-parallel) cross-entropy of next-token prediction, [batch, seq - 1];
+    single-stage layouts only. It sums over the padded vocabulary, so it equals transformers'
+    loss only if the padding logits take no probability."""
+    chunk = chunks[0]
+    if len(chunks) > 1 or not (chunk.pre_process and chunk.post_process):
+        return None
+    tokens, labels = inputs[:, :-1], inputs[:, 1:]
+    positions = torch.arange(tokens.size(1)).expand_as(tokens)
+    chunk.eval()
+    with torch.no_grad():
+        return chunk(tokens, positions, None, labels=labels)
+
+
+def run_model(job: dict, model: str, models: Path, out: Path, ctx) -> float:
+    from hpc_mca.models.build import build_model
+    from hpc_mca.models.export import DEFAULT_MAX_SHARD_BYTES, save_hf_checkpoint
+    from hpc_mca.models.hf_config import read_hf_config
+    from hpc_mca.models.inference import forward_logits
+    from hpc_mca.models.weights import load_hf_weights
+
+    start = time.perf_counter()
+    source = models / model
+    vocab = read_hf_config(source).vocab_size
+    chunks = build_model(source, ctx)
+    layers = [[layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks]
+    (out / f"{model}.layers.rank{dist.get_rank()}.json").write_text(json.dumps(layers))
+    inputs = torch.load(models / "inputs.pt")
+    _save_if_holder(forward_logits(chunks, inputs % vocab, vocab), out / f"{model}.logits.pt")
+    _save_if_holder(per_token_loss(chunks, inputs % vocab), out / f"{model}.loss.pt")
+    if job.get("packed"):  # single pipeline stage only: every rank gets logits
+        result = packed_vs_alone(chunks, vocab, torch.Generator().manual_seed(7))
+        _save_if_holder(torch.stack([result[k] for k in ("alone", "packed", "packed_padded")]),
+                        out / f"{model}.packed.pt")
+    if job.get("opened"):
+        opened = load_hf_weights(chunks, source)
+        (out / f"{model}.opened.rank{dist.get_rank()}.json").write_text(json.dumps(opened))
+    if job.get("export"):
+        shard_bytes = job.get("shard_bytes") or DEFAULT_MAX_SHARD_BYTES
+        save_hf_checkpoint(chunks, out / f"{model}.export", source, max_shard_bytes=shard_bytes)
+    return time.perf_counter() - start
+
+
+def main(models: Path, out_root: Path, jobs: list[dict]) -> None:
+    from hpc_mca.runtime.distributed import init_distributed, shutdown
+    from hpc_mca.topology import Layout
+
+    for job in jobs:
+        ctx = init_distributed(Layout(**job["layout"]))
+        out = out_root / job["name"]
+        out.mkdir(parents=True, exist_ok=True)
+        timings = {model: run_model(job, model, models, out, ctx) for model in job["models"]}
+        if ctx.is_main:
+            (out / "timings.json").write_text(json.dumps(timings))
+    shutdown()
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore")
+    main(Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3]))

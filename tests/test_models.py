@@ -1,0 +1,299 @@
+"""HF <-> Megatron model parity with real ranks: logits against transformers for every family
+in TP=1, TP=2, PP=2 (also interleaved and uneven) and EP=2; import -> export round trips; packed
+sequences against documents run alone; a rank reads only the shards it needs.
+
+Tiny random models (2 layers, hidden 64, 4 heads, 2 KV heads) are made with transformers and
+``save_pretrained``; every weight, norms and biases included, is randomised so that a mapping
+mistake cannot hide behind ones and zeros. All layouts and families of one world size run in
+one launch of tests/models_worker.py (one process, or torchrun with 2 gloo ranks); the tests
+then read what the ranks saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("models_worker.py")
+TOL = 1e-4
+PACKED_TOL = 1e-5
+
+COMMON = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=96, max_position_embeddings=256)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+FAMILIES = {
+    # name: (config class, overrides); vocabularies chosen to hit every vocab-padding case
+    "llama": ("LlamaConfig", dict(vocab_size=200, rope_parameters=LLAMA3_ROPE)),
+    "qwen2": ("Qwen2Config", dict(vocab_size=256, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(vocab_size=130, head_dim=32, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(vocab_size=255)),  # sliding_window 4096 >= 256: inert
+    "qwen3_moe": ("Qwen3MoeConfig", dict(vocab_size=160, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32)),
+    "mixtral": ("MixtralConfig", dict(vocab_size=128, num_local_experts=4, num_experts_per_tok=2)),
+}
+MOE = ["qwen3_moe", "mixtral"]
+DENSE = [name for name in FAMILIES if name not in MOE]
+EXTRA = {
+    "llama_sharded": ("LlamaConfig", dict(vocab_size=200), "24KB"),
+    "llama4": ("LlamaConfig", dict(vocab_size=200, num_hidden_layers=4), None),
+    # stored in bfloat16, run in float32: import upcasts exactly, export writes bfloat16 back
+    "llama_bf16": ("LlamaConfig", dict(vocab_size=200), None),
+}
+
+SINGLE_JOBS = [
+    {"name": "tp1", "layout": {}, "models": [*FAMILIES, "llama_sharded", "llama_bf16"],
+     "export": True, "packed": True},
+]
+TORCHRUN_JOBS = [
+    {"name": "tp2", "layout": {"tp": 2}, "models": list(FAMILIES), "export": True},
+    {"name": "pp2", "layout": {"pp": 2}, "models": [*FAMILIES, "llama_sharded"], "export": True,
+     "opened": True, "shard_bytes": 64 * 1024},
+    {"name": "ep2", "layout": {"ep": 2}, "models": MOE, "export": True},
+    {"name": "pp2vp2", "layout": {"pp": 2, "vp": 2}, "models": ["llama4"], "export": True},
+    {"name": "pp2uneven", "layout": {"pp": 2, "pipeline_layout": [1, 3]}, "models": ["llama4"]},
+]
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            is_norm = name.endswith("norm.weight")
+            param.copy_(1.0 + 0.2 * noise if is_norm else 0.1 * noise)
+
+
+def _write_tokenizer(directory: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size - 1)} | {"<unk>": vocab_size - 1}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>").save_pretrained(directory)
+
+
+def _make_model(root: Path, name: str, config_class: str, overrides: dict, shard: str | None,
+                seed: int) -> None:
+    import transformers
+
+    config = getattr(transformers, config_class)(**{**COMMON, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    _randomise(model, seed)
+    if name.endswith("_bf16"):
+        model.to(torch.bfloat16)
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(root / name, **kwargs)
+    _write_tokenizer(root / name, config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    """HF model directories plus ``inputs.pt`` and transformers' logits ``<name>.ref.pt``."""
+    import transformers
+
+    root = tmp_path_factory.mktemp("hf")
+    specs = {name: (*spec, None) for name, spec in FAMILIES.items()} | EXTRA
+    for seed, (name, (config_class, overrides, shard)) in enumerate(specs.items()):
+        _make_model(root, name, config_class, overrides, shard, seed)
+    inputs = torch.randint(0, 1 << 16, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.save(inputs, root / "inputs.pt")
+    for name in specs:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(root / name, dtype=torch.float32)
+        with torch.no_grad():
+            torch.save(hf(inputs % hf.config.vocab_size).logits, root / f"{name}.ref.pt")
+    return root
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env["HPC_MCA_DIST_TIMEOUT"] = "120"
+    return env
+
+
+def _launch(models: Path, out: Path, jobs: list[dict], nproc: int) -> Path:
+    launcher = [sys.executable, "-W", "ignore"]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = [*launcher, str(WORKER), str(models), str(out), json.dumps(jobs)]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(models, tmp_path_factory) -> Path:
+    return _launch(models, tmp_path_factory.mktemp("single"), SINGLE_JOBS, 1)
+
+
+@pytest.fixture(scope="module")
+def ranks2(models, tmp_path_factory) -> Path:
+    return _launch(models, tmp_path_factory.mktemp("ranks2"), TORCHRUN_JOBS, 2)
+
+
+def _max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert got.shape == want.shape, (got.shape, want.shape)
+    return (got - want).abs().max().item()
+
+
+def _read_export(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def _record(request, key: str, value: float) -> None:
+    """Figures for the report: pytest -rA shows them with the test id."""
+    request.node.user_properties.append((key, value))
+
+
+# --- logits parity ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "llama_sharded", "llama_bf16"])
+def test_tp1_logits_match_transformers(request, models, single, family):
+    diff = _max_diff(torch.load(single / "tp1" / f"{family}.logits.pt"),
+                     torch.load(models / f"{family}.ref.pt"))
+    _record(request, "max_abs_diff", diff)
+    assert diff < TOL
+
+
+PARITY_CASES = [(job["name"], model) for job in TORCHRUN_JOBS for model in job["models"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job,family", PARITY_CASES, ids=[f"{j}-{m}" for j, m in PARITY_CASES])
+def test_multi_rank_logits_match_transformers(request, models, ranks2, job, family):
+    diff = _max_diff(torch.load(ranks2 / job / f"{family}.logits.pt"),
+                     torch.load(models / f"{family}.ref.pt"))
+    _record(request, "max_abs_diff", diff)
+    assert diff < TOL
+
+
+LOSS_CASES = [("tp1", m) for m in FAMILIES] + [("tp2", m) for m in FAMILIES]
+
+
+@pytest.mark.parametrize("job,family", LOSS_CASES, ids=[f"{j}-{m}" for j, m in LOSS_CASES])
+def test_per_token_loss_matches_transformers_cross_entropy(request, models, job, family):
+    """Megatron's cross-entropy runs over the padded vocabulary (V rounded up to 128·TP): equal
+    to transformers' only because the padding logits are masked to the dtype's minimum."""
+    if job == "tp2":
+        request.applymarker(pytest.mark.slow)
+    out = request.getfixturevalue("single" if job == "tp1" else "ranks2")
+    logits = torch.load(models / f"{family}.ref.pt")
+    labels = torch.load(models / "inputs.pt") % logits.size(-1)
+    want = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="none"
+    ).view(labels.size(0), -1)
+    diff = _max_diff(torch.load(out / job / f"{family}.loss.pt"), want)
+    _record(request, "loss_diff", diff)
+    assert diff < TOL
+
+
+# --- export round trip -----------------------------------------------------------------------
+
+
+def _assert_round_trip(source: Path, export: Path) -> None:
+    original, exported = _read_export(source), _read_export(export)
+    assert sorted(exported) == sorted(original)
+    different = [name for name in original if not torch.equal(original[name], exported[name])]
+    assert not different, different[:5]
+    assert all(exported[name].dtype == original[name].dtype for name in original)
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "llama_sharded", "llama_bf16"])
+def test_tp1_export_round_trips_every_tensor_bit_exactly(models, single, family):
+    _assert_round_trip(models / family, single / "tp1" / f"{family}.export")
+
+
+EXPORT_CASES = [(job["name"], m) for job in TORCHRUN_JOBS if job.get("export") for m in job["models"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job,family", EXPORT_CASES, ids=[f"{j}-{m}" for j, m in EXPORT_CASES])
+def test_multi_rank_export_round_trips_every_tensor_bit_exactly(models, ranks2, job, family):
+    _assert_round_trip(models / family, ranks2 / job / f"{family}.export")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job,family", [("tp2", "llama"), ("pp2", "qwen3"), ("ep2", "mixtral")])
+def test_transformers_loads_the_export_with_the_same_logits(models, ranks2, job, family):
+    import transformers
+
+    export = ranks2 / job / f"{family}.export"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    inputs = torch.load(models / "inputs.pt") % hf.config.vocab_size
+    with torch.no_grad():
+        logits = hf(inputs).logits
+    assert torch.equal(logits, torch.load(models / f"{family}.ref.pt"))
+    config = json.loads((export / "config.json").read_text())
+    assert config["model_type"] == family and config["dtype"] == "float32"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(export)
+    assert tokenizer("t1 t2")["input_ids"] == [1, 2]
+
+
+def test_small_export_is_one_file(single):
+    export = single / "tp1" / "llama_sharded.export"
+    assert [p.name for p in export.glob("*.safetensors")] == ["model.safetensors"]
+    assert not (export / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.slow
+def test_large_export_is_sharded_with_an_index(ranks2):
+    export = ranks2 / "pp2" / "llama_sharded.export"
+    index = json.loads((export / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 1 and files == {p.name for p in export.glob("*.safetensors")}
+    assert all(len(name.split("-of-")) == 2 for name in files)
+
+
+# --- packed sequences ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_documents_match_each_document_alone(request, single, family):
+    alone, packed, packed_padded = torch.load(single / "tp1" / f"{family}.packed.pt")
+    diffs = _max_diff(packed, alone), _max_diff(packed_padded, alone)
+    _record(request, "packed_diff", diffs[0])
+    _record(request, "packed_padded_diff", diffs[1])
+    assert max(diffs) < PACKED_TOL
+
+
+# --- reading only what a rank needs ----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_each_pipeline_rank_opens_only_the_shards_it_needs(models, ranks2):
+    index = json.loads((models / "llama_sharded" / "model.safetensors.index.json").read_text())
+    weight_map = index["weight_map"]
+
+    def files(*prefixes: str) -> list[str]:
+        return sorted({f for name, f in weight_map.items() if name.startswith(prefixes)})
+
+    opened = [json.loads((ranks2 / "pp2" / f"llama_sharded.opened.rank{r}.json").read_text())
+              for r in (0, 1)]
+    assert opened[0] == files("model.embed_tokens.", "model.layers.0.")
+    assert opened[1] == files("model.layers.1.", "model.norm.", "lm_head.")
+    assert set(opened[0]) != set(weight_map.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job,expected", [
+    ("pp2vp2", [[[1], [3]], [[2], [4]]]),  # interleaved: rank r holds virtual stages r, r + PP
+    ("pp2uneven", [[[1]], [[2, 3, 4]]]),
+])
+def test_pipeline_chunks_hold_the_layers_of_their_stage(ranks2, job, expected):
+    held = [json.loads((ranks2 / job / f"llama4.layers.rank{r}.json").read_text()) for r in (0, 1)]
+    assert held == expected
