@@ -14,6 +14,7 @@ import click
 # name -> "module:function". One module per command under hpc_mca/cli/.
 _COMMANDS: dict[str, str] = {
     "smoke": "hpc_mca.cli.smoke:smoke",
+    "train": "hpc_mca.cli.train:train",
 }
 
 

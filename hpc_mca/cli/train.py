@@ -1,0 +1,32 @@
+"""``hpc-mca train CONFIG.yaml [key=value ...]``: the rank command of a training job."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+def train(config: Path, overrides: tuple[str, ...]) -> None:
+    """Train with CONFIG (YAML), overridden by key=value pairs, e.g. training.max_steps=20.
+
+    Every rank of a job runs this (srun, torchrun or a single process). Bad inputs (unknown
+    keys, missing datasets, impossible layouts, model/weights mismatches) stop every rank with
+    one line before anything is allocated.
+    """
+    from hpc_mca.data.errors import DataError
+    from hpc_mca.models.errors import ModelLoadError
+    from hpc_mca.topology import LayoutError
+    from hpc_mca.trainer.config import ConfigError
+    from hpc_mca.trainer.run import run_training
+
+    try:
+        run_training(config, overrides)
+    except (ConfigError, DataError, ModelLoadError, LayoutError) as err:
+        lines = str(err).splitlines() or [type(err).__name__]
+        click.echo(f"hpc-mca train: error: {'; '.join(lines)}", err=True)
+        sys.exit(2)

@@ -1,0 +1,46 @@
+"""Task accuracy at evaluation: teacher-forced exact match of the response tokens.
+
+A sample counts as correct when the argmax prediction at every trained (response) position
+equals the label. Under teacher forcing that is exactly the condition for greedy decoding to
+reproduce the whole answer, so this is greedy exact-match accuracy computed in one forward pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpc_mca.data.addition import response_exact_match
+from hpc_mca.data.dataset import eval_dataloader
+from hpc_mca.models.inference import forward_logits, thd_packed_seq_params
+
+
+def exact_match_accuracy(model: list[torch.nn.Module], eval_rows: Any, config: Any,
+                         vocab_size: int, device: torch.device) -> dict[str, float]:
+    """``{"eval/accuracy": correct / samples}`` over the eval rows, the same on every rank."""
+    from megatron.core import parallel_state as mpu
+
+    chunks = [getattr(m, "module", m) for m in model]
+    loader = eval_dataloader(eval_rows, config, data_parallel_rank=mpu.get_data_parallel_rank())
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in loader:
+        logits = _logits(chunks, batch, vocab_size)
+        if logits is not None:
+            predictions = logits.argmax(dim=-1).reshape(batch["labels"].shape).cpu()
+            counts += response_exact_match(predictions, batch["labels"], batch["attention_mask"]).to(device)
+    if mpu.is_pipeline_last_stage(ignore_virtual=True):
+        dist.all_reduce(counts, group=mpu.get_data_parallel_group())
+    else:
+        counts.zero_()
+    dist.all_reduce(counts, group=mpu.get_pipeline_model_parallel_group())
+    return {"eval/accuracy": float(counts[0] / counts[1]) if counts[1] else 0.0}
+
+
+def _logits(chunks: list[torch.nn.Module], batch: dict[str, torch.Tensor], vocab_size: int) -> torch.Tensor | None:
+    if "cu_seqlens" in batch:
+        packed = thd_packed_seq_params(batch["cu_seqlens"], batch.get("cu_seqlens_padded"))
+        return forward_logits(chunks, batch["input_ids"].reshape(1, -1), vocab_size,
+                              position_ids=batch["position_ids"].reshape(1, -1), packed_seq_params=packed)
+    return forward_logits(chunks, batch["input_ids"], vocab_size, position_ids=batch["position_ids"])

@@ -1,0 +1,135 @@
+"""What a run reports: TensorBoard scalars, a progress line per logging step, progress.json.
+
+Only global rank 0 writes. Values arrive already reduced over the job (see ``step.py``).
+
+``<run_dir>/steps.jsonl`` gets one line per optimizer step (step, loss, tokens, grad_norm, lr,
+skipped): the exact record that resume and layout-equivalence checks compare.
+
+``<run_dir>/progress.json`` is the contract with ``hpc-mca status`` on the login node: a small
+JSON object rewritten atomically at every logging step (fields: step, max_steps, loss, lr,
+grad_norm, tokens_per_s, eta_s, skipped_iters, eval_loss, updated, plus whatever else
+``write_progress`` is given).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpc_mca.topology import ModelShape
+
+# Dense bf16 peak TFLOP/s per GPU model, for the MFU estimate (vendor data sheets, no sparsity).
+_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+
+
+def flops_per_token(model: ModelShape, seq_length: int) -> float:
+    """Training FLOPs per token: 6 per multiply-accumulate of every active weight (forward 2,
+    backward 4) plus causal attention scores (QK^T and AV, half the matrix)."""
+    h, layers = model.hidden_size, model.num_layers
+    head_dim = model.kv_channels
+    attn = h * head_dim * (model.num_attention_heads * 2 + model.num_query_groups * 2)
+    if model.is_moe:
+        mlp = 3 * h * model.expert_ffn_hidden_size * model.moe_router_topk
+    else:
+        mlp = 3 * h * model.ffn_hidden_size
+    weights = layers * (attn + mlp) + h * model.vocab_size
+    scores = layers * 2 * model.num_attention_heads * head_dim * seq_length  # causal: half of 4
+    return 6.0 * weights + 6.0 * scores
+
+
+def peak_flops_per_device() -> float | None:
+    """Peak FLOP/s of one device, or None when unknown (CPU). HPC_MCA_PEAK_TFLOPS overrides."""
+    override = os.environ.get("HPC_MCA_PEAK_TFLOPS")
+    if override:
+        return float(override) * 1e12
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, tflops in _PEAK_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+class MetricsWriter:
+    """TensorBoard + console + progress.json on rank 0; a no-op elsewhere."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, max_steps: int,
+                 flops_per_token: float, world_size: int) -> None:
+        self.run_dir, self.enabled, self.max_steps = run_dir, enabled, max_steps
+        self.flops_per_token, self.world_size = flops_per_token, world_size
+        self.peak = peak_flops_per_device()
+        self.tb = None
+        self.progress: dict[str, Any] = {}
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.tb is None:
+            return
+        for name, value in values.items():
+            if value is not None and math.isfinite(value):
+                self.tb.add_scalar(name, value, step)
+        self.tb.flush()
+
+    def throughput(self, tokens_per_s: float) -> dict[str, float]:
+        out = {"perf/tokens_per_s": tokens_per_s}
+        if self.peak:
+            out["perf/mfu"] = tokens_per_s * self.flops_per_token / (self.peak * self.world_size)
+        return out
+
+    def progress_line(self, step: int, values: dict[str, float], step_time: float) -> None:
+        if not self.enabled:
+            return
+        eta = (self.max_steps - step) * step_time
+        parts = [f"step {step}/{self.max_steps}", f"loss {values['train/loss']:.4f}",
+                 f"lr {values['train/lr']:.3e}", f"grad_norm {values['train/grad_norm']:.3f}",
+                 f"tok/s {values['perf/tokens_per_s']:.0f}"]
+        if "perf/mfu" in values:
+            parts.append(f"mfu {100 * values['perf/mfu']:.1f}%")
+        if values.get("train/skipped_iters"):
+            parts.append(f"skipped {int(values['train/skipped_iters'])}")
+        parts.append(f"eta {_duration(eta)}")
+        print(" | ".join(parts), flush=True)
+        self.write_progress(step=step, max_steps=self.max_steps, loss=values["train/loss"],
+                            lr=values["train/lr"], grad_norm=values["train/grad_norm"],
+                            tokens_per_s=values["perf/tokens_per_s"], eta_s=eta,
+                            skipped_iters=int(values.get("train/skipped_iters", 0)))
+
+    def record_step(self, **fields: Any) -> None:
+        """Append one step's numbers to steps.jsonl."""
+        if self.enabled:
+            with open(self.run_dir / "steps.jsonl", "a", encoding="utf-8") as out:
+                out.write(json.dumps(fields) + "\n")
+
+    def write_progress(self, **fields: Any) -> None:
+        """Merge ``fields`` into progress.json (write to a temp file, then rename)."""
+        if not self.enabled:
+            return
+        self.progress.update(fields, updated=time.time())
+        path = self.run_dir / "progress.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.progress, indent=1, default=_jsonable))
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _jsonable(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else str(value)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"

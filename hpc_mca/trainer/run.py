@@ -1,0 +1,129 @@
+"""``hpc-mca train``: from a YAML config to a trained model, on every rank.
+
+Order matters for failing well: everything that can be checked without the network or memory
+(config, layout, dataset files, model config vs weights) is checked before the process group
+comes up, so a bad input makes every rank exit alone with the same one-line message.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from hpc_mca.runtime.distributed import RankContext, init_distributed, shutdown
+from hpc_mca.runtime.env import from_environ
+from hpc_mca.topology import Layout, ModelShape
+from hpc_mca.trainer.config import TrainConfig, load_config
+
+# Stages with a training entry; "dpo" has a config seam (finetuning.stage) but no loop yet.
+STAGES = ("pt", "sft")
+
+
+def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
+                 callbacks: Iterable[Any] = ()) -> list[Any]:
+    """Train as configured; return the per-step results (identical on every rank)."""
+    env = from_environ()
+    config = load_config(config_path, overrides).resolve(env.world_size)
+    data_files_exist(config)
+    ctx = init_distributed(_layout(config), model=_shape(config), seed=config.training.seed, env=env,
+                           global_batch_size=config.training.global_batch_size,
+                           micro_batch_size=config.training.per_device_train_batch_size)
+    try:
+        return _train(config, ctx, callbacks)
+    finally:
+        shutdown()
+
+
+def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> list[Any]:
+    from hpc_mca.models.build import build_model
+    from hpc_mca.trainer.trainer import Trainer
+
+    run_dir = Path(config.training.output_dir)
+    if ctx.is_main:
+        config.save_resolved(run_dir)
+    data = _datasets(config, ctx)
+    if ctx.is_main:
+        print(data.describe(), flush=True)
+    model_dir = Path(config.model.model_name_or_path)
+    # A directory with only config.json trains from a random init (identical for every TP size).
+    has_weights = any(model_dir.glob("*.safetensors"))
+    chunks = build_model(model_dir, ctx, seq_length=_seq_length(config), load_weights=has_weights,
+                         attention_backend=config.model.attention_backend,
+                         dtype=_dtype(config), config_overrides=_model_overrides(config))
+    shape = _shape(config)
+    trainer = Trainer(config, ctx, chunks, data, run_dir=run_dir, callbacks=callbacks,
+                      eval_metric=_eval_metric(config, shape.vocab_size, ctx.device), model_shape=shape)
+    return trainer.train()
+
+
+def _datasets(config: TrainConfig, ctx: RankContext) -> Any:
+    """Rank 0 tokenizes and fills the cache; the others wait and read it."""
+    from hpc_mca.data.dataset import build_datasets
+
+    if not ctx.is_main:
+        dist.barrier()
+    data = build_datasets(config)
+    if ctx.is_main:
+        dist.barrier()
+    return data
+
+
+def data_files_exist(config: TrainConfig) -> None:
+    from hpc_mca.data.records import check_dataset_path
+
+    for path in config.data.dataset:
+        check_dataset_path(path, "data.dataset")
+    for path in config.data.eval_dataset or ():
+        check_dataset_path(path, "data.eval_dataset")
+
+
+def _eval_metric(config: TrainConfig, vocab_size: int, device: torch.device) -> Any:
+    if config.finetuning.stage != "sft":
+        return None
+    from hpc_mca.trainer.evaluation import exact_match_accuracy
+
+    return lambda model, rows: exact_match_accuracy(model, rows, config, vocab_size, device)
+
+
+def _layout(config: TrainConfig) -> Layout:
+    par = config.parallel
+    return Layout(tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
+                  cp=par.context_parallel_size, ep=par.expert_model_parallel_size,
+                  etp=par.expert_tensor_parallel_size or 1, vp=par.virtual_pipeline_model_parallel_size)
+
+
+@functools.cache
+def _shape_of(model_dir: str) -> ModelShape:
+    return ModelShape.from_hf_config(model_dir)
+
+
+def _shape(config: TrainConfig) -> ModelShape:
+    return _shape_of(config.model.model_name_or_path)
+
+
+def _seq_length(config: TrainConfig) -> int:
+    return config.data.seq_length or config.data.cutoff_len
+
+
+def _dtype(config: TrainConfig) -> torch.dtype:
+    if config.training.bf16:
+        return torch.bfloat16
+    return torch.float16 if config.training.fp16 else torch.float32
+
+
+def _model_overrides(config: TrainConfig) -> dict[str, Any]:
+    par = config.parallel
+    out: dict[str, Any] = {
+        "calculate_per_token_loss": par.calculate_per_token_loss,
+        "sequence_parallel": par.sequence_parallel,
+        "bf16": config.training.bf16,
+        "fp16": config.training.fp16,
+    }
+    if par.recompute_granularity:
+        out.update(recompute_granularity=par.recompute_granularity, recompute_method=par.recompute_method,
+                   recompute_num_layers=par.recompute_num_layers)
+    return out

@@ -1,0 +1,89 @@
+"""One micro-batch through a Megatron model chunk: inputs, per-token loss, reporting.
+
+The loss contract is Megatron's per-token one (``TransformerConfig.calculate_per_token_loss``):
+each micro-batch's loss function returns the *sum* of token losses and the number of real
+(loss-masked-in) tokens; the schedule does not average, and ``finalize_model_grads`` divides
+every gradient by the token count summed over micro-batches and data-parallel ranks. A step's
+loss is therefore the mean over every real token of the global batch, whatever the packing,
+micro-batch size or DP size — which is what makes packed and unpacked runs, and any layouts,
+comparable step by step.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from hpc_mca.models.inference import thd_packed_seq_params
+
+Batch = dict[str, torch.Tensor]
+
+
+def model_inputs(batch: Batch, device: torch.device) -> dict[str, Any]:
+    """Megatron GPTModel arguments for a collated micro-batch (``hpc_mca.data.rows``).
+
+    Packed rows are flattened into one THD stream ``[1, B*S]`` described by ``cu_seqlens``;
+    unpacked rows stay ``[B, S]`` and rely on the causal mask (padding is loss-masked and sits
+    after the real tokens, so it never influences them). Labels are already shifted by the data
+    pipeline; ignored positions (-100) become token 0 and carry loss weight 0.
+    """
+    labels = batch["labels"]
+    inputs = {
+        "input_ids": batch["input_ids"],
+        "position_ids": batch["position_ids"],
+        "labels": labels.clamp(min=0),
+        "loss_mask": batch["loss_mask"].float(),
+    }
+    packed = None
+    if "cu_seqlens" in batch:
+        inputs = {key: value.reshape(1, -1) for key, value in inputs.items()}
+        packed = thd_packed_seq_params(batch["cu_seqlens"], batch.get("cu_seqlens_padded"))
+    out = {key: value.to(device, non_blocking=True) for key, value in inputs.items()}
+    out["packed_seq_params"] = packed
+    return out
+
+
+def make_forward_step(device: torch.device) -> Callable[[Iterator[Batch], torch.nn.Module], Any]:
+    """The ``forward_step_func`` handed to Megatron's forward-backward schedule."""
+
+    def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module) -> Any:
+        inputs = model_inputs(next(data_iterator), device)
+        output = model(
+            inputs["input_ids"], inputs["position_ids"], None,
+            labels=inputs["labels"], loss_mask=inputs["loss_mask"],
+            packed_seq_params=inputs["packed_seq_params"],
+        )
+        return output, partial(token_loss, inputs["loss_mask"])
+
+    return forward_step
+
+
+def token_loss(loss_mask: torch.Tensor, per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(sum of masked token losses, real token count, {"lm loss": [sum, count]})."""
+    mask = loss_mask.reshape(-1).float()
+    total = (per_token.float().reshape(-1) * mask).sum()
+    count = mask.sum()
+    report = torch.stack([total.detach().clone(), count.detach().clone()])
+    return total, count.to(torch.int), {"lm loss": report}
+
+
+def reduce_step_loss(outputs: list[dict[str, torch.Tensor]], dp_group: Any, pp_group: Any,
+                     last_stage: bool, device: torch.device, input_tokens: int = 0) -> tuple[float, int, int]:
+    """(mean loss per real token, loss tokens, input tokens) of a whole global batch, the same
+    on every rank. ``input_tokens`` is this rank's count of non-padding input tokens.
+
+    The losses exist on the last pipeline stage only; they are summed over micro-batches and
+    data-parallel ranks there, then summed over the pipeline group (other stages add zeros).
+    """
+    summed = torch.zeros(3, dtype=torch.float64, device=device)
+    if last_stage:
+        if outputs:
+            summed[:2] += torch.stack([out["lm loss"] for out in outputs]).double().sum(dim=0)
+        summed[2] = input_tokens
+        dist.all_reduce(summed, group=dp_group)
+    dist.all_reduce(summed, group=pp_group)
+    loss_sum, tokens, inputs = summed.tolist()
+    return (loss_sum / tokens if tokens else float("nan")), int(tokens), int(inputs)

@@ -1,0 +1,284 @@
+"""The training loop: Megatron DDP, Megatron optimizer, pipeline schedules, HF callbacks.
+
+Shaped like Megatron-Core's simple train loop and ROLL's McaTrainer, kept small:
+
+    Trainer(config, ctx, model_chunks, data).train()
+
+``train()`` repeats ``train_step`` (forward-backward over the global batch's micro-batches,
+finalize grads, optimizer step, LR step) until ``max_steps``, logging, evaluating and calling
+the callbacks (transformers' ``TrainerCallback`` protocol) on the way. Everything layout
+specific (pipeline stages, virtual chunks, data-parallel sharding) is Megatron's or the data
+sampler's business; the loop itself does not branch on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from transformers.trainer_callback import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
+
+from hpc_mca.data.dataset import TrainingData, eval_dataloader, train_dataloader
+from hpc_mca.runtime.distributed import RankContext
+from hpc_mca.trainer.callbacks import StepFlowCallback
+from hpc_mca.trainer.config import TrainConfig, total_training_steps
+from hpc_mca.trainer.lr_scheduler import build_lr_scheduler, resolve_warmup_steps, scheduler_spec
+from hpc_mca.trainer.metrics import MetricsWriter, flops_per_token
+from hpc_mca.trainer.step import make_forward_step, reduce_step_loss
+from hpc_mca.topology import ModelShape
+
+EvalMetric = Callable[[list[torch.nn.Module], Any], dict[str, float]]
+"""(DDP-wrapped model chunks, eval RowDataset) -> extra eval metrics, computed on every rank."""
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss: float
+    """Mean loss per real token of the global batch."""
+    tokens: int
+    """Real (loss-bearing) tokens in the global batch."""
+    input_tokens: int
+    """Non-padding input tokens in the global batch (what throughput counts)."""
+    grad_norm: float
+    skipped: bool
+    """True when the gradients were not finite and the update was skipped."""
+    moe_aux_loss: float | None = None
+
+
+class Trainer:
+    """Runs one training job on this rank."""
+
+    def __init__(self, config: TrainConfig, ctx: RankContext, chunks: list[torch.nn.Module],
+                 data: TrainingData, *, run_dir: Path, callbacks: Iterable[TrainerCallback] = (),
+                 eval_metric: EvalMetric | None = None, model_shape: ModelShape | None = None) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.config, self.ctx, self.data, self.run_dir = config, ctx, data, run_dir
+        self.mpu = parallel_state
+        self.model = _wrap_ddp(chunks, config)
+        self.max_steps = total_training_steps(config.training, len(data.train))
+        tr = config.training
+        schedule = scheduler_spec(tr.lr_scheduler_type, tr.lr_scheduler_kwargs, tr.learning_rate,
+                                  resolve_warmup_steps(tr.warmup_steps, tr.warmup_ratio, self.max_steps),
+                                  self.max_steps)
+        self.optimizer = _build_optimizer(self.model, config, min_lr=schedule.min_lr)
+        self.lr_scheduler = build_lr_scheduler(schedule, self.optimizer, weight_decay=tr.weight_decay)
+        self.forward_backward = get_forward_backward_func()
+        self.forward_step = make_forward_step(ctx.device)
+        self.eval_metric = eval_metric
+        self.state = TrainerState(max_steps=self.max_steps, logging_steps=config.training.logging_steps,
+                                  eval_steps=config.training.eval_steps or 0, is_world_process_zero=ctx.is_main)
+        self.control = TrainerControl()
+        flow = StepFlowCallback(has_eval=data.eval is not None)
+        self.callbacks = CallbackHandler([flow, *callbacks], self.model, data.tokenizer, self.optimizer,
+                                         self.lr_scheduler)
+        self.skipped_iters = 0
+        self.on_save: Callable[[Trainer], None] | None = None
+        """Checkpoint hook, called when ``control.should_save`` is set."""
+        self.consumed_samples = 0
+        seq = config.data.seq_length or config.data.cutoff_len
+        self.metrics = MetricsWriter(run_dir, ctx.is_main, "tensorboard" in config.training.report_to,
+                                     self.max_steps, flops_per_token(model_shape, seq) if model_shape else 0.0,
+                                     ctx.env.world_size)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def train(self) -> list[StepResult]:
+        """Train to ``max_steps``; return every step's result (the same on every rank)."""
+        batches = self._global_batches()
+        history: list[StepResult] = []
+        if self.state.global_step == 0 and self.ctx.is_main:
+            (self.run_dir / "steps.jsonl").unlink(missing_ok=True)  # a fresh run, not a resume
+        self.control = self.callbacks.on_train_begin(self.config.training, self.state, self.control)
+        window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
+        while not self.control.should_training_stop:
+            self.control = self.callbacks.on_step_begin(self.config.training, self.state, self.control)
+            result = self.train_step(next(batches))
+            history.append(result)
+            self.state.global_step += 1
+            self.state.epoch = self.consumed_samples / max(1, len(self.data.train))
+            window_tokens, window_steps = window_tokens + result.input_tokens, window_steps + 1
+            self.metrics.record_step(step=self.state.global_step, loss=result.loss, tokens=result.tokens,
+                                     grad_norm=result.grad_norm, lr=self.lr_scheduler.get_last_lr()[0],
+                                     skipped=result.skipped)
+            self.control = self.callbacks.on_step_end(self.config.training, self.state, self.control)
+            if self.control.should_log:
+                elapsed = time.perf_counter() - window_start
+                self._log(result, window_tokens / elapsed, elapsed / window_steps)
+            if self.control.should_evaluate:
+                self.evaluate()
+            if self.control.should_save and self.on_save is not None:
+                self.on_save(self)
+                self.control = self.callbacks.on_save(self.config.training, self.state, self.control)
+            if self.control.should_log or self.control.should_evaluate or self.control.should_save:
+                # Throughput covers training steps only, not evaluation or checkpointing.
+                window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
+        self.control = self.callbacks.on_train_end(self.config.training, self.state, self.control)
+        self.metrics.close()
+        return history
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+        """One optimizer step over a global batch (this rank's micro-batches)."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self.forward_backward(
+            forward_step_func=self.forward_step, data_iterator=self._iterators(micro_batches),
+            model=self.model, num_microbatches=len(micro_batches),
+            seq_length=micro_batches[0]["input_ids"].shape[-1],
+            micro_batch_size=micro_batches[0]["input_ids"].shape[0], forward_only=False,
+        )
+        inputs = sum(int((batch["attention_mask"] > 0).sum()) for batch in micro_batches)
+        loss, tokens, inputs = self._reduce(outputs, inputs)
+        self.control = self.callbacks.on_pre_optimizer_step(self.config.training, self.state, self.control)
+        skipped = not self._grads_finite()
+        grad_norm = float("nan")
+        if skipped:
+            self.skipped_iters += 1
+        else:
+            _, grad_norm, _ = self.optimizer.step()
+            self.lr_scheduler.step()
+        self.control = self.callbacks.on_optimizer_step(self.config.training, self.state, self.control)
+        self.consumed_samples += self.config.training.global_batch_size
+        return StepResult(loss=loss, tokens=tokens, input_tokens=inputs, grad_norm=float(grad_norm or 0.0), skipped=skipped,
+                          moe_aux_loss=self._moe_aux_loss())
+
+    def evaluate(self) -> dict[str, float]:
+        """Forward-only pass over the eval rows: mean token loss (+ the task metric if given)."""
+        loader = eval_dataloader(self.data.eval, self.config, data_parallel_rank=self.mpu.get_data_parallel_rank())
+        for chunk in self.model:
+            chunk.eval()
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        with torch.no_grad():
+            for micro in _chunks(list(loader), self._eval_microbatches()):
+                outputs = self.forward_backward(
+                    forward_step_func=self.forward_step, data_iterator=self._iterators(micro),
+                    model=self.model, num_microbatches=len(micro),
+                    seq_length=micro[0]["input_ids"].shape[-1],
+                    micro_batch_size=micro[0]["input_ids"].shape[0], forward_only=True)
+                loss, tokens, _ = self._reduce(outputs)
+                loss_sum += torch.tensor([loss * tokens, tokens], dtype=torch.float64, device=self.ctx.device)
+        for chunk in self.model:
+            chunk.train()
+        metrics = {"eval/loss": float(loss_sum[0] / loss_sum[1])}
+        if self.eval_metric is not None:
+            metrics.update(self.eval_metric(self.model, self.data.eval))
+        self.metrics.scalars(self.state.global_step, metrics)
+        self.metrics.write_progress(**{k.replace("/", "_"): v for k, v in metrics.items()})
+        if self.ctx.is_main:
+            print(" | ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
+        self.control = self.callbacks.on_evaluate(self.config.training, self.state, self.control, metrics=metrics)
+        return metrics
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _global_batches(self) -> Iterator[list[dict[str, torch.Tensor]]]:
+        """This rank's micro-batches, grouped per optimizer step."""
+        loader = train_dataloader(self.data.train, self.config, consumed_samples=self.consumed_samples,
+                                  data_parallel_rank=self.mpu.get_data_parallel_rank())
+        per_step = self.config.training.gradient_accumulation_steps
+        micro = iter(loader)
+        while True:
+            yield [next(micro) for _ in range(per_step)]
+
+    def _eval_microbatches(self) -> int:
+        # The interleaved schedule needs at least PP micro-batches per call.
+        return max(1, self.mpu.get_pipeline_model_parallel_world_size())
+
+    def _iterators(self, micro_batches: list[dict[str, torch.Tensor]]) -> Any:
+        if len(self.model) == 1:
+            return iter(micro_batches)
+        return [iter(micro_batches) for _ in self.model]
+
+    def _reduce(self, outputs: list[dict[str, torch.Tensor]], input_tokens: int = 0) -> tuple[float, int, int]:
+        return reduce_step_loss(outputs, self.mpu.get_data_parallel_group(),
+                                self.mpu.get_pipeline_model_parallel_group(),
+                                self.mpu.is_pipeline_last_stage(ignore_virtual=True), self.ctx.device,
+                                input_tokens)
+
+    def _grads_finite(self) -> bool:
+        """All reduced gradients finite on every rank (one all-reduce of a flag)."""
+        finite = all(bool(torch.isfinite(buffer.grad_data).all())
+                     for chunk in self.model for buffer in chunk.buffers + chunk.expert_parallel_buffers)
+        flag = torch.tensor([0 if finite else 1], dtype=torch.int32, device=self.ctx.device)
+        dist.all_reduce(flag)
+        return int(flag.item()) == 0
+
+    def _moe_aux_loss(self) -> float | None:
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+        tracker = get_moe_layer_wise_logging_tracker()
+        if not tracker:
+            return None
+        values = [entry["values"].float().sum().item() for entry in tracker.values() if "values" in entry]
+        clear_aux_losses_tracker()
+        return sum(values) if values else None
+
+    def _log(self, result: StepResult, tokens_per_s: float, step_time: float) -> None:
+        values = {"train/loss": result.loss, "train/lr": self.lr_scheduler.get_last_lr()[0],
+                  "train/grad_norm": result.grad_norm, "train/skipped_iters": float(self.skipped_iters),
+                  **self.metrics.throughput(tokens_per_s)}
+        if result.moe_aux_loss is not None:
+            values["train/moe_aux_loss"] = result.moe_aux_loss
+        self.metrics.scalars(self.state.global_step, values)
+        self.metrics.progress_line(self.state.global_step, values, step_time)
+        logs = {k.split("/")[-1]: v for k, v in values.items()}
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self.callbacks.on_log(self.config.training, self.state, self.control, logs=logs)
+
+
+def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
+    for start in range(0, len(items) - size + 1, size):
+        yield items[start:start + size]
+
+
+def _wrap_ddp(chunks: list[torch.nn.Module], config: TrainConfig) -> list[torch.nn.Module]:
+    """Megatron DDP around every chunk; bucketing only for the first (ROLL/McaTrainer: later
+    chunks' communication already overlaps the first chunk's compute)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    par = config.parallel
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=par.overlap_grad_reduce,
+        overlap_param_gather=par.overlap_param_gather, use_distributed_optimizer=par.use_distributed_optimizer,
+        average_in_collective=False,
+    )
+    model_config = chunks[0].config
+    # Gradients cross DP (and the embedding/PP groups) only through this hook; with per-token
+    # loss it also divides them by the global real-token count.
+    model_config.finalize_model_grads_func = finalize_model_grads
+    if config.training.bf16 or config.training.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        # Casts the chunk to half precision and its inputs/outputs at the pipeline ends;
+        # the optimizer keeps fp32 master weights.
+        chunks = [Float16Module(model_config, chunk) for chunk in chunks]
+    model = [DistributedDataParallel(model_config, ddp_config, chunk, disable_bucketing=i > 0)
+             for i, chunk in enumerate(chunks)]
+    if par.overlap_grad_reduce:
+        model_config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    if par.overlap_param_gather:
+        model_config.param_sync_func = [m.start_param_sync for m in model] if len(model) > 1 else model[0].start_param_sync
+    return model
+
+
+def _build_optimizer(model: list[torch.nn.Module], config: TrainConfig, min_lr: float) -> Any:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    tr, par = config.training, config.parallel
+    opt_config = OptimizerConfig(
+        # Megatron copies lr/min_lr into every param group, where they take precedence over the
+        # scheduler's own bounds: both must be the schedule's.
+        optimizer=tr.optim, lr=tr.learning_rate, min_lr=min_lr, weight_decay=tr.weight_decay,
+        adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, adam_eps=tr.adam_epsilon,
+        clip_grad=tr.max_grad_norm, bf16=tr.bf16, fp16=tr.fp16,
+        use_distributed_optimizer=par.use_distributed_optimizer,
+        optimizer_cpu_offload=par.optimizer_cpu_offload,
+    )
+    return get_megatron_optimizer(opt_config, model)
