@@ -140,6 +140,11 @@ def ranks2(models, tmp_path_factory) -> Path:
     return _launch(models, tmp_path_factory.mktemp("ranks2"), TORCHRUN_JOBS, 2)
 
 
+@pytest.fixture(scope="module")
+def ranks4(models, tmp_path_factory) -> Path:
+    return _launch(models, tmp_path_factory.mktemp("ranks4"), FOUR_RANK_JOBS, 4)
+
+
 def _max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
     assert got.shape == want.shape, (got.shape, want.shape)
     return (got - want).abs().max().item()
@@ -170,7 +175,14 @@ def test_tp1_logits_match_transformers(request, models, single, family):
     assert diff < TOL
 
 
+FOUR_RANK_JOBS = [
+    # dense weights replicated over DP=2 (only the first replica exports), experts over EP=2
+    {"name": "tp2ep2", "layout": {"tp": 2, "ep": 2}, "models": MOE, "export": True},
+    # expert tensor parallelism: each expert's fc1/fc2 split over ETP=2 as well
+    {"name": "tp2ep2etp2", "layout": {"tp": 2, "ep": 2, "etp": 2}, "models": MOE, "export": True},
+]
 PARITY_CASES = [(job["name"], model) for job in TORCHRUN_JOBS for model in job["models"]]
+FOUR_RANK_CASES = [(job["name"], model) for job in FOUR_RANK_JOBS for model in job["models"]]
 
 
 @pytest.mark.slow
@@ -182,15 +194,15 @@ def test_multi_rank_logits_match_transformers(request, models, ranks2, job, fami
     assert diff < TOL
 
 
-LOSS_CASES = [("tp1", m) for m in FAMILIES] + [("tp2", m) for m in FAMILIES]
+LOSS_CASES = [pytest.param("tp1", m, id=f"tp1-{m}") for m in FAMILIES] + [
+    pytest.param("tp2", m, id=f"tp2-{m}", marks=pytest.mark.slow) for m in FAMILIES
+]
 
 
-@pytest.mark.parametrize("job,family", LOSS_CASES, ids=[f"{j}-{m}" for j, m in LOSS_CASES])
+@pytest.mark.parametrize("job,family", LOSS_CASES)
 def test_per_token_loss_matches_transformers_cross_entropy(request, models, job, family):
     """Megatron's cross-entropy runs over the padded vocabulary (V rounded up to 128·TP): equal
     to transformers' only because the padding logits are masked to the dtype's minimum."""
-    if job == "tp2":
-        request.applymarker(pytest.mark.slow)
     out = request.getfixturevalue("single" if job == "tp1" else "ranks2")
     logits = torch.load(models / f"{family}.ref.pt")
     labels = torch.load(models / "inputs.pt") % logits.size(-1)
@@ -200,6 +212,16 @@ def test_per_token_loss_matches_transformers_cross_entropy(request, models, job,
     diff = _max_diff(torch.load(out / job / f"{family}.loss.pt"), want)
     _record(request, "loss_diff", diff)
     assert diff < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job,family", FOUR_RANK_CASES, ids=[f"{j}-{m}" for j, m in FOUR_RANK_CASES])
+def test_four_rank_moe_logits_match_and_export_round_trips(request, models, ranks4, job, family):
+    diff = _max_diff(torch.load(ranks4 / job / f"{family}.logits.pt"),
+                     torch.load(models / f"{family}.ref.pt"))
+    _record(request, "max_abs_diff", diff)
+    assert diff < TOL
+    _assert_round_trip(models / family, ranks4 / job / f"{family}.export")
 
 
 # --- export round trip -----------------------------------------------------------------------
