@@ -1,0 +1,50 @@
+"""The trainer's loss curve does not depend on the layout: 10 steps of TP=2, PP=2, DP=2,
+interleaved PP (2 x 2 chunks) and DP=2 with the distributed optimizer equal one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer_fixtures import make_model_dir, make_sft_data, run_train, steps, write_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parity")
+    model = make_model_dir(root)
+    config = write_config(root, model, make_sft_data(root, 256, seed=1, name="train"))
+    reference = root / "reference"
+    proc = run_train(config, reference)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return root, config, steps(reference)
+
+
+def test_reference_learns(setup):
+    _, _, ref = setup
+    assert [s["step"] for s in ref] == list(range(1, 11))
+    assert ref[-1]["loss"] < ref[0]["loss"] - 0.5
+    assert not any(s["skipped"] for s in ref)
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("tp2", ["parallel.tensor_model_parallel_size=2"]),
+        ("pp2", ["parallel.pipeline_model_parallel_size=2"]),
+        ("dp2", []),
+        ("vpp", ["parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2"]),
+        ("dp2_distopt", ["parallel.use_distributed_optimizer=true"]),
+    ],
+)
+def test_layout_matches_single_process(setup, name, overrides):
+    root, config, ref = setup
+    proc = run_train(config, root / name, 2, *overrides)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = steps(root / name)
+    assert len(got) == len(ref) == 10
+    for mine, want in zip(got, ref):
+        assert mine["tokens"] == want["tokens"]
+        assert mine["loss"] == pytest.approx(want["loss"], abs=1e-5), (name, mine, want)
+        assert mine["lr"] == pytest.approx(want["lr"], rel=1e-9)

@@ -1,0 +1,73 @@
+"""Shared set-up for trainer tests: a tiny HF Llama with weights, the demo tokenizer, SFT data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def make_model_dir(root: Path, layers: int = 4) -> Path:
+    """A random-weight Llama (GQA) saved with save_pretrained, plus the demo's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from hpc_mca.assets.demo.make_demo import build_tokenizer, tokenizer_config
+
+    model_dir = root / "model"
+    model_dir.mkdir(parents=True)
+    (model_dir / "tokenizer.json").write_text(build_tokenizer().to_str())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config()))
+    vocab = len(AutoTokenizer.from_pretrained(model_dir))
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    return model_dir
+
+
+def make_sft_data(root: Path, count: int, seed: int, name: str) -> Path:
+    from hpc_mca.data.addition import alpaca_record, make_problems
+
+    path = root / f"{name}.jsonl"
+    with path.open("w") as out:
+        for a, b in make_problems(count, seed=seed, max_digits=3):
+            out.write(json.dumps(alpaca_record(a, b)) + "\n")
+    return path
+
+
+def write_config(root: Path, model_dir: Path, train: Path, evaluation: Path | None = None, **sections) -> Path:
+    config = {
+        "model": {"model_name_or_path": str(model_dir)},
+        "data": {"dataset": [str(train)], "cutoff_len": 32},
+        "finetuning": {"stage": "sft"},
+        "training": {"output_dir": str(root / "run"), "per_device_train_batch_size": 2,
+                     "global_batch_size": 8, "learning_rate": 1e-3, "lr_scheduler_type": "cosine",
+                     "warmup_steps": 2, "max_steps": 10, "logging_steps": 5, "seed": 7},
+    }
+    if evaluation is not None:
+        config["data"]["eval_dataset"] = [str(evaluation)]
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run_train(config: Path, run_dir: Path, nproc: int = 1, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env.update(HPC_MCA_DIST_TIMEOUT="120", PYTHONWARNINGS="ignore")
+    command = TORCHRUN + [f"--nproc-per-node={nproc}", "-m", "hpc_mca"] if nproc > 1 else [sys.executable, "-m", "hpc_mca"]
+    args = [*command, "train", str(config), f"training.output_dir={run_dir}", *overrides]
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def steps(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
