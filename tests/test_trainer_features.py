@@ -1,0 +1,128 @@
+"""Trainer behaviour a user relies on: packing does not change the loss, TensorBoard has the
+scalars, non-finite steps are skipped and counted, bad inputs stop before training."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trainer_fixtures import make_model_dir, make_sft_data, run_train, steps, write_config
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("features")
+    make_model_dir(root, layers=2)
+    make_sft_data(root, 24, seed=3, name="train")
+    make_sft_data(root, 16, seed=4, name="eval")
+    return root
+
+
+def _config(root, **sections):
+    return write_config(root, root / "model", root / "train.jsonl", root / "eval.jsonl", **sections)
+
+
+def _rows(config_path, packing: bool) -> int:
+    from hpc_mca.data.dataset import build_datasets
+    from hpc_mca.trainer.config import load_config
+
+    config = load_config(config_path, [f"data.sequence_packing={str(packing).lower()}",
+                                       "training.global_batch_size=1"]).resolve(1)
+    return len(build_datasets(config).train)
+
+
+@pytest.mark.slow
+def test_packed_and_unpacked_sft_give_the_same_loss_per_step(root):
+    config = _config(root, data={"cutoff_len": 64}, training={"per_device_train_batch_size": 1, "max_steps": 4,
+                                                             "lr_scheduler_type": "constant"})
+    results = {}
+    for packing in (False, True):
+        rows = _rows(config, packing)
+        run_dir = root / f"packing_{packing}"
+        # One step = the whole data set, so both runs see exactly the same documents per step.
+        proc = run_train(config, run_dir, 1, f"data.sequence_packing={str(packing).lower()}",
+                         f"training.global_batch_size={rows}", "data.eval_dataset=null")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results[packing] = (rows, steps(run_dir))
+    (plain_rows, plain), (packed_rows, packed) = results[False], results[True]
+    assert packed_rows < plain_rows  # packing actually packed
+    for a, b in zip(plain, packed):
+        assert a["tokens"] == b["tokens"]
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_tensorboard_scalars_and_progress(root):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = _config(root, training={"max_steps": 4, "logging_steps": 2, "eval_steps": 2})
+    run_dir = root / "tb"
+    proc = run_train(config, run_dir, 1)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "train/skipped_iters",
+            "eval/loss", "eval/accuracy"} <= tags
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4]
+    assert [e.step for e in events.Scalars("eval/loss")] == [2, 4]
+    progress = json.loads((run_dir / "progress.json").read_text())
+    assert progress["step"] == 4 and progress["max_steps"] == 4 and progress["loss"] > 0
+    assert "step 4/4 | loss" in proc.stdout
+    assert (run_dir / "resolved_config.yaml").exists()
+
+
+@pytest.mark.slow
+def test_non_finite_gradients_skip_the_update(root, tmp_path):
+    # A user callback poisons one gradient before the optimizer step of step 2.
+    script = tmp_path / "nan_run.py"
+    script.write_text(
+        "import sys, math\n"
+        "from transformers import TrainerCallback\n"
+        "from hpc_mca.trainer.run import run_training\n"
+        "class Poison(TrainerCallback):\n"
+        "    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):\n"
+        "        if state.global_step == 1:\n"
+        "            model[0].buffers[0].grad_data[0] = float('nan')\n"
+        "if __name__ == '__main__':\n"
+        "    history = run_training(sys.argv[1], sys.argv[2:], callbacks=[Poison()])\n"
+        "    print('SKIPPED', [h.skipped for h in history])\n"
+    )
+    config = _config(root, training={"max_steps": 3, "logging_steps": 1})
+    run_dir = root / "nan"
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(script), str(config),
+                           f"training.output_dir={run_dir}", "data.eval_dataset=null"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "SKIPPED [False, True, False]" in proc.stdout
+    records = steps(run_dir)
+    assert [r["skipped"] for r in records] == [False, True, False]
+    assert records[1]["lr"] == records[0]["lr"]  # the scheduler did not advance on the skipped step
+    assert "skipped 1" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("data.dataset=[/nonexistent/train.jsonl]", "/nonexistent/train.jsonl"),
+        ("trainnig.max_steps=3", "did you mean"),
+        ("training.global_batch_size=7", "global_batch_size/parallel.data_parallel_size=7/1"),
+    ],
+)
+def test_bad_input_is_one_line_before_training(root, override, expected):
+    proc = run_train(_config(root), root / "bad", 1, override, timeout=120)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpc-mca train: error:")]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
+    assert not (root / "bad" / "steps.jsonl").exists()
+
+
+def test_malformed_jsonl_names_file_and_line(root, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text((root / "train.jsonl").read_text().splitlines()[0] + "\n{not json\n")
+    proc = run_train(_config(root), root / "bad_jsonl", 1, f"data.dataset=[{bad}]", timeout=120)
+    assert proc.returncode == 2
+    assert f"{bad}:2:" in proc.stderr
