@@ -39,3 +39,35 @@ def test_unknown_command_names_the_valid_ones():
     proc = subprocess.run([str(script), "smok"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "No such command 'smok'" in proc.stderr
+
+
+OPS_COMMANDS = ("plan", "submit", "status", "logs", "cancel", "tensorboard")
+
+
+def test_operator_commands_never_import_torch(tmp_path: Path):
+    """Login-node commands: --help of each, and a whole `plan` over a run config (which loads
+    the trainer's config module and the planner), import no torch/megatron/transformers."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, '
+        '"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, '
+        '"vocab_size": 128256}')
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model_name_or_path: {model}\ndataset: d.jsonl\nbf16: true\n"
+                      "cutoff_len: 8192\nglobal_batch_size: 64\n")
+    out = _run_python(
+        "import sys\n"
+        "import hpc_mca.cli\n"
+        "from click.testing import CliRunner\n"
+        f"for name in {OPS_COMMANDS!r}:\n"
+        "    result = CliRunner().invoke(hpc_mca.cli.main, [name, '--help'])\n"
+        "    assert result.exit_code == 0, result.output\n"
+        f"result = CliRunner().invoke(hpc_mca.cli.main, ['plan', {str(config)!r}, '--nodes', '2',"
+        " '--sbatch'])\n"
+        "assert result.exit_code == 0, result.output\n"
+        "print(result.output)\n"
+        f"print('HEAVY', sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))\n"
+    )
+    assert "HEAVY []" in out
+    assert "#SBATCH --nodes=2" in out and "TP2 PP1 CP1 DP8" in out

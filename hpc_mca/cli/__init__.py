@@ -13,7 +13,13 @@ import click
 
 # name -> "module:function". One module per command under hpc_mca/cli/.
 _COMMANDS: dict[str, str] = {
+    "cancel": "hpc_mca.cli.cancel:cancel",
+    "logs": "hpc_mca.cli.logs:logs",
+    "plan": "hpc_mca.cli.plan:plan",
     "smoke": "hpc_mca.cli.smoke:smoke",
+    "status": "hpc_mca.cli.status:status",
+    "submit": "hpc_mca.cli.submit:submit",
+    "tensorboard": "hpc_mca.cli.tensorboard:tensorboard",
     "train": "hpc_mca.cli.train:train",
 }
 

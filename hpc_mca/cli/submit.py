@@ -1,0 +1,38 @@
+"""``hpc-mca submit``: plan a job, render its batch script, submit it, write its run dir."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ._options import ops_errors, plan_options, plan_options_from, slurm_options, submit_options_from
+
+
+@click.command()
+@click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("overrides", nargs=-1)
+@plan_options
+@slurm_options
+def submit(config: Path, overrides: tuple[str, ...], **options) -> None:
+    """Submit a training job: every rank runs `hpc-mca train CONFIG OVERRIDES...`.
+
+    The layout is planned from the config's model and the job size (see hpc-mca plan); the
+    run directory <runs root>/<job name>_<job id> gets the script, a manifest, the log and
+    everything the trainer writes.
+    """
+    from hpc_mca.slurm.jobplan import make_job_plan
+    from hpc_mca.slurm.submit import submit as submit_job
+
+    with ops_errors():
+        job = make_job_plan(plan_options_from(options), config, overrides)
+        done = submit_job(job, submit_options_from(options), ["hpc-mca", *sys.argv[1:]])
+    req = job.plan.request
+    click.echo(f"submitted job {done.job_id}: {req.nodes} node(s) × {req.node_size} "
+               f"{req.gpu_spec.name}, {job.plan.layout.describe()}")
+    click.echo(f"  run dir   {done.run_dir}")
+    click.echo(f"  log       {done.log}")
+    click.echo(f"  manifest  {done.manifest}")
+    click.echo(f"  watch     hpc-mca status {done.job_id}  |  hpc-mca logs {done.job_id} -f  |  "
+               f"hpc-mca tensorboard {done.job_id}  |  hpc-mca cancel {done.job_id}")

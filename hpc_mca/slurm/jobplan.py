@@ -1,0 +1,312 @@
+"""From a run config and command-line options to a plan, and from the plan to the trainer's
+overrides.
+
+Precedence for every planner input: a command-line option, else what the config states
+explicitly (its YAML or a ``key=value`` override), else the planner's choice. A parallel size
+set on the command line or in the config is a *forced* layout (the other sizes default to 1);
+the planner then checks it instead of searching. What the planner chose is handed to the
+trainer as ``key=value`` overrides for exactly the keys the user left open, so the trainer
+runs the planned layout and nothing the user wrote is silently replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc_mca.topology import Layout, LayoutError, Plan, PlanRequest, plan
+
+from .errors import OpsError
+
+# CLI layout flag -> trainer config key.
+LAYOUT_KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+               "vp": "virtual_pipeline_model_parallel_size", "cp": "context_parallel_size",
+               "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size"}
+# Defaults used for planning when there is no config (``hpc-mca plan --model ...``).
+DEFAULT_SEQ_LENGTH = 4096
+DEFAULT_SEQUENCES_PER_GPU = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """What ``hpc-mca plan``/``submit`` take on the command line; None = not given."""
+
+    nodes: int = 1
+    gpus_per_node: int | None = None
+    gpu: str = "H100-80GB"
+    gpu_memory_gib: float | None = None
+    model: str | None = None
+    seq_length: int | None = None
+    global_batch_size: int | None = None
+    micro_batch_size: int | None = None
+    stage: str | None = None
+    precision: str | None = None
+    lora: bool | None = None
+    tp: int | None = None
+    pp: int | None = None
+    vp: int | None = None
+    cp: int | None = None
+    ep: int | None = None
+    etp: int | None = None
+    recompute: str | None = None
+    distributed_optimizer: bool | None = None
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """A plan plus what the trainer needs to run it."""
+
+    plan: Plan
+    config_path: Path | None
+    user_overrides: tuple[str, ...]
+    """``key=value`` pairs as given."""
+    plan_overrides: tuple[str, ...]
+    """What the plan and the CLI options add (stage, precision, layout, batch)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.request.world_size
+
+    @property
+    def train_overrides(self) -> list[str]:
+        """Everything ``hpc-mca train`` gets after the config (the run dir is added later)."""
+        return [*self.user_overrides, *self.plan_overrides]
+
+
+def _config_keys(config_path: Path | None, overrides: Iterable[str]) -> set[str]:
+    """Flat names of the config keys the YAML file or the overrides set explicitly."""
+    import yaml
+
+    keys: set[str] = set()
+    if config_path is not None:
+        try:
+            data = yaml.safe_load(config_path.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            data = {}  # load_config reports the problem with its own message
+        for key, value in (data.items() if isinstance(data, dict) else ()):
+            if isinstance(value, dict) and key in ("model", "data", "finetuning", "training",
+                                                   "parallel"):
+                keys.update(str(sub) for sub in value)
+            else:
+                keys.add(str(key).split(".")[-1])
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        parts = key.split(".")
+        keys.add(parts[1] if len(parts) > 1 and parts[0] in (
+            "model", "data", "finetuning", "training", "parallel") else parts[0])
+    return keys
+
+
+def load_train_config(config_path: Path, overrides: Iterable[str]) -> Any:
+    """The trainer's config object (a TrainConfig), with its errors as OpsError."""
+    from hpc_mca.trainer.config import ConfigError, load_config
+
+    if not config_path.is_file():
+        raise OpsError(f"config file {str(config_path)!r} does not exist; valid: a run config "
+                       "YAML (e.g. hpc_mca/assets/demo/sft_addition.yaml)")
+    try:
+        return load_config(config_path, list(overrides))
+    except ConfigError as err:
+        raise OpsError(str(err)) from None
+
+
+def make_job_plan(options: PlanOptions, config_path: Path | None = None,
+                  overrides: Iterable[str] = ()) -> JobPlan:
+    """Plan the job; raise OpsError (one line per problem) for anything wrong."""
+    overrides = tuple(overrides)
+    config = load_train_config(config_path, overrides) if config_path is not None else None
+    explicit = _config_keys(config_path, overrides) if config is not None else set()
+    request = _request(options, config, explicit)
+    try:
+        result = plan(request)
+    except LayoutError as err:
+        raise OpsError(str(err)) from None
+    if result.layout.pipeline_layout is not None and config is not None:
+        raise OpsError(f"the plan splits {request.shape.num_layers} layers unevenly over "
+                       f"PP{result.layout.pp}, which the trainer config cannot express; "
+                       "valid: --pp with a divisor of the layer count, or more nodes")
+    extra = _plan_overrides(result, options, explicit) if config is not None else ()
+    return JobPlan(result, config_path, overrides, tuple(extra))
+
+
+def _request(options: PlanOptions, config: Any, explicit: set[str]) -> PlanRequest:
+    fields: dict[str, Any] = {
+        "nodes": options.nodes, "gpus_per_node": options.gpus_per_node, "gpu": options.gpu,
+        "gpu_memory_gib": options.gpu_memory_gib}
+    if config is not None:
+        fields.update(_from_config(config, explicit, options))
+    fields["model"] = options.model or fields.get("model")
+    if not fields["model"]:
+        raise OpsError("no model: give --model DIR|config.json or a run CONFIG whose "
+                       "model_name_or_path has a config.json")
+    if isinstance(fields["model"], str):
+        fields["model"] = Path(fields["model"]).expanduser()
+    for name in ("seq_length", "global_batch_size", "micro_batch_size", "stage", "precision",
+                 "lora", "recompute"):
+        if getattr(options, name) is not None:
+            fields[name] = getattr(options, name)
+    if options.distributed_optimizer is not None:
+        fields["use_distributed_optimizer"] = options.distributed_optimizer
+    fields.setdefault("seq_length", DEFAULT_SEQ_LENGTH)
+    layout = _forced_layout(options, config, explicit)
+    if layout is not None:
+        fields["layout"] = layout
+    if "global_batch_size" not in fields:
+        world = options.nodes * (options.gpus_per_node or _preset_node_size(options))
+        fields["global_batch_size"] = DEFAULT_SEQUENCES_PER_GPU * max(world, 1)
+    try:
+        return PlanRequest(**fields)
+    except LayoutError as err:
+        raise OpsError(str(err)) from None
+    except TypeError as err:  # a non-numeric value from a hand-made PlanOptions
+        raise OpsError(str(err)) from None
+
+
+def _from_config(config: Any, explicit: set[str], options: PlanOptions) -> dict[str, Any]:
+    """Planner inputs the config states (the caller lets CLI options win)."""
+    tr, par, data, ft = config.training, config.parallel, config.data, config.finetuning
+    fields: dict[str, Any] = {
+        "model": config.model.model_name_or_path or None,
+        "seq_length": data.seq_length or data.cutoff_len,
+        "stage": ft.stage,
+        "precision": "bf16" if tr.bf16 else "fp16" if tr.fp16 else "fp32",
+        "lora": ft.finetuning_type == "lora",
+        "lora_rank": ft.lora_rank,
+        "sequence_packing": data.sequence_packing,
+    }
+    if "per_device_train_batch_size" in explicit:
+        fields["micro_batch_size"] = tr.per_device_train_batch_size
+    if tr.global_batch_size is not None:
+        fields["global_batch_size"] = tr.global_batch_size
+    elif options.global_batch_size is None:
+        # Without a global batch in the config: micro x accumulation x every GPU as a DP rank
+        # (it is then passed to the trainer explicitly, so a model-parallel plan keeps it).
+        world = options.nodes * (options.gpus_per_node or _preset_node_size(options))
+        fields["global_batch_size"] = (tr.per_device_train_batch_size
+                                       * (tr.gradient_accumulation_steps or 1) * world)
+    if "recompute_granularity" in explicit:
+        fields["recompute"] = par.recompute_granularity or "none"
+    if "use_distributed_optimizer" in explicit:
+        fields["use_distributed_optimizer"] = par.use_distributed_optimizer
+    return fields
+
+
+def _preset_node_size(options: PlanOptions) -> int:
+    from hpc_mca.topology import get_gpu
+
+    try:
+        return get_gpu(options.gpu).gpus_per_node
+    except LayoutError as err:
+        raise OpsError(str(err)) from None
+
+
+def _forced_layout(options: PlanOptions, config: Any, explicit: set[str]) -> Layout | None:
+    sizes: dict[str, Any] = {}
+    for flag, key in LAYOUT_KEYS.items():
+        if getattr(options, flag) is not None:
+            sizes[flag] = getattr(options, flag)
+        elif config is not None and key in explicit and getattr(config.parallel, key) is not None:
+            sizes[flag] = getattr(config.parallel, key)
+    if not sizes:
+        return None
+    try:
+        return Layout(**sizes)
+    except LayoutError as err:
+        raise OpsError(str(err)) from None
+
+
+def _plan_overrides(result: Plan, options: PlanOptions, explicit: set[str]) -> list[str]:
+    """``key=value`` for what the CLI set and what the planner chose where the user did not."""
+    lay = result.layout
+    chosen: dict[str, Any] = {
+        "tensor_model_parallel_size": lay.tp, "pipeline_model_parallel_size": lay.pp,
+        "virtual_pipeline_model_parallel_size": lay.vp, "context_parallel_size": lay.cp,
+        "expert_model_parallel_size": lay.ep, "expert_tensor_parallel_size": lay.etp,
+        "per_device_train_batch_size": result.micro_batch_size,
+        "global_batch_size": result.request.global_batch_size,
+        "use_distributed_optimizer": result.use_distributed_optimizer,
+        "sequence_parallel": result.sequence_parallel,
+        **_recompute(result.recompute),
+    }
+    cli_set = {LAYOUT_KEYS[f] for f in LAYOUT_KEYS if getattr(options, f) is not None}
+    if options.micro_batch_size is not None:
+        cli_set.add("per_device_train_batch_size")
+    if options.global_batch_size is not None:
+        cli_set.add("global_batch_size")
+    if options.recompute is not None:
+        cli_set.update(_recompute(options.recompute))
+    if options.distributed_optimizer is not None:
+        cli_set.add("use_distributed_optimizer")
+    out = _stage_precision_lora(options)
+    for key, value in chosen.items():
+        if key in cli_set or key not in explicit:
+            out.append(f"{key}={_yaml(value)}")
+    return out
+
+
+def _recompute(recompute: str) -> dict[str, Any]:
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform",
+                "recompute_num_layers": 1}
+    return {"recompute_granularity": None if recompute == "none" else recompute}
+
+
+def _stage_precision_lora(options: PlanOptions) -> list[str]:
+    out = []
+    if options.stage is not None:
+        out.append(f"stage={options.stage}")
+    if options.precision is not None:
+        if options.precision == "fp8":
+            raise OpsError("precision='fp8' has no trainer setting yet; valid: bf16, fp16, fp32")
+        out += [f"bf16={_yaml(options.precision == 'bf16')}",
+                f"fp16={_yaml(options.precision == 'fp16')}"]
+    if options.lora is not None:
+        out.append(f"finetuning_type={'lora' if options.lora else 'full'}")
+    return out
+
+
+def _yaml(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def check_train_config(job: JobPlan, run_dir: str) -> None:
+    """Resolve the trainer's config as the ranks will (same overrides, same world size), so a
+    config error stops ``submit`` instead of the job."""
+    from hpc_mca.trainer.config import ConfigError
+
+    if job.config_path is None:
+        return
+    config = load_train_config(job.config_path, [*job.train_overrides, f"output_dir={run_dir}"])
+    try:
+        config.resolve(job.world_size)
+    except ConfigError as err:
+        raise OpsError(str(err)) from None
+
+
+def plan_summary(result: Plan) -> dict[str, Any]:
+    """The plan as JSON-ready data (for the manifest)."""
+    req, lay, mem = result.request, result.layout, result.memory
+    layout = dataclasses.asdict(lay)
+    return {
+        "layout": layout, "describe": lay.describe(), "forced": result.forced,
+        "micro_batch_size": result.micro_batch_size, "num_microbatches": result.num_microbatches,
+        "recompute": result.recompute,
+        "use_distributed_optimizer": result.use_distributed_optimizer,
+        "sequence_parallel": result.sequence_parallel,
+        "memory_bytes": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
+                         "activations": mem.activations, "total": mem.total,
+                         "usable": result.usable_bytes},
+        "reason": result.reason,
+        "request": {"nodes": req.nodes, "gpus_per_node": req.node_size, "gpu": req.gpu_spec.name,
+                    "world_size": req.world_size, "model": req.shape.name,
+                    "seq_length": req.seq_length, "global_batch_size": req.global_batch_size,
+                    "stage": req.stage, "precision": req.precision, "lora": req.lora,
+                    "sequence_packing": req.sequence_packing},
+    }

@@ -1,0 +1,307 @@
+"""The batch script of an hpc-mca job, rendered by one pure function.
+
+One source of truth: ``sbatch/train.sbatch`` is :func:`render_script` called with the
+defaults (a test checks the file equals that output; regenerate it with
+``python -m hpc_mca.slurm.script > sbatch/train.sbatch``), and ``hpc-mca submit`` / ``hpc-mca
+plan --sbatch`` call the same function with their values. The two scripts differ only in
+
+* the ``#SBATCH`` lines (from :class:`SbatchOptions`: data, each value quoted for sbatch's
+  parser), and
+* the knob defaults: the template's are shell expressions (``${SLURM_SUBMIT_DIR}/runs``), the
+  CLI's are literal single-quoted strings (``'/scratch/me/runs'``); every knob stays
+  ``NAME=${NAME:-default}``, so an exported variable still wins, and
+* the rank arguments: the CLI bakes its config and overrides in (``set -- ...``, used when
+  the script is submitted without arguments); the template takes them from ``sbatch ...
+  train.sbatch CONFIG [key=value ...]``.
+
+Everything else (checks, run directory, signal hook, banner, ``srun``, exit code) is the
+constant body below, so a fix there reaches both.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .errors import OpsError
+from .quoting import directive_quote, shell_quote
+
+TEMPLATE_PATH = "sbatch/train.sbatch"
+"""Where the rendered default lives, relative to the repository root."""
+
+RUN_DIR_PATTERN = "%x_%j"
+"""Run directory name under the runs root: job name and job id (as in the log names)."""
+
+SIGNAL = "USR1"
+"""The lead-time signal Slurm sends the batch shell (``--signal=B:USR1@<lead>``)."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    """An environment variable the batch script reads, with its template default."""
+
+    name: str
+    default: str
+    """Shell expression used when neither the environment nor the CLI sets the knob."""
+    doc: str
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("HPC_MCA_HOME", "${SLURM_SUBMIT_DIR:-$PWD}",
+         "hpc-mca checkout whose bin/hpc-mca-rank starts each rank (module load sets it)"),
+    Knob("HPC_MCA_RANK_CMD", "train",
+         "hpc-mca subcommand every rank runs: train, or e.g. smoke for a quick cluster check"),
+    Knob("HPC_MCA_RUNS_ROOT", "${SLURM_SUBMIT_DIR:-$PWD}/runs",
+         "where run directories are created"),
+    Knob("HPC_MCA_RUN_DIR", "${HPC_MCA_RUNS_ROOT}/${SLURM_JOB_NAME}_${SLURM_JOB_ID}",
+         "this run's directory (train's output_dir; a continuation job passes the old one)"),
+    Knob("HPC_MCA_VENV", "",
+         "virtual environment of the ranks (empty: $HPC_MCA_HOME/.venv; see bin/hpc-mca-rank)"),
+    Knob("HPC_MCA_FORWARD_SIGNAL", "",
+         "signal to send the ranks when the lead-time signal arrives, e.g. USR1 (empty: "
+         "only record it in $HPC_MCA_RUN_DIR/signal_received)"),
+)
+KNOB_NAMES = tuple(k.name for k in KNOBS)
+
+# Directives the renderer writes itself; --sbatch-arg may not repeat them.
+_MANAGED = ("job-name", "nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "time",
+            "partition", "account", "qos", "signal", "requeue", "no-requeue", "open-mode",
+            "output", "error", "hold")
+_EXTRA = re.compile(r"--([a-z][a-z0-9-]*)(?:=(.*))?", re.DOTALL)
+_COMMAND = re.compile(r"[a-z][a-z0-9-]*")
+
+
+@dataclass(frozen=True)
+class SbatchOptions:
+    """The ``#SBATCH`` lines; ``None`` leaves a directive out (the site default applies)."""
+
+    job_name: str = "hpc-mca"
+    nodes: int = 1
+    ntasks_per_node: int = 1
+    """Ranks per node: one per GPU."""
+    gpus_per_node: int | None = None
+    """GPUs to request per node (None on CPU-only partitions)."""
+    cpus_per_task: int | None = None
+    time: str | None = "01:00:00"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    signal_lead_s: int = 120
+    """Seconds before the time limit at which the batch shell gets SIGUSR1 (Slurm checks
+    every 30 s, so it may come up to ~60 s earlier)."""
+    output: str = "%x_%j.out"
+    """Log path as a Slurm filename pattern (stdout and stderr together, appended on requeue)."""
+    extra: tuple[str, ...] = ()
+    """Further directives, each ``--name`` or ``--name=value`` (e.g. ``--exclusive``)."""
+
+    def directives(self) -> list[tuple[str, str | None]]:
+        """``(name, value)`` pairs in script order; a None value is a bare flag."""
+        pairs: list[tuple[str, str | None]] = [
+            ("job-name", self.job_name), ("nodes", str(self.nodes)),
+            ("ntasks-per-node", str(self.ntasks_per_node))]
+        optional = (("gpus-per-node", self.gpus_per_node), ("cpus-per-task", self.cpus_per_task),
+                    ("time", self.time), ("partition", self.partition),
+                    ("account", self.account), ("qos", self.qos))
+        pairs += [(name, str(value)) for name, value in optional if value is not None]
+        pairs += [("signal", f"B:{SIGNAL}@{self.signal_lead_s}"), ("requeue", None),
+                  ("open-mode", "append"), ("output", self.output)]
+        return pairs + [_parse_extra(arg) for arg in self.extra]
+
+
+def _parse_extra(arg: str) -> tuple[str, str | None]:
+    match = _EXTRA.fullmatch(arg)
+    if match is None:
+        raise OpsError(f"sbatch argument {arg!r} is not --name or --name=value")
+    name, value = match.group(1), match.group(2)
+    if name in _MANAGED:
+        raise OpsError(f"sbatch argument --{name} is set by hpc-mca itself; valid: its own "
+                       "option (--job-name, --nodes, --time, --partition, ...) or another "
+                       "sbatch option")
+    return name, value
+
+
+def _check(options: SbatchOptions) -> None:
+    for name in ("nodes", "ntasks_per_node", "gpus_per_node", "cpus_per_task"):
+        value = getattr(options, name)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise OpsError(f"{name}={value!r} must be a positive integer")
+    if not isinstance(options.signal_lead_s, int) or options.signal_lead_s < 1:
+        raise OpsError(f"signal_lead_s={options.signal_lead_s!r} must be a positive integer "
+                       "number of seconds")
+    if not options.job_name or "/" in options.job_name:
+        raise OpsError(f"job_name={options.job_name!r} must be non-empty and without '/' "
+                       "(it names the run directory)")
+
+
+def render_script(options: SbatchOptions = SbatchOptions(),
+                  knob_values: Mapping[str, str] | None = None,
+                  rank_args: Sequence[str] | None = None) -> str:
+    """The batch script for ``options``.
+
+    ``knob_values`` replaces knob defaults with literal strings (quoted); ``rank_args`` are
+    baked in as the arguments used when the script is submitted without any. Raises OpsError
+    for values no script can carry (newlines in directives, unknown knobs, ...).
+    """
+    _check(options)
+    values = dict(knob_values or {})
+    unknown = sorted(set(values) - set(KNOB_NAMES))
+    if unknown:
+        raise OpsError(f"unknown knob(s) {', '.join(unknown)}; valid: {', '.join(KNOB_NAMES)}")
+    command = values.get("HPC_MCA_RANK_CMD")
+    if command is not None and not _COMMAND.fullmatch(command):
+        raise OpsError(f"rank command {command!r} is not an hpc-mca subcommand name; "
+                       "valid: e.g. train, smoke")
+    literal = bool(values) or rank_args is not None
+    parts = [_header(literal) + "\n", _sbatch_lines(options) + "\n", _BODY_START, _knob_lines(values),
+             _baked_args(rank_args), _BODY]
+    return "\n".join(part for part in parts if part)
+
+
+def _header(literal: bool) -> str:
+    lines = ["#!/bin/bash"]
+    if literal:
+        lines.append("# shellcheck disable=SC2016  # the values below are literal strings, "
+                     "single-quoted on purpose")
+    lines += _USAGE.splitlines()
+    width = max(len(k.name) for k in KNOBS)
+    for knob in KNOBS:
+        wrapped = textwrap.wrap(knob.doc, 96 - width - 6)
+        lines.append(f"#   {knob.name:<{width}}  {wrapped[0]}")
+        lines += [f"#   {'':<{width}}  {more}" for more in wrapped[1:]]
+    lines += _USAGE_TAIL.splitlines()
+    return "\n".join(lines)
+
+
+def _sbatch_lines(options: SbatchOptions) -> str:
+    return "\n".join(
+        f"#SBATCH --{name}" if value is None
+        else f"#SBATCH --{name}={directive_quote(value, f'--{name}')}"
+        for name, value in options.directives())
+
+
+def _knob_lines(values: Mapping[str, str]) -> str:
+    lines = ["# --- configuration (knobs: an exported variable wins over the default) ---------"]
+    for knob in KNOBS:
+        default = shell_quote(values[knob.name]) if knob.name in values else knob.default
+        if default == "''":
+            default = ""
+        lines.append(f"{knob.name}=${{{knob.name}:-{default}}}")
+    lines.append("export " + " ".join(KNOB_NAMES))
+    return "\n".join(lines) + "\n"
+
+
+def _baked_args(rank_args: Sequence[str] | None) -> str:
+    if rank_args is None:
+        return ""
+    words = " ".join(shell_quote(arg) for arg in rank_args)
+    return ("# Rank arguments from hpc-mca submit (used when the script gets none).\n"
+            "if (($# == 0)); then\n"
+            f"    set -- {words}\n"
+            "fi\n")
+
+
+_USAGE = """\
+#
+# hpc-mca training job: every task of the allocation runs one hpc-mca rank through
+# bin/hpc-mca-rank (python -m hpc_mca $HPC_MCA_RANK_CMD ...). Ranks = SLURM_NTASKS and
+# nodes = SLURM_JOB_NUM_NODES: set them on the sbatch line, never here.
+#
+# Usage (no hpc-mca CLI needed; sbatch options and SBATCH_* variables win over the lines below):
+#   sbatch --nodes 2 --ntasks-per-node 8 --gpus-per-node 8 sbatch/train.sbatch CONFIG.yaml [key=value ...]
+#   HPC_MCA_RANK_CMD=smoke sbatch --nodes 2 --ntasks-per-node 2 sbatch/train.sbatch --tp 2
+# Arguments go to the rank command: for train, the run config and key=value overrides, with
+# output_dir=<run dir> appended; any other command gets them as its own options.
+#
+# The lead-time signal (--signal=B:USR1@lead) reaches only this shell: it appends a line to
+# $HPC_MCA_RUN_DIR/signal_received (exported to the ranks as HPC_MCA_SIGNAL_FILE) and, if
+# HPC_MCA_FORWARD_SIGNAL is set, sends that signal to the ranks (scancel --signal). TERM is
+# recorded the same way. The job is --requeue'able; its log is appended to across requeues.
+#
+# Knobs (environment variables):"""
+
+_USAGE_TAIL = """\
+# bin/hpc-mca-rank reads more on every node: HPC_MCA_PYTHON, HPC_MCA_MODULES and the
+# container wrapper HPC_MCA_CONTAINER_RUNTIME (apptainer|singularity|enroot),
+# HPC_MCA_CONTAINER_IMAGE, HPC_MCA_CONTAINER_MOUNTS.
+#
+# Rendered by hpc_mca/slurm/script.py (hpc-mca submit renders the same template)."""
+
+_BODY_START = """\
+set -euo pipefail
+
+if [[ -z "${SLURM_JOB_ID:-}" ]]; then
+    echo "hpc-mca: run this script with sbatch (SLURM_JOB_ID is not set)" >&2
+    exit 2
+fi
+"""
+
+_BODY = r"""# --- environment ------------------------------------------------------------------------
+launcher="${HPC_MCA_HOME}/bin/hpc-mca-rank"
+if [[ ! -x "${launcher}" ]]; then
+    echo "hpc-mca: ${launcher} not found: set HPC_MCA_HOME to the hpc-mca checkout" \
+        "(or: module load hpc-mca)" >&2
+    exit 2
+fi
+rank_args=("${HPC_MCA_RANK_CMD}" "$@")
+if [[ "${HPC_MCA_RANK_CMD}" == train ]]; then
+    if (($# == 0)) || [[ ! -f "$1" ]]; then
+        echo "hpc-mca: usage: sbatch [options] train.sbatch CONFIG.yaml [key=value ...]" \
+            "(config file '${1:-}' not found)" >&2
+        exit 2
+    fi
+    rank_args+=("output_dir=${HPC_MCA_RUN_DIR}")
+fi
+mkdir -p "${HPC_MCA_RUN_DIR}"
+export HPC_MCA_SIGNAL_FILE="${HPC_MCA_RUN_DIR}/signal_received"
+rm -f "${HPC_MCA_SIGNAL_FILE}"  # a request belongs to the run that received it
+
+# --- banner -------------------------------------------------------------------------------
+started=${SECONDS}
+banner() { printf 'hpc-mca | %-14s %s\n' "$1" "$2"; }
+banner "job" "${SLURM_JOB_ID} (${SLURM_JOB_NAME:-}) restart ${SLURM_RESTART_COUNT:-0}"
+banner "nodes" "${SLURM_JOB_NUM_NODES:-?}: ${SLURM_JOB_NODELIST:-?}"
+banner "ranks" "${SLURM_NTASKS:-?} (${SLURM_NTASKS_PER_NODE:-?} per node)"
+banner "run dir" "${HPC_MCA_RUN_DIR}"
+banner "hpc-mca home" "${HPC_MCA_HOME}"
+banner "container" "${HPC_MCA_CONTAINER_RUNTIME:-none} ${HPC_MCA_CONTAINER_IMAGE:-}"
+banner "rank command" "$(printf '%q ' "${rank_args[@]}")"
+banner "start" "$(date '+%Y-%m-%d %H:%M:%S %Z') on $(hostname)"
+
+# --- execution ----------------------------------------------------------------------------
+interrupted=0
+# shellcheck disable=SC2317  # invoked by the traps below
+on_signal() {  # the hook for a requeue protocol: record the request, optionally forward it
+    interrupted=1
+    printf '%s %s job=%s restart=%s\n' "$1" "$(date +%s)" "${SLURM_JOB_ID}" \
+        "${SLURM_RESTART_COUNT:-0}" >>"${HPC_MCA_SIGNAL_FILE}"
+    banner "signal" "SIG$1 at $(date '+%H:%M:%S'); recorded in ${HPC_MCA_SIGNAL_FILE}"
+    if [[ "$1" == USR1 && -n "${HPC_MCA_FORWARD_SIGNAL}" ]]; then
+        scancel --signal="${HPC_MCA_FORWARD_SIGNAL}" "${SLURM_JOB_ID}" || true
+    fi
+}
+trap 'on_signal USR1' USR1
+trap 'on_signal TERM' TERM
+
+# srun runs in the background so the traps fire at once; wait again after each signal.
+srun --unbuffered --kill-on-bad-exit=1 "${launcher}" "${rank_args[@]}" &
+srun_pid=$!
+while true; do
+    interrupted=0
+    rc=0
+    wait "${srun_pid}" || rc=$?
+    ((interrupted)) || break
+done
+banner "end" "exit code ${rc} after $((SECONDS - started)) s"
+exit "${rc}"
+"""
+
+
+def default_script() -> str:
+    """The raw template: what ``sbatch/train.sbatch`` holds."""
+    return render_script()
+
+
+if __name__ == "__main__":
+    print(default_script(), end="")

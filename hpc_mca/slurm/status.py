@@ -1,0 +1,153 @@
+"""``hpc-mca status``: Slurm's view of a job joined with the progress its run dir reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import commands
+from .commands import JobState
+from .errors import OpsError
+from .manifest import Run, find_run, iter_manifests, run_from_manifest
+from .progress import Progress, read_progress
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    job_id: str | None
+    job: JobState | None
+    """None when Slurm no longer (or not yet) knows the job."""
+    run: Run | None
+    progress: Progress | None
+
+    @property
+    def state(self) -> str:
+        if self.job is not None:
+            return self.job.state
+        return "FINISHED?" if self.progress and self.progress.finished else "UNKNOWN"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id, "state": self.state,
+            "job": dataclasses.asdict(self.job) if self.job else None,
+            "run_dir": str(self.run.run_dir) if self.run else None,
+            "log": str(self.run.log) if self.run and self.run.log else None,
+            "progress": dataclasses.asdict(self.progress) if self.progress else None,
+        }
+
+
+def job_status(job_id: str, runs_root: Path) -> RunStatus:
+    """Status of one job (its run found by manifest, else from Slurm's record)."""
+    job_id = commands.check_job_id(job_id)
+    job = commands.job_state(job_id)
+    try:
+        run = find_run(job_id, runs_root)
+    except OpsError:
+        if job is None:
+            raise OpsError(f"job {job_id} is unknown to Slurm (squeue, sacct) and no run "
+                           f"manifest under {runs_root} names it") from None
+        run = None
+    progress = read_progress(run.run_dir) if run is not None else None
+    return RunStatus(job_id, job, run, progress)
+
+
+def recent_statuses(runs_root: Path, limit: int = 10) -> list[RunStatus]:
+    """The newest ``limit`` runs under ``runs_root`` (by submit time), with their jobs."""
+    found = []
+    for run_dir, manifest in iter_manifests(runs_root):
+        found.append((str(manifest.get("submit_time", "")), run_dir, manifest))
+    found.sort(key=lambda item: item[0], reverse=True)
+    out = []
+    for _, run_dir, manifest in found[:limit]:
+        run = run_from_manifest(run_dir, manifest)
+        job = commands.job_state(run.job_id) if run.job_id else None
+        out.append(RunStatus(run.job_id, job, run, read_progress(run_dir)))
+    return out
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(max(0, seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def _ago(stamp: float | None, now: float) -> str:
+    return "?" if stamp is None else f"{_duration(now - stamp)} ago"
+
+
+def progress_text(progress: Progress | None, now: float | None = None) -> str:
+    """``step 40/200 (20%) | loss 1.2345 | tokens/s 12,345 | ETA 3m10s | updated 5s ago``."""
+    if progress is None:
+        return "no progress reported yet"
+    now = time.time() if now is None else now
+    parts = []
+    if progress.step is not None:
+        total = f"/{progress.max_steps}" if progress.max_steps else ""
+        pct = f" ({progress.fraction:.0%})" if progress.fraction is not None else ""
+        parts.append(f"step {progress.step}{total}{pct}")
+    if progress.loss is not None:
+        parts.append(f"loss {progress.loss:.4f}")
+    if progress.eval_loss is not None:
+        parts.append(f"eval loss {progress.eval_loss:.4f}")
+    if progress.tokens_per_s is not None:
+        parts.append(f"tokens/s {progress.tokens_per_s:,.0f}")
+    if progress.finished:
+        parts.append("finished")
+    elif progress.eta_s is not None:
+        parts.append(f"ETA {_duration(progress.eta_s)}")
+    parts.append(f"updated {_ago(progress.updated, now)}")
+    return " | ".join(parts)
+
+
+def checkpoint_text(progress: Progress | None, now: float | None = None) -> str:
+    ckpt = progress.last_checkpoint if progress else None
+    if ckpt is None:
+        return "none reported"
+    now = time.time() if now is None else now
+    step = f"step {ckpt.step}" if ckpt.step is not None else "step ?"
+    return f"{step}: {ckpt.path or '?'} ({_ago(ckpt.time, now)})"
+
+
+def format_status(status: RunStatus, now: float | None = None) -> str:
+    """The detailed, multi-line view of one job."""
+    job = status.job
+    if job is not None:
+        reason = f" ({job.reason})" if job.reason else ""
+        exit_code = f" exit {job.exit_code}" if job.finished and job.exit_code else ""
+        head = (f"job {status.job_id}  {job.name}  {job.state}{reason}{exit_code}  "
+                f"elapsed {job.elapsed} of {job.time_limit}  nodes {job.nodes}"
+                f"{' (' + job.node_list + ')' if job.node_list and job.node_list != 'None assigned' else ''}"
+                f"  requeues {job.requeues}")
+    else:
+        head = f"job {status.job_id}  {status.state} (Slurm has no record of it)"
+    lines = [head]
+    if status.run is not None:
+        lines.append(f"  run dir     {status.run.run_dir}")
+    lines.append(f"  progress    {progress_text(status.progress, now)}")
+    lines.append(f"  checkpoint  {checkpoint_text(status.progress, now)}")
+    if status.run is not None and status.run.log is not None:
+        lines.append(f"  log         {status.run.log}")
+    return "\n".join(lines)
+
+
+def format_table(statuses: list[RunStatus], now: float | None = None) -> str:
+    """One line per run, newest first."""
+    if not statuses:
+        return "no runs"
+    rows = [("JOBID", "STATE", "STEP", "LOSS", "ETA", "RUN DIR")]
+    for st in statuses:
+        p = st.progress
+        step = "-" if p is None or p.step is None else (
+            f"{p.step}/{p.max_steps}" if p.max_steps else str(p.step))
+        loss = "-" if p is None or p.loss is None else f"{p.loss:.4f}"
+        eta = "-" if p is None or p.eta_s is None else _duration(p.eta_s)
+        rows.append((st.job_id or "?", st.state, step, loss, eta,
+                     str(st.run.run_dir) if st.run else "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[5]
+                     for row in rows)

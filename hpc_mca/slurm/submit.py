@@ -1,0 +1,161 @@
+"""``hpc-mca submit``: plan, render, submit held, write the run dir, release.
+
+The job is submitted with ``--hold`` so that its run directory (named ``<job name>_<job id>``,
+like its log) and manifest exist before it can start; then it is released. If anything fails
+between the two, the held job is cancelled: nothing is left queued.
+"""
+
+from __future__ import annotations
+
+import datetime
+import getpass
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import hpc_mca
+
+from . import commands
+from .errors import OpsError
+from .jobplan import JobPlan, check_train_config, plan_summary
+from .manifest import write_manifest
+from .quoting import filename_pattern
+from .script import RUN_DIR_PATTERN, SbatchOptions, render_script
+
+REPO_ROOT = Path(hpc_mca.__file__).resolve().parents[1]
+"""The checkout the CLI runs from (its bin/hpc-mca-rank starts the ranks)."""
+SCRIPT_FILE = "job.sbatch"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubmitOptions:
+    """Slurm-side options of ``plan --sbatch`` and ``submit``."""
+
+    runs_root: Path
+    job_name: str | None = None
+    """Default: the config file's stem (e.g. sft_addition)."""
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str | None = "01:00:00"
+    cpus_per_task: int | None = None
+    signal_lead_s: int = 120
+    sbatch_args: tuple[str, ...] = ()
+    rank_command: tuple[str, ...] = ("train",)
+    """hpc-mca subcommand (and, for anything but train, its arguments) every rank runs."""
+    home: Path = REPO_ROOT
+    venv: str | None = sys.prefix if sys.prefix != sys.base_prefix else None
+
+
+@dataclass(frozen=True)
+class RenderedJob:
+    script: str
+    sbatch: SbatchOptions
+    knobs: dict[str, str]
+    rank_args: tuple[str, ...]
+    """Arguments after the rank command (the train config, overrides)."""
+    job_name: str
+    runs_root: Path
+
+    @property
+    def rank_command(self) -> str:
+        return self.knobs["HPC_MCA_RANK_CMD"]
+
+    def run_dir(self, job_id: str) -> Path:
+        return self.runs_root / f"{self.job_name}_{job_id}"
+
+    def log(self, job_id: str) -> Path:
+        return self.run_dir(job_id) / f"{self.job_name}_{job_id}.out"
+
+
+def render_job(job: JobPlan, options: SubmitOptions) -> RenderedJob:
+    """The batch script for ``job`` (pure: no file or Slurm is touched)."""
+    if not options.rank_command:
+        raise OpsError("rank command is empty; valid: train, or e.g. 'smoke --tp 2'")
+    command, *command_args = options.rank_command
+    if command == "train":
+        if job.config_path is None:
+            raise OpsError("the train rank command needs a run CONFIG (hpc-mca plan --sbatch "
+                           "CONFIG.yaml ...)")
+        rank_args = (str(job.config_path.absolute()), *command_args, *job.train_overrides)
+    else:
+        rank_args = tuple(command_args)
+    name = options.job_name or (job.config_path.stem if job.config_path else command)
+    runs_root = options.runs_root.expanduser().absolute()
+    req = job.plan.request
+    gpu = req.gpu_spec.name.split(" ")[0] != "CPU"
+    sbatch = SbatchOptions(
+        job_name=name, nodes=req.nodes, ntasks_per_node=req.node_size,
+        gpus_per_node=req.node_size if gpu else None, cpus_per_task=options.cpus_per_task,
+        time=options.time, partition=options.partition, account=options.account,
+        qos=options.qos, signal_lead_s=options.signal_lead_s,
+        output=f"{filename_pattern(str(runs_root), 'runs root')}/{RUN_DIR_PATTERN}/"
+               f"{RUN_DIR_PATTERN}.out",
+        extra=tuple(options.sbatch_args))
+    knobs = {"HPC_MCA_HOME": str(options.home), "HPC_MCA_RANK_CMD": command,
+             "HPC_MCA_RUNS_ROOT": str(runs_root)}
+    if options.venv:
+        knobs["HPC_MCA_VENV"] = options.venv
+    script = render_script(sbatch, knobs, rank_args)
+    return RenderedJob(script, sbatch, knobs, rank_args, name, runs_root)
+
+
+@dataclass(frozen=True)
+class Submitted:
+    job_id: str
+    run_dir: Path
+    log: Path
+    manifest: Path
+
+
+def submit(job: JobPlan, options: SubmitOptions, argv: Sequence[str]) -> Submitted:
+    """Submit ``job``; returns where it lives. Raises OpsError with nothing left queued."""
+    rendered = render_job(job, options)
+    if rendered.rank_command == "train":
+        check_train_config(job, str(rendered.run_dir("0")))
+    rendered.runs_root.mkdir(parents=True, exist_ok=True)
+    env = commands.sbatch_env(drop=[*rendered.knobs, "HPC_MCA_RUN_DIR"])
+    done = commands.run(["sbatch", "--parsable", "--hold"], stdin=rendered.script, env=env)
+    job_id = done.stdout.strip().split(";")[0]
+    try:
+        commands.check_job_id(job_id)
+        run_dir = rendered.run_dir(job_id)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        script = run_dir / SCRIPT_FILE
+        script.write_text(rendered.script)
+        manifest = write_manifest(run_dir, _manifest(job, rendered, job_id, argv))
+        commands.run(["scontrol", "release", job_id])
+    except BaseException:
+        if job_id:
+            commands.run(["scancel", job_id], check=False)
+        raise
+    return Submitted(job_id, run_dir, rendered.log(job_id), manifest)
+
+
+def _manifest(job: JobPlan, rendered: RenderedJob, job_id: str, argv: Sequence[str]) -> dict:
+    run_dir = rendered.run_dir(job_id)
+    rank = [rendered.rank_command, *rendered.rank_args]
+    if rendered.rank_command == "train":
+        rank.append(f"output_dir={run_dir}")
+    return {
+        "job_id": job_id, "job_name": rendered.job_name, "run_dir": str(run_dir),
+        "runs_root": str(rendered.runs_root), "log": str(rendered.log(job_id)),
+        "script": str(run_dir / SCRIPT_FILE),
+        "config": str(job.config_path.absolute()) if job.config_path else None,
+        "overrides": list(job.user_overrides), "resolved_overrides": job.train_overrides,
+        "rank_command": rank, "plan": plan_summary(job.plan),
+        "sbatch": asdict(rendered.sbatch), "knobs": rendered.knobs,
+        "submit_time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "submit_host": socket.gethostname(), "user": _user(), "cwd": os.getcwd(),
+        "command": list(argv),
+    }
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())

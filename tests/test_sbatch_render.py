@@ -1,0 +1,283 @@
+"""The batch script renderer: golden files, quoting of hostile values, shellcheck, and the
+script's behaviour run by bash with stand-ins for srun/scancel (no Slurm needed here; the real
+cluster runs it in tests/test_submit_slurm.py).
+
+Regenerate the golden files after an intended change with
+``HPC_MCA_UPDATE_GOLDEN=1 .venv/bin/pytest tests/test_sbatch_render.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_mca.slurm.errors import OpsError
+from hpc_mca.slurm.quoting import directive_quote, filename_pattern, shell_quote
+from hpc_mca.slurm.script import KNOB_NAMES, TEMPLATE_PATH, SbatchOptions, render_script
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = REPO / "tests" / "golden" / "sbatch"
+HOSTILE = "it's a \"job\"; $(touch pwned) `id` & #1 \\ %x"
+
+GPU_JOB = dict(
+    options=SbatchOptions(job_name="llama3-8b_pt", nodes=16, ntasks_per_node=8, gpus_per_node=8,
+                          cpus_per_task=12, time="2-00:00:00", partition="gpu", account="proj42",
+                          qos="normal", signal_lead_s=300,
+                          output="/scratch/me/runs/%x_%j/%x_%j.out",
+                          extra=("--exclusive", "--constraint=h100&ib")),
+    knob_values={"HPC_MCA_HOME": "/opt/hpc-mca", "HPC_MCA_RANK_CMD": "train",
+                 "HPC_MCA_RUNS_ROOT": "/scratch/me/runs", "HPC_MCA_VENV": "/opt/hpc-mca/.venv"},
+    rank_args=["/home/me/llama3_8b.yaml", "learning_rate=3e-4", "tensor_model_parallel_size=4",
+               "pipeline_model_parallel_size=2", "context_parallel_size=2"],
+)
+HOSTILE_ROOT = "/scratch/my runs/o'brien/$(rm -rf ~)/100%"
+HOSTILE_JOB = dict(
+    options=SbatchOptions(job_name=HOSTILE, nodes=2, ntasks_per_node=2,
+                          output=f"{filename_pattern(HOSTILE_ROOT)}/%x_%j/%x_%j.out",
+                          extra=(f"--comment={HOSTILE}",)),
+    knob_values={"HPC_MCA_HOME": "/opt/hpc mca/$(x)", "HPC_MCA_RANK_CMD": "train",
+                 "HPC_MCA_RUNS_ROOT": HOSTILE_ROOT},
+    rank_args=["/home/me/my config's.yaml", f"text_field={HOSTILE}", "tokenizer_name_or_path=a;b",
+               "eval_dataset=", "--not-an-option", "*"],
+)
+CASES = {"train.sbatch": dict(), "cli_gpu.sbatch": GPU_JOB, "cli_hostile.sbatch": HOSTILE_JOB}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden(name: str) -> None:
+    text = render_script(**CASES[name])
+    golden = GOLDEN / name
+    if os.environ.get("HPC_MCA_UPDATE_GOLDEN"):
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(text)
+    assert golden.read_text() == text, f"{golden} is stale (HPC_MCA_UPDATE_GOLDEN=1 rewrites it)"
+
+
+def test_template_file_is_the_renderers_default() -> None:
+    """One source of truth: sbatch/train.sbatch is render_script() with the defaults."""
+    assert (REPO / TEMPLATE_PATH).read_text() == render_script(), (
+        "sbatch/train.sbatch is stale: .venv/bin/python -m hpc_mca.slurm.script > "
+        "sbatch/train.sbatch")
+    assert os.access(REPO / TEMPLATE_PATH, os.X_OK)
+
+
+def test_cli_and_template_share_the_body() -> None:
+    """Everything after the knobs is the same text in both scripts."""
+    raw, cli = render_script(), render_script(**GPU_JOB)
+    body = raw[raw.index("# --- environment"):]
+    assert cli.endswith(body)
+
+
+def _shellcheck() -> str:
+    found = shutil.which("shellcheck")
+    if found is None:
+        pytest.skip("shellcheck is not installed (bin/test installs it)")
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rendered_scripts_are_shellcheck_clean(name: str, tmp_path: Path) -> None:
+    script = tmp_path / name
+    script.write_text(render_script(**CASES[name]))
+    done = subprocess.run([_shellcheck(), str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
+
+
+# --- quoting -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [HOSTILE, "plain", "", "a b", "x'y", 'x"y', "a\\b", "#", "é ü"])
+def test_shell_quote_round_trips_through_bash(value: str) -> None:
+    done = subprocess.run(["bash", "-c", f"printf '%s' {shell_quote(value)}"],
+                          capture_output=True, text=True, check=True)
+    assert done.stdout == value
+
+
+def _sbatch_parse(text: str) -> str:
+    """sbatch's #SBATCH argument parser, as Slurm 22.05 implements it (quotes toggle,
+    backslash escapes everywhere, unquoted # ends the line); checked against the real sbatch
+    in tests/test_submit_slurm.py::test_hostile_strings_reach_slurm_and_ranks_intact."""
+    out, quote, escape = [], None, False
+    for ch in text:
+        if escape:
+            out.append(ch)
+            escape = False
+        elif ch == "\\":
+            escape = True
+        elif quote:
+            if ch == quote:
+                quote = None
+            else:
+                out.append(ch)
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" or ch.isspace():
+            break
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+@pytest.mark.parametrize("value", [HOSTILE, "plain", "a b", "x'y", 'x"y', "a\\b", "#x", "B:USR1@9"])
+def test_directive_quote_reads_back(value: str) -> None:
+    assert _sbatch_parse(directive_quote(value)) == value
+
+
+def test_refused_values() -> None:
+    with pytest.raises(OpsError, match="newline"):
+        render_script(SbatchOptions(job_name="a\nb"))
+    with pytest.raises(OpsError, match="without '/'"):
+        render_script(SbatchOptions(job_name="a/b"))
+    with pytest.raises(OpsError, match="set by hpc-mca itself"):
+        render_script(SbatchOptions(extra=("--output=x",)))
+    with pytest.raises(OpsError, match="not --name"):
+        render_script(SbatchOptions(extra=("exclusive",)))
+    with pytest.raises(OpsError, match="backslash"):
+        filename_pattern("/a\\b")
+    with pytest.raises(OpsError, match="unknown knob"):
+        render_script(knob_values={"HPC_MCA_NOPE": "1"})
+    with pytest.raises(OpsError, match="subcommand"):
+        render_script(knob_values={"HPC_MCA_RANK_CMD": "train; rm"})
+    assert filename_pattern("/runs/100%") == "/runs/100%%"
+
+
+# --- the script under bash, with stand-ins for srun and scancel ---------------------------
+
+FAKE_SRUN = """#!/bin/bash
+printf '%s\\0' "$@" >"${FAKE_DIR}/srun.args"
+env >"${FAKE_DIR}/srun.env"
+while [[ -e "${FAKE_DIR}/hold" ]]; do sleep 0.05; done
+exit "${FAKE_SRUN_EXIT:-0}"
+"""
+FAKE_SCANCEL = """#!/bin/bash
+printf '%s\\0' "$@" >>"${FAKE_DIR}/scancel.args"
+"""
+
+
+def _fake_slurm(tmp_path: Path) -> dict[str, str]:
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL)):
+        (fake / name).write_text(text)
+        (fake / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HPC_MCA_"))}
+    env.update(PATH=f"{fake}:{env['PATH']}", FAKE_DIR=str(fake), SLURM_JOB_ID="4242",
+               SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_NUM_NODES="2", SLURM_NTASKS="4",
+               SLURM_NTASKS_PER_NODE="2", SLURM_JOB_NODELIST="n[1-2]")
+    return env
+
+
+def _start(script_text: str, tmp_path: Path, args: list[str], env: dict[str, str]):
+    script = tmp_path / "job.sbatch"
+    script.write_text(script_text)
+    return subprocess.Popen(["bash", str(script), *args], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _srun_args(env: dict[str, str]) -> list[str]:
+    return (Path(env["FAKE_DIR"]) / "srun.args").read_text().split("\0")[:-1]
+
+
+def test_hostile_values_reach_srun_intact(tmp_path: Path) -> None:
+    env = _fake_slurm(tmp_path)
+    env["SLURM_JOB_NAME"] = HOSTILE
+    knobs = {**HOSTILE_JOB["knob_values"], "HPC_MCA_HOME": str(REPO),
+             "HPC_MCA_RUNS_ROOT": str(tmp_path / "my runs" / "$(touch pwned)")}
+    config = tmp_path / "my config's.yaml"
+    config.write_text("{}\n")
+    rank_args = [str(config), *HOSTILE_JOB["rank_args"][1:]]
+    proc = _start(render_script(HOSTILE_JOB["options"], knobs, rank_args), tmp_path, [], env)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    run_dir = Path(knobs["HPC_MCA_RUNS_ROOT"]) / f"{HOSTILE}_4242"
+    assert run_dir.is_dir()
+    assert _srun_args(env) == ["--unbuffered", "--kill-on-bad-exit=1",
+                               str(REPO / "bin" / "hpc-mca-rank"), "train", *rank_args,
+                               f"output_dir={run_dir}"]
+    assert not list(tmp_path.rglob("pwned")) and not Path("pwned").exists()
+    assert "hpc-mca | end            exit code 0" in out
+
+
+def test_arguments_given_to_sbatch_win_over_baked_ones(tmp_path: Path) -> None:
+    env = _fake_slurm(tmp_path)
+    env.update(SLURM_JOB_NAME="j", HPC_MCA_RANK_CMD="smoke")
+    script = render_script(knob_values={"HPC_MCA_HOME": str(REPO), "HPC_MCA_RANK_CMD": "train"},
+                           rank_args=["baked.yaml"])
+    proc = _start(script, tmp_path, ["--tp", "2"], env)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert _srun_args(env)[2:] == [str(REPO / "bin" / "hpc-mca-rank"), "smoke", "--tp", "2"]
+    srun_env = (Path(env["FAKE_DIR"]) / "srun.env").read_text().splitlines()
+    assert f"HPC_MCA_RUN_DIR={tmp_path}/runs/j_4242" in srun_env
+    assert f"HPC_MCA_SIGNAL_FILE={tmp_path}/runs/j_4242/signal_received" in srun_env
+
+
+@pytest.mark.parametrize("code", [0, 3, 137])
+def test_exit_code_is_propagated(tmp_path: Path, code: int) -> None:
+    env = _fake_slurm(tmp_path)
+    env.update(SLURM_JOB_NAME="j", HPC_MCA_HOME=str(REPO), HPC_MCA_RANK_CMD="smoke",
+               FAKE_SRUN_EXIT=str(code))
+    proc = _start(render_script(), tmp_path, [], env)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == code, out
+    assert f"exit code {code} after" in out
+
+
+def test_train_without_a_config_fails_with_usage(tmp_path: Path) -> None:
+    env = _fake_slurm(tmp_path)
+    env.update(SLURM_JOB_NAME="j", HPC_MCA_HOME=str(REPO))
+    proc = _start(render_script(), tmp_path, ["missing.yaml"], env)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert "usage: sbatch [options] train.sbatch CONFIG.yaml" in out and "missing.yaml" in out
+    assert not (Path(env["FAKE_DIR"]) / "srun.args").exists()
+
+
+def test_outside_slurm_and_without_checkout(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HPC_MCA_"))}
+    done = subprocess.run(["bash", str(REPO / TEMPLATE_PATH)], env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 2 and "run this script with sbatch" in done.stderr
+    env = _fake_slurm(tmp_path)
+    env.update(SLURM_JOB_NAME="j", HPC_MCA_HOME=str(tmp_path / "nowhere"))
+    proc = _start(render_script(), tmp_path, [], env)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "set HPC_MCA_HOME to the hpc-mca checkout" in out
+
+
+@pytest.mark.parametrize("forward", ["", "USR1"])
+def test_lead_time_signal_is_recorded_and_forwarded(tmp_path: Path, forward: str) -> None:
+    env = _fake_slurm(tmp_path)
+    env.update(SLURM_JOB_NAME="j", HPC_MCA_HOME=str(REPO), HPC_MCA_RANK_CMD="smoke",
+               HPC_MCA_FORWARD_SIGNAL=forward, SLURM_RESTART_COUNT="2", FAKE_SRUN_EXIT="0")
+    hold = Path(env["FAKE_DIR"]) / "hold"
+    hold.touch()
+    proc = _start(render_script(), tmp_path, [], env)
+    args_file = Path(env["FAKE_DIR"]) / "srun.args"
+    deadline = time.monotonic() + 20
+    while not args_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    signal_file = tmp_path / "runs" / "j_4242" / "signal_received"
+    while not signal_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert proc.poll() is None, "the batch shell must keep waiting for the ranks"
+    hold.unlink()
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    lines = signal_file.read_text().splitlines()
+    assert [line.split()[0] for line in lines] == ["USR1", "TERM"]
+    assert lines[0].endswith("job=4242 restart=2")
+    scancel = Path(env["FAKE_DIR"]) / "scancel.args"
+    if forward:
+        assert scancel.read_text().split("\0")[:-1] == ["--signal=USR1", "4242"]
+    else:
+        assert not scancel.exists()
+    assert "signal         SIGUSR1" in out

@@ -1,0 +1,155 @@
+"""From run config + CLI options to a plan, trainer overrides and the rendered job (no Slurm)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hpc_mca.cli import main
+from hpc_mca.slurm.errors import OpsError
+from hpc_mca.slurm.jobplan import PlanOptions, check_train_config, make_job_plan
+from hpc_mca.slurm.submit import SubmitOptions, render_job
+
+LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "vocab_size": 128256, "_name_or_path": "Llama-3-8B"}
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "llama3-8b"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    return path
+
+
+def _config(tmp_path: Path, model_dir: Path, extra: str = "") -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model:\n  model_name_or_path: {model_dir}\ndata:\n  dataset: d.jsonl\n"
+                    f"  cutoff_len: 4096\ntraining:\n  bf16: true\n  global_batch_size: 64\n"
+                    f"{extra}")
+    return path
+
+
+def _overrides(job) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in job.plan_overrides)
+
+
+def test_plan_reads_model_sequence_batch_and_precision_from_the_config(tmp_path, model_dir):
+    job = make_job_plan(PlanOptions(nodes=2), _config(tmp_path, model_dir))
+    req = job.plan.request
+    assert (req.shape.name, req.seq_length, req.global_batch_size, req.precision, req.stage) == (
+        "Llama-3-8B", 4096, 64, "bf16", "sft")
+    assert not job.plan.forced
+    chosen = _overrides(job)
+    assert chosen["tensor_model_parallel_size"] == str(job.plan.layout.tp)
+    assert chosen["per_device_train_batch_size"] == str(job.plan.micro_batch_size)
+    assert "global_batch_size" not in chosen  # stated by the config: left to it
+    assert "stage" not in chosen and "bf16" not in chosen  # not given on the command line
+
+
+def test_sizes_in_the_config_are_forced_and_kept(tmp_path, model_dir):
+    extra = "parallel:\n  tensor_model_parallel_size: 8\n"
+    job = make_job_plan(PlanOptions(nodes=2), _config(tmp_path, model_dir, extra),
+                        ["per_device_train_batch_size=2"])
+    assert job.plan.forced and job.plan.layout.tp == 8 and job.plan.micro_batch_size == 2
+    chosen = _overrides(job)
+    assert "tensor_model_parallel_size" not in chosen  # the user's own value stays theirs
+    assert "per_device_train_batch_size" not in chosen
+    assert job.train_overrides[0] == "per_device_train_batch_size=2"
+
+
+def test_command_line_wins_over_the_config(tmp_path, model_dir):
+    extra = "parallel:\n  tensor_model_parallel_size: 8\n"
+    job = make_job_plan(PlanOptions(nodes=2, tp=4, stage="pt", precision="fp16", lora=True,
+                                    recompute="full"),
+                        _config(tmp_path, model_dir, extra))
+    chosen = _overrides(job)
+    assert chosen["tensor_model_parallel_size"] == "4"
+    assert (chosen["stage"], chosen["bf16"], chosen["fp16"]) == ("pt", "false", "true")
+    assert chosen["finetuning_type"] == "lora"
+    assert (chosen["recompute_granularity"], chosen["recompute_method"],
+            chosen["recompute_num_layers"]) == ("full", "uniform", "1")
+
+
+def test_megatron_bridge_llama3_8b_recipe_is_accepted(model_dir):
+    """Megatron-Bridge's Llama3-8B pretrain recipe: 16×H100 (2 nodes), seq 16384, TP4 PP2 CP2."""
+    job = make_job_plan(PlanOptions(nodes=2, model=str(model_dir), seq_length=16384,
+                                    global_batch_size=64, stage="pt", tp=4, pp=2, cp=2))
+    assert job.plan.forced and job.plan.layout.describe() == "TP4 PP2 CP2 DP1"
+    assert job.plan.memory.total <= job.plan.usable_bytes
+
+
+@pytest.mark.parametrize("options, config, message", [
+    (dict(nodes=0), True, "nodes=0 must be a positive integer"),
+    (dict(gpu="X100"), True, "gpu='X100' is not a known GPU preset; valid: A100-40GB"),
+    (dict(tp=3), True, "tensor_parallel_size=3 does not divide num_attention_heads=32"),
+    (dict(stage="rlhf"), True, "stage='rlhf' is not valid; valid: pt, sft, dpo"),
+    (dict(), None, "config file"),
+    (dict(), False, "no model: give --model"),
+])
+def test_bad_input_is_one_line_per_problem(tmp_path, model_dir, options, config, message):
+    path = (_config(tmp_path, model_dir) if config else
+            tmp_path / "missing.yaml" if config is None else None)
+    with pytest.raises(OpsError) as err:
+        make_job_plan(PlanOptions(**options), path)
+    assert message in str(err.value)
+    assert len(str(err.value).splitlines()) == 1, str(err.value)
+
+
+def test_unknown_config_key_and_bad_value_are_caught_before_submitting(tmp_path, model_dir):
+    with pytest.raises(OpsError, match="unknown config key 'learning_rat'"):
+        make_job_plan(PlanOptions(), _config(tmp_path, model_dir), ["learning_rat=1e-4"])
+    job = make_job_plan(PlanOptions(), _config(tmp_path, model_dir), ["learning_rate=-1"])
+    with pytest.raises(OpsError, match="training.learning_rate=-1.0 must be >= 0"):
+        check_train_config(job, str(tmp_path / "runs" / "x_0"))
+
+
+def test_render_job_for_gpus_and_cpus(tmp_path, model_dir):
+    config = _config(tmp_path, model_dir)
+    job = make_job_plan(PlanOptions(nodes=2), config, ["learning_rate=1e-4"])
+    root = tmp_path / "100% runs"
+    rendered = render_job(job, SubmitOptions(runs_root=root, partition="gpu", venv=None))
+    script = rendered.script
+    assert rendered.job_name == "run"
+    assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --ntasks-per-node=8" in script
+    assert f'#SBATCH --output="{tmp_path}/100%% runs/%x_%j/%x_%j.out"' in script
+    assert f"    set -- {config} learning_rate=1e-4 " in script
+    assert rendered.log("77") == root / "run_77" / "run_77.out"
+    cpu = make_job_plan(PlanOptions(nodes=2, gpu="CPU", gpus_per_node=2, gpu_memory_gib=200),
+                        config)
+    rendered = render_job(cpu, SubmitOptions(runs_root=root, rank_command=("smoke", "--tp", "2"),
+                                             job_name="check"))
+    assert "#SBATCH --gpus-per-node" not in rendered.script
+    assert "HPC_MCA_RANK_CMD=${HPC_MCA_RANK_CMD:-smoke}" in rendered.script
+    assert "    set -- --tp 2\n" in rendered.script
+
+
+def test_plan_command_prints_the_table_and_the_exact_script(tmp_path, model_dir):
+    config = _config(tmp_path, model_dir)
+    runner = CliRunner()
+    table = runner.invoke(main, ["plan", str(config), "--nodes", "2"])
+    assert table.exit_code == 0, table.output
+    assert table.output.startswith("plan for Llama-3-8B: 2 node(s) × 8 H100-80GB (world 16)")
+    assert "  trainer     tensor_model_parallel_size=" in table.output
+    args = ["plan", str(config), "--nodes", "2", "--sbatch", "--runs-root", str(tmp_path / "r")]
+    script = runner.invoke(main, args)
+    assert script.exit_code == 0
+    job = make_job_plan(PlanOptions(nodes=2), config)
+    assert script.stdout == render_job(job, SubmitOptions(runs_root=tmp_path / "r")).script
+    assert script.stderr.startswith("plan for Llama-3-8B")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "0"], "Error: nodes=0 must be a positive integer"),
+    (["--gpu", "X100"], "Error: gpu='X100' is not a known GPU preset"),
+    (["--tp", "3"], "Error: tensor_parallel_size=3 does not divide num_attention_heads=32"),
+])
+def test_cli_errors_are_one_line(tmp_path, model_dir, args, message):
+    result = CliRunner().invoke(main, ["plan", str(_config(tmp_path, model_dir)), *args])
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith(message)
