@@ -1,5 +1,17 @@
-"""Batch preparation: attention masks, position ids and packed-sequence metadata.
+"""Training data: records -> tokenized, shifted samples -> packed or padded rows -> loaders.
 
-Submodules import torch; this package itself imports nothing so that ``import hpc_mca.data``
-stays cheap.
+Modules, in pipeline order:
+
+* :mod:`.records` - jsonl/json/parquet files to records; alpaca/sharegpt to messages.
+* :mod:`.tokenize` - chat-template rendering, response-only labels, the one causal shift.
+* :mod:`.store` - samples in flat arrays, the tokenization cache, Megatron indexed corpora.
+* :mod:`.packing` - best-fit-decreasing packing and its efficiency (no torch).
+* :mod:`.rows` - fixed-length rows (cu_seqlens when packed) and micro-batch collation.
+* :mod:`.sampler` - seed-ordered, data-parallel, resumable sample order (no torch).
+* :mod:`.dataset` - the whole pipeline from a resolved run config.
+* :mod:`.masks` - causal masks, position ids and packed sequence lengths.
+* :mod:`.addition` - the demo task (multi-digit addition) and its exact-match metric.
+
+This package itself imports nothing so that ``import hpc_mca.data`` stays cheap; rows,
+dataset, masks and addition import torch when imported.
 """

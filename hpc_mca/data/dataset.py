@@ -1,0 +1,217 @@
+"""From a resolved run config to training/eval rows and their data-parallel loaders.
+
+The pipeline, one function each:
+
+1. :func:`load_samples` - files to shifted samples: read records (errors as ``path:line``),
+   render and tokenize them per stage (cached on disk by content key), or open a Megatron
+   indexed corpus.
+2. :func:`build_datasets` - train/eval samples (``eval_dataset`` or ``val_size`` held out) into
+   :class:`~hpc_mca.data.rows.RowDataset` rows, packed or padded.
+3. :func:`train_dataloader` / :func:`eval_dataloader` - micro-batches for one data-parallel
+   rank, in the seed's order, resumable from a consumed-sample count.
+
+Stages are routed through ``_STAGE_TOKENIZERS``; a new stage (dpo) adds its entry there.
+Everything happens before the first training step, so every input error surfaces first.
+Ranks may call :func:`build_datasets` concurrently: cache files are written atomically (a
+launcher can also let rank 0 go first and the others read its cache after a barrier).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import DataError
+from .records import (Record, check_dataset_path, detect_sft_format, messages_of, read_records,
+                      text_of)
+from .rows import RowDataset, collate_rows
+from .sampler import DataSampler
+from .store import (IndexedSamples, SampleStore, Samples, cache_key, cached, concat_samples,
+                    default_cache_dir, indexed_prefix, subset)
+from .tokenize import (encode_documents, encode_rendered, load_tokenizer, pad_id, pt_samples,
+                       render, sft_sample, tokenizer_fingerprint)
+
+
+@dataclass
+class TrainingData:
+    """What the loop trains and evaluates on."""
+
+    train: RowDataset
+    """Training rows."""
+    eval: RowDataset | None
+    """Evaluation rows, or None."""
+    tokenizer: Any
+    """The tokenizer the rows were made with."""
+
+    def describe(self) -> str:
+        """One line per split: samples, rows, packing efficiency, tokenization counts."""
+        lines = []
+        for name, rows in (("train", self.train), ("eval", self.eval)):
+            if rows is not None:
+                stats = getattr(rows.samples, "stats", {})
+                counts = ", ".join(f"{k} {v}" for k, v in sorted(stats.items()))
+                lines.append(f"{name}: {rows.report.describe()} ({counts})")
+        return "\n".join(lines)
+
+
+# --- tokenization per stage ----------------------------------------------------------------
+
+
+def _tokenize_pt(records: list[Record], tokenizer: Any, data: Any) -> SampleStore:
+    texts = [text_of(record, data.text_field) for record in records]
+    documents = list(encode_documents(tokenizer, texts))
+    samples = list(pt_samples(documents, data.cutoff_len, data.pt_chunking))
+    return SampleStore.from_samples(samples, {"records": len(records), "samples": len(samples)})
+
+
+def _tokenize_sft(records: list[Record], tokenizer: Any, data: Any) -> SampleStore:
+    fmt = data.dataset_format
+    if fmt == "auto" and records:
+        fmt = detect_sft_format(records[0])
+    rendered = [render(tokenizer, messages_of(r, fmt), data.template, data.train_on_prompt,
+                       r.where) for r in records]
+    samples, truncated, dropped = [], 0, 0
+    for tokens, trained in encode_rendered(tokenizer, rendered):
+        sample, cut = sft_sample(tokens, trained, data.cutoff_len)
+        truncated += cut
+        if sample is None:
+            dropped += 1
+        else:
+            samples.append(sample)
+    return SampleStore.from_samples(samples, {"records": len(records), "samples": len(samples),
+                                              "truncated": truncated, "dropped": dropped})
+
+
+_STAGE_TOKENIZERS: dict[str, Callable[[list[Record], Any, Any], SampleStore]] = {
+    "pt": _tokenize_pt,
+    "sft": _tokenize_sft,
+}
+
+
+def _settings(stage: str, data: Any) -> dict[str, Any]:
+    """The settings a cached tokenization depends on."""
+    keys = ("dataset_format", "cutoff_len", "max_samples")
+    keys += (("text_field", "pt_chunking") if stage == "pt" else ("template", "train_on_prompt"))
+    return {"stage": stage, **{key: getattr(data, key) for key in keys}}
+
+
+def _indexed_source(path: str, data: Any, stage: str, field: str) -> str | None:
+    """The indexed prefix ``path`` names, or None for a records file (checked to exist)."""
+    prefix = indexed_prefix(path)
+    if data.dataset_format == "indexed" or (prefix and stage == "pt"):
+        if prefix is None:
+            raise DataError(f"{field}: no Megatron .bin/.idx pair at {path!r}")
+        return prefix
+    check_dataset_path(path, field)
+    return None
+
+
+def load_samples(path: str, tokenizer: Any, data: Any, stage: str,
+                 field: str = "data.dataset") -> Samples:
+    """Shifted samples of one dataset file or indexed prefix (``data`` is a DataArguments)."""
+    if stage not in _STAGE_TOKENIZERS:
+        raise DataError(f"finetuning.stage={stage!r} has no data pipeline; valid: "
+                        + ", ".join(_STAGE_TOKENIZERS))
+    prefix = _indexed_source(path, data, stage, field)
+    if prefix is not None:
+        return IndexedSamples(prefix, data.cutoff_len, data.pt_chunking)
+    key = cache_key([path], tokenizer_fingerprint(tokenizer), _settings(stage, data))
+    cache_dir = Path(data.preprocessing_cache_dir or default_cache_dir())
+
+    def tokenize() -> SampleStore:
+        records = list(read_records(path, data.max_samples, field))
+        return _STAGE_TOKENIZERS[stage](records, tokenizer, data)
+
+    store, hit = cached(cache_dir / f"{stage}-{key}.npz", tokenize,
+                        overwrite=data.overwrite_cache)
+    store.stats["cache_hits"] = int(hit)
+    return store
+
+
+def _load_all(paths: list[str], tokenizer: Any, data: Any, stage: str, field: str) -> Samples:
+    for path in paths:  # report a bad second file before tokenizing the first
+        _indexed_source(path, data, stage, field)
+    samples = concat_samples([load_samples(p, tokenizer, data, stage, field) for p in paths])
+    if len(samples) == 0:
+        raise DataError(f"{field}={paths!r} yields no trainable samples")
+    return samples
+
+
+def _split_val(samples: Samples, val_size: float, seed: int) -> tuple[Samples, Samples]:
+    n = len(samples)
+    n_val = int(val_size) if val_size >= 1 else max(1, round(val_size * n))
+    if n_val >= n:
+        raise DataError(f"data.val_size={val_size} leaves no training samples out of {n}")
+    order = np.random.default_rng(seed).permutation(n)
+    return subset(samples, np.sort(order[n_val:])), subset(samples, np.sort(order[:n_val]))
+
+
+def pack_alignment(config: Any) -> int:
+    """Slots each packed sample is rounded up to: 2·CP under context parallelism, else 1."""
+    cp = config.parallel.context_parallel_size
+    return 2 * cp if cp > 1 else 1
+
+
+def build_datasets(config: Any, tokenizer: Any = None) -> TrainingData:
+    """Train/eval rows for a resolved :class:`~hpc_mca.trainer.config.TrainConfig`."""
+    data, stage = config.data, config.finetuning.stage
+    if tokenizer is None:
+        tokenizer = load_tokenizer(config.model.tokenizer_name_or_path
+                                   or config.model.model_name_or_path)
+    train = _load_all(data.dataset, tokenizer, data, stage, "data.dataset")
+    evaluation = None
+    if data.eval_dataset:
+        evaluation = _load_all(data.eval_dataset, tokenizer, data, stage, "data.eval_dataset")
+    elif data.val_size:
+        train, evaluation = _split_val(train, data.val_size, config.training.seed)
+    seq_length = data.seq_length or data.cutoff_len
+    align = pack_alignment(config) if data.sequence_packing else 1
+
+    def rows(samples: Samples) -> RowDataset:
+        return RowDataset(samples, seq_length, pad_id(tokenizer),
+                          packed=data.sequence_packing, align=align)
+
+    return TrainingData(rows(train), rows(evaluation) if evaluation is not None else None,
+                        tokenizer)
+
+
+# --- loaders -------------------------------------------------------------------------------
+
+
+def _loader(dataset: RowDataset, sampler: DataSampler) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_rows)
+
+
+def train_dataloader(dataset: RowDataset, config: Any, *, data_parallel_rank: int,
+                     consumed_samples: int = 0) -> torch.utils.data.DataLoader:
+    """Endless micro-batches of this rank, epoch after epoch, from ``consumed_samples`` on
+    (global samples; a multiple of micro-batch × DP, normally ``step × global_batch_size``)."""
+    tr, par = config.training, config.parallel
+    sampler = DataSampler(len(dataset), micro_batch_size=tr.per_device_train_batch_size,
+                          data_parallel_rank=data_parallel_rank,
+                          data_parallel_size=par.data_parallel_size,
+                          global_batch_size=tr.global_batch_size, seed=tr.seed,
+                          consumed_samples=consumed_samples)
+    return _loader(dataset, sampler)
+
+
+def eval_dataloader(dataset: RowDataset, config: Any, *,
+                    data_parallel_rank: int) -> torch.utils.data.DataLoader:
+    """One pass over the eval rows in file order; the tail that does not fill a micro-batch on
+    every rank is left out (so all ranks run the same number of steps)."""
+    tr, par = config.training, config.parallel
+    step = tr.per_device_eval_batch_size * par.data_parallel_size
+    usable = len(dataset) // step * step
+    if usable == 0:
+        raise DataError(f"the eval data has {len(dataset)} rows, fewer than one evaluation step "
+                        f"of training.per_device_eval_batch_size × data-parallel size={step}")
+    sampler = DataSampler(len(dataset), micro_batch_size=tr.per_device_eval_batch_size,
+                          data_parallel_rank=data_parallel_rank,
+                          data_parallel_size=par.data_parallel_size, shuffle=False,
+                          total_samples=usable)
+    return _loader(dataset, sampler)

@@ -1,0 +1,202 @@
+"""Dataset files to records, and records to the two shapes the stages consume.
+
+Files: ``.jsonl`` (one JSON object per line), ``.json`` (a list of objects), ``.parquet``
+(needs pyarrow, imported only for parquet). Every record keeps where it came from
+(``path:line``) so a bad one is reported as ``path:line: reason`` before training starts.
+
+Shapes:
+
+* pt: the document text in ``text_field`` (default ``text``).
+* sft: a list of ``{"role", "content"}`` messages, from alpaca records (``instruction``,
+  optional ``input``, ``output``, optional ``system`` and ``history`` of ``[prompt, response]``
+  pairs) or sharegpt records (``conversations`` of ``{"from", "value"}`` or ``messages`` of
+  ``{"role", "content"}``, optional ``system``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import DataError
+
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+SFT_FORMATS = ("alpaca", "sharegpt")
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+          "model": "assistant", "system": "system"}
+
+
+@dataclass(frozen=True)
+class Record:
+    """One JSON object of a dataset file and its location (``path:line``)."""
+
+    where: str
+    """``path:line`` (jsonl/json) or ``path:row N`` (parquet), for error messages."""
+    data: dict[str, Any]
+    """The record itself."""
+
+
+def check_dataset_path(path: str | os.PathLike[str], field: str = "data.dataset") -> Path:
+    """The path if it is a readable dataset file; DataError (one line) otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{field}: dataset file {str(path)!r} does not exist")
+    if path.suffix not in FILE_SUFFIXES:
+        raise DataError(f"{field}: {str(path)!r} has an unknown file type {path.suffix!r}; "
+                        f"valid: {', '.join(FILE_SUFFIXES)}, or a Megatron .bin/.idx prefix")
+    return path
+
+
+def read_records(path: str | os.PathLike[str], max_samples: int | None = None,
+                 field: str = "data.dataset") -> Iterator[Record]:
+    """The records of one file, in file order, at most ``max_samples`` of them."""
+    path = check_dataset_path(path, field)
+    reader = {".jsonl": _jsonl, ".json": _json_list, ".parquet": _parquet}[path.suffix]
+    for count, record in enumerate(reader(path)):
+        if max_samples is not None and count >= max_samples:
+            return
+        yield record
+
+
+def _jsonl(path: Path) -> Iterator[Record]:
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") \
+                    from None
+            yield Record(where, _object(where, data))
+
+
+def _json_list(path: Path) -> Iterator[Record]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg} at column "
+                        f"{err.colno})") from None
+    if not isinstance(data, list):
+        raise DataError(f"{path}:1: a .json dataset must hold a list of objects; got "
+                        f"{type(data).__name__} (use .jsonl for one object per line)")
+    for index, item in enumerate(data):
+        where = f"{path}:record {index + 1}"
+        yield Record(where, _object(where, item))
+
+
+def _parquet(path: Path) -> Iterator[Record]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading parquet needs pyarrow, which is not installed "
+                        "(pip install pyarrow), or convert the file to .jsonl") from None
+    table = pq.read_table(path)
+    for index, row in enumerate(table.to_pylist()):
+        yield Record(f"{path}:row {index + 1}", row)
+
+
+def _object(where: str, data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+# --- formats -------------------------------------------------------------------------------
+
+
+def detect_sft_format(record: Record) -> str:
+    """alpaca or sharegpt, from the keys of one record."""
+    keys = record.data.keys()
+    if "conversations" in keys or "messages" in keys:
+        return "sharegpt"
+    if "instruction" in keys:
+        return "alpaca"
+    raise DataError(f"{record.where}: cannot tell the sft format from keys "
+                    f"{sorted(keys)}; valid: alpaca (instruction, input, output) or sharegpt "
+                    "(conversations or messages); or set data.dataset_format")
+
+
+def text_of(record: Record, text_field: str) -> str:
+    """The pt document of a record."""
+    if text_field not in record.data:
+        raise DataError(f"{record.where}: missing field {text_field!r} (data.text_field); "
+                        f"keys: {sorted(record.data)}")
+    return _string(record, text_field, record.data[text_field])
+
+
+def messages_of(record: Record, sft_format: str) -> list[dict[str, str]]:
+    """The conversation of an sft record as role/content messages; at least one assistant."""
+    if sft_format == "alpaca":
+        messages = _alpaca(record)
+    elif sft_format == "sharegpt":
+        messages = _sharegpt(record)
+    else:
+        raise DataError(f"data.dataset_format={sft_format!r} is not an sft format; valid: "
+                        + ", ".join(SFT_FORMATS))
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{record.where}: the conversation has no assistant/gpt turn to train on")
+    return messages
+
+
+def _alpaca(record: Record) -> list[dict[str, str]]:
+    data = record.data
+    for key in ("instruction", "output"):
+        if key not in data:
+            raise DataError(f"{record.where}: alpaca record lacks {key!r}; keys: {sorted(data)}")
+    prompt = _string(record, "instruction", data["instruction"])
+    extra = _string(record, "input", data.get("input") or "")
+    messages = _system(record)
+    for pair in data.get("history") or []:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise DataError(f"{record.where}: history entries must be [prompt, response] pairs")
+        messages += [{"role": "user", "content": _string(record, "history", pair[0])},
+                     {"role": "assistant", "content": _string(record, "history", pair[1])}]
+    messages.append({"role": "user", "content": f"{prompt}\n{extra}" if extra else prompt})
+    messages.append({"role": "assistant", "content": _string(record, "output", data["output"])})
+    return messages
+
+
+def _sharegpt(record: Record) -> list[dict[str, str]]:
+    data = record.data
+    key = "conversations" if "conversations" in data else "messages"
+    turns = data.get(key)
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{record.where}: {key!r} must be a non-empty list of turns")
+    messages = _system(record)
+    for turn in turns:
+        role, content = _turn(record, turn)
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _turn(record: Record, turn: Any) -> tuple[str, str]:
+    if isinstance(turn, dict) and "from" in turn and "value" in turn:
+        role, content = turn["from"], turn["value"]
+    elif isinstance(turn, dict) and "role" in turn and "content" in turn:
+        role, content = turn["role"], turn["content"]
+    else:
+        raise DataError(f"{record.where}: a turn must have from/value or role/content; got "
+                        f"{turn!r:.80}")
+    if role not in _ROLES:
+        raise DataError(f"{record.where}: unknown role {role!r}; valid: {', '.join(_ROLES)}")
+    return _ROLES[role], _string(record, "content", content)
+
+
+def _system(record: Record) -> list[dict[str, str]]:
+    system = record.data.get("system")
+    if not system:
+        return []
+    return [{"role": "system", "content": _string(record, "system", system)}]
+
+
+def _string(record: Record, key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise DataError(f"{record.where}: {key!r} must be a string, got {type(value).__name__}")
+    return value

@@ -1,0 +1,120 @@
+"""hpc_mca.data.records: reading dataset files, format detection, one-line errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpc_mca.data.errors import DataError
+from hpc_mca.data.records import (
+    Record,
+    detect_sft_format,
+    messages_of,
+    read_records,
+    text_of,
+)
+
+
+def _write(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_jsonl_records_carry_their_line(tmp_path: Path):
+    path = _write(tmp_path / "d.jsonl", ['{"text": "a"}', "", '{"text": "b"}'])
+    records = list(read_records(path))
+    assert [r.where for r in records] == [f"{path}:1", f"{path}:3"]
+    assert [text_of(r, "text") for r in records] == ["a", "b"]
+    assert len(list(read_records(path, max_samples=1))) == 1
+
+
+def test_malformed_jsonl_line_reports_file_and_line(tmp_path: Path):
+    path = _write(tmp_path / "d.jsonl", ['{"text": "a"}', '{"text": "b"}', '{"text": "c",}'])
+    with pytest.raises(DataError) as err:
+        list(read_records(path))
+    assert _one_line(err).startswith(f"{path}:3: invalid JSON (")
+
+
+def test_non_object_line(tmp_path: Path):
+    path = _write(tmp_path / "d.jsonl", ['{"text": "a"}', "[1, 2]"])
+    with pytest.raises(DataError, match=r"d.jsonl:2: expected a JSON object, got list"):
+        list(read_records(path))
+
+
+def test_missing_file_and_unknown_type(tmp_path: Path):
+    with pytest.raises(DataError) as err:
+        list(read_records(tmp_path / "nope.jsonl"))
+    assert _one_line(err) == f"data.dataset: dataset file '{tmp_path / 'nope.jsonl'}' does not exist"
+    (tmp_path / "d.csv").write_text("a,b\n")
+    with pytest.raises(DataError) as err:
+        list(read_records(tmp_path / "d.csv"))
+    assert "unknown file type '.csv'; valid: .jsonl, .json, .parquet" in _one_line(err)
+
+
+def test_json_list_file(tmp_path: Path):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"instruction": "hi", "output": "yo"}]))
+    (record,) = read_records(path)
+    assert record.where == f"{path}:record 1"
+    path.write_text('[{"a": 1},\n {"a": }]')
+    with pytest.raises(DataError, match=r"d.json:2: invalid JSON"):
+        list(read_records(path))
+
+
+def test_parquet_reads_records_or_names_the_missing_dependency(tmp_path: Path):
+    path = tmp_path / "d.parquet"
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        path.write_bytes(b"PAR1")
+        with pytest.raises(DataError) as err:
+            list(read_records(path))
+        assert "reading parquet needs pyarrow" in _one_line(err)
+        return
+    pq.write_table(pa.table({"text": ["x", "y"]}), path)  # pragma: no cover
+    assert [text_of(r, "text") for r in read_records(path)] == ["x", "y"]  # pragma: no cover
+
+
+def test_alpaca_to_messages():
+    record = Record("f:1", {"instruction": "Add", "input": "1+2", "output": "3",
+                            "system": "be exact", "history": [["hi", "hello"]]})
+    assert detect_sft_format(record) == "alpaca"
+    assert messages_of(record, "alpaca") == [
+        {"role": "system", "content": "be exact"},
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "Add\n1+2"}, {"role": "assistant", "content": "3"},
+    ]
+
+
+def test_sharegpt_both_spellings():
+    a = Record("f:1", {"conversations": [{"from": "human", "value": "q"},
+                                         {"from": "gpt", "value": "a"}]})
+    b = Record("f:2", {"messages": [{"role": "user", "content": "q"},
+                                    {"role": "assistant", "content": "a"}]})
+    assert detect_sft_format(a) == detect_sft_format(b) == "sharegpt"
+    assert messages_of(a, "sharegpt") == messages_of(b, "sharegpt")
+
+
+@pytest.mark.parametrize("data, fmt, message", [
+    ({"question": "q"}, None, "f:7: cannot tell the sft format from keys ['question']"),
+    ({"instruction": "q"}, "alpaca", "f:7: alpaca record lacks 'output'"),
+    ({"conversations": [{"from": "bot", "value": "a"}]}, "sharegpt", "unknown role 'bot'"),
+    ({"messages": [{"role": "user", "content": "q"}]}, "sharegpt", "no assistant/gpt turn"),
+    ({"instruction": 3, "output": "x"}, "alpaca", "f:7: 'instruction' must be a string"),
+])
+def test_bad_sft_records(data: dict, fmt: str | None, message: str):
+    record = Record("f:7", data)
+    with pytest.raises(DataError) as err:
+        messages_of(record, fmt) if fmt else detect_sft_format(record)
+    assert message in _one_line(err)
+
+
+def test_missing_text_field():
+    with pytest.raises(DataError, match=r"f:1: missing field 'body' \(data.text_field\)"):
+        text_of(Record("f:1", {"text": "x"}), "body")
