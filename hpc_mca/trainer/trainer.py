@@ -48,6 +48,8 @@ class StepResult:
     skipped: bool
     """True when the gradients were not finite and the update was skipped."""
     moe_aux_loss: float | None = None
+    seconds: float = 0.0
+    """Wall time of the loop iteration (callbacks, data, forward-backward, optimizer)."""
 
 
 class Trainer:
@@ -98,15 +100,17 @@ class Trainer:
         self.control = self.callbacks.on_train_begin(self.config.training, self.state, self.control)
         window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
         while not self.control.should_training_stop:
+            started = time.perf_counter()
             self.control = self.callbacks.on_step_begin(self.config.training, self.state, self.control)
             result = self.train_step(next(batches))
+            result.seconds = time.perf_counter() - started
             history.append(result)
             self.state.global_step += 1
             self.state.epoch = self.consumed_samples / max(1, len(self.data.train))
             window_tokens, window_steps = window_tokens + result.input_tokens, window_steps + 1
             self.metrics.record_step(step=self.state.global_step, loss=result.loss, tokens=result.tokens,
                                      grad_norm=result.grad_norm, lr=self.lr_scheduler.get_last_lr()[0],
-                                     skipped=result.skipped)
+                                     skipped=result.skipped, seconds=round(result.seconds, 6))
             self.control = self.callbacks.on_step_end(self.config.training, self.state, self.control)
             if self.control.should_log:
                 elapsed = time.perf_counter() - window_start
@@ -204,9 +208,10 @@ class Trainer:
 
     def _grads_finite(self) -> bool:
         """All reduced gradients finite on every rank (one all-reduce of a flag)."""
-        finite = all(bool(torch.isfinite(buffer.grad_data).all())
-                     for chunk in self.model for buffer in chunk.buffers + chunk.expert_parallel_buffers)
-        flag = torch.tensor([0 if finite else 1], dtype=torch.int32, device=self.ctx.device)
+        # A sum is non-finite iff some element is: one reduction per buffer, no temporaries.
+        sums = [buffer.grad_data.sum(dtype=torch.float32)
+                for chunk in self.model for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+        flag = (~torch.isfinite(torch.stack(sums))).any().to(torch.int32).reshape(1)
         dist.all_reduce(flag)
         return int(flag.item()) == 0
 
