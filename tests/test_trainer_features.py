@@ -104,6 +104,24 @@ def test_non_finite_gradients_skip_the_update(root, tmp_path):
     assert "skipped 1" in proc.stdout
 
 
+@pytest.mark.slow
+def test_moe_expert_parallel_training_logs_aux_loss(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    make_model_dir(tmp_path, layers=2, moe=True)
+    train = make_sft_data(tmp_path, 64, seed=5, name="train")
+    config = write_config(tmp_path, tmp_path / "model", train, training={"max_steps": 6, "logging_steps": 2})
+    run_dir = tmp_path / "moe"
+    proc = run_train(config, run_dir, 2, "parallel.expert_model_parallel_size=2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = steps(run_dir)
+    assert records[-1]["loss"] < records[0]["loss"]
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    aux = [e.value for e in events.Scalars("train/moe_aux_loss")]
+    assert len(aux) == 3 and all(v > 0 for v in aux)
+
+
 @pytest.mark.parametrize(
     "override, expected",
     [

@@ -13,10 +13,11 @@ import yaml
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
-def make_model_dir(root: Path, layers: int = 4) -> Path:
-    """A random-weight Llama (GQA) saved with save_pretrained, plus the demo's tokenizer."""
+def make_model_dir(root: Path, layers: int = 4, moe: bool = False) -> Path:
+    """A random-weight Llama (GQA) — or a Qwen3-MoE with 4 experts, top-2 — saved with
+    save_pretrained, plus the demo's tokenizer."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from hpc_mca.assets.demo.make_demo import build_tokenizer, tokenizer_config
 
@@ -25,11 +26,16 @@ def make_model_dir(root: Path, layers: int = 4) -> Path:
     (model_dir / "tokenizer.json").write_text(build_tokenizer().to_str())
     (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config()))
     vocab = len(AutoTokenizer.from_pretrained(model_dir))
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  tie_word_embeddings=False)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(model_dir)
+    if moe:
+        config = Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, router_aux_loss_coef=0.01)
+        Qwen3MoeForCausalLM(config).save_pretrained(model_dir)
+    else:
+        LlamaForCausalLM(LlamaConfig(**common)).save_pretrained(model_dir)
     return model_dir
 
 

@@ -151,7 +151,7 @@ class Trainer:
         self.control = self.callbacks.on_optimizer_step(self.config.training, self.state, self.control)
         self.consumed_samples += self.config.training.global_batch_size
         return StepResult(loss=loss, tokens=tokens, input_tokens=inputs, grad_norm=float(grad_norm or 0.0), skipped=skipped,
-                          moe_aux_loss=self._moe_aux_loss())
+                          moe_aux_loss=self._moe_aux_loss(len(micro_batches)))
 
     def evaluate(self) -> dict[str, float]:
         """Forward-only pass over the eval rows: mean token loss (+ the task metric if given)."""
@@ -215,15 +215,25 @@ class Trainer:
         dist.all_reduce(flag)
         return int(flag.item()) == 0
 
-    def _moe_aux_loss(self) -> float | None:
-        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
-
-        tracker = get_moe_layer_wise_logging_tracker()
-        if not tracker:
+    def _moe_aux_loss(self, num_microbatches: int) -> float | None:
+        """Sum of the MoE auxiliary losses of this step (load balancing, z-loss), averaged over
+        micro-batches and synchronised over ranks by Megatron's metrics tracker. A collective:
+        every rank calls it every step of an MoE model."""
+        config = self.model[0].config
+        if not config.num_moe_experts:
             return None
-        values = [entry["values"].float().sum().item() for entry in tracker.values() if "values" in entry]
-        clear_aux_losses_tracker()
-        return sum(values) if values else None
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        names = [_MOE_AUX_LOSS_NAMES[t] for t in _as_list(config.moe_router_load_balancing_type)
+                 if t in _MOE_AUX_LOSS_NAMES]
+        if config.moe_z_loss_coeff:
+            names.append("z_loss")
+        totals: dict[str, torch.Tensor] = {}
+        get_moe_metrics_tracker().report(
+            loss_scale=1.0 / num_microbatches, iteration=self.state.global_step, track_names=names,
+            num_layers=config.num_layers, moe_layer_freq=config.moe_layer_freq,
+            mtp_num_layers=config.mtp_num_layers, force_initialize=True, total_loss_dict=totals)
+        return float(sum(float(v) for v in totals.values())) if totals else None
 
     def _log(self, result: StepResult, tokens_per_s: float, step_time: float) -> None:
         values = {"train/loss": result.loss, "train/lr": self.lr_scheduler.get_last_lr()[0],
@@ -236,6 +246,15 @@ class Trainer:
         logs = {k.split("/")[-1]: v for k, v in values.items()}
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self.callbacks.on_log(self.config.training, self.state, self.control, logs=logs)
+
+
+# Megatron router's load-balancing type -> the name it records its loss under.
+_MOE_AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                       "global_aux_loss": "global_load_balancing_loss"}
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
