@@ -98,6 +98,8 @@ class Trainer:
         if self.state.global_step == 0 and self.ctx.is_main:
             (self.run_dir / "steps.jsonl").unlink(missing_ok=True)  # a fresh run, not a resume
         self.control = self.callbacks.on_train_begin(self.config.training, self.state, self.control)
+        self.metrics.write_progress(step=self.state.global_step, max_steps=self.max_steps, finished=False,
+                                    job_id=self.ctx.env.job_id, restart_count=self.ctx.env.restart_count)
         window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
         while not self.control.should_training_stop:
             started = time.perf_counter()
@@ -124,6 +126,7 @@ class Trainer:
                 # Throughput covers training steps only, not evaluation or checkpointing.
                 window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
         self.control = self.callbacks.on_train_end(self.config.training, self.state, self.control)
+        self.metrics.write_progress(step=self.state.global_step, finished=self.state.global_step >= self.max_steps)
         self.metrics.close()
         return history
 
