@@ -142,8 +142,10 @@ def _render_chat(tokenizer: Any, messages: list[dict[str, str]],
     return text, spans
 
 
-def _render_plain(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int,
-                                                                                          int]]]:
+Spans = list[tuple[int, int]]
+
+
+def _render_plain(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, Spans]:
     eos = tokenizer.eos_token or ""
     text, spans = "", []
     for message in messages:
