@@ -70,7 +70,7 @@ class JobState:
     requeues: int
     """Runs before the current one (sacct REQUEUED records)."""
     source: str
-    """squeue (live) or sacct (the job left the queue)."""
+    """squeue (pending/running), scontrol (ended recently) or sacct (older)."""
 
     @property
     def finished(self) -> bool:
@@ -117,18 +117,31 @@ def sacct_rows(job_id: str) -> list[dict[str, str]]:
 
 
 def job_state(job_id: str) -> JobState | None:
-    """The job's state, or None when neither squeue nor sacct knows the id."""
+    """The job's state, or None when Slurm does not know the id.
+
+    Sources in order: squeue (pending/running), ``scontrol show job`` (exact for a job that
+    ended recently: slurmctld keeps it for MinJobAge), sacct (older jobs; its first record of a
+    job can be a placeholder named "allocation", and it stores '"' in names as '`'). The
+    requeue count comes from sacct's REQUEUED records and scontrol's Restarts.
+    """
     live = squeue_row(job_id)
     records = sacct_rows(job_id)
     requeues = sum(r["State"].split()[0] == "REQUEUED" for r in records)
-    last = records[-1] if records else None
     if live is not None:
-        exit_code = ""
         return JobState(job_id, live["name"], live["state"], _reason(live), live["elapsed"],
                         live["time_limit"], live["nodes"], live["node_list"], live["work_dir"],
-                        exit_code, requeues, "squeue")
-    if last is None:
+                        "", requeues, "squeue")
+    info = scontrol_job(job_id)
+    if info.get("JobState"):
+        restarts = int(info["Restarts"]) if info.get("Restarts", "").isdigit() else 0
+        return JobState(job_id, info.get("JobName", ""), info["JobState"], "",
+                        info.get("RunTime", ""), info.get("TimeLimit", ""),
+                        info.get("NumNodes", ""), info.get("NodeList", ""),
+                        info.get("WorkDir", ""), info.get("ExitCode", ""),
+                        max(requeues, restarts), "scontrol")
+    if not records:
         return None
+    last = records[-1]
     # "CANCELLED by 0" -> "CANCELLED"
     return JobState(job_id, last["JobName"], last["State"].split()[0], "", last["Elapsed"],
                     last["Timelimit"], last["NNodes"], last["NodeList"], last["WorkDir"],

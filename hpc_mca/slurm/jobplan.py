@@ -186,7 +186,7 @@ def _from_config(config: Any, explicit: set[str], options: PlanOptions) -> dict[
         # (it is then passed to the trainer explicitly, so a model-parallel plan keeps it).
         world = options.nodes * (options.gpus_per_node or _preset_node_size(options))
         fields["global_batch_size"] = (tr.per_device_train_batch_size
-                                       * (tr.gradient_accumulation_steps or 1) * world)
+                                       * (tr.gradient_accumulation_steps or 1) * max(world, 1))
     if "recompute_granularity" in explicit:
         fields["recompute"] = par.recompute_granularity or "none"
     if "use_distributed_optimizer" in explicit:

@@ -68,7 +68,9 @@ def plan_launch(runs: list[Run], runs_root: Path, port: int | None = None) -> La
     port = port or free_port()
     argv = [sys.executable, "-m", "tensorboard.main", "--host", HOST, "--port", str(port),
             *logdir_args(runs, runs_root)]
-    login = socket.getfqdn() or socket.gethostname()
+    login = socket.getfqdn()
+    if not login or login.startswith("localhost"):
+        login = socket.gethostname()
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
