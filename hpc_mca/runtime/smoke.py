@@ -9,7 +9,6 @@ global batch, the loss and the gradient norm of TP=2 x DP=2 equal those of one p
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import Any, Iterator
 
 import torch
@@ -33,67 +32,37 @@ class SmokeConfig:
     """Seed of the token batch; identical on every rank so every layout sees the same data."""
 
 
-def build_tiny_gpt(shape: ModelShape, seq_length: int, ctx: RankContext) -> list[torch.nn.Module]:
-    """One model chunk per virtual pipeline stage, built with the local (non-TE) layer spec."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    config = TransformerConfig(
-        num_layers=shape.num_layers,
-        hidden_size=shape.hidden_size,
-        num_attention_heads=shape.num_attention_heads,
-        num_query_groups=shape.num_query_groups,
-        ffn_hidden_size=shape.ffn_hidden_size,
-        # CPU initialization builds each full weight from one RNG stream and then slices it,
-        # which makes initial weights identical for every TP size.
-        use_cpu_initialization=True,
-        pipeline_dtype=torch.float32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=ctx.layout.tp,
-        pipeline_model_parallel_size=ctx.layout.pp,
-        virtual_pipeline_model_parallel_size=ctx.layout.vp,
-        context_parallel_size=ctx.layout.cp,
-        expert_model_parallel_size=ctx.layout.ep,
-        expert_tensor_parallel_size=ctx.layout.etp,
-        # gloo delivers batched isend/irecv out of order (FACTS.md): unbatched p2p is correct
-        # everywhere, so use it whenever the backend is gloo.
-        batch_p2p_comm=ctx.backend != "gloo",
-        **_moe_kwargs(shape),
-    )
-    chunks = []
-    vp = ctx.layout.vp or 1
-    for chunk in range(vp):
-        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=chunk)
-        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=chunk)
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(num_experts=shape.num_experts or None),
-            vocab_size=shape.vocab_size,
-            max_sequence_length=seq_length,
-            pre_process=pre,
-            post_process=post,
-            share_embeddings_and_output_weights=shape.tie_word_embeddings,
-            vp_stage=chunk if ctx.layout.vp else None,
-        )
-        chunks.append(model.to(ctx.device))
-    return chunks
-
-
-def _moe_kwargs(shape: ModelShape) -> dict[str, Any]:
-    if not shape.is_moe:
-        return {}
-    return {
-        "num_moe_experts": shape.num_experts,
-        "moe_router_topk": shape.moe_router_topk,
-        "moe_ffn_hidden_size": shape.expert_ffn_hidden_size,
-        "moe_token_dispatcher_type": "alltoall",
-        "moe_aux_loss_coeff": 1e-2,
-        # The local (non-grouped) expert MLP has no bias support in Megatron.
-        "add_bias_linear": False,
+def hf_config(shape: ModelShape, seq_length: int) -> dict[str, Any]:
+    """An HF ``config.json`` dict for the shape: Llama, or Mixtral when it has experts."""
+    config: dict[str, Any] = {
+        "model_type": "mixtral" if shape.is_moe else "llama",
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.expert_ffn_hidden_size if shape.is_moe else shape.ffn_hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_query_groups,
+        "vocab_size": shape.vocab_size,
+        "max_position_embeddings": seq_length,
+        "tie_word_embeddings": shape.tie_word_embeddings,
     }
+    if shape.is_moe:
+        config.update(num_local_experts=shape.num_experts, num_experts_per_tok=shape.moe_router_topk,
+                      sliding_window=None)
+    return config
+
+
+def build_tiny_gpt(shape: ModelShape, seq_length: int, ctx: RankContext) -> list[torch.nn.Module]:
+    """This rank's model chunks, randomly initialised through the model layer (identical
+    initial weights for every TP size: see ``hpc_mca.models.build``)."""
+    from hpc_mca.models.build import build_model
+
+    overrides = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+    if shape.is_moe:
+        overrides["moe_aux_loss_coeff"] = 1e-2
+    # No vocabulary padding: padding to a multiple of 128·TP would change the embedding's shape,
+    # and so the random stream every later weight is drawn from, with the TP size.
+    return build_model(hf_config(shape, seq_length), ctx, seq_length=seq_length, load_weights=False,
+                       make_vocab_size_divisible_by=1, config_overrides=overrides)
 
 
 def fixed_batch(cfg: SmokeConfig) -> torch.Tensor:
@@ -130,7 +99,6 @@ def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch
 def run_smoke(cfg: SmokeConfig, ctx: RankContext) -> list[dict[str, Any]]:
     """Train ``cfg.steps`` steps on the fixed batch; return per-step loss and grad norm (every
     rank returns the same values: losses are averaged over micro-batches and DP ranks)."""
-    from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,

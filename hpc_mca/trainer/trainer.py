@@ -14,7 +14,6 @@ sampler's business; the loop itself does not branch on it.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
