@@ -312,3 +312,31 @@ def test_hostile_strings_reach_slurm_and_ranks_intact(slurm_cluster: None,
     assert status["job"]["name"] == accounted
     for name in ("pwned", "pwned2", "pwned3"):
         assert not list(tmp_path.rglob(name)) and not (REPO / name).exists()
+
+
+def test_lead_time_signal_reaches_the_batch_shell_and_is_recorded(slurm_cluster: None,
+                                                                  tmp_path: Path) -> None:
+    """--signal=B:USR1@50 with a 1-minute limit: the batch shell records the request in the
+    run dir (the hook issue 5's requeue protocol builds on) and keeps waiting for the ranks."""
+    config = _tiny_config(tmp_path)
+    fake = tmp_path / "sleepy-python"
+    fake.write_text("#!/bin/bash\nexec sleep 300\n")
+    fake.chmod(0o755)
+    done = hpc_mca("submit", str(config), "--gpu", "CPU", "--nodes", "1", "--job-name", "sig",
+                   "--time", "1", "--signal-lead", "50", cwd=tmp_path,
+                   env=_env(HPC_MCA_PYTHON=str(fake)))
+    job_id = _submitted_id(done)
+    run_dir = tmp_path / "runs" / f"sig_{job_id}"
+    signal_file = run_dir / "signal_received"
+    try:
+        deadline = time.monotonic() + 120
+        while not signal_file.exists():
+            assert time.monotonic() < deadline, "no USR1 within 120 s"
+            time.sleep(1)
+        time.sleep(1)
+        line = signal_file.read_text().splitlines()[0]
+        assert line.startswith("USR1 ") and line.endswith(f"job={job_id} restart=0"), line
+        assert _status(job_id, tmp_path)["state"] == "RUNNING"
+        assert "hpc-mca | signal         SIGUSR1" in (run_dir / f"sig_{job_id}.out").read_text()
+    finally:
+        slurm.cancel(job_id)
