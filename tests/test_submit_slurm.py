@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -314,29 +315,62 @@ def test_hostile_strings_reach_slurm_and_ranks_intact(slurm_cluster: None,
         assert not list(tmp_path.rglob(name)) and not (REPO / name).exists()
 
 
-def test_lead_time_signal_reaches_the_batch_shell_and_is_recorded(slurm_cluster: None,
-                                                                  tmp_path: Path) -> None:
+def test_lead_time_signal_reaches_the_batch_shell_is_recorded_and_forwarded(
+        slurm_cluster: None, tmp_path: Path) -> None:
     """--signal=B:USR1@50 with a 1-minute limit: the batch shell records the request in the
-    run dir (the hook issue 5's requeue protocol builds on) and keeps waiting for the ranks."""
+    run dir (the hook issue 5's requeue protocol builds on), forwards it to the ranks because
+    HPC_MCA_FORWARD_SIGNAL=USR1, and keeps waiting for them."""
     config = _tiny_config(tmp_path)
+    got = tmp_path / "rank-got-usr1"
     fake = tmp_path / "sleepy-python"
-    fake.write_text("#!/bin/bash\nexec sleep 300\n")
+    fake.write_text("#!/bin/bash\n"
+                    f"trap 'echo \"rank $SLURM_PROCID got USR1\" >>{shlex.quote(str(got))}' USR1\n"
+                    "while true; do sleep 0.2; done\n")
     fake.chmod(0o755)
     done = hpc_mca("submit", str(config), "--gpu", "CPU", "--nodes", "1", "--job-name", "sig",
                    "--time", "1", "--signal-lead", "50", cwd=tmp_path,
-                   env=_env(HPC_MCA_PYTHON=str(fake)))
+                   env=_env(HPC_MCA_PYTHON=str(fake), HPC_MCA_FORWARD_SIGNAL="USR1"))
     job_id = _submitted_id(done)
     run_dir = tmp_path / "runs" / f"sig_{job_id}"
     signal_file = run_dir / "signal_received"
     try:
         deadline = time.monotonic() + 120
-        while not signal_file.exists():
+        while not (signal_file.exists() and got.exists()):
             assert time.monotonic() < deadline, "no USR1 within 120 s"
             time.sleep(1)
-        time.sleep(1)
         line = signal_file.read_text().splitlines()[0]
         assert line.startswith("USR1 ") and line.endswith(f"job={job_id} restart=0"), line
+        assert got.read_text().splitlines() == ["rank 0 got USR1"]
         assert _status(job_id, tmp_path)["state"] == "RUNNING"
         assert "hpc-mca | signal         SIGUSR1" in (run_dir / f"sig_{job_id}.out").read_text()
     finally:
         slurm.cancel(job_id)
+
+
+REQUEUE_ONCE = """#!/bin/bash
+# Stand-in rank: the first run requeues the job (as the requeue protocol will), the second ends.
+if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then
+    echo "first run, requeueing"
+    scontrol requeue "${SLURM_JOB_ID}"
+    sleep 60
+fi
+echo "second run, done"
+"""
+
+
+def test_requeued_job_keeps_its_run_dir_and_log_and_status_counts_it(
+        slurm_cluster: None, tmp_path: Path) -> None:
+    config = _tiny_config(tmp_path)
+    fake = tmp_path / "requeue-python"
+    fake.write_text(REQUEUE_ONCE)
+    fake.chmod(0o755)
+    done = hpc_mca("submit", str(config), "--gpu", "CPU", "--nodes", "1", "--job-name", "rq",
+                   cwd=tmp_path, env=_env(HPC_MCA_PYTHON=str(fake)))
+    job_id = _submitted_id(done)
+    assert slurm.wait_for_job(job_id, timeout=180) == "COMPLETED"
+    log = (tmp_path / "runs" / f"rq_{job_id}" / f"rq_{job_id}.out").read_text()
+    assert log.count(f"hpc-mca | job            {job_id} (rq) restart ") == 2
+    assert "restart 0" in log and "restart 1" in log
+    assert log.index("first run, requeueing") < log.index("second run, done")
+    text = hpc_mca("status", job_id, cwd=tmp_path).stdout
+    assert "COMPLETED" in text and "requeues 1" in text, text
