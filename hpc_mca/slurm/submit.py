@@ -86,7 +86,7 @@ def render_job(job: JobPlan, options: SubmitOptions) -> RenderedJob:
     name = options.job_name or (job.config_path.stem if job.config_path else command)
     runs_root = options.runs_root.expanduser().absolute()
     req = job.plan.request
-    gpu = req.gpu_spec.name.split(" ")[0] != "CPU"
+    gpu = not req.gpu_spec.name.startswith("CPU")
     sbatch = SbatchOptions(
         job_name=name, nodes=req.nodes, ntasks_per_node=req.node_size,
         gpus_per_node=req.node_size if gpu else None, cpus_per_task=options.cpus_per_task,
