@@ -24,10 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from trainer_fixtures import make_model_dir, make_sft_data, write_config  # noqa: E402
 
 
-def trainer_step_times(config: Path, steps: int) -> list[float]:
+def trainer_step_times(config: Path, steps: int, run_dir: Path) -> list[float]:
     from hpc_mca.trainer.run import run_training
 
-    history = run_training(config, [f"training.max_steps={steps}", "training.logging_steps=1000"])
+    # A fresh run dir per round: an existing one would be resumed from its checkpoint.
+    history = run_training(config, [f"training.max_steps={steps}", "training.logging_steps=1000",
+                                    f"training.output_dir={run_dir}"])
     return [h.seconds for h in history]
 
 
@@ -85,9 +87,9 @@ def main() -> None:
                               training={"per_device_train_batch_size": 8, "global_batch_size": 32})
         skip = 3  # warm-up steps excluded from both
         bare, ours = [], []
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
             bare.append(statistics.median(bare_step_times(config, args.steps)[skip:]))
-            ours.append(statistics.median(trainer_step_times(config, args.steps)[skip:]))
+            ours.append(statistics.median(trainer_step_times(config, args.steps, root / f"run{round_}")[skip:]))
     b, o = min(bare), min(ours)
     print(f"bare Megatron-Core loop : best median step {b * 1e3:8.2f} ms  (rounds: {_ms(bare)})")
     print(f"hpc-mca train           : best median step {o * 1e3:8.2f} ms  (rounds: {_ms(ours)})")
