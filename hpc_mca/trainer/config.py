@@ -155,7 +155,18 @@ class TrainingArguments:
     logging_steps: int = 10
     """Log every N optimizer steps."""
     save_steps: int | None = None
-    """Checkpoint every N steps; None = only at the end."""
+    """Checkpoint every N steps; None = only at the end (and when a stop signal arrives)."""
+    save_total_limit: int | None = None
+    """Keep only the newest N checkpoints in output_dir/checkpoints; None = keep all."""
+    resume_from_checkpoint: str = "auto"
+    """auto (continue from output_dir's latest checkpoint when there is one), never, or a
+    checkpoint to start from: its directory, a checkpoints/ directory or a run directory."""
+    async_save: bool = False
+    """Write checkpoint shards in a background process; the commit (tracker) follows at a later
+    step boundary, only once every rank finished."""
+    export_hf_dir: str | None = None
+    """After the last step, also write the model as an HF safetensors directory here
+    (relative paths are under output_dir); None = no export."""
     eval_steps: int | None = None
     """Evaluate every N steps; None = only after the last step (when there is an eval set)."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
@@ -497,7 +508,8 @@ def _check_training(config: TrainConfig, world_size: int) -> None:
     if tr.bf16 and tr.fp16:
         raise ConfigError("training.bf16 and training.fp16 are both true; valid: at most one")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "logging_steps",
-                 "save_steps", "eval_steps", "gradient_accumulation_steps", "global_batch_size"):
+                 "save_steps", "eval_steps", "gradient_accumulation_steps", "global_batch_size",
+                 "save_total_limit"):
         _at_least(f"training.{name}", getattr(tr, name), 1)
     for name in ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon"):
         _at_least(f"training.{name}", getattr(tr, name), 0.0)

@@ -14,6 +14,8 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from hpc_mca.checkpoint import train_with_checkpoints
+from hpc_mca.checkpoint.compat import resume_check
 from hpc_mca.runtime.distributed import RankContext, init_distributed, shutdown
 from hpc_mca.runtime.env import from_environ
 from hpc_mca.topology import Layout, ModelShape
@@ -29,6 +31,7 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
     env = from_environ()
     config = load_config(config_path, overrides).resolve(env.world_size)
     data_files_exist(config)
+    resume_check(config, env.world_size, _shape(config))  # before any collective, like config errors
     ctx = init_distributed(_layout(config), model=_shape(config), seed=config.training.seed, env=env,
                            global_batch_size=config.training.global_batch_size,
                            micro_batch_size=config.training.per_device_train_batch_size)
@@ -57,7 +60,8 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
     shape = _shape(config)
     trainer = Trainer(config, ctx, chunks, data, run_dir=run_dir, callbacks=callbacks,
                       eval_metric=_eval_metric(config, shape.vocab_size, ctx.device), model_shape=shape)
-    return trainer.train()
+    # Resume, interval/end/on-signal saves, the finished marker (hpc_mca/checkpoint).
+    return train_with_checkpoints(trainer, config, ctx, run_dir, shape)
 
 
 def _datasets(config: TrainConfig, ctx: RankContext) -> Any:

@@ -1,0 +1,279 @@
+"""Saving and resuming a training run: the Checkpointer a Trainer is given.
+
+    checkpointer = Checkpointer(config, ctx, run_dir, model_shape)
+    checkpointer.attach(trainer)      # trainer.on_save = checkpointer.save; resume if possible
+    trainer.train()
+    checkpointer.finish(trainer, stopped=...)
+
+Saves go through ``megatron.core.dist_checkpointing`` with the fully-parallel save and load
+wrappers over the data-parallel group (every DP replica writes/reads a share of the replicated
+tensors) and the torch_dist backend. The commit protocol (see :mod:`.store`) makes a save
+durable only when every rank finished: ranks write into ``iter_N.tmp``; an all-reduce proves
+every rank got past its (fsync'ed) writes; rank 0 then writes checkpoint.json, renames the
+directory to ``iter_N``, replaces the ``latest`` tracker atomically and prunes to the newest
+``save_total_limit``. With ``async_save`` the shards are written by a background process and
+that same commit runs as the save's last finalize step (at a later step boundary, or at once
+when the run stops), so the tracker is gated exactly as for a synchronous save.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import compat
+from .state import build_state, load_optimizer, restore_rng, unwrap
+from .store import (INFO_FILE, CheckpointError, CheckpointInfo, checkpoints_dir, finished_step,
+                    fsync_dir, iter_name, mark_finished, prune, read_tracker, write_json_atomic,
+                    write_tracker)
+
+
+class Checkpointer:
+    """Save/resume for one rank of one run; every method is called on every rank."""
+
+    def __init__(self, config: Any, ctx: Any, run_dir: Path, model_shape: Any) -> None:
+        tr = config.training
+        self.config, self.ctx, self.run_dir = config, ctx, Path(run_dir)
+        self.model_shape = model_shape
+        self.root = checkpoints_dir(run_dir)
+        self.keep, self.async_save = tr.save_total_limit, tr.async_save
+        self.use_dist_opt = config.parallel.use_distributed_optimizer
+        self.records = compat.records(config, ctx.env.world_size, model_shape)
+        self.last_saved_step: int | None = None
+        self.last_durable: dict[str, Any] | None = None
+        self.stop_time: float | None = None
+        """When the stop was requested (the batch shell's record of the signal, else when the
+        ranks agreed; set by the StopRequest callback), for the signal-to-durable line."""
+        self.stop_reason: str | None = None
+        self._save_strategy: Any = None
+        self._async_queue: Any = None
+        self._metrics: Any = None
+
+    # ---- wiring -------------------------------------------------------------------------------
+
+    def attach(self, trainer: Any) -> CheckpointInfo | None:
+        """Become ``trainer``'s save hook and resume it from the run's checkpoint, if any."""
+        trainer.on_save = self.save
+        self._metrics = trainer.metrics
+        return self.resume(trainer)
+
+    # ---- resume -------------------------------------------------------------------------------
+
+    def resume(self, trainer: Any) -> CheckpointInfo | None:
+        """Load the checkpoint ``training.resume_from_checkpoint`` selects into ``trainer``
+        (model, optimizer, LR scheduler, step, samples, RNG); None for a fresh start."""
+        found = compat.resume_check(self.config, self.ctx.env.world_size, self.model_shape)
+        if found is None:
+            return None
+        path, info = found
+        with_rng = compat.same_layout(info, self.records["layout"])
+        started = time.perf_counter()
+        loaded = self._load(trainer, path, with_rng)
+        for i, chunk in enumerate(trainer.model):
+            key = "model" if len(trainer.model) == 1 else f"model{i}"
+            unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        load_optimizer(trainer.optimizer, loaded["optimizer"])
+        trainer.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
+        saved = loaded["trainer"]
+        trainer.state.global_step = saved["global_step"]
+        trainer.consumed_samples = saved["consumed_samples"]
+        trainer.skipped_iters = saved["skipped_iters"]
+        if with_rng:
+            restore_rng(loaded["rng_state"])
+        self.last_saved_step = info.step
+        self._after_resume(info, path, with_rng, time.perf_counter() - started)
+        return info
+
+    def _load(self, trainer: Any, path: Path, with_rng: bool) -> dict[str, Any]:
+        from megatron.core import dist_checkpointing, parallel_state
+        from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import \
+            FullyParallelLoadStrategyWrapper
+
+        template = build_state(trainer, loading=True, with_rng=with_rng, config=None,
+                               use_distributed_optimizer=self.use_dist_opt)
+        strategy = FullyParallelLoadStrategyWrapper(
+            get_default_load_sharded_strategy(str(path)),
+            parallel_state.get_data_parallel_group(with_context_parallel=True))
+        return dist_checkpointing.load(template, str(path), strategy)
+
+    def _after_resume(self, info: CheckpointInfo, path: Path, with_rng: bool, seconds: float) -> None:
+        if self.ctx.is_main:
+            _truncate_steps(self.run_dir / "steps.jsonl", info.step)
+            changes = compat.describe_changes(info, self.records["layout"])
+            print(f"resumed from {path} at step {info.step} ({info.consumed_samples} samples) "
+                  f"in {seconds:.1f} s" + (f"; layout changed: {changes}" if changes else "")
+                  + ("" if with_rng else "; per-rank RNG states not restored (layout changed)"),
+                  flush=True)
+            self.last_durable = {"step": info.step, "path": str(path), "time": info.saved_at}
+            self._progress(last_checkpoint=self.last_durable)
+        dist.barrier()
+
+    # ---- save ---------------------------------------------------------------------------------
+
+    def save(self, trainer: Any, reason: str | None = None) -> None:
+        """Checkpoint ``trainer`` at its current step (once per step; the Trainer's on_save)."""
+        step = trainer.state.global_step
+        reason = reason or self.stop_reason or ("end" if step >= trainer.max_steps else "interval")
+        if step == self.last_saved_step:
+            return
+        self.wait()  # one save in flight at a time: the previous one commits first
+        from megatron.core import dist_checkpointing
+
+        name = iter_name(step)
+        tmp = self.root / f"{name}.tmp"
+        if self.ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # what a killed save of this step left
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        state = build_state(trainer, loading=False, with_rng=True, config=self.config.to_dict(),
+                            use_distributed_optimizer=self.use_dist_opt)
+        info = self._info(trainer, reason)
+        started = time.perf_counter()
+        # async: Megatron's own background writer ("nvrx" needs nvidia-resiliency-ext).
+        extra = {"async_sharded_save": True, "async_strategy": "mcore"} if self.async_save else {}
+        request = dist_checkpointing.save(state, str(tmp), self._strategy(), **extra)
+        commit = functools.partial(self._commit, name, info, started)
+        if request is None:
+            commit()
+        else:
+            request.finalize_fns.append(commit)
+            self._queue().schedule_async_request(request)
+        self.last_saved_step = step
+
+    def poll(self) -> None:
+        """Commit a finished async save, if any (call at step boundaries, on every rank)."""
+        if self._async_queue is not None:
+            self._async_queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        """Block until an async save in flight is written and committed."""
+        if self._async_queue is not None:
+            self._async_queue.maybe_finalize_async_calls(blocking=True)
+
+    def _commit(self, name: str, info: CheckpointInfo, started: float) -> None:
+        """Every rank arrives here after its shards are written and fsync'ed; the all-reduce
+        proves all did before rank 0 publishes the checkpoint."""
+        arrived = torch.ones(1, dtype=torch.int32, device=self.ctx.device)
+        dist.all_reduce(arrived)
+        if int(arrived.item()) != dist.get_world_size():
+            raise CheckpointError(f"checkpoint {name}: only {int(arrived.item())} of "
+                                  f"{dist.get_world_size()} ranks finished; not committed")
+        if self.ctx.is_main:
+            self._publish(name, info, time.perf_counter() - started)
+        dist.barrier()  # nobody moves on (or exits for a requeue) before the tracker is durable
+
+    def _publish(self, name: str, info: CheckpointInfo, seconds: float) -> None:
+        tmp, final = self.root / f"{name}.tmp", self.root / name
+        if not (tmp / ".metadata").is_file():
+            raise CheckpointError(f"checkpoint {name}: {tmp}/.metadata is missing; not committed")
+        write_json_atomic(tmp / INFO_FILE, info.to_json())
+        if final.exists():
+            # A complete copy of this step from an earlier, interrupted run. The tracker cannot
+            # name it (a resumed run never saves its starting step again), so replace it.
+            if read_tracker(self.root) == name:
+                shutil.rmtree(tmp)
+                return
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_dir(self.root)
+        write_tracker(self.root, name)
+        prune(self.root, self.keep)
+        self.last_durable = {"step": info.step, "path": str(final), "time": time.time()}
+        self._progress(last_checkpoint=self.last_durable)
+        since = "" if self.stop_time is None else \
+            f", durable {time.time() - self.stop_time:.2f} s after the stop request"
+        print(f"checkpoint {final} saved ({info.reason}) in {seconds:.2f} s{since}", flush=True)
+
+    def _info(self, trainer: Any, reason: str) -> CheckpointInfo:
+        import megatron.core
+
+        env = self.ctx.env
+        return CheckpointInfo(
+            step=trainer.state.global_step, consumed_samples=trainer.consumed_samples,
+            skipped_iters=trainer.skipped_iters, saved_at=time.time(), job_id=env.job_id,
+            restart_count=env.restart_count, reason=reason,
+            megatron_core=getattr(megatron.core, "__version__", ""), **self.records)
+
+    def _strategy(self) -> Any:
+        if self._save_strategy is None:
+            from megatron.core import parallel_state
+            from megatron.core.dist_checkpointing.serialization import \
+                get_default_save_sharded_strategy
+            from megatron.core.dist_checkpointing.strategies.fully_parallel import \
+                FullyParallelSaveStrategyWrapper
+
+            # The state dict has the same structure at every save: cache the distribution of
+            # replicated shards over the DP ranks instead of recomputing it.
+            self._save_strategy = FullyParallelSaveStrategyWrapper(
+                get_default_save_sharded_strategy("torch_dist"),
+                parallel_state.get_data_parallel_group(with_context_parallel=True),
+                do_cache_distribution=True)
+        return self._save_strategy
+
+    def _queue(self) -> Any:
+        if self._async_queue is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._async_queue = AsyncCallsQueue()
+        return self._async_queue
+
+    # ---- the end ------------------------------------------------------------------------------
+
+    def finish(self, trainer: Any, *, stopped: bool) -> None:
+        """After ``train()``: save the last step, wait for async saves, and — unless the run
+        stopped early on request — mark it finished (the job then never requeues) and export
+        the model to HF when configured."""
+        self.save(trainer, None if stopped else "end")
+        self.wait()
+        if self._async_queue is not None:
+            self._async_queue.close()
+            self._async_queue = None
+        if stopped:
+            return
+        export = self.config.training.export_hf_dir
+        if export:
+            self._export(trainer, Path(export) if os.path.isabs(export) else self.run_dir / export)
+        if self.ctx.is_main:
+            mark_finished(self.run_dir, trainer.state.global_step)
+            self._progress(finished=True)
+        dist.barrier()
+
+    def _export(self, trainer: Any, out: Path) -> None:
+        from hpc_mca.models.export import save_hf_checkpoint
+
+        started = time.perf_counter()
+        save_hf_checkpoint([unwrap(chunk) for chunk in trainer.model], out,
+                           self.config.model.model_name_or_path)
+        if self.ctx.is_main:
+            print(f"exported HF model to {out} in {time.perf_counter() - started:.1f} s", flush=True)
+
+    def already_finished(self, trainer: Any) -> bool:
+        """True when this run finished before (its marker is at or past the resumed step)."""
+        done = finished_step(self.run_dir)
+        return done is not None and trainer.state.global_step >= done
+
+    def _progress(self, **fields: Any) -> None:
+        env = self.ctx.env
+        if self._metrics is not None:
+            self._metrics.write_progress(job_id=env.job_id, restart_count=env.restart_count,
+                                         **fields)
+
+
+def _truncate_steps(path: Path, step: int) -> None:
+    """Drop steps.jsonl lines after ``step``: they are about to be trained again (the run
+    died after them but before their checkpoint), and the log must read as one run."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    write_json_atomic(path, "".join(line + "\n" for line in kept))
+

@@ -1,0 +1,156 @@
+"""Can this run continue from that checkpoint? Decided from checkpoint.json, before loading.
+
+Pure Python (no torch): the trainer calls it on every rank before any tensor is read, and
+``hpc-mca resume`` calls it on the login node for the layout of the continuation job.
+
+What may change between the saving and the loading job (dist_checkpointing reshards):
+tensor/pipeline/virtual-pipeline/data/expert parallel sizes, the node count, the micro-batch
+size and gradient accumulation (the global batch stays), and max_steps (the LR schedule keeps
+the checkpoint's warmup and decay lengths: Megatron's scheduler restores them).
+
+What may not (one line each, naming the config field, both values and the valid choice):
+the model's shape, the global batch size, the data seed and sequence length (the sampler
+position would point at other rows), the optimizer, the precision, distributed vs. plain
+optimizer (their state layouts differ), full vs. LoRA training, and — for the
+``dp_reshardable`` optimizer format only — tensor/pipeline/expert parallel sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from hpc_mca.trainer.config import ConfigError
+
+from .store import (CheckpointError, CheckpointInfo, latest_checkpoint, read_info,
+                    resolve_checkpoint)
+
+OPTIMIZER_FORMAT = "fully_reshardable"
+"""Distributed-optimizer sharding type we save: reshards over TP, PP and DP."""
+
+
+class CheckpointMismatch(ConfigError):
+    """The configured run cannot continue from the checkpoint. Raised before anything is
+    loaded (before the process group, in the trainer); the entry point prints it as one line
+    and exits 2, like any config error."""
+
+# checkpoint.json training key -> the config field a user would change.
+_TRAINING_FIELDS = {
+    "global_batch_size": "training.global_batch_size",
+    "seed": "training.seed",
+    "seq_length": "data.seq_length",
+    "optim": "training.optim",
+    "precision": "training.bf16/fp16",
+    "use_distributed_optimizer": "parallel.use_distributed_optimizer",
+    "finetuning_type": "finetuning.finetuning_type",
+}
+# Parallel sizes a dp_reshardable optimizer state cannot change (it stores DP-bucket shards).
+_DP_RESHARDABLE_FIXED = ("tp", "pp", "vp", "ep", "etp", "cp")
+
+
+def model_record(shape: Any) -> dict[str, Any]:
+    """The model fields a checkpoint records: a ModelShape as a dict, without its label."""
+    record = dataclasses.asdict(shape)
+    record.pop("name", None)
+    return record
+
+
+def layout_record(config: Any, world_size: int) -> dict[str, Any]:
+    """Parallel sizes of a resolved TrainConfig on ``world_size`` ranks."""
+    par = config.parallel
+    return {"tp": par.tensor_model_parallel_size, "pp": par.pipeline_model_parallel_size,
+            "vp": par.virtual_pipeline_model_parallel_size, "cp": par.context_parallel_size,
+            "ep": par.expert_model_parallel_size, "etp": par.expert_tensor_parallel_size,
+            "dp": par.data_parallel_size, "world_size": world_size}
+
+
+def training_record(config: Any, optimizer_format: str) -> dict[str, Any]:
+    """What the data position and the optimizer state depend on, for a resolved TrainConfig."""
+    tr, par = config.training, config.parallel
+    return {"global_batch_size": tr.global_batch_size, "seed": tr.seed,
+            "seq_length": config.data.seq_length or config.data.cutoff_len, "optim": tr.optim,
+            "precision": "bf16" if tr.bf16 else "fp16" if tr.fp16 else "fp32",
+            "use_distributed_optimizer": par.use_distributed_optimizer,
+            "optimizer_format": optimizer_format,
+            "finetuning_type": config.finetuning.finetuning_type, "max_steps": tr.max_steps}
+
+
+def incompatibilities(info: CheckpointInfo, model: dict[str, Any], layout: dict[str, Any],
+                      training: dict[str, Any]) -> list[str]:
+    """Why a run with ``model``/``layout``/``training`` cannot load ``info``'s checkpoint
+    (one line per reason; empty when it can)."""
+    reasons = []
+    changed = {k: (v, model.get(k)) for k, v in info.model.items() if model.get(k) != v}
+    if changed:
+        diffs = ", ".join(f"{k} {new} (checkpoint: {old})" for k, (old, new) in changed.items())
+        reasons.append(f"the checkpoint at step {info.step} holds a different model: {diffs}; "
+                       "valid: the model it was trained with")
+    for key, dotted in _TRAINING_FIELDS.items():
+        old, new = info.training.get(key), training.get(key)
+        if key in info.training and old != new:
+            reasons.append(f"{dotted}={new!r} but the checkpoint at step {info.step} was saved "
+                           f"with {old!r}; valid: {old!r}")
+    if info.training.get("optimizer_format") == "dp_reshardable":
+        for key in _DP_RESHARDABLE_FIXED:
+            old, new = info.layout.get(key), layout.get(key)
+            if old != new:
+                reasons.append(f"parallel size {key}={new} but the checkpoint's optimizer "
+                               f"state (dp_reshardable) was saved with {key}={old} and can "
+                               f"only change data parallelism; valid: {key}={old}")
+    return reasons
+
+
+def same_layout(info: CheckpointInfo, layout: dict[str, Any]) -> bool:
+    """True when every rank of the new job is the rank that saved (per-rank RNG state can be
+    restored only then)."""
+    return all(info.layout.get(k) == layout.get(k) for k in layout)
+
+
+def describe_changes(info: CheckpointInfo, layout: dict[str, Any]) -> str:
+    """``tp 2->1, dp 2->4`` for the parallel sizes that differ (empty when none)."""
+    return ", ".join(f"{k} {info.layout.get(k)}->{v}" for k, v in layout.items()
+                     if info.layout.get(k) != v)
+
+
+def records(config: Any, world_size: int, shape: Any) -> dict[str, dict[str, Any]]:
+    """What a checkpoint of this run records and a resume compares: model, layout, training."""
+    optimizer_format = OPTIMIZER_FORMAT if config.parallel.use_distributed_optimizer else "plain"
+    return {"model": model_record(shape), "layout": layout_record(config, world_size),
+            "training": training_record(config, optimizer_format)}
+
+
+def checkpoint_to_load(config: Any) -> Path | None:
+    """What ``training.resume_from_checkpoint`` selects: auto = output_dir's latest checkpoint
+    (None when there is none), never = none, else the given checkpoint."""
+    spec = config.training.resume_from_checkpoint
+    try:
+        if spec in ("", "auto"):
+            return latest_checkpoint(config.training.output_dir)
+        if spec == "never":
+            return None
+        return resolve_checkpoint(spec)
+    except CheckpointError as err:
+        raise CheckpointMismatch(f"training.resume_from_checkpoint={spec!r}: {err}") from None
+
+
+def check_checkpoint(path: Path, recorded: dict[str, dict[str, Any]]) -> CheckpointInfo:
+    """checkpoint.json of ``path``; CheckpointMismatch (one line) if a run with ``recorded``
+    (see :func:`records`) cannot continue from it."""
+    try:
+        info = read_info(path)
+    except CheckpointError as err:
+        raise CheckpointMismatch(str(err)) from None
+    reasons = incompatibilities(info, **recorded)
+    if reasons:
+        raise CheckpointMismatch(f"cannot resume from {path}: " + "; ".join(reasons))
+    return info
+
+
+def resume_check(config: Any, world_size: int, shape: Any) -> tuple[Path, CheckpointInfo] | None:
+    """The checkpoint a resolved config will resume from on ``world_size`` ranks and its info,
+    None for a fresh start; CheckpointMismatch when it cannot."""
+    path = checkpoint_to_load(config)
+    if path is None:
+        return None
+    return path, check_checkpoint(path, records(config, world_size, shape))

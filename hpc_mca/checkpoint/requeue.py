@@ -1,0 +1,138 @@
+"""The requeue protocol: how a Slurm job saves before its time runs out and comes back.
+
+This docstring is the contract between the batch script (``sbatch/train.sbatch``, rendered by
+``hpc_mca/slurm/script.py``) and the ranks. Files live in the run directory ($HPC_MCA_RUN_DIR).
+
+1. Submission: ``--requeue`` and ``--signal=B:USR1@<lead>``: Slurm sends USR1 to the batch
+   shell ``lead`` seconds (Slurm checks every 30 s: up to ~60 s more) before the time limit.
+   Only the batch shell gets it, and torchrun would not forward it anyway.
+2. Batch shell, on USR1 or TERM: appends ``<SIG> <unix time> job=<id> restart=<n>`` to
+   ``signal_received`` ($HPC_MCA_SIGNAL_FILE, removed when the job (re)starts), and keeps
+   waiting for srun. (With HPC_MCA_FORWARD_SIGNAL=USR1 it also signals the tasks; only for
+   srun-launched ranks: a USR1 before a rank's handler is installed would kill it.)
+3. Ranks: at every step boundary, global rank 0 looks for ``signal_received`` (one stat per
+   step, one rank: no metadata storm on a parallel file system); every rank also notes USR1
+   or TERM delivered to itself (srun forwards TERM at a time limit, preemption or scancel).
+   One all-reduce (MAX) of that flag makes every rank agree at the same step. Then all ranks
+   save together (the checkpoint commit: see :mod:`hpc_mca.checkpoint.store`), stop, and
+   exit 0 without writing ``finished``. A second TERM to a rank kills it at once.
+4. Batch shell, after srun returned (exit code rc):
+
+   * ``finished`` exists (written by rank 0 after the last step's checkpoint): done; exit rc.
+     A completed run is never requeued, whatever signals came late.
+   * USR1 was received: ``scontrol requeue $SLURM_JOB_ID`` (same job id; Slurm bumps
+     SLURM_RESTART_COUNT; the job restarts after the requeue hold) if
+     SLURM_RESTART_COUNT < HPC_MCA_MAX_REQUEUES, else exit 75 ("stopped, not finished").
+   * only TERM was received: no requeue from here (an outside ``scontrol requeue`` or a
+     preemption requeues the job itself; ``scancel`` means stop).
+   * rc != 0 and rc != 2 (2 = bad input: config, data, layout; retrying cannot help) and
+     HPC_MCA_REQUEUE_ON_FAILURE=1: requeue within the same budget, so a crash on a flaky node
+     resumes from the last checkpoint while a job that keeps failing stops after
+     HPC_MCA_MAX_REQUEUES restarts.
+5. Restart: the same command runs again; ``training.resume_from_checkpoint=auto`` (the default)
+   continues from ``checkpoints/latest``: same samples, LR curve and steps.jsonl (lines after
+   the checkpoint's step are dropped, then appended to).
+
+:class:`StopRequest` is the rank side of steps 2-3, as a transformers TrainerCallback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers.trainer_callback import TrainerCallback, TrainerControl, TrainerState
+
+SIGNAL_FILE = "signal_received"
+SIGNAL_FILE_ENV = "HPC_MCA_SIGNAL_FILE"
+_CODES = {"USR1": 1, "TERM": 2}
+"""Stop reasons, ordered: a TERM outranks a USR1 in the agreed code (both mean: save, stop)."""
+
+
+class StopRequest(TrainerCallback):
+    """Turns a USR1/TERM (to the batch shell or to this rank) into a save and a stop at the
+    next step boundary, agreed by all ranks."""
+
+    def __init__(self, run_dir: Path, device: Any, is_main: bool, checkpointer: Any = None) -> None:
+        self.signal_file = Path(os.environ.get(SIGNAL_FILE_ENV) or Path(run_dir) / SIGNAL_FILE)
+        self.device, self.is_main, self.checkpointer = device, is_main, checkpointer
+        self.received = 0
+        self.received_at: float | None = None
+        self.agreed = 0
+        """The stop code all ranks agreed on at the last step boundary (0 = keep training)."""
+        self.stopped = False
+        """True once this callback ended training early (not when the run ended anyway)."""
+        self._install()
+
+    @property
+    def reason(self) -> str:
+        return {1: "USR1 (time limit ahead)", 2: "TERM"}.get(self.agreed, "")
+
+    def _install(self) -> None:
+        for name in _CODES:
+            signal.signal(getattr(signal, f"SIG{name}"), self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name.removeprefix("SIG")
+        self.received = max(self.received, _CODES[name])
+        self.received_at = self.received_at or time.time()
+        if name == "TERM":
+            # The next TERM (e.g. Slurm's kill after KillWait, torchrun's) ends the process.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def local_code(self) -> int:
+        code = self.received
+        if self.is_main:
+            recorded, when = read_signal_file(self.signal_file)
+            if recorded:
+                code = max(code, recorded)
+                self.received_at = min(when or time.time(), self.received_at or time.time())
+        return code
+
+    def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> TrainerControl:
+        import torch
+        import torch.distributed as dist
+
+        if self.checkpointer is not None:
+            self.checkpointer.poll()  # commit an async save whose shards are all written
+        flag = torch.tensor([self.local_code()], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.agreed = int(flag.item())
+        if self.agreed and not control.should_training_stop:
+            self.stopped = True
+            control.should_save = control.should_training_stop = True
+            if self.checkpointer is not None:
+                # Rank 0's clock: the shell's record of the signal when there is one.
+                self.checkpointer.stop_time = self.received_at or time.time()
+                self.checkpointer.stop_reason = "signal"
+            if self.is_main:
+                print(f"stop requested by {self.reason} at step {state.global_step}: saving and "
+                      "exiting for requeue", flush=True)
+        return control
+
+    def restore(self) -> None:
+        """Give SIGUSR1/SIGTERM their default handling back (after training)."""
+        for name in _CODES:
+            signal.signal(getattr(signal, f"SIG{name}"), signal.SIG_DFL)
+
+
+def read_signal_file(path: Path) -> tuple[int, float | None]:
+    """The highest stop code recorded in the batch shell's signal file (0 if none) and the
+    time of the first record (lines: ``<SIG> <unix time> ...``)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return 0, None
+    code, first = 0, None
+    for line in text.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        code = max(code, _CODES.get(words[0].removeprefix("SIG"), 0))
+        if first is None and len(words) > 1 and words[1].replace(".", "", 1).isdigit():
+            first = float(words[1])
+    return code, first

@@ -1,0 +1,203 @@
+"""What a checkpoint holds, as one Megatron sharded state dict, and how it is put back.
+
+Keys of the sharded state dict (``dist_checkpointing`` stores ShardedTensors in the torch_dist
+files and everything else as the "common" state written once)::
+
+    model | model0, model1, ...   the GPTModel chunk(s), canonical keys ("decoder.layers.3...")
+    optimizer                    Megatron optimizer; distributed optimizer as fully_reshardable
+    lr_scheduler                 OptimizerParamScheduler.state_dict() (common)
+    trainer                      global_step, consumed_samples, skipped_iters (common)
+    config                       the resolved run config as a dict (common)
+    rng_state                    per-rank RNG states: ShardedObject of global shape (world,)
+
+The torch AdamW fallback (no Apex/TE) keeps a per-parameter ``step`` tensor that Megatron's
+distributed optimizer handles only half-way: ``state_dict()`` reads it from every parameter
+(a fresh optimizer has none: :func:`init_optimizer_state` gives it one to build the load
+template), the fully_reshardable format saves it in the param groups, and putting the
+parameter state back fails with KeyError('step') in ``_set_main_param_and_optimizer_states``.
+:func:`load_optimizer` therefore loads that optimizer in two explicit halves: the param
+groups (which carry the step) through ``load_state_dict`` without the parameter state, then
+the parameter state with ``step`` set aside while it is copied in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .compat import OPTIMIZER_FORMAT
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP and Float16Module wrappers (so keys do not depend on them)."""
+    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+def sharded_metadata(use_distributed_optimizer: bool) -> dict[str, Any]:
+    """Metadata that steers the model's and the optimizer's sharded_state_dict."""
+    from megatron.core import parallel_state
+
+    metadata: dict[str, Any] = {
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+        "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+    }
+    if use_distributed_optimizer:
+        metadata["distrib_optim_sharding_type"] = OPTIMIZER_FORMAT
+        # All-gather instead of gathering on DP rank 0 only: every DP rank then writes a share.
+        metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+    return metadata
+
+
+def model_state(chunks: list[torch.nn.Module], metadata: dict[str, Any]) -> dict[str, Any]:
+    models = [unwrap(chunk) for chunk in chunks]
+    if len(models) == 1:
+        return {"model": models[0].sharded_state_dict(metadata=metadata)}
+    return {f"model{i}": model.sharded_state_dict(metadata=metadata)
+            for i, model in enumerate(models)}
+
+
+def build_state(trainer: Any, *, loading: bool, with_rng: bool, config: dict[str, Any] | None,
+                use_distributed_optimizer: bool) -> dict[str, Any]:
+    """The sharded state dict of ``trainer`` (a :class:`hpc_mca.trainer.trainer.Trainer`).
+
+    For loading, the same structure serves as the template that says which shards this rank
+    needs; the optimizer allocates its state for it.
+    """
+    metadata = sharded_metadata(use_distributed_optimizer)
+    if loading:
+        init_optimizer_state(trainer.optimizer)
+    state = model_state(trainer.model, metadata)
+    state["optimizer"] = trainer.optimizer.sharded_state_dict(
+        state, is_loading=loading, metadata=metadata)
+    state["lr_scheduler"] = trainer.lr_scheduler.state_dict()
+    state["trainer"] = {"global_step": trainer.state.global_step,
+                        "consumed_samples": trainer.consumed_samples,
+                        "skipped_iters": trainer.skipped_iters}
+    if config is not None:
+        state["config"] = config
+    if with_rng:
+        state["rng_state"] = rng_object()
+    return state
+
+
+# --- RNG -------------------------------------------------------------------------------------
+
+
+def rng_object() -> Any:
+    """This rank's RNG states as a ShardedObject: one entry per global rank, each saved by its
+    own rank (Megatron's own rng_state keeps only DP rank 0's)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject("rng_state", collect_rng(), (dist.get_world_size(),),
+                         (dist.get_rank(),), replica_id=0)
+
+
+def collect_rng() -> dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            # On CPU the compat layer maps the CUDA generator to the CPU one (same state).
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def restore_rng(states: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if states.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+    get_cuda_rng_tracker().set_states(states["tracker"])
+
+
+# --- the optimizer ---------------------------------------------------------------------------
+
+
+def _sub_optimizers(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def init_optimizer_state(optimizer: Any) -> None:
+    """Allocate the state of a fresh optimizer so a load has a template to fill.
+
+    Megatron's ``init_state_fn`` for Adam creates exp_avg/exp_avg_sq but not torch Adam's
+    ``step``, which DistributedOptimizer.state_dict() then reads from every parameter
+    (KeyError('step') / an assert on a fresh optimizer): give each a step of 0, replaced by
+    the checkpoint's own step when it is loaded.
+    """
+    for sub in _sub_optimizers(optimizer):
+        inner = getattr(sub, "optimizer", None)
+        if inner is None or getattr(sub, "init_state_fn", None) is None:
+            continue
+        sub.init_state_fn(inner, sub.config)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if state and "step" not in state:
+                    state["step"] = torch.tensor(0.0)
+
+
+def load_optimizer(optimizer: Any, loaded: Any) -> None:
+    """Put a loaded optimizer state back (see the module docstring for the ``step`` handling)."""
+    subs = _sub_optimizers(optimizer)
+    if len(subs) == 1:
+        parts = [loaded]
+    elif isinstance(loaded, dict):
+        parts = [loaded[k] for k in sorted(loaded)]
+    else:
+        parts = list(loaded)
+    if len(parts) != len(subs):
+        raise RuntimeError(f"the checkpoint has {len(parts)} optimizer(s), this run "
+                           f"{len(subs)}")
+    for sub, part in zip(subs, parts):
+        _load_one(sub, part)
+    if len(subs) > 1 and hasattr(optimizer, "_synchronize_steps"):
+        optimizer._synchronize_steps()
+
+
+def _load_one(optimizer: Any, state: dict[str, Any]) -> None:
+    if state.get("param_state_sharding_type") != OPTIMIZER_FORMAT:
+        optimizer.load_state_dict(state)  # plain optimizer: Megatron restores its common step
+        return
+    param_state = state.pop("param_state")
+    state.pop("param_state_sharding_type")
+    optimizer.load_state_dict(state)  # param groups; sets every param's step from them
+    with _step_set_aside(optimizer.optimizer):
+        optimizer.load_parameter_state_from_fully_reshardable(param_state)
+
+
+@contextlib.contextmanager
+def _step_set_aside(inner: torch.optim.Optimizer) -> Iterator[None]:
+    """Hide torch Adam's per-param ``step`` (not part of the fully_reshardable parameter
+    state) while Megatron copies that state in; put back one tensor PER parameter.
+
+    DistributedOptimizer.load_state_dict assigns one step tensor to every parameter, and
+    torch's load_state_dict keeps it shared; torch AdamW then increments it in place once per
+    parameter per step, so the bias correction of every later step would be wrong.
+    """
+    steps = {param: state.pop("step") for param, state in inner.state.items() if "step" in state}
+    try:
+        yield
+    finally:
+        for param, step in steps.items():
+            inner.state[param]["step"] = step.detach().clone()
+
+
+def optimizer_step(optimizer: Any) -> float | None:
+    """The inner optimizer's step count (the same for every parameter), for checks."""
+    for sub in _sub_optimizers(optimizer):
+        for state in sub.optimizer.state.values():
+            if "step" in state:
+                return float(state["step"])
+    return None

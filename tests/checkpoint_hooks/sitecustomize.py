@@ -1,0 +1,127 @@
+"""Test-only fault and pacing hooks for checkpoint/requeue tests, loaded by putting this
+directory on PYTHONPATH (Python imports ``sitecustomize`` at start-up). Inactive unless one
+of these variables is set; it never changes numerics.
+
+HPC_MCA_TEST_STEP_SLEEP=S[@R]  sleep S seconds after every optimizer step, only while
+                               SLURM_RESTART_COUNT is R (default: always) — so a job lasts
+                               until Slurm's signal arrives, then finishes fast after a requeue.
+HPC_MCA_TEST_KILL=STEP:POINT:RANK  SIGKILL global rank RANK during the save of step STEP, at
+                               POINT: before_write (the shards of this rank not yet written),
+                               after_write (written, not committed) or before_tracker (rank 0:
+                               checkpoint renamed into place, tracker not yet replaced).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import signal
+import sys
+import time
+
+_PATCHES = {}
+
+
+def _patch_after_import(module_name, patch):
+    _PATCHES[module_name] = patch
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Runs a patch right after its module finished executing."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in _PATCHES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        loader = spec.loader
+        original_exec = loader.exec_module
+
+        def exec_module(module):
+            original_exec(module)
+            _PATCHES.pop(name)(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def _kill_self(where: str) -> None:
+    print(f"test hook: SIGKILL rank {_rank()} {where}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _install_sleep(spec: str) -> None:
+    seconds, _, restart = spec.partition("@")
+    if restart and os.environ.get("SLURM_RESTART_COUNT", "0") != restart:
+        return
+
+    def patch(module):
+        original = module.Trainer.train_step
+
+        def train_step(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            time.sleep(float(seconds))
+            return result
+
+        module.Trainer.train_step = train_step
+
+    _patch_after_import("hpc_mca.trainer.trainer", patch)
+
+
+def _install_kill(spec: str) -> None:
+    step, point, rank = spec.split(":")
+    if _rank() != int(rank):
+        return
+    step = int(step)
+
+    def patch(module):
+        if point == "before_tracker":
+            original_tracker = module.write_tracker
+
+            def write_tracker(root, name):
+                if name.endswith(f"{step:07d}"):
+                    _kill_self(f"before the tracker names {name}")
+                return original_tracker(root, name)
+
+            module.write_tracker = write_tracker
+            return
+        original_save = module.Checkpointer.save
+
+        def save(self, trainer, reason=None):
+            if trainer.state.global_step != step:
+                return original_save(self, trainer, reason)
+            from megatron.core import dist_checkpointing
+
+            real = dist_checkpointing.save
+
+            def killing_save(*args, **kwargs):
+                if point == "before_write":
+                    _kill_self(f"before writing its shards of step {step}")
+                out = real(*args, **kwargs)
+                _kill_self(f"after writing its shards of step {step}, before the commit")
+                return out
+
+            dist_checkpointing.save = killing_save
+            return original_save(self, trainer, reason)
+
+        module.Checkpointer.save = save
+
+    _patch_after_import("hpc_mca.checkpoint.checkpointer", patch)
+
+
+if os.environ.get("HPC_MCA_TEST_STEP_SLEEP"):
+    _install_sleep(os.environ["HPC_MCA_TEST_STEP_SLEEP"])
+if os.environ.get("HPC_MCA_TEST_KILL"):
+    _install_kill(os.environ["HPC_MCA_TEST_KILL"])
+if _PATCHES:
+    sys.meta_path.insert(0, _Finder())

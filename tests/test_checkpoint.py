@@ -1,0 +1,229 @@
+"""Checkpoints without Slurm: the on-disk protocol, exact resume, SIGKILL during saves,
+incompatible resumes (2 ranks under torchrun, CPU, fixed seeds).
+
+The Slurm side (signals, requeue, other node counts) is in tests/test_requeue.py and
+tests/test_resume_layout.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpc_mca.checkpoint import compat
+from hpc_mca.checkpoint.requeue import read_signal_file
+from hpc_mca.checkpoint.store import (CheckpointError, CheckpointInfo, complete_checkpoints,
+                                      iter_name, latest_checkpoint, prune, read_info,
+                                      read_tracker, resolve_checkpoint, write_tracker)
+from trainer_fixtures import TORCHRUN, make_model_dir, make_sft_data, run_train, steps, write_config
+
+HOOKS = Path(__file__).with_name("checkpoint_hooks")
+COMPARED = ("step", "loss", "tokens", "grad_norm", "lr", "skipped")
+DIST_OPT = ("use_distributed_optimizer=true",)
+
+
+def numbers(run_dir: Path) -> list[dict]:
+    """steps.jsonl without the wall-clock field."""
+    return [{k: s[k] for k in COMPARED} for s in steps(run_dir)]
+
+
+def train_killed(config: Path, run_dir: Path, kill: str, *overrides: str) -> subprocess.CompletedProcess:
+    """``run_train`` with the kill hook, in a session of its own: a SIGKILLed rank leaves
+    dist_checkpointing's multiprocessing helper (a spawned Manager) orphaned, holding the
+    output open; the session's leftovers are killed once torchrun has returned."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env.update(HPC_MCA_DIST_TIMEOUT="120", PYTHONWARNINGS="ignore", PYTHONPATH=str(HOOKS),
+               HPC_MCA_TEST_KILL=kill)
+    args = [*TORCHRUN, "--nproc-per-node=2", "-m", "hpc_mca", "train", str(config),
+            f"training.output_dir={run_dir}", *overrides]
+    out, err = run_dir.with_name(f"{run_dir.name}.out"), run_dir.with_name(f"{run_dir.name}.err")
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen(args, stdout=stdout, stderr=stderr, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=300)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return subprocess.CompletedProcess(args, code, out.read_text(), err.read_text())
+
+
+def rewind(src: Path, dst: Path, step: int) -> Path:
+    """A copy of run ``src`` as if it had died right after the checkpoint of ``step``."""
+    shutil.copytree(src, dst)
+    (dst / "finished").unlink()
+    root = dst / "checkpoints"
+    for found, path in complete_checkpoints(root):
+        if found > step:
+            shutil.rmtree(path)
+    write_tracker(root, iter_name(step))
+    return dst
+
+
+# --- the on-disk protocol (no torch) ---------------------------------------------------------
+
+
+def _fake_checkpoint(root: Path, step: int) -> Path:
+    path = root / iter_name(step)
+    path.mkdir(parents=True)
+    (path / "checkpoint.json").write_text(CheckpointInfo(step=step, consumed_samples=8 * step).to_json())
+    return path
+
+
+def test_tracker_names_only_complete_checkpoints(tmp_path: Path) -> None:
+    root = tmp_path / "run" / "checkpoints"
+    assert latest_checkpoint(tmp_path / "run") is None
+    _fake_checkpoint(root, 2)
+    (root / "iter_0000004.tmp").mkdir()  # a save that died
+    write_tracker(root, iter_name(2))
+    assert latest_checkpoint(tmp_path / "run") == root / "iter_0000002"
+    assert resolve_checkpoint(tmp_path / "run") == root / "iter_0000002"
+    assert read_info(root / "iter_0000002").consumed_samples == 16
+    assert not list(root.glob(".*tmp"))  # the tracker's temp file was renamed away
+    write_tracker(root, iter_name(4))
+    with pytest.raises(CheckpointError, match="names iter_0000004, which is missing"):
+        latest_checkpoint(tmp_path / "run")
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        resolve_checkpoint(tmp_path / "nowhere")
+
+
+def test_prune_keeps_the_newest_and_the_tracked(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6, 8):
+        _fake_checkpoint(root, step)
+    (root / "iter_0000010.tmp").mkdir()
+    write_tracker(root, iter_name(2))  # e.g. a run resumed from an older one on purpose
+    prune(root, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", "iter_0000006",
+                                                       "iter_0000008", "latest"]
+    prune(root, keep=None)  # keep all, but stale .tmp saves still go
+    assert read_tracker(root) == "iter_0000002"
+
+
+def test_incompatibilities_are_one_line_each() -> None:
+    info = CheckpointInfo(
+        step=40, consumed_samples=320, model={"hidden_size": 64, "num_layers": 4},
+        layout={"tp": 2, "pp": 1, "dp": 2}, training={
+            "global_batch_size": 8, "seed": 7, "use_distributed_optimizer": True,
+            "optimizer_format": "dp_reshardable"})
+    reasons = compat.incompatibilities(
+        info, model={"hidden_size": 128, "num_layers": 4}, layout={"tp": 1, "pp": 1, "dp": 4},
+        training={"global_batch_size": 16, "seed": 7, "use_distributed_optimizer": True})
+    assert reasons == [
+        "the checkpoint at step 40 holds a different model: hidden_size 128 (checkpoint: 64); "
+        "valid: the model it was trained with",
+        "training.global_batch_size=16 but the checkpoint at step 40 was saved with 8; valid: 8",
+        "parallel size tp=1 but the checkpoint's optimizer state (dp_reshardable) was saved with "
+        "tp=2 and can only change data parallelism; valid: tp=2",
+    ]
+    info.training["optimizer_format"] = "fully_reshardable"
+    same = {"global_batch_size": 8, "seed": 7, "use_distributed_optimizer": True}
+    assert compat.incompatibilities(info, info.model, {"tp": 1, "pp": 2, "dp": 1}, same) == []
+    assert compat.describe_changes(info, {"tp": 1, "pp": 2, "dp": 1}) == "tp 2->1, pp 1->2, dp 2->1"
+
+
+def test_signal_file_records(tmp_path: Path) -> None:
+    path = tmp_path / "signal_received"
+    assert read_signal_file(path) == (0, None)
+    path.write_text("TERM 1700000005 job=1 restart=0\n")
+    assert read_signal_file(path) == (2, 1700000005.0)
+    path.write_text("USR1 1700000000 job=1 restart=0\nTERM 1700000009 job=1 restart=0\n")
+    assert read_signal_file(path) == (2, 1700000000.0)
+
+
+# --- training runs (torchrun, 2 ranks) -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """An uninterrupted 10-step DP=2 run with the distributed optimizer, a checkpoint every 2
+    steps."""
+    root = tmp_path_factory.mktemp("checkpoint")
+    config = write_config(root, make_model_dir(root), make_sft_data(root, 256, seed=1, name="train"),
+                          training={"save_steps": 2, "logging_steps": 1})
+    proc = run_train(config, root / "reference", 2, *DIST_OPT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return config, root / "reference"
+
+
+@pytest.mark.slow
+def test_reference_saved_every_interval_and_finished(reference: tuple[Path, Path]) -> None:
+    _, run = reference
+    assert [s["step"] for s in steps(run)] == list(range(1, 11))
+    assert [step for step, _ in complete_checkpoints(run / "checkpoints")] == [2, 4, 6, 8, 10]
+    assert read_tracker(run / "checkpoints") == "iter_0000010"
+    info = read_info(run / "checkpoints" / "iter_0000006")
+    assert (info.step, info.consumed_samples, info.reason) == (6, 48, "interval")
+    assert info.layout["dp"] == 2 and info.training["optimizer_format"] == "fully_reshardable"
+    assert json.loads((run / "finished").read_text())["step"] == 10
+    progress = json.loads((run / "progress.json").read_text())
+    assert progress["finished"] is True and progress["last_checkpoint"]["step"] == 10
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(reference: tuple[Path, Path], tmp_path: Path) -> None:
+    """Killed after step 4's checkpoint (steps 5-6 were logged, not saved): the resumed run
+    (async saves, keep-last-2) logs exactly the uninterrupted run's numbers."""
+    config, ref = reference
+    run = rewind(ref, tmp_path / "run", 4)
+    assert [s["step"] for s in steps(run)][-1] == 10  # lines 5..10 will be trained again
+    proc = run_train(config, run, 2, *DIST_OPT, "async_save=true", "save_total_limit=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {run / 'checkpoints' / 'iter_0000004'} at step 4 (32 samples)" in proc.stdout
+    assert numbers(run) == numbers(ref)
+    assert [p.name for _, p in complete_checkpoints(run / "checkpoints")] == ["iter_0000008",
+                                                                               "iter_0000010"]
+    assert read_tracker(run / "checkpoints") == "iter_0000010"
+
+
+@pytest.mark.slow
+def test_sigkill_during_save_leaves_the_previous_checkpoint(reference: tuple[Path, Path],
+                                                            tmp_path: Path) -> None:
+    """Three runs, each SIGKILLed during a save at a different point of the commit protocol;
+    after each, the tracker names the previous complete checkpoint and the next run resumes
+    from it. The fourth run finishes; its log equals the uninterrupted run's."""
+    config, ref = reference
+    run = tmp_path / "run"
+    kills = [("4:after_write:1", 2), ("6:before_write:1", 4), ("8:before_tracker:0", 6)]
+    for spec, previous in kills:
+        proc = train_killed(config, run, spec, *DIST_OPT)
+        assert proc.returncode != 0 and "test hook: SIGKILL" in proc.stdout, proc.stdout[-2000:]
+        assert read_tracker(run / "checkpoints") == iter_name(previous), spec
+        assert read_info(latest_checkpoint(run)).step == previous
+        assert not (run / "finished").exists()
+    assert (run / "checkpoints" / "iter_0000008" / "checkpoint.json").is_file()  # renamed, not tracked
+    proc = run_train(config, run, 2, *DIST_OPT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "at step 6 (48 samples)" in proc.stdout
+    assert numbers(run) == numbers(ref)
+    assert not list((run / "checkpoints").glob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_incompatible_or_missing_checkpoints_fail_in_one_line(reference: tuple[Path, Path],
+                                                              tmp_path: Path) -> None:
+    config, ref = reference
+    run = rewind(ref, tmp_path / "run", 4)
+    before = (run / "steps.jsonl").read_text()
+    proc = run_train(config, run, 1, *DIST_OPT, "global_batch_size=16")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"hpc-mca train: error: cannot resume from {run / 'checkpoints' / 'iter_0000004'}: "
+        "training.global_batch_size=16 but the checkpoint at step 4 was saved with 8; valid: 8")
+    proc = run_train(config, run, 1, "resume_from_checkpoint=" + str(tmp_path / "none"))
+    assert proc.returncode == 2 and "resume_from_checkpoint=" in proc.stderr
+    assert "no checkpoint at" in proc.stderr.strip().splitlines()[-1]
+    assert (run / "steps.jsonl").read_text() == before  # nothing was touched
+    # A finished run started again trains nothing and stays finished.
+    proc = run_train(config, ref, 1, *DIST_OPT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "at step 10" in proc.stdout and "step 11" not in proc.stdout
+    assert len(steps(ref)) == 10
