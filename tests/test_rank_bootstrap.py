@@ -98,5 +98,9 @@ def test_bad_layout_fails_fast_on_every_rank(tmp_path, args, nproc, expected):
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hpc-mca smoke: error:")]
-    assert len(errors) == nproc, proc.stderr[-3000:]
+    # torchrun's agent stops the other workers as soon as one fails, so a rank may be killed
+    # before it prints; that every rank reports alone is asserted under srun
+    # (tests/test_slurm_ranks.py), which lets each task finish.
+    assert 1 <= len(errors) <= nproc, proc.stderr[-3000:]
     assert all(expected in line for line in errors), errors
+    assert "init_process_group" not in proc.stderr  # nobody reached the rendezvous

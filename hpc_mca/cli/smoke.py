@@ -37,22 +37,28 @@ def smoke(tp: int, pp: int, vp: int | None, ep: int, experts: int, topk: int,
     The numbers depend only on the model, the batch and the seed, not on TP/DP: compare a
     multi-rank run against a single process to check a cluster's setup.
     """
-    from hpc_mca.runtime.smoke import SmokeConfig
-    from hpc_mca.topology import Layout, LayoutError, ModelShape
+    from hpc_mca.runtime.env import from_environ
+    from hpc_mca.topology import Layout, LayoutError, ModelShape, check_layout
 
     try:
         shape = ModelShape(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                            num_query_groups=kv_heads or heads, ffn_hidden_size=4 * hidden,
                            vocab_size=vocab, num_experts=experts, moe_router_topk=topk if experts else 0)
         layout = Layout(tp=tp, pp=pp, vp=vp, ep=ep)
-        cfg = SmokeConfig(model=shape, seq_length=seq_length, global_batch_size=global_batch_size,
-                          micro_batch_size=micro_batch_size, steps=steps,
-                          distributed_optimizer=distributed_optimizer)
-        _run(cfg, layout, seed, out)
+        # Validate before importing torch: every rank fails within a fraction of a second and
+        # alone, before any rendezvous (init_distributed checks again, for library callers).
+        violations = check_layout(layout, from_environ().world_size, shape,
+                                  global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
+        if violations:
+            raise LayoutError(violations)
     except LayoutError as err:
-        # Every rank validates alone, before any collective: all exit, none waits.
         click.echo(f"hpc-mca smoke: error: {'; '.join(err.violations)}", err=True)
         sys.exit(2)
+    from hpc_mca.runtime.smoke import SmokeConfig
+
+    cfg = SmokeConfig(model=shape, seq_length=seq_length, global_batch_size=global_batch_size,
+                      micro_batch_size=micro_batch_size, steps=steps, distributed_optimizer=distributed_optimizer)
+    _run(cfg, layout, seed, out)
 
 
 def _run(cfg, layout, seed: int, out: Path | None) -> None:
