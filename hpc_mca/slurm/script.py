@@ -62,6 +62,11 @@ KNOBS: tuple[Knob, ...] = (
     Knob("HPC_MCA_FORWARD_SIGNAL", "",
          "signal to send the ranks when the lead-time signal arrives, e.g. USR1 (empty: "
          "only record it in $HPC_MCA_RUN_DIR/signal_received)"),
+    Knob("HPC_MCA_MAX_REQUEUES", "10",
+         "train: how often the job may requeue itself (SLURM_RESTART_COUNT counts them)"),
+    Knob("HPC_MCA_REQUEUE_ON_FAILURE", "1",
+         "train: 1 = also requeue (within that budget) when the ranks fail with an exit code "
+         "other than 2 (bad input); 0 = only on the lead-time signal"),
 )
 KNOB_NAMES = tuple(k.name for k in KNOBS)
 
@@ -218,6 +223,9 @@ _USAGE = """\
 # $HPC_MCA_RUN_DIR/signal_received (exported to the ranks as HPC_MCA_SIGNAL_FILE) and, if
 # HPC_MCA_FORWARD_SIGNAL is set, sends that signal to the ranks (scancel --signal). TERM is
 # recorded the same way. The job is --requeue'able; its log is appended to across requeues.
+# For train, the ranks see the record at their next step boundary, save and exit; then this
+# shell requeues the job (same id) unless the run finished or the retry budget is spent.
+# The whole protocol: hpc_mca/checkpoint/requeue.py.
 #
 # Knobs (environment variables):"""
 
@@ -237,7 +245,12 @@ if [[ -z "${SLURM_JOB_ID:-}" ]]; then
 fi
 """
 
-_BODY = r"""# --- environment ------------------------------------------------------------------------
+_BODY = r"""if [[ ! "${HPC_MCA_MAX_REQUEUES}" =~ ^[0-9]+$ ]]; then  # it meets bash arithmetic below
+    echo "hpc-mca: HPC_MCA_MAX_REQUEUES='${HPC_MCA_MAX_REQUEUES}' must be a whole number" >&2
+    exit 2
+fi
+
+# --- environment ------------------------------------------------------------------------
 launcher="${HPC_MCA_HOME}/bin/hpc-mca-rank"
 if [[ ! -x "${launcher}" ]]; then
     echo "hpc-mca: ${launcher} not found: set HPC_MCA_HOME to the hpc-mca checkout" \
@@ -293,6 +306,28 @@ while true; do
     wait "${srun_pid}" || rc=$?
     ((interrupted)) || break
 done
+
+# --- requeue (train; contract: hpc_mca/checkpoint/requeue.py) -------------------------------
+why=""
+if [[ "${HPC_MCA_RANK_CMD}" == train && ! -f "${HPC_MCA_RUN_DIR}/finished" ]]; then
+    if grep -qs '^USR1 ' "${HPC_MCA_SIGNAL_FILE}"; then
+        why="time limit ahead (SIGUSR1)"
+    elif ((rc != 0 && rc != 2)) && [[ "${HPC_MCA_REQUEUE_ON_FAILURE}" == 1 ]] &&
+        [[ ! -s "${HPC_MCA_SIGNAL_FILE}" ]]; then
+        why="ranks failed with exit code ${rc}"  # after a TERM, Slurm or the user decided
+    fi
+fi
+if [[ -n "${why}" ]]; then
+    restarts=${SLURM_RESTART_COUNT:-0}
+    if ((restarts < HPC_MCA_MAX_REQUEUES)); then
+        banner "requeue" "${why}: restart $((restarts + 1)) of at most ${HPC_MCA_MAX_REQUEUES}"
+        scontrol requeue "${SLURM_JOB_ID}" && exit 0
+        banner "requeue" "scontrol requeue failed: not requeued"
+    else
+        banner "requeue" "${why}: not requeued, retry budget spent (${restarts} restarts)"
+    fi
+    ((rc != 0)) || rc=75  # stopped early and not coming back: not a success
+fi
 banner "end" "exit code ${rc} after $((SECONDS - started)) s"
 exit "${rc}"
 """
