@@ -16,6 +16,7 @@ _COMMANDS: dict[str, str] = {
     "cancel": "hpc_mca.cli.cancel:cancel",
     "logs": "hpc_mca.cli.logs:logs",
     "plan": "hpc_mca.cli.plan:plan",
+    "resume": "hpc_mca.cli.resume:resume",
     "smoke": "hpc_mca.cli.smoke:smoke",
     "status": "hpc_mca.cli.status:status",
     "submit": "hpc_mca.cli.submit:submit",

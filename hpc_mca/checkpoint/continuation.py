@@ -1,0 +1,241 @@
+"""``hpc-mca resume``: continue a run from its latest checkpoint in a new job, maybe on another
+number of nodes or another layout.
+
+Pure Python (no torch): it runs on the login node. It reuses the operator code of
+:mod:`hpc_mca.slurm` — the run lookup (manifest, else Slurm's record), the planner and the
+trainer overrides (:func:`~hpc_mca.slurm.jobplan.make_job_plan`), the batch script renderer
+(:func:`~hpc_mca.slurm.submit.render_job`, :func:`~hpc_mca.slurm.script.render_script`) — and
+only changes what makes the job a continuation: ``HPC_MCA_RUN_DIR`` is the old run directory
+(so the trainer's ``resume_from_checkpoint=auto`` finds the checkpoint) and the log goes next
+to the old ones as ``<job name>_<new id>.out``; the new id is appended to the manifest's
+``job_ids``.
+
+Everything is checked before anything is submitted, each problem as one line: an unknown job,
+a job of the run still queued or running, a run without a checkpoint or already finished, a
+layout the planner or the trainer's config rules refuse, and a layout or config the checkpoint
+cannot be loaded into (:func:`hpc_mca.checkpoint.compat.resume_check`, the same check the
+ranks make). Nothing is ever deleted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc_mca.slurm import commands
+from hpc_mca.slurm.errors import OpsError
+from hpc_mca.slurm.jobplan import JobPlan, PlanOptions, load_train_config, make_job_plan
+from hpc_mca.slurm.manifest import Run, find_run, read_manifest, write_manifest
+from hpc_mca.slurm.quoting import filename_pattern
+from hpc_mca.slurm.script import RUN_DIR_PATTERN, render_script
+from hpc_mca.slurm.submit import SubmitOptions, render_job
+
+from . import compat
+from .store import CheckpointError, CheckpointInfo, finished_step, latest_checkpoint, read_info
+
+_LAYOUT_FLAGS = ("tp", "pp", "vp", "cp", "ep", "etp")
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A checked continuation job, ready to submit."""
+
+    run: Run
+    checkpoint: Path
+    info: CheckpointInfo
+    job: JobPlan
+    script: str
+    knobs: dict[str, str]
+    world_size: int
+    job_name: str
+
+    def log(self, job_id: str) -> Path:
+        return self.run.run_dir / f"{self.job_name}_{job_id}.out"
+
+    def describe(self) -> str:
+        req = self.job.plan.request
+        return (f"run {self.run.run_dir} from {self.checkpoint.name} (step {self.info.step}, "
+                f"{self.info.consumed_samples} samples) on {req.nodes} node(s) × {req.node_size} "
+                f"{req.gpu_spec.name}, {self.job.plan.layout.describe()}")
+
+
+def plan_continuation(job_id: str, runs_root: Path, *, nodes: int | None = None,
+                      overrides: Sequence[str] = (), plan_changes: dict[str, Any] | None = None,
+                      slurm_changes: dict[str, Any] | None = None) -> Continuation:
+    """Find the run of ``job_id`` and plan its continuation; OpsError (one line) if it cannot
+    continue. ``plan_changes`` are PlanOptions fields (gpus_per_node, tp, ...), and
+    ``slurm_changes`` SubmitOptions fields (time, partition, ...), given on the command line."""
+    run = find_run(job_id, runs_root)
+    _check_idle(run)
+    checkpoint, info = _checkpoint(run.run_dir)
+    config_path, user_overrides = _config_of(run)
+    # What the checkpoint fixes (the planner would otherwise re-derive them for the new size),
+    # and resuming itself, whatever the config says.
+    pins = [f"global_batch_size={info.training['global_batch_size']}",
+            f"use_distributed_optimizer={str(info.training['use_distributed_optimizer']).lower()}",
+            "resume_from_checkpoint=auto"]
+    options = _plan_options(run, nodes, plan_changes or {})
+    job = make_job_plan(options, config_path, [*user_overrides, *pins, *overrides])
+    world = job.world_size
+    _check_loadable(job, config_path, run.run_dir, world)
+    submit_options = _submit_options(run, runs_root, slurm_changes or {})
+    rendered = render_job(job, submit_options)
+    knobs = {**rendered.knobs, "HPC_MCA_RUN_DIR": str(run.run_dir)}
+    sbatch = dataclasses.replace(
+        rendered.sbatch, job_name=_job_name(run),
+        output=f"{filename_pattern(str(run.run_dir), 'run dir')}/{RUN_DIR_PATTERN}.out")
+    script = render_script(sbatch, knobs, rendered.rank_args)
+    return Continuation(run, checkpoint, info, job, script, knobs, world, _job_name(run))
+
+
+def submit_continuation(cont: Continuation) -> str:
+    """Submit held, record the job in the run's manifest, release; returns the job id. If
+    anything fails in between, the held job is cancelled (nothing stays queued)."""
+    env = commands.sbatch_env(drop=[*cont.knobs])
+    done = commands.run(["sbatch", "--parsable", "--hold"], stdin=cont.script, env=env)
+    job_id = done.stdout.strip().split(";")[0]
+    try:
+        commands.check_job_id(job_id)
+        (cont.run.run_dir / f"job_{job_id}.sbatch").write_text(cont.script)
+        _record(cont, job_id)
+        commands.run(["scontrol", "release", job_id])
+    except BaseException:
+        if job_id:
+            commands.run(["scancel", job_id], check=False)
+        raise
+    return job_id
+
+
+# ---- checks ---------------------------------------------------------------------------------
+
+
+def _job_ids(run: Run) -> list[str]:
+    manifest = run.manifest or {}
+    ids = [str(manifest.get("job_id") or run.job_id or "")]
+    ids += [str(i) for i in manifest.get("job_ids") or []]
+    return [i for i in dict.fromkeys(ids) if i]
+
+
+def _check_idle(run: Run) -> None:
+    """Two jobs must never write one run directory."""
+    for job_id in _job_ids(run):
+        state = commands.job_state(job_id)
+        if state is not None and not state.finished:
+            raise OpsError(f"job {job_id} of run {run.run_dir} is still {state.state}; valid: "
+                           f"resume after it ended (hpc-mca cancel {job_id})")
+
+
+def _checkpoint(run_dir: Path) -> tuple[Path, CheckpointInfo]:
+    try:
+        path = latest_checkpoint(run_dir)
+    except CheckpointError as err:
+        raise OpsError(str(err)) from None
+    if path is None:
+        raise OpsError(f"run {run_dir} has no checkpoint to resume from (no checkpoints/latest); "
+                       "nothing submitted")
+    done = finished_step(run_dir)
+    if done is not None:
+        raise OpsError(f"run {run_dir} finished at step {done}; nothing to resume")
+    try:
+        return path, read_info(path)
+    except CheckpointError as err:
+        raise OpsError(str(err)) from None
+
+
+def _config_of(run: Run) -> tuple[Path, list[str]]:
+    """The run config and the user's overrides: from the manifest, else (a job of the raw
+    template) the resolved config the trainer wrote into the run directory."""
+    manifest = run.manifest or {}
+    if manifest.get("config"):
+        return Path(manifest["config"]), [str(o) for o in manifest.get("overrides") or []]
+    resolved = run.run_dir / "resolved_config.yaml"
+    if not resolved.is_file():
+        raise OpsError(f"run {run.run_dir} has neither a manifest naming its config nor a "
+                       "resolved_config.yaml; nothing submitted")
+    return resolved, []
+
+
+def _plan_options(run: Run, nodes: int | None, changes: dict[str, Any]) -> PlanOptions:
+    """The first job's planner inputs (hardware, stage, precision, LoRA) with the new size;
+    the layout is planned anew unless --tp/--pp/... force it."""
+    request = ((run.manifest or {}).get("plan") or {}).get("request") or {}
+    gpu, memory = _gpu(str(request.get("gpu") or "H100-80GB"))
+    fields: dict[str, Any] = {
+        "nodes": nodes or request.get("nodes") or 1, "gpus_per_node": request.get("gpus_per_node"),
+        "gpu": gpu, "gpu_memory_gib": memory, "stage": request.get("stage"),
+        "precision": request.get("precision"), "lora": request.get("lora")}
+    fields.update({k: v for k, v in changes.items() if v is not None})
+    try:
+        return PlanOptions(**fields)
+    except TypeError as err:
+        raise OpsError(str(err)) from None
+
+
+def _gpu(name: str) -> tuple[str, float | None]:
+    """``"H100-80GB (60 GiB)"`` (a preset with its memory overridden) -> preset, memory."""
+    match = re.fullmatch(r"(\S+)(?: \(([\d.]+) GiB\))?", name)
+    if match is None:
+        return name, None
+    return match.group(1), float(match.group(2)) if match.group(2) else None
+
+
+def _check_loadable(job: JobPlan, config_path: Path, run_dir: Path, world: int) -> None:
+    """Resolve the trainer config as the new ranks will and run their checkpoint check."""
+    from hpc_mca.topology import LayoutError, ModelShape
+    from hpc_mca.trainer.config import ConfigError
+
+    config = load_train_config(config_path, [*job.train_overrides, f"output_dir={run_dir}"])
+    try:
+        config = config.resolve(world)
+        shape = ModelShape.from_hf_config(config.model.model_name_or_path)
+        compat.resume_check(config, world, shape)
+    except (ConfigError, LayoutError) as err:
+        raise OpsError("; ".join(str(err).splitlines())) from None
+
+
+def _submit_options(run: Run, runs_root: Path, changes: dict[str, Any]) -> SubmitOptions:
+    """The first job's Slurm options (partition, time, ...), changed where asked."""
+    sbatch = (run.manifest or {}).get("sbatch") or {}
+    fields: dict[str, Any] = {
+        "runs_root": runs_root, "job_name": _job_name(run),
+        "partition": sbatch.get("partition"), "account": sbatch.get("account"),
+        "qos": sbatch.get("qos"), "time": sbatch.get("time") or "01:00:00",
+        "cpus_per_task": sbatch.get("cpus_per_task"),
+        "signal_lead_s": sbatch.get("signal_lead_s") or 120,
+        "sbatch_args": tuple(_extra_args(sbatch.get("extra") or ()))}
+    fields.update({k: v for k, v in changes.items() if v is not None})
+    return SubmitOptions(**fields)
+
+
+def _extra_args(extra: Sequence[Any]) -> list[str]:
+    # SbatchOptions.extra holds "--name[=value]" strings as given to submit.
+    return [str(arg) for arg in extra]
+
+
+def _job_name(run: Run) -> str:
+    name = (run.manifest or {}).get("job_name")
+    if name:
+        return str(name)
+    suffix = f"_{run.job_id}" if run.job_id else ""
+    return run.run_dir.name.removesuffix(suffix) or run.run_dir.name
+
+
+def _record(cont: Continuation, job_id: str) -> None:
+    """Append the continuation to the run's manifest (created for a raw-template run)."""
+    run_dir = cont.run.run_dir
+    manifest = read_manifest(run_dir) or {"job_id": cont.run.job_id, "run_dir": str(run_dir),
+                                          "job_name": _job_name(cont.run)}
+    manifest.pop("version", None)
+    manifest["job_ids"] = [*(manifest.get("job_ids") or []), job_id]
+    manifest.setdefault("log", str(run_dir / f"{_job_name(cont.run)}_{manifest['job_id']}.out"))
+    manifest["continuations"] = [*(manifest.get("continuations") or []), {
+        "job_id": job_id, "from_checkpoint": str(cont.checkpoint), "step": cont.info.step,
+        "nodes": cont.job.plan.request.nodes, "world_size": cont.world_size,
+        "layout": dataclasses.asdict(cont.job.plan.layout),
+        "submit_time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}]
+    write_manifest(run_dir, manifest)

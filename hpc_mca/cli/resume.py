@@ -1,0 +1,54 @@
+"""``hpc-mca resume JOBID [--nodes N]``: continue a run from its latest checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ._options import ops_errors, runs_root_from, runs_root_option
+
+
+@click.command()
+@click.argument("job_id")
+@click.argument("overrides", nargs=-1)
+@click.option("--nodes", type=int, default=None, help="Nodes of the new job; default: as before.")
+@click.option("--gpus-per-node", type=int, default=None, help="Ranks per node; default: as before.")
+@click.option("--tp", type=int, default=None, help="Force the tensor-parallel size.")
+@click.option("--pp", type=int, default=None, help="Force the pipeline-parallel size.")
+@click.option("--vp", type=int, default=None, help="Force the virtual-pipeline size.")
+@click.option("--ep", type=int, default=None, help="Force the expert-parallel size.")
+@click.option("--distributed-optimizer/--no-distributed-optimizer", default=None,
+              help="Must match the checkpoint's optimizer (checked); default: the checkpoint's.")
+@click.option("--time", default=None, help="Time limit of the new job; default: as before.")
+@click.option("--partition", default=None, help="Slurm partition; default: as before.")
+@click.option("--dry-run", is_flag=True, help="Check and print the batch script; submit nothing.")
+@runs_root_option
+def resume(job_id: str, overrides: tuple[str, ...], nodes: int | None, gpus_per_node: int | None,
+           tp: int | None, pp: int | None, vp: int | None, ep: int | None,
+           distributed_optimizer: bool | None, time: str | None, partition: str | None,
+           dry_run: bool, runs_root: Path | None) -> None:
+    """Continue the run of JOBID from its latest checkpoint in a new job (same run directory),
+    optionally on another number of nodes: the layout is planned anew for the new size
+    (the checkpoint reshards over TP/PP/DP) unless --tp/--pp/... force it. OVERRIDES are extra
+    key=value settings for the trainer (e.g. max_steps=2000).
+
+    Everything is checked first (job, checkpoint, layout, config); on a problem nothing is
+    submitted and nothing deleted.
+    """
+    from hpc_mca.checkpoint.continuation import plan_continuation, submit_continuation
+
+    changes = {"gpus_per_node": gpus_per_node, "tp": tp, "pp": pp, "vp": vp, "ep": ep,
+               "distributed_optimizer": distributed_optimizer}
+    with ops_errors():
+        cont = plan_continuation(job_id, runs_root_from(runs_root), nodes=nodes,
+                                 overrides=overrides, plan_changes=changes,
+                                 slurm_changes={"time": time, "partition": partition})
+        if dry_run:
+            click.echo(cont.script, nl=False)
+            click.echo(f"# would continue {cont.describe()}")
+            return
+        new_id = submit_continuation(cont)
+    click.echo(f"submitted job {new_id}: continues {cont.describe()}")
+    click.echo(f"  log       {cont.log(new_id)}")
+    click.echo(f"  watch     hpc-mca status {new_id}  |  hpc-mca logs {new_id} -f")
