@@ -33,26 +33,36 @@ def numbers(run_dir: Path) -> list[dict]:
     return [{k: s[k] for k in COMPARED} for s in steps(run_dir)]
 
 
+def _kill_marked(marker: str) -> None:
+    """SIGKILL every process started with HPC_MCA_TEST_RUN=<marker> in its environment."""
+    needle = f"HPC_MCA_TEST_RUN={marker}".encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and needle in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
 def train_killed(config: Path, run_dir: Path, kill: str, *overrides: str) -> subprocess.CompletedProcess:
-    """``run_train`` with the kill hook, in a session of its own: a SIGKILLed rank leaves
-    dist_checkpointing's multiprocessing helper (a spawned Manager) orphaned, holding the
-    output open; the session's leftovers are killed once torchrun has returned."""
+    """``run_train`` with the kill hook. A SIGKILLed rank leaves dist_checkpointing's helper
+    (a spawned multiprocessing Manager) orphaned, holding the output pipes open: output goes
+    to files, and the processes this run started (found by an environment marker, since
+    torchrun gives each rank a session of its own) are killed once torchrun returned."""
+    marker = f"{os.getpid()}-{run_dir.name}-{kill}"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     env.update(HPC_MCA_DIST_TIMEOUT="120", PYTHONWARNINGS="ignore", PYTHONPATH=str(HOOKS),
-               HPC_MCA_TEST_KILL=kill)
+               HPC_MCA_TEST_KILL=kill, HPC_MCA_TEST_RUN=marker)
     args = [*TORCHRUN, "--nproc-per-node=2", "-m", "hpc_mca", "train", str(config),
             f"training.output_dir={run_dir}", *overrides]
     out, err = run_dir.with_name(f"{run_dir.name}.out"), run_dir.with_name(f"{run_dir.name}.err")
     with open(out, "w") as stdout, open(err, "w") as stderr:
-        proc = subprocess.Popen(args, stdout=stdout, stderr=stderr, env=env, start_new_session=True)
+        proc = subprocess.Popen(args, stdout=stdout, stderr=stderr, env=env)
         try:
             code = proc.wait(timeout=300)
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_marked(marker)
     return subprocess.CompletedProcess(args, code, out.read_text(), err.read_text())
 
 
@@ -227,3 +237,29 @@ def test_incompatible_or_missing_checkpoints_fail_in_one_line(reference: tuple[P
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "at step 10" in proc.stdout and "step 11" not in proc.stdout
     assert len(steps(ref)) == 10
+
+
+@pytest.mark.slow
+def test_dp_reshardable_resumes_on_fewer_ranks_and_refuses_tp(reference: tuple[Path, Path],
+                                                              tmp_path: Path) -> None:
+    """The faster optimizer format (no gather over DP) continues on 1 rank within 1e-5 — with
+    the right Adam step: each parameter gets its own step tensor back — and a TP change
+    stops in one line before anything is loaded."""
+    config, ref = reference
+    fmt = "save_optimizer_format=dp_reshardable"
+    proc = run_train(config, tmp_path / "full", 2, *DIST_OPT, fmt)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert numbers(tmp_path / "full") == numbers(ref)  # the format changes no numerics
+    run = rewind(tmp_path / "full", tmp_path / "run", 4)
+    assert read_info(latest_checkpoint(run)).training["optimizer_format"] == "dp_reshardable"
+    proc = run_train(config, run, 2, *DIST_OPT, fmt, "tensor_model_parallel_size=2")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpc-mca train: error")]
+    assert proc.returncode != 0 and len(errors) == 2, proc.stderr[-2000:]  # each rank, alone
+    assert "the checkpoint's optimizer state (dp_reshardable) was saved with tp=1 and can only " \
+           "change data parallelism; valid: tp=1" in errors[0]
+    proc = run_train(config, run, 1, *DIST_OPT, fmt)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "layout changed: dp 2->1, world_size 2->1" in proc.stdout
+    for mine, want in zip(numbers(run), numbers(ref)):
+        assert mine["loss"] == pytest.approx(want["loss"], abs=1e-5), (mine, want)
+        assert mine["lr"] == pytest.approx(want["lr"], rel=1e-9)

@@ -22,6 +22,7 @@ import functools
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,14 +46,15 @@ class Checkpointer:
         self.model_shape = model_shape
         self.root = checkpoints_dir(run_dir)
         self.keep, self.async_save = tr.save_total_limit, tr.async_save
-        self.use_dist_opt = config.parallel.use_distributed_optimizer
         self.records = compat.records(config, ctx.env.world_size, model_shape)
+        self.optimizer_format = self.records["training"]["optimizer_format"]
         self.last_saved_step: int | None = None
         self.last_durable: dict[str, Any] | None = None
         self.stop_time: float | None = None
         """When the stop was requested (the batch shell's record of the signal, else when the
         ranks agreed; set by the StopRequest callback), for the signal-to-durable line."""
         self.stop_reason: str | None = None
+        self._warm: threading.Thread | None = None
         self._save_strategy: Any = None
         self._async_queue: Any = None
         self._metrics: Any = None
@@ -63,6 +65,9 @@ class Checkpointer:
         """Become ``trainer``'s save hook and resume it from the run's checkpoint, if any."""
         trainer.on_save = self.save
         self._metrics = trainer.metrics
+        _start_writer_helper()
+        self._warm = threading.Thread(target=_warm_writer_helper, daemon=True)
+        self._warm.start()
         return self.resume(trainer)
 
     # ---- resume -------------------------------------------------------------------------------
@@ -99,7 +104,7 @@ class Checkpointer:
             FullyParallelLoadStrategyWrapper
 
         template = build_state(trainer, loading=True, with_rng=with_rng, config=None,
-                               use_distributed_optimizer=self.use_dist_opt)
+                               optimizer_format=self.optimizer_format)
         strategy = FullyParallelLoadStrategyWrapper(
             get_default_load_sharded_strategy(str(path)),
             parallel_state.get_data_parallel_group(with_context_parallel=True))
@@ -130,18 +135,23 @@ class Checkpointer:
 
         name = iter_name(step)
         tmp = self.root / f"{name}.tmp"
+        started = time.perf_counter()
+        if self._warm is not None:
+            self._warm.join()
         if self.ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # what a killed save of this step left
             tmp.mkdir(parents=True)
         dist.barrier()
         state = build_state(trainer, loading=False, with_rng=True, config=self.config.to_dict(),
-                            use_distributed_optimizer=self.use_dist_opt)
+                            optimizer_format=self.optimizer_format)
         info = self._info(trainer, reason)
-        started = time.perf_counter()
+        built = time.perf_counter()
         # async: Megatron's own background writer ("nvrx" needs nvidia-resiliency-ext).
         extra = {"async_sharded_save": True, "async_strategy": "mcore"} if self.async_save else {}
         request = dist_checkpointing.save(state, str(tmp), self._strategy(), **extra)
-        commit = functools.partial(self._commit, name, info, started)
+        phases = {"state dict": built - started,
+                  "write" if request is None else "hand-off": time.perf_counter() - built}
+        commit = functools.partial(self._commit, name, info, started, phases)
         if request is None:
             commit()
         else:
@@ -159,7 +169,8 @@ class Checkpointer:
         if self._async_queue is not None:
             self._async_queue.maybe_finalize_async_calls(blocking=True)
 
-    def _commit(self, name: str, info: CheckpointInfo, started: float) -> None:
+    def _commit(self, name: str, info: CheckpointInfo, started: float,
+                phases: dict[str, float]) -> None:
         """Every rank arrives here after its shards are written and fsync'ed; the all-reduce
         proves all did before rank 0 publishes the checkpoint."""
         arrived = torch.ones(1, dtype=torch.int32, device=self.ctx.device)
@@ -168,10 +179,11 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {name}: only {int(arrived.item())} of "
                                   f"{dist.get_world_size()} ranks finished; not committed")
         if self.ctx.is_main:
-            self._publish(name, info, time.perf_counter() - started)
+            self._publish(name, info, time.perf_counter() - started, phases)
         dist.barrier()  # nobody moves on (or exits for a requeue) before the tracker is durable
 
-    def _publish(self, name: str, info: CheckpointInfo, seconds: float) -> None:
+    def _publish(self, name: str, info: CheckpointInfo, seconds: float,
+                 phases: dict[str, float]) -> None:
         tmp, final = self.root / f"{name}.tmp", self.root / name
         if not (tmp / ".metadata").is_file():
             raise CheckpointError(f"checkpoint {name}: {tmp}/.metadata is missing; not committed")
@@ -191,7 +203,11 @@ class Checkpointer:
         self._progress(last_checkpoint=self.last_durable)
         since = "" if self.stop_time is None else \
             f", durable {time.time() - self.stop_time:.2f} s after the stop request"
-        print(f"checkpoint {final} saved ({info.reason}) in {seconds:.2f} s{since}", flush=True)
+        where = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
+        if self.async_save:
+            where = f"{where}, then written in the background"
+        print(f"checkpoint {final} saved ({info.reason}) in {seconds:.2f} s ({where}){since}",
+              flush=True)
 
     def _info(self, trainer: Any, reason: str) -> CheckpointInfo:
         import megatron.core
@@ -234,6 +250,8 @@ class Checkpointer:
         the model to HF when configured."""
         self.save(trainer, None if stopped else "end")
         self.wait()
+        if self._warm is not None:
+            self._warm.join()  # never leave it running into interpreter shutdown
         if self._async_queue is not None:
             self._async_queue.close()
             self._async_queue = None
@@ -266,6 +284,48 @@ class Checkpointer:
         if self._metrics is not None:
             self._metrics.write_progress(job_id=env.job_id, restart_count=env.restart_count,
                                          **fields)
+
+
+def _start_writer_helper() -> None:
+    """Start dist_checkpointing's result-queue helper now (a spawned multiprocessing Manager
+    that every save talks to), deaf to SIGTERM and SIGUSR1 (it inherits their SIG_IGN).
+
+    Slurm signals every process of the job step: at a preemption, scancel or outside requeue
+    a helper with the default TERM action would die while the ranks go on to save, and that
+    save would fail (ConnectionRefusedError). Main thread only (signal.signal); the window in
+    which this rank's own TERM would be ignored is the spawn itself, and the batch shell's
+    record of the signal still reaches the ranks through the signal file.
+    """
+    import signal
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import \
+        get_write_results_queue
+
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        get_write_results_queue()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _warm_writer_helper() -> None:
+    """Make the helper import what it unpickles (torch, torch.distributed.checkpoint) while
+    training runs: done lazily, that adds ~1 s to the first save, often the one a stop signal
+    waits for."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import \
+        get_write_results_queue
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    try:
+        results = get_write_results_queue()
+        results.put([torch.zeros(1), WriteResult(MetadataIndex("warm-up"), 0,
+                                                 _StorageInfo("", 0, 0))])
+        results.get()
+    except Exception:  # only an optimisation: the first save does the same work
+        pass
 
 
 def _truncate_steps(path: Path, step: int) -> None:

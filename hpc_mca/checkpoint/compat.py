@@ -26,8 +26,9 @@ from hpc_mca.trainer.config import ConfigError
 from .store import (CheckpointError, CheckpointInfo, latest_checkpoint, read_info,
                     resolve_checkpoint)
 
-OPTIMIZER_FORMAT = "fully_reshardable"
-"""Distributed-optimizer sharding type we save: reshards over TP, PP and DP."""
+RESHARDABLE_FORMATS = ("fully_reshardable", "dp_reshardable")
+"""Distributed-optimizer sharding types we save (training.save_optimizer_format):
+fully_reshardable reshards over TP, PP and DP; dp_reshardable only over DP."""
 
 
 class CheckpointMismatch(ConfigError):
@@ -115,7 +116,8 @@ def describe_changes(info: CheckpointInfo, layout: dict[str, Any]) -> str:
 
 def records(config: Any, world_size: int, shape: Any) -> dict[str, dict[str, Any]]:
     """What a checkpoint of this run records and a resume compares: model, layout, training."""
-    optimizer_format = OPTIMIZER_FORMAT if config.parallel.use_distributed_optimizer else "plain"
+    optimizer_format = (config.training.save_optimizer_format
+                        if config.parallel.use_distributed_optimizer else "plain")
     return {"model": model_record(shape), "layout": layout_record(config, world_size),
             "training": training_record(config, optimizer_format)}
 

@@ -4,7 +4,9 @@ Keys of the sharded state dict (``dist_checkpointing`` stores ShardedTensors in 
 files and everything else as the "common" state written once)::
 
     model | model0, model1, ...   the GPTModel chunk(s), canonical keys ("decoder.layers.3...")
-    optimizer                    Megatron optimizer; distributed optimizer as fully_reshardable
+    optimizer                    Megatron optimizer; the distributed optimizer's state as
+                                 training.save_optimizer_format says: fully_reshardable (model-
+                                 space tensors: any TP/PP/DP) or dp_reshardable (DP shards)
     lr_scheduler                 OptimizerParamScheduler.state_dict() (common)
     trainer                      global_step, consumed_samples, skipped_iters (common)
     config                       the resolved run config as a dict (common)
@@ -13,11 +15,14 @@ files and everything else as the "common" state written once)::
 The torch AdamW fallback (no Apex/TE) keeps a per-parameter ``step`` tensor that Megatron's
 distributed optimizer handles only half-way: ``state_dict()`` reads it from every parameter
 (a fresh optimizer has none: :func:`init_optimizer_state` gives it one to build the load
-template), the fully_reshardable format saves it in the param groups, and putting the
-parameter state back fails with KeyError('step') in ``_set_main_param_and_optimizer_states``.
+template), both formats save it in the param groups, putting fully_reshardable parameter
+state back fails with KeyError('step') in ``_set_main_param_and_optimizer_states``, and
+``load_state_dict`` hands every parameter the SAME step tensor, which torch AdamW then
+increments once per parameter per step (dp_reshardable "silently restores a wrong step").
 :func:`load_optimizer` therefore loads that optimizer in two explicit halves: the param
 groups (which carry the step) through ``load_state_dict`` without the parameter state, then
-the parameter state with ``step`` set aside while it is copied in.
+the parameter state with ``step`` set aside while it is copied in, and each parameter gets
+its own copy of the step back.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .compat import OPTIMIZER_FORMAT
+from .compat import RESHARDABLE_FORMATS
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -40,8 +45,9 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def sharded_metadata(use_distributed_optimizer: bool) -> dict[str, Any]:
-    """Metadata that steers the model's and the optimizer's sharded_state_dict."""
+def sharded_metadata(optimizer_format: str) -> dict[str, Any]:
+    """Metadata that steers the model's and the optimizer's sharded_state_dict
+    (``optimizer_format``: a distributed-optimizer sharding type, or "plain")."""
     from megatron.core import parallel_state
 
     metadata: dict[str, Any] = {
@@ -49,8 +55,8 @@ def sharded_metadata(use_distributed_optimizer: bool) -> dict[str, Any]:
         "chained_optim_avoid_prefix": True,
         "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
     }
-    if use_distributed_optimizer:
-        metadata["distrib_optim_sharding_type"] = OPTIMIZER_FORMAT
+    if optimizer_format in RESHARDABLE_FORMATS:
+        metadata["distrib_optim_sharding_type"] = optimizer_format
         # All-gather instead of gathering on DP rank 0 only: every DP rank then writes a share.
         metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
     return metadata
@@ -65,13 +71,13 @@ def model_state(chunks: list[torch.nn.Module], metadata: dict[str, Any]) -> dict
 
 
 def build_state(trainer: Any, *, loading: bool, with_rng: bool, config: dict[str, Any] | None,
-                use_distributed_optimizer: bool) -> dict[str, Any]:
+                optimizer_format: str) -> dict[str, Any]:
     """The sharded state dict of ``trainer`` (a :class:`hpc_mca.trainer.trainer.Trainer`).
 
     For loading, the same structure serves as the template that says which shards this rank
     needs; the optimizer allocates its state for it.
     """
-    metadata = sharded_metadata(use_distributed_optimizer)
+    metadata = sharded_metadata(optimizer_format)
     if loading:
         init_optimizer_state(trainer.optimizer)
     state = model_state(trainer.model, metadata)
@@ -167,14 +173,20 @@ def load_optimizer(optimizer: Any, loaded: Any) -> None:
 
 
 def _load_one(optimizer: Any, state: dict[str, Any]) -> None:
-    if state.get("param_state_sharding_type") != OPTIMIZER_FORMAT:
+    sharding = state.get("param_state_sharding_type")
+    if sharding not in RESHARDABLE_FORMATS:
         optimizer.load_state_dict(state)  # plain optimizer: Megatron restores its common step
         return
     param_state = state.pop("param_state")
     state.pop("param_state_sharding_type")
     optimizer.load_state_dict(state)  # param groups; sets every param's step from them
-    with _step_set_aside(optimizer.optimizer):
-        optimizer.load_parameter_state_from_fully_reshardable(param_state)
+    # no_grad: the dp_reshardable loader copies into main params without it (in-place on a
+    # view of a leaf that requires grad).
+    with _step_set_aside(optimizer.optimizer), torch.no_grad():
+        if sharding == "fully_reshardable":
+            optimizer.load_parameter_state_from_fully_reshardable(param_state)
+        else:
+            optimizer.load_parameter_state_from_dp_reshardable(param_state)
 
 
 @contextlib.contextmanager

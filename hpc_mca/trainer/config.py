@@ -43,6 +43,7 @@ DATASET_FORMATS = ("auto", "text", "alpaca", "sharegpt", "indexed")
 TEMPLATES = ("chat", "plain")
 ATTENTION_BACKENDS = ("auto", "te", "flash", "torch")
 OPTIMIZERS = ("adam", "sgd")
+OPTIMIZER_FORMATS = ("fully_reshardable", "dp_reshardable")
 REPORT_TO = ("tensorboard", "none")
 RESOLVED_CONFIG_NAME = "resolved_config.yaml"
 
@@ -164,6 +165,10 @@ class TrainingArguments:
     async_save: bool = False
     """Write checkpoint shards in a background process; the commit (tracker) follows at a later
     step boundary, only once every rank finished."""
+    save_optimizer_format: str = "fully_reshardable"
+    """Distributed-optimizer state in checkpoints: fully_reshardable (model-space tensors,
+    gathered over DP before writing: resumes on any TP/PP/DP) or dp_reshardable (each rank
+    writes its own shard, no gather: faster, but a resume may change only DP)."""
     export_hf_dir: str | None = None
     """After the last step, also write the model as an HF safetensors directory here
     (relative paths are under output_dir); None = no export."""
@@ -503,6 +508,7 @@ def _check_training(config: TrainConfig, world_size: int) -> None:
     if not tr.output_dir:
         raise ConfigError("training.output_dir is required")
     _choice("training.optim", tr.optim, OPTIMIZERS)
+    _choice("training.save_optimizer_format", tr.save_optimizer_format, OPTIMIZER_FORMATS)
     for name in tr.report_to:
         _choice("training.report_to", name, REPORT_TO)
     if tr.bf16 and tr.fp16:
