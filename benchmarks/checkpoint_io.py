@@ -79,7 +79,7 @@ def train(root: Path, model: Path, run_dir: Path, *overrides: str,
     if not wait:
         return subprocess.Popen(args, env=env, cwd=root, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
-    done = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True)
+    done = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"training failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return done
@@ -105,8 +105,7 @@ def raw_io(root: Path, size: int) -> tuple[float, float]:
     path, block = root / "raw.bin", os.urandom(CHUNK)
     started = time.perf_counter()
     with open(path, "wb", buffering=0) as out:
-        for offset in range(0, size, CHUNK):
-            out.write(block[:min(CHUNK, size - offset)])
+        out.writelines(block[:min(CHUNK, size - offset)] for offset in range(0, size, CHUNK))
         os.fsync(out.fileno())
     write_s = time.perf_counter() - started
     drop_cache(path)

@@ -15,13 +15,29 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from trainer_fixtures import (
+    TORCHRUN,
+    make_model_dir,
+    make_sft_data,
+    run_train,
+    steps,
+    write_config,
+)
 
 from hpc_mca.checkpoint import compat
 from hpc_mca.checkpoint.requeue import read_signal_file
-from hpc_mca.checkpoint.store import (CheckpointError, CheckpointInfo, complete_checkpoints,
-                                      iter_name, latest_checkpoint, prune, read_info,
-                                      read_tracker, resolve_checkpoint, write_tracker)
-from trainer_fixtures import TORCHRUN, make_model_dir, make_sft_data, run_train, steps, write_config
+from hpc_mca.checkpoint.store import (
+    CheckpointError,
+    CheckpointInfo,
+    complete_checkpoints,
+    iter_name,
+    latest_checkpoint,
+    prune,
+    read_info,
+    read_tracker,
+    resolve_checkpoint,
+    write_tracker,
+)
 
 HOOKS = Path(__file__).with_name("checkpoint_hooks")
 COMPARED = ("step", "loss", "tokens", "grad_norm", "lr", "skipped")
@@ -128,11 +144,11 @@ def test_incompatibilities_are_one_line_each() -> None:
         info, model={"hidden_size": 128, "num_layers": 4}, layout={"tp": 1, "pp": 1, "dp": 4},
         training={"global_batch_size": 16, "seed": 7, "use_distributed_optimizer": True})
     assert reasons == [
-        "the checkpoint at step 40 holds a different model: hidden_size 128 (checkpoint: 64); "
-        "valid: the model it was trained with",
+        ("the checkpoint at step 40 holds a different model: hidden_size 128 (checkpoint: 64); "
+         "valid: the model it was trained with"),
         "training.global_batch_size=16 but the checkpoint at step 40 was saved with 8; valid: 8",
-        "parallel size tp=1 but the checkpoint's optimizer state (dp_reshardable) was saved with "
-        "tp=2 and can only change data parallelism; valid: tp=2",
+        ("parallel size tp=1 but the checkpoint's optimizer state (dp_reshardable) was saved with "
+         "tp=2 and can only change data parallelism; valid: tp=2"),
     ]
     info.training["optimizer_format"] = "fully_reshardable"
     same = {"global_batch_size": 8, "seed": 7, "use_distributed_optimizer": True}
@@ -145,8 +161,8 @@ def test_signal_file_records(tmp_path: Path) -> None:
     assert read_signal_file(path) == (0, None)
     path.write_text("TERM 1700000005 job=1 restart=0\n")
     assert read_signal_file(path) == (2, 1700000005.0)
-    path.write_text("USR1 1700000000 job=1 restart=0\nTERM 1700000009 job=1 restart=0\n")
-    assert read_signal_file(path) == (2, 1700000000.0)
+    path.write_text("USR1 1700000000.250 job=1 restart=0\nTERM 1700000009 job=1 restart=0\n")
+    assert read_signal_file(path) == (2, 1700000000.25)
 
 
 # --- training runs (torchrun, 2 ranks) -------------------------------------------------------
@@ -158,7 +174,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     steps."""
     root = tmp_path_factory.mktemp("checkpoint")
     config = write_config(root, make_model_dir(root), make_sft_data(root, 256, seed=1, name="train"),
-                          training={"save_steps": 2, "logging_steps": 1})
+                          training={"save_steps": 2, "logging_steps": 1, "export_hf_dir": "hf"})
     proc = run_train(config, root / "reference", 2, *DIST_OPT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return config, root / "reference"
@@ -166,7 +182,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.mark.slow
 def test_reference_saved_every_interval_and_finished(reference: tuple[Path, Path]) -> None:
-    _, run = reference
+    config, run = reference
     assert [s["step"] for s in steps(run)] == list(range(1, 11))
     assert [step for step, _ in complete_checkpoints(run / "checkpoints")] == [2, 4, 6, 8, 10]
     assert read_tracker(run / "checkpoints") == "iter_0000010"
@@ -176,6 +192,13 @@ def test_reference_saved_every_interval_and_finished(reference: tuple[Path, Path
     assert json.loads((run / "finished").read_text())["step"] == 10
     progress = json.loads((run / "progress.json").read_text())
     assert progress["finished"] is True and progress["last_checkpoint"]["step"] == 10
+    # The HF export at the end: same tensor names as the source model, new values.
+    from safetensors.torch import load_file
+
+    exported = load_file(run / "hf" / "model.safetensors")
+    source = load_file(config.parent / "model" / "model.safetensors")
+    assert exported.keys() == source.keys()
+    assert not all((exported[k] == source[k]).all() for k in source)
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
@@ -21,9 +20,14 @@ import time
 from pathlib import Path
 
 import pytest
-
 import slurm_cluster as slurm
-from trainer_fixtures import make_model_dir, make_sft_data, run_train, steps, write_config
+from trainer_fixtures import (
+    make_model_dir,
+    make_sft_data,
+    run_train,
+    steps,
+    write_config,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

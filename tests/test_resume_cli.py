@@ -17,9 +17,14 @@ import time
 from pathlib import Path
 
 import pytest
-
 import slurm_cluster as slurm
-from trainer_fixtures import make_model_dir, make_sft_data, run_train, steps, write_config
+from trainer_fixtures import (
+    make_model_dir,
+    make_sft_data,
+    run_train,
+    steps,
+    write_config,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -33,7 +38,7 @@ def hpc_mca(*args: str, cwd: Path, **extra: str) -> subprocess.CompletedProcess:
     env.update(PYTHONPATH=str(HOOKS), HPC_MCA_TEST_STEP_SLEEP="0.3", HPC_MCA_MAX_REQUEUES="0",
                PYTHONWARNINGS="ignore", **extra)
     return subprocess.run([HPC_MCA, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, check=False)
 
 
 def submitted(done: subprocess.CompletedProcess) -> str:
@@ -55,7 +60,8 @@ def stop_after(job_id: str, run_dir: Path, step: int) -> None:
 
 
 def queued() -> str:
-    return subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
+    return subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True,
+                          check=True).stdout
 
 
 @pytest.fixture(scope="module")
@@ -147,10 +153,19 @@ def test_bad_input_submits_and_deletes_nothing(setup: dict) -> None:
     probe = ("import sys\nfrom hpc_mca.cli import main\ntry:\n    main()\nexcept SystemExit:\n"
              "    pass\nassert 'torch' not in sys.modules, 'resume imported torch'")
     done = subprocess.run([sys.executable, "-c", probe, "resume", "999999", "--dry-run",
-                           "--runs-root", str(runs)], capture_output=True, text=True, cwd=root)
+                           "--runs-root", str(runs)], capture_output=True, text=True, cwd=root,
+                          check=False)
     assert done.returncode == 0 and "# would continue run" in done.stdout, done.stderr
     done = hpc_mca("resume", "999999", "--nodes", "2", "--dry-run", "--runs-root", str(runs),
                    cwd=root)
     assert done.returncode == 0 and "# would continue run" in done.stdout, done.stderr
     assert f"HPC_MCA_RUN_DIR=${{HPC_MCA_RUN_DIR:-{ckpt}}}" in done.stdout
     assert f"#SBATCH --output={ckpt}/%x_%j.out" in done.stdout
+    # A run of the raw template (no manifest naming a config): its resolved_config.yaml.
+    raw = runs / "config_999997"
+    subprocess.run(["cp", "-r", str(ckpt), str(raw)], check=True)
+    (raw / "manifest.json").write_text(json.dumps({"version": 1, "job_id": "999997"}))
+    done = hpc_mca("resume", "999997", "--gpu", "CPU", "--nodes", "2", "--gpus-per-node", "1",
+                   "--dry-run", "--runs-root", str(runs), cwd=root)
+    assert done.returncode == 0, done.stderr
+    assert f"set -- {raw}/resolved_config.yaml data_parallel_size=null" in done.stdout

@@ -32,9 +32,20 @@ import torch.distributed as dist
 
 from . import compat
 from .state import build_state, load_optimizer, restore_rng, unwrap
-from .store import (INFO_FILE, CheckpointError, CheckpointInfo, checkpoints_dir, finished_step,
-                    fsync_dir, iter_name, mark_finished, prune, read_tracker, write_json_atomic,
-                    write_tracker)
+from .store import (
+    INFO_FILE,
+    CheckpointError,
+    CheckpointInfo,
+    checkpoints_dir,
+    finished_step,
+    fsync_dir,
+    iter_name,
+    mark_finished,
+    prune,
+    read_tracker,
+    write_json_atomic,
+    write_tracker,
+)
 
 
 class Checkpointer:
@@ -99,9 +110,12 @@ class Checkpointer:
 
     def _load(self, trainer: Any, path: Path, with_rng: bool) -> dict[str, Any]:
         from megatron.core import dist_checkpointing, parallel_state
-        from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
-        from megatron.core.dist_checkpointing.strategies.fully_parallel import \
-            FullyParallelLoadStrategyWrapper
+        from megatron.core.dist_checkpointing.serialization import (
+            get_default_load_sharded_strategy,
+        )
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelLoadStrategyWrapper,
+        )
 
         template = build_state(trainer, loading=True, with_rng=with_rng, config=None,
                                optimizer_format=self.optimizer_format)
@@ -222,10 +236,12 @@ class Checkpointer:
     def _strategy(self) -> Any:
         if self._save_strategy is None:
             from megatron.core import parallel_state
-            from megatron.core.dist_checkpointing.serialization import \
-                get_default_save_sharded_strategy
-            from megatron.core.dist_checkpointing.strategies.fully_parallel import \
-                FullyParallelSaveStrategyWrapper
+            from megatron.core.dist_checkpointing.serialization import (
+                get_default_save_sharded_strategy,
+            )
+            from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+                FullyParallelSaveStrategyWrapper,
+            )
 
             # The state dict has the same structure at every save: cache the distribution of
             # replicated shards over the DP ranks instead of recomputing it.
@@ -237,7 +253,9 @@ class Checkpointer:
 
     def _queue(self) -> Any:
         if self._async_queue is None:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+            from megatron.core.dist_checkpointing.strategies.async_utils import (
+                AsyncCallsQueue,
+            )
 
             self._async_queue = AsyncCallsQueue()
         return self._async_queue
@@ -298,8 +316,9 @@ def _start_writer_helper() -> None:
     """
     import signal
 
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import \
-        get_write_results_queue
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        get_write_results_queue,
+    )
 
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
@@ -313,8 +332,9 @@ def _warm_writer_helper() -> None:
     """Make the helper import what it unpickles (torch, torch.distributed.checkpoint) while
     training runs: done lazily, that adds ~1 s to the first save, often the one a stop signal
     waits for."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import \
-        get_write_results_queue
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        get_write_results_queue,
+    )
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.storage import WriteResult
@@ -324,8 +344,8 @@ def _warm_writer_helper() -> None:
         results.put([torch.zeros(1), WriteResult(MetadataIndex("warm-up"), 0,
                                                  _StorageInfo("", 0, 0))])
         results.get()
-    except Exception:  # only an optimisation: the first save does the same work
-        pass
+    except (OSError, EOFError, RuntimeError):  # an optimisation only: the first save does it
+        return
 
 
 def _truncate_steps(path: Path, step: int) -> None:

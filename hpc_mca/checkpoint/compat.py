@@ -23,8 +23,13 @@ from typing import Any
 
 from hpc_mca.trainer.config import ConfigError
 
-from .store import (CheckpointError, CheckpointInfo, latest_checkpoint, read_info,
-                    resolve_checkpoint)
+from .store import (
+    CheckpointError,
+    CheckpointInfo,
+    latest_checkpoint,
+    read_info,
+    resolve_checkpoint,
+)
 
 RESHARDABLE_FORMATS = ("fully_reshardable", "dp_reshardable")
 """Distributed-optimizer sharding types we save (training.save_optimizer_format):

@@ -36,7 +36,13 @@ from hpc_mca.slurm.script import RUN_DIR_PATTERN, render_script
 from hpc_mca.slurm.submit import SubmitOptions, render_job
 
 from . import compat
-from .store import CheckpointError, CheckpointInfo, finished_step, latest_checkpoint, read_info
+from .store import (
+    CheckpointError,
+    CheckpointInfo,
+    finished_step,
+    latest_checkpoint,
+    read_info,
+)
 
 _LAYOUT_FLAGS = ("tp", "pp", "vp", "cp", "ep", "etp")
 
@@ -157,7 +163,9 @@ def _config_of(run: Run) -> tuple[Path, list[str]]:
     if not resolved.is_file():
         raise OpsError(f"run {run.run_dir} has neither a manifest naming its config nor a "
                        "resolved_config.yaml; nothing submitted")
-    return resolved, []
+    # Derived for the old world size; the new one derives them again. (Its parallel sizes
+    # stay, as forced ones, unless --tp/--pp/... say otherwise.)
+    return resolved, ["data_parallel_size=null", "gradient_accumulation_steps=null"]
 
 
 def _plan_options(run: Run, nodes: int | None, changes: dict[str, Any]) -> PlanOptions:
@@ -237,5 +245,5 @@ def _record(cont: Continuation, job_id: str) -> None:
         "job_id": job_id, "from_checkpoint": str(cont.checkpoint), "step": cont.info.step,
         "nodes": cont.job.plan.request.nodes, "world_size": cont.world_size,
         "layout": dataclasses.asdict(cont.job.plan.layout),
-        "submit_time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}]
+        "submit_time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}]
     write_manifest(run_dir, manifest)

@@ -14,6 +14,9 @@ from ._options import ops_errors, runs_root_from, runs_root_option
 @click.argument("overrides", nargs=-1)
 @click.option("--nodes", type=int, default=None, help="Nodes of the new job; default: as before.")
 @click.option("--gpus-per-node", type=int, default=None, help="Ranks per node; default: as before.")
+@click.option("--gpu", default=None,
+              help="GPU preset (H100-80GB, ..., CPU); default: as before (a raw-template job "
+                   "records none: H100-80GB).")
 @click.option("--tp", type=int, default=None, help="Force the tensor-parallel size.")
 @click.option("--pp", type=int, default=None, help="Force the pipeline-parallel size.")
 @click.option("--vp", type=int, default=None, help="Force the virtual-pipeline size.")
@@ -25,7 +28,7 @@ from ._options import ops_errors, runs_root_from, runs_root_option
 @click.option("--dry-run", is_flag=True, help="Check and print the batch script; submit nothing.")
 @runs_root_option
 def resume(job_id: str, overrides: tuple[str, ...], nodes: int | None, gpus_per_node: int | None,
-           tp: int | None, pp: int | None, vp: int | None, ep: int | None,
+           gpu: str | None, tp: int | None, pp: int | None, vp: int | None, ep: int | None,
            distributed_optimizer: bool | None, time: str | None, partition: str | None,
            dry_run: bool, runs_root: Path | None) -> None:
     """Continue the run of JOBID from its latest checkpoint in a new job (same run directory),
@@ -38,7 +41,7 @@ def resume(job_id: str, overrides: tuple[str, ...], nodes: int | None, gpus_per_
     """
     from hpc_mca.checkpoint.continuation import plan_continuation, submit_continuation
 
-    changes = {"gpus_per_node": gpus_per_node, "tp": tp, "pp": pp, "vp": vp, "ep": ep,
+    changes = {"gpus_per_node": gpus_per_node, "gpu": gpu, "tp": tp, "pp": pp, "vp": vp, "ep": ep,
                "distributed_optimizer": distributed_optimizer}
     with ops_errors():
         cont = plan_continuation(job_id, runs_root_from(runs_root), nodes=nodes,

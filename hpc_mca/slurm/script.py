@@ -287,7 +287,7 @@ interrupted=0
 # shellcheck disable=SC2317  # invoked by the traps below
 on_signal() {  # the hook for a requeue protocol: record the request, optionally forward it
     interrupted=1
-    printf '%s %s job=%s restart=%s\n' "$1" "$(date +%s)" "${SLURM_JOB_ID}" \
+    printf '%s %s job=%s restart=%s\n' "$1" "$(date +%s.%N)" "${SLURM_JOB_ID}" \
         "${SLURM_RESTART_COUNT:-0}" >>"${HPC_MCA_SIGNAL_FILE}"
     banner "signal" "SIG$1 at $(date '+%H:%M:%S'); recorded in ${HPC_MCA_SIGNAL_FILE}"
     if [[ "$1" == USR1 && -n "${HPC_MCA_FORWARD_SIGNAL}" ]]; then
