@@ -19,10 +19,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import json
 import math
 import os
-import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -31,9 +29,7 @@ from typing import Any
 
 import yaml
 
-from hpc_mca.topology import Layout, LayoutError, ModelShape, check_layout
 
-from .lr_scheduler import SchedulerError, resolve_warmup_steps, scheduler_spec
 
 STAGES = ("pt", "sft")
 """Training stages with a data pipeline and a loss; routed by ``finetuning.stage``."""
@@ -273,8 +269,10 @@ class TrainConfig:
     def resolve(self, world_size: int) -> TrainConfig:
         """A copy with the cross-field rules checked for ``world_size`` ranks and the derived
         fields filled in; raises ConfigError (one line per problem)."""
+        from .config_rules import RESOLVE_STEPS  # the rules need the dataclasses above
+
         config = copy.deepcopy(self)
-        for check in _RESOLVE_STEPS:
+        for check in RESOLVE_STEPS:
             check(config, world_size)
         return config
 
@@ -439,198 +437,6 @@ def _coerce_scalar(dotted: str, value: Any, hint: type) -> Any:
         return str(value)
     kind = {int: "an integer", float: "a number", str: "a string"}[hint]
     raise ConfigError(f"{dotted}={value!r} must be {kind}")
-
-
-# --- resolve: cross-field rules ------------------------------------------------------------
-
-
-def _choice(dotted: str, value: Any, choices: typing.Iterable[Any]) -> None:
-    choices = tuple(choices)
-    if value not in choices:
-        raise ConfigError(f"{dotted}={value!r} is not valid; valid: "
-                          + ", ".join(str(c) for c in choices))
-
-
-def _at_least(dotted: str, value: int | float | None, low: int | float) -> None:
-    if value is not None and value < low:
-        raise ConfigError(f"{dotted}={value} must be >= {low}")
-
-
-def _check_model(config: TrainConfig, world_size: int) -> None:
-    model = config.model
-    _choice("model.attention_backend", model.attention_backend, ATTENTION_BACKENDS)
-    if not model.model_name_or_path:
-        raise ConfigError("model.model_name_or_path is required (a local HF model or "
-                          "config directory)")
-    if not (Path(model.model_name_or_path) / "config.json").is_file():
-        raise ConfigError(f"model.model_name_or_path={model.model_name_or_path!r} has no "
-                          "config.json (models are never downloaded)")
-
-
-def _check_finetuning(config: TrainConfig, world_size: int) -> None:
-    ft = config.finetuning
-    if ft.stage in RESERVED_STAGES:
-        raise ConfigError(f"finetuning.stage={ft.stage!r} is not yet supported; valid: "
-                          + ", ".join(STAGES))
-    _choice("finetuning.stage", ft.stage, STAGES)
-    _choice("finetuning.finetuning_type", ft.finetuning_type, ("full", "lora"))
-    _at_least("finetuning.lora_rank", ft.lora_rank, 1)
-    if not 0.0 <= ft.lora_dropout < 1.0:
-        raise ConfigError(f"finetuning.lora_dropout={ft.lora_dropout} must be in [0, 1)")
-    if ft.lora_alpha is None:
-        ft.lora_alpha = 2.0 * ft.lora_rank
-
-
-def _check_data(config: TrainConfig, world_size: int) -> None:
-    data, stage = config.data, config.finetuning.stage
-    if not data.dataset:
-        raise ConfigError("data.dataset is required (one or more dataset files)")
-    _choice("data.dataset_format", data.dataset_format, DATASET_FORMATS)
-    _choice("data.template", data.template, TEMPLATES)
-    _choice("data.pt_chunking", data.pt_chunking, ("concat", "document"))
-    fits = {"pt": ("auto", "text", "indexed"), "sft": ("auto", "alpaca", "sharegpt")}[stage]
-    if data.dataset_format not in fits:
-        raise ConfigError(f"data.dataset_format={data.dataset_format!r} does not fit "
-                          f"finetuning.stage={stage!r}; valid: {', '.join(fits)}")
-    _at_least("data.cutoff_len", data.cutoff_len, 1)
-    _at_least("data.max_samples", data.max_samples, 1)
-    _at_least("data.val_size", data.val_size, 0)
-    if data.val_size and data.eval_dataset:
-        raise ConfigError("data.val_size and data.eval_dataset are both set; valid: one of them")
-    data.seq_length = data.seq_length or data.cutoff_len
-    if data.seq_length < data.cutoff_len:
-        raise ConfigError(f"data.seq_length={data.seq_length} is shorter than data.cutoff_len="
-                          f"{data.cutoff_len}; valid: >= {data.cutoff_len}")
-
-
-def _check_training(config: TrainConfig, world_size: int) -> None:
-    tr = config.training
-    if not tr.output_dir:
-        raise ConfigError("training.output_dir is required")
-    _choice("training.optim", tr.optim, OPTIMIZERS)
-    _choice("training.save_optimizer_format", tr.save_optimizer_format, OPTIMIZER_FORMATS)
-    for name in tr.report_to:
-        _choice("training.report_to", name, REPORT_TO)
-    if tr.bf16 and tr.fp16:
-        raise ConfigError("training.bf16 and training.fp16 are both true; valid: at most one")
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "logging_steps",
-                 "save_steps", "eval_steps", "gradient_accumulation_steps", "global_batch_size",
-                 "save_total_limit"):
-        _at_least(f"training.{name}", getattr(tr, name), 1)
-    for name in ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon"):
-        _at_least(f"training.{name}", getattr(tr, name), 0.0)
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0.0 <= getattr(tr, name) < 1.0:
-            raise ConfigError(f"training.{name}={getattr(tr, name)} must be in [0, 1)")
-
-
-def _check_schedule(config: TrainConfig, world_size: int) -> None:
-    tr = config.training
-    if tr.max_steps <= 0 and tr.num_train_epochs <= 0:
-        raise ConfigError(f"training.max_steps={tr.max_steps} and training.num_train_epochs="
-                          f"{tr.num_train_epochs}: set max_steps > 0 or num_train_epochs > 0")
-    if not 0.0 <= tr.warmup_ratio < 1.0:
-        raise ConfigError(f"training.warmup_ratio={tr.warmup_ratio} must be in [0, 1)")
-    _at_least("training.warmup_steps", tr.warmup_steps, 0)
-    if tr.warmup_steps > 0 and tr.warmup_ratio > 0:
-        raise ConfigError(f"training.warmup_steps={tr.warmup_steps} and training.warmup_ratio="
-                          f"{tr.warmup_ratio} are both set; valid: one of them")
-    # Without max_steps the run length depends on the data; check with a stand-in length
-    # that the ratio-based warmup always fits.
-    total = tr.max_steps if tr.max_steps > 0 else max(tr.warmup_steps + 1, 1000)
-    try:
-        scheduler_spec(tr.lr_scheduler_type, tr.lr_scheduler_kwargs, tr.learning_rate,
-                       resolve_warmup_steps(tr.warmup_steps, tr.warmup_ratio, total), total)
-    except SchedulerError as err:
-        raise ConfigError(str(err)) from None
-
-
-def _check_parallel(config: TrainConfig, world_size: int) -> None:
-    par, tr, data = config.parallel, config.training, config.data
-    _choice("parallel.recompute_granularity", par.recompute_granularity,
-            (None, "full", "selective"))
-    _choice("parallel.recompute_method", par.recompute_method, (None, "uniform", "block"))
-    if par.recompute_method is not None and par.recompute_granularity != "full":
-        raise ConfigError(f"parallel.recompute_method={par.recompute_method!r} needs "
-                          "parallel.recompute_granularity='full'")
-    if par.recompute_granularity == "full" and (par.recompute_num_layers or 0) < 1:
-        raise ConfigError(f"parallel.recompute_num_layers={par.recompute_num_layers!r} must be "
-                          ">= 1 with parallel.recompute_granularity='full'")
-    if par.overlap_param_gather and not par.use_distributed_optimizer:
-        raise ConfigError("parallel.overlap_param_gather=true needs "
-                          "parallel.use_distributed_optimizer=true")
-    if par.tensor_model_parallel_size == 1:
-        par.sequence_parallel = False
-    if par.expert_tensor_parallel_size is None:
-        par.expert_tensor_parallel_size = par.tensor_model_parallel_size
-    layout = _layout(par)
-    lines = check_layout(
-        layout, world_size, _model_shape(config.model.model_name_or_path),
-        global_batch_size=tr.global_batch_size, micro_batch_size=tr.per_device_train_batch_size,
-        seq_length=data.seq_length, sequence_packing=data.sequence_packing,
-        sequence_parallel=par.sequence_parallel)
-    if lines:
-        raise ConfigError("\n".join(_our_names(line) for line in lines))
-    par.data_parallel_size = world_size // layout.model_parallel_size
-    _derive_batch(tr, par.data_parallel_size)
-
-
-def _layout(par: ParallelArguments) -> Layout:
-    try:
-        return Layout(
-            tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
-            cp=par.context_parallel_size, ep=par.expert_model_parallel_size,
-            etp=par.expert_tensor_parallel_size, vp=par.virtual_pipeline_model_parallel_size,
-            dp=par.data_parallel_size)
-    except LayoutError as err:
-        raise ConfigError("\n".join(_our_names(line) for line in err.violations)) from None
-
-
-def _model_shape(model_dir: str) -> ModelShape:
-    try:
-        return ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
-    except (LayoutError, ValueError) as err:
-        raise ConfigError(f"model.model_name_or_path={model_dir!r}: config.json: "
-                          f"{str(err).splitlines()[0]}") from None
-
-
-_TOPOLOGY_NAMES = {
-    "tensor_parallel_size": "parallel.tensor_model_parallel_size",
-    "pipeline_parallel_size": "parallel.pipeline_model_parallel_size",
-    "virtual_pipeline_parallel_size": "parallel.virtual_pipeline_model_parallel_size",
-    "context_parallel_size": "parallel.context_parallel_size",
-    "expert_parallel_size": "parallel.expert_model_parallel_size",
-    "expert_tensor_parallel_size": "parallel.expert_tensor_parallel_size",
-    "data_parallel_size": "parallel.data_parallel_size",
-    "global_batch_size": "training.global_batch_size",
-    "micro_batch_size": "training.per_device_train_batch_size",
-    "seq_length": "data.seq_length",
-}
-_TOPOLOGY_RE = re.compile(r"\b(" + "|".join(_TOPOLOGY_NAMES) + r")\b")
-
-
-def _our_names(line: str) -> str:
-    """The planner's Megatron field names, rewritten as this config's dotted names."""
-    return _TOPOLOGY_RE.sub(lambda m: _TOPOLOGY_NAMES[m.group(1)], line)
-
-
-def _derive_batch(tr: TrainingArguments, dp: int) -> None:
-    per_step = tr.per_device_train_batch_size * dp
-    if tr.global_batch_size is None:
-        tr.gradient_accumulation_steps = tr.gradient_accumulation_steps or 1
-        tr.global_batch_size = per_step * tr.gradient_accumulation_steps
-        return
-    derived = tr.global_batch_size // per_step  # divisibility checked by check_layout
-    if tr.gradient_accumulation_steps not in (None, derived):
-        raise ConfigError(
-            f"training.gradient_accumulation_steps={tr.gradient_accumulation_steps} disagrees "
-            f"with training.global_batch_size={tr.global_batch_size} / (per_device_train_batch_"
-            f"size×data_parallel_size={per_step}); valid: {derived} or leave it unset")
-    tr.gradient_accumulation_steps = derived
-
-
-_RESOLVE_STEPS = (_check_model, _check_finetuning, _check_data, _check_training,
-                  _check_schedule, _check_parallel)
 
 
 def total_training_steps(training: TrainingArguments, num_rows: int) -> int:
