@@ -19,7 +19,7 @@ import pytest
 
 from hpc_mca.slurm.errors import OpsError
 from hpc_mca.slurm.quoting import directive_quote, filename_pattern, shell_quote
-from hpc_mca.slurm.script import KNOB_NAMES, TEMPLATE_PATH, SbatchOptions, render_script
+from hpc_mca.slurm.script import TEMPLATE_PATH, SbatchOptions, render_script
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden" / "sbatch"

@@ -12,7 +12,7 @@ runs the planned layout and nothing the user wrote is silently replaced.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
