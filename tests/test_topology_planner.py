@@ -47,6 +47,16 @@ def test_planner_own_plan_for_recipe_fits_and_is_valid():
     assert "\n" not in p.reason and p.layout.describe() in p.reason
 
 
+def test_sequence_parallel_only_where_the_hardware_has_it():
+    small = ModelShape(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=4,
+                       ffn_hidden_size=512, vocab_size=128)
+    common = dict(model=small, nodes=1, gpus_per_node=2, seq_length=64, global_batch_size=8,
+                  layout=Layout(tp=2))
+    assert plan(**common, gpu="H100-80GB").sequence_parallel
+    # Megatron's torch LayerNorm (no Transformer Engine on CPU) refuses sequence parallelism.
+    assert not plan(**common, gpu="CPU").sequence_parallel
+
+
 def test_recipe_memory_matches_hand_count():
     """TP4 PP2 CP2 DP1, first pipeline stage, counted by hand from the formulas."""
     layout = Layout(tp=4, pp=2, cp=2).resolved(16)

@@ -22,6 +22,9 @@ class GpuSpec:
     """Devices per node when the caller does not say (HGX boards carry 8)."""
     fp8: bool = False
     """Hopper-class FP8 tensor cores (TransformerEngine fp8 recipes)."""
+    sequence_parallel: bool = True
+    """Megatron sequence parallelism is available. It needs Transformer Engine's (or Apex's)
+    LayerNorm; Megatron's torch LayerNorm refuses it, so CPU runs go without."""
     usable_fraction: float = 0.88
     """Share of memory the estimate may fill. The rest is for what the estimate does not model:
     the CUDA context (~0.5 GiB), NCCL buffers (~1-2 GiB), allocator fragmentation and
@@ -41,7 +44,7 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         GpuSpec("A100-80GB", 81920 * MiB),
         # Local CPU runs: one gloo process per "device"; 16 GiB of host memory per process is a
         # conservative laptop/CI figure; pass gpu_memory_gib to plan for a bigger machine.
-        GpuSpec("CPU", 16 * GiB, gpus_per_node=1, usable_fraction=0.8),
+        GpuSpec("CPU", 16 * GiB, gpus_per_node=1, sequence_parallel=False, usable_fraction=0.8),
     )
 }
 

@@ -194,7 +194,7 @@ def _make_plan(req: PlanRequest, layout: Layout, mbs: int, recompute: str, reaso
     work = _workload(req, layout, mbs, recompute)
     return Plan(layout=layout, micro_batch_size=mbs, num_microbatches=work.num_microbatches,
                 recompute=recompute, use_distributed_optimizer=work.use_distributed_optimizer,
-                sequence_parallel=layout.tp > 1, memory=estimate_memory(req.shape, layout, work),
+                sequence_parallel=layout.tp > 1 and req.gpu_spec.sequence_parallel, memory=estimate_memory(req.shape, layout, work),
                 usable_bytes=req.gpu_spec.usable_bytes, reason=reason, request=req,
                 forced=forced)
 
