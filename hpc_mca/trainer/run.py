@@ -21,10 +21,6 @@ from hpc_mca.runtime.env import from_environ
 from hpc_mca.topology import Layout, ModelShape
 from hpc_mca.trainer.config import TrainConfig, load_config
 
-# Stages with a training entry; "dpo" has a config seam (finetuning.stage) but no loop yet.
-STAGES = ("pt", "sft")
-
-
 def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
                  callbacks: Iterable[Any] = ()) -> list[Any]:
     """Train as configured; return the per-step results (identical on every rank)."""
@@ -52,7 +48,7 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
     if ctx.is_main:
         print(data.describe(), flush=True)
     model_dir = Path(config.model.model_name_or_path)
-    # A directory with only config.json trains from a random init (identical for every TP size).
+    # A directory with only config.json (the demo's) trains from a random init.
     has_weights = any(model_dir.glob("*.safetensors"))
     chunks = build_model(model_dir, ctx, seq_length=_seq_length(config), load_weights=has_weights,
                          attention_backend=config.model.attention_backend,
