@@ -100,7 +100,7 @@ class Trainer:
         self.metrics.write_progress(step=self.state.global_step, max_steps=self.max_steps, finished=False,
                                     job_id=self.ctx.env.job_id, restart_count=self.ctx.env.restart_count)
         window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
-        while not self.control.should_training_stop:
+        while self.state.global_step < self.max_steps and not self.control.should_training_stop:
             started = time.perf_counter()
             self.control = self.callbacks.on_step_begin(self.config.training, self.state, self.control)
             result = self.train_step(next(batches))
