@@ -92,7 +92,8 @@ def training(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> d
 def test_time_limit_signal_saves_requeues_and_resumes_exactly(training: dict) -> None:
     """--time=1 with --signal=B:USR1@50: Slurm sends USR1 to the batch shell 10-40 s into the
     run (limits are checked every 30 s); the ranks save at the next step and the job requeues
-    itself: same job id, restart count 1, and the same numbers as without the interruption."""
+    itself: same job id, restart count >= 1 (1 unless the resumed run is signalled too), and the
+    same numbers as without the interruption."""
     work = training["root"] / "timelimit"
     work.mkdir()
     env = job_env(PYTHONPATH=str(HOOKS), HPC_MCA_TEST_STEP_SLEEP=SLOW_FIRST_RUN)
@@ -103,12 +104,16 @@ def test_time_limit_signal_saves_requeues_and_resumes_exactly(training: dict) ->
     state = slurm.wait_for_job(job_id, timeout=400)
     log = log_of(work, "tl", job_id)
     assert state == "COMPLETED", log[-4000:]
-    assert slurm.job_restart_count(job_id) == 1, log[-4000:]
+    # The limit applies to every run of the job: a resumed run that is still going at Slurm's
+    # next limit check (every 30 s) gets its own lead-time signal and requeues once more. The
+    # first run always does; usually the second finishes first (restart count 1).
+    restarts = slurm.job_restart_count(job_id)
+    assert restarts >= 1, log[-4000:]
     assert "hpc-mca | job            " + f"{job_id} (tl) restart 1" in log
     assert "requeue        time limit ahead (SIGUSR1): restart 1 of at most 10" in log
     stopped = [line for line in log.splitlines() if line.startswith("stop requested by")]
     saved = [line for line in log.splitlines() if "saved (signal)" in line]
-    assert len(stopped) == 1 and len(saved) == 1, log[-4000:]
+    assert len(stopped) == restarts and len(saved) == restarts, log[-4000:]
     assert numbers(run_dir) == training["reference"]
     print(f"\n{stopped[0]}\n{saved[0]}\njob {job_id}: signal -> requeue -> finished in "
           f"{time.monotonic() - started:.0f} s")
