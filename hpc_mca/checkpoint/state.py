@@ -36,14 +36,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hpc_mca.models.weights import unwrap  # GPTModel inside DDP/Float16Module: wrapper-free keys
+
 from .compat import RESHARDABLE_FORMATS
-
-
-def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP and Float16Module wrappers (so keys do not depend on them)."""
-    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
-        chunk = chunk.module
-    return chunk
 
 
 def sharded_metadata(optimizer_format: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from hpc_mca.data.addition import response_exact_match
 from hpc_mca.data.dataset import eval_dataloader
 from hpc_mca.models.inference import forward_logits, thd_packed_seq_params
+from hpc_mca.models.weights import unwrap
 
 
 def exact_match_accuracy(model: list[torch.nn.Module], eval_rows: Any, config: Any,
@@ -22,7 +23,7 @@ def exact_match_accuracy(model: list[torch.nn.Module], eval_rows: Any, config: A
     """``{"eval/accuracy": correct / samples}`` over the eval rows, the same on every rank."""
     from megatron.core import parallel_state as mpu
 
-    chunks = [getattr(m, "module", m) for m in model]
+    chunks = [unwrap(m) for m in model]  # DDP and, with bf16/fp16, Float16Module around each
     loader = eval_dataloader(eval_rows, config, data_parallel_rank=mpu.get_data_parallel_rank())
     counts = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in loader:
