@@ -188,7 +188,7 @@ def test_reference_saved_every_interval_and_finished(reference: tuple[Path, Path
     assert read_tracker(run / "checkpoints") == "iter_0000010"
     info = read_info(run / "checkpoints" / "iter_0000006")
     assert (info.step, info.consumed_samples, info.reason) == (6, 48, "interval")
-    assert info.layout["dp"] == 2 and info.training["optimizer_format"] == "fully_reshardable"
+    assert info.layout["dp"] == 2 and info.training["optimizer_format"] == "model_space"
     assert json.loads((run / "finished").read_text())["step"] == 10
     progress = json.loads((run / "progress.json").read_text())
     assert progress["finished"] is True and progress["last_checkpoint"]["step"] == 10

@@ -13,9 +13,9 @@ import yaml
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
-def make_model_dir(root: Path, layers: int = 4, moe: bool = False) -> Path:
+def make_model_dir(root: Path, layers: int = 4, moe: bool = False, **shape: int) -> Path:
     """A random-weight Llama (GQA) — or a Qwen3-MoE with 4 experts, top-2 — saved with
-    save_pretrained, plus the demo's tokenizer."""
+    save_pretrained, plus the demo's tokenizer; ``shape`` overrides config fields."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -29,6 +29,7 @@ def make_model_dir(root: Path, layers: int = 4, moe: bool = False) -> Path:
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   tie_word_embeddings=False)
+    common.update(shape)
     torch.manual_seed(0)
     if moe:
         config = Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import compat
-from .state import build_state, load_optimizer, restore_rng, unwrap
+from .state import build_state, load_optimizer, model_state, restore_rng, sharded_metadata, unwrap
 from .store import (
     INFO_FILE,
     CheckpointError,
@@ -91,12 +91,16 @@ class Checkpointer:
             return None
         path, info = found
         with_rng = compat.same_layout(info, self.records["layout"])
+        # Read the optimizer state in the format it was written in (a run may change
+        # save_optimizer_format, or an older checkpoint predate a new default).
+        saved_format = info.training.get("optimizer_format", self.optimizer_format)
         started = time.perf_counter()
-        loaded = self._load(trainer, path, with_rng)
+        loaded = self._load(trainer, path, with_rng, saved_format)
         for i, chunk in enumerate(trainer.model):
             key = "model" if len(trainer.model) == 1 else f"model{i}"
             unwrap(chunk).load_state_dict(loaded[key], strict=True)
-        load_optimizer(trainer.optimizer, loaded["optimizer"])
+        load_optimizer(trainer.optimizer, loaded["optimizer"],
+                       model_state(trainer.model, sharded_metadata(saved_format)))
         trainer.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
         saved = loaded["trainer"]
         trainer.state.global_step = saved["global_step"]
@@ -108,7 +112,7 @@ class Checkpointer:
         self._after_resume(info, path, with_rng, time.perf_counter() - started)
         return info
 
-    def _load(self, trainer: Any, path: Path, with_rng: bool) -> dict[str, Any]:
+    def _load(self, trainer: Any, path: Path, with_rng: bool, optimizer_format: str) -> dict[str, Any]:
         from megatron.core import dist_checkpointing, parallel_state
         from megatron.core.dist_checkpointing.serialization import (
             get_default_load_sharded_strategy,
@@ -118,7 +122,7 @@ class Checkpointer:
         )
 
         template = build_state(trainer, loading=True, with_rng=with_rng, config=None,
-                               optimizer_format=self.optimizer_format)
+                               optimizer_format=optimizer_format)
         strategy = FullyParallelLoadStrategyWrapper(
             get_default_load_sharded_strategy(str(path)),
             parallel_state.get_data_parallel_group(with_context_parallel=True))

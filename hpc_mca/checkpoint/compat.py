@@ -32,8 +32,9 @@ from .store import (
 )
 
 RESHARDABLE_FORMATS = ("fully_reshardable", "dp_reshardable")
-"""Distributed-optimizer sharding types we save (training.save_optimizer_format):
-fully_reshardable reshards over TP, PP and DP; dp_reshardable only over DP."""
+"""Megatron's own distributed-optimizer sharding types that we save when
+training.save_optimizer_format names them: fully_reshardable reshards over TP, PP and DP;
+dp_reshardable only over DP. (Our default, model_space, reshards over all: .model_space.)"""
 
 
 class CheckpointMismatch(ConfigError):

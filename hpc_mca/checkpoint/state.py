@@ -5,8 +5,10 @@ files and everything else as the "common" state written once)::
 
     model | model0, model1, ...   the GPTModel chunk(s), canonical keys ("decoder.layers.3...")
     optimizer                    Megatron optimizer; the distributed optimizer's state as
-                                 training.save_optimizer_format says: fully_reshardable (model-
-                                 space tensors: any TP/PP/DP) or dp_reshardable (DP shards)
+                                 training.save_optimizer_format says: model_space (each rank's
+                                 slices as boxes of model-space tensors, see .model_space: any
+                                 TP/PP/DP, no gather), Megatron's fully_reshardable (the same
+                                 tensors, gathered over DP first) or dp_reshardable (DP shards)
     lr_scheduler                 OptimizerParamScheduler.state_dict() (common)
     trainer                      global_step, consumed_samples, skipped_iters (common)
     config                       the resolved run config as a dict (common)
@@ -38,6 +40,7 @@ import torch.distributed as dist
 
 from hpc_mca.models.weights import unwrap  # GPTModel inside DDP/Float16Module: wrapper-free keys
 
+from . import model_space
 from .compat import RESHARDABLE_FORMATS
 
 
@@ -77,8 +80,11 @@ def build_state(trainer: Any, *, loading: bool, with_rng: bool, config: dict[str
     if loading:
         init_optimizer_state(trainer.optimizer)
     state = model_state(trainer.model, metadata)
-    state["optimizer"] = trainer.optimizer.sharded_state_dict(
-        state, is_loading=loading, metadata=metadata)
+    if optimizer_format == model_space.FORMAT:
+        state["optimizer"] = _model_space_state(trainer.optimizer, state)
+    else:
+        state["optimizer"] = trainer.optimizer.sharded_state_dict(
+            state, is_loading=loading, metadata=metadata)
     state["lr_scheduler"] = trainer.lr_scheduler.state_dict()
     state["trainer"] = {"global_step": trainer.state.global_step,
                         "consumed_samples": trainer.consumed_samples,
@@ -88,6 +94,21 @@ def build_state(trainer: Any, *, loading: bool, with_rng: bool, config: dict[str
     if with_rng:
         state["rng_state"] = rng_object()
     return state
+
+
+def _model_space_state(optimizer: Any, models: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer entry in the model_space format: the common state of each distributed
+    optimizer (param groups with the step, grad scaler) and their boxes (see .model_space).
+
+    The boxes are named after model parameters, not after the optimizer that holds them, so
+    the number of distributed optimizers may change on resume (MoE: one for dense and one for
+    expert parameters when EP > 1, a single one at EP = 1): see :func:`_load_model_space`.
+    """
+    subs = _sub_optimizers(optimizer)
+    return {"common": [sub.state_dict() for sub in subs],
+            "param_state": {str(i): model_space.param_state(sub, models)
+                            for i, sub in enumerate(subs)},
+            "param_state_sharding_type": model_space.FORMAT}
 
 
 # --- RNG -------------------------------------------------------------------------------------
@@ -150,9 +171,34 @@ def init_optimizer_state(optimizer: Any) -> None:
                     state["step"] = torch.tensor(0.0)
 
 
-def load_optimizer(optimizer: Any, loaded: Any) -> None:
-    """Put a loaded optimizer state back (see the module docstring for the ``step`` handling)."""
+def load_optimizer(optimizer: Any, loaded: Any, models: dict[str, Any] | None = None) -> None:
+    """Put a loaded optimizer state back (see the module docstring for the ``step`` handling).
+    ``models``: a fresh model sharded state dict (:func:`model_state`), which the model_space
+    format needs to place its boxes."""
     subs = _sub_optimizers(optimizer)
+    if isinstance(loaded, dict) and loaded.get("param_state_sharding_type") == model_space.FORMAT:
+        _load_model_space(subs, loaded, models)
+    else:
+        _load_megatron_format(subs, loaded)
+    if len(subs) > 1 and hasattr(optimizer, "_synchronize_steps"):
+        optimizer._synchronize_steps()
+
+
+def _load_model_space(subs: list[Any], loaded: dict[str, Any], models: dict[str, Any] | None) -> None:
+    """Every saved param group goes to every optimizer (Megatron picks each current group's
+    saved counterpart by its identifying keys, is_expert_parallel among them), then each
+    optimizer's boxes are copied in."""
+    common = loaded["common"]
+    groups = [group for part in common for group in part["optimizer"]["param_groups"]]
+    merged = {**common[0], "optimizer": {**common[0]["optimizer"], "param_groups": groups}}
+    for i, sub in enumerate(subs):
+        sub.load_state_dict(merged)  # param groups; sets every param's step from them
+        with _step_set_aside(sub.optimizer), torch.no_grad():
+            model_space.load_param_state(sub, loaded["param_state"][str(i)], models)
+
+
+def _load_megatron_format(subs: list[Any], loaded: Any) -> None:
+    """A plain optimizer, or Megatron's fully/dp_reshardable: one part per optimizer."""
     if len(subs) == 1:
         parts = [loaded]
     elif isinstance(loaded, dict):
@@ -164,8 +210,6 @@ def load_optimizer(optimizer: Any, loaded: Any) -> None:
                            f"{len(subs)}")
     for sub, part in zip(subs, parts):
         _load_one(sub, part)
-    if len(subs) > 1 and hasattr(optimizer, "_synchronize_steps"):
-        optimizer._synchronize_steps()
 
 
 def _load_one(optimizer: Any, state: dict[str, Any]) -> None:

@@ -39,7 +39,7 @@ DATASET_FORMATS = ("auto", "text", "alpaca", "sharegpt", "indexed")
 TEMPLATES = ("chat", "plain")
 ATTENTION_BACKENDS = ("auto", "te", "flash", "torch")
 OPTIMIZERS = ("adam", "sgd")
-OPTIMIZER_FORMATS = ("fully_reshardable", "dp_reshardable")
+OPTIMIZER_FORMATS = ("model_space", "fully_reshardable", "dp_reshardable")
 REPORT_TO = ("tensorboard", "none")
 RESOLVED_CONFIG_NAME = "resolved_config.yaml"
 
@@ -161,10 +161,12 @@ class TrainingArguments:
     async_save: bool = False
     """Write checkpoint shards in a background process; the commit (tracker) follows at a later
     step boundary, only once every rank finished."""
-    save_optimizer_format: str = "fully_reshardable"
-    """Distributed-optimizer state in checkpoints: fully_reshardable (model-space tensors,
-    gathered over DP before writing: resumes on any TP/PP/DP) or dp_reshardable (each rank
-    writes its own shard, no gather: faster, but a resume may change only DP)."""
+    save_optimizer_format: str = "model_space"
+    """Distributed-optimizer state in checkpoints: model_space (each rank writes its own slices
+    as pieces of the model-space tensors: no gather, resumes on any TP/PP/DP), Megatron's
+    fully_reshardable (the same tensors, gathered over DP before writing) or dp_reshardable
+    (each rank's bucket shard: no gather, but a resume may change only DP). A resume reads the
+    format the checkpoint was written in."""
     export_hf_dir: str | None = None
     """After the last step, also write the model as an HF safetensors directory here
     (relative paths are under output_dir); None = no export."""
