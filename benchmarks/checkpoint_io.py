@@ -8,11 +8,13 @@ Trains a random-init llama-style model (default 6 layers, hidden 512: ~25 M para
   for fully_reshardable that includes the all-gather of the optimizer state over DP —, the
   torch_dist write with fsync, the commit: rename + tracker), and the write phase alone; the
   first save of a process also plans the save, so first and later saves are both shown;
-* load: the same bytes / the resume time (dist_checkpointing.load with the fully-parallel
-  load wrapper + putting model, optimizer, scheduler and RNG back), page cache dropped for
-  the checkpoint's files first (posix_fadvise DONTNEED);
-* both for the distributed optimizer's two formats (training.save_optimizer_format):
-  fully_reshardable (the default: any TP/PP/DP on resume) and dp_reshardable (DP only);
+* load: the same bytes / the resume time (dist_checkpointing.load — with the fully-parallel
+  load wrapper on GPUs only — + putting model, optimizer, scheduler and RNG back), page cache
+  dropped for the checkpoint's files first (posix_fadvise DONTNEED);
+* for the distributed optimizer's three formats (training.save_optimizer_format):
+  model_space (the default: each rank writes its own slices in model space, any TP/PP/DP on
+  resume), Megatron's fully_reshardable (the same tensors gathered over DP first) and
+  dp_reshardable (bucket shards, DP changes only);
 * best of 3 for every figure: the machine may be shared;
 * raw: one file of the same size written sequentially (8 MiB writes, fsync) and read back
   (page cache dropped), on the same file system, and the ratios checkpoint/raw;
@@ -181,8 +183,9 @@ def measure_format(root: Path, model: Path, fmt: str, loads: int = 3) -> dict:
 
 def run(root: Path, args: argparse.Namespace) -> dict:
     model = make_model(root, args.layers, args.hidden)
-    formats = {fmt: measure_format(root, model, fmt) for fmt in ("fully_reshardable", "dp_reshardable")}
-    size = formats["fully_reshardable"]["bytes"]
+    formats = {fmt: measure_format(root, model, fmt)
+               for fmt in ("model_space", "fully_reshardable", "dp_reshardable")}
+    size = formats["model_space"]["bytes"]
     # Best of 3, like the checkpoint figures (the machine is shared).
     write_s, read_s = (min(x) for x in zip(*(raw_io(root, size) for _ in range(3))))
     raw_write, raw_read = size / 1e9 / write_s, size / 1e9 / read_s

@@ -8,6 +8,7 @@ comes up, so a bad input makes every rank exit alone with the same one-line mess
 from __future__ import annotations
 
 import functools
+import gc
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -56,6 +57,11 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
     shape = _shape(config)
     trainer = Trainer(config, ctx, chunks, data, run_dir=run_dir, callbacks=callbacks,
                       eval_metric=_eval_metric(config, shape.vocab_size, ctx.device), model_shape=shape)
+    # What exists now (imports, model, optimizer, data index) lives to the end of the run: keep
+    # it out of the cyclic collector's scans. Megatron calls gc.collect() around checkpoint
+    # state dicts, and each full collection over these objects took 0.17 s of a 0.5 s save.
+    gc.collect()
+    gc.freeze()
     # Resume, interval/end/on-signal saves, the finished marker (hpc_mca/checkpoint).
     return train_with_checkpoints(trainer, config, ctx, run_dir, shape)
 
