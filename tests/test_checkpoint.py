@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -19,6 +18,7 @@ from trainer_fixtures import (
     TORCHRUN,
     make_model_dir,
     make_sft_data,
+    rewind,
     run_train,
     steps,
     write_config,
@@ -80,18 +80,6 @@ def train_killed(config: Path, run_dir: Path, kill: str, *overrides: str) -> sub
         finally:
             _kill_marked(marker)
     return subprocess.CompletedProcess(args, code, out.read_text(), err.read_text())
-
-
-def rewind(src: Path, dst: Path, step: int) -> Path:
-    """A copy of run ``src`` as if it had died right after the checkpoint of ``step``."""
-    shutil.copytree(src, dst)
-    (dst / "finished").unlink()
-    root = dst / "checkpoints"
-    for found, path in complete_checkpoints(root):
-        if found > step:
-            shutil.rmtree(path)
-    write_tracker(root, iter_name(step))
-    return dst
 
 
 # --- the on-disk protocol (no torch) ---------------------------------------------------------

@@ -5,17 +5,16 @@ uninterrupted run's losses (2 ranks under torchrun, CPU, fixed seeds)."""
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from trainer_fixtures import make_model_dir, make_sft_data, run_train, steps, write_config
+from trainer_fixtures import make_model_dir, make_sft_data, rewind, run_train, steps, write_config
 
 from hpc_mca.checkpoint.model_space import flat_boxes
-from hpc_mca.checkpoint.store import complete_checkpoints, iter_name, read_info, write_tracker
+from hpc_mca.checkpoint.store import complete_checkpoints, iter_name, read_info
 
 DIST_OPT = "use_distributed_optimizer=true"
 
@@ -54,17 +53,6 @@ def test_boxes_of_a_partial_matrix() -> None:
 
 def numbers(run_dir: Path) -> list[tuple[int, float, float]]:
     return [(s["step"], s["loss"], s["lr"]) for s in steps(run_dir)]
-
-
-def rewind(src: Path, dst: Path, step: int) -> Path:
-    """A copy of run ``src`` as if it had died right after the checkpoint of ``step``."""
-    shutil.copytree(src, dst)
-    (dst / "finished").unlink()
-    for found, path in complete_checkpoints(dst / "checkpoints"):
-        if found > step:
-            shutil.rmtree(path)
-    write_tracker(dst / "checkpoints", iter_name(step))
-    return dst
 
 
 def assert_continues(run: Path, ref: Path) -> None:

@@ -78,3 +78,19 @@ def run_train(config: Path, run_dir: Path, nproc: int = 1, *overrides: str, time
 
 def steps(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+
+
+def rewind(src: Path, dst: Path, step: int) -> Path:
+    """A copy of run ``src`` as if it had died right after the checkpoint of ``step``."""
+    import shutil
+
+    from hpc_mca.checkpoint.store import complete_checkpoints, iter_name, write_tracker
+
+    shutil.copytree(src, dst)
+    (dst / "finished").unlink()
+    root = dst / "checkpoints"
+    for found, path in complete_checkpoints(root):
+        if found > step:
+            shutil.rmtree(path)
+    write_tracker(root, iter_name(step))
+    return dst
