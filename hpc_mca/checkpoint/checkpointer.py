@@ -141,7 +141,7 @@ class Checkpointer:
             _truncate_steps(self.run_dir / "steps.jsonl", info.step)
             changes = compat.describe_changes(info, self.records["layout"])
             print(f"resumed from {path} at step {info.step} ({info.consumed_samples} samples) "
-                  f"in {seconds:.1f} s" + (f"; layout changed: {changes}" if changes else "")
+                  f"in {seconds:.2f} s" + (f"; layout changed: {changes}" if changes else "")
                   + ("" if with_rng else "; per-rank RNG states not restored (layout changed)"),
                   flush=True)
             self.last_durable = {"step": info.step, "path": str(path), "time": info.saved_at}
