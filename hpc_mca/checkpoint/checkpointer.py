@@ -11,9 +11,10 @@ the replicated tensors); loads use the fully-parallel load wrapper on GPUs (see 
 The commit protocol (see :mod:`.store`) makes a save durable only when every rank finished:
 ranks write into ``iter_N.tmp``; an all-reduce proves every rank got past its (fsync'ed)
 writes; rank 0 then writes checkpoint.json, renames the directory to ``iter_N``, replaces the
-``latest`` tracker atomically and prunes to the newest ``save_total_limit``. With ``async_save`` the shards are written by a background process and
-that same commit runs as the save's last finalize step (at a later step boundary, or at once
-when the run stops), so the tracker is gated exactly as for a synchronous save.
+``latest`` tracker atomically and prunes to the newest ``save_total_limit``. With
+``async_save`` the shards are written by a background process and that same commit runs as the
+save's last finalize step (at a later step boundary, or at once when the run stops), so the
+tracker is gated exactly as for a synchronous save.
 """
 
 from __future__ import annotations
