@@ -133,3 +133,29 @@ def job_restart_count(job_id: str) -> int:
 def cancel(job_id: str) -> None:
     """scancel the job (no error when it has already ended)."""
     _run(["scancel", job_id])
+
+
+def live_job_ids() -> set[str]:
+    """Ids of the jobs squeue lists now (pending, running, completing); empty when squeue
+    cannot answer."""
+    try:
+        out = _run(["squeue", "-h", "-o", "%A"], timeout=30)
+    except SlurmError:
+        return set()
+    return {line.strip() for line in out.splitlines() if line.strip()}
+
+
+def cancel_jobs(job_ids: set[str], timeout: float = 90) -> list[str]:
+    """scancel ``job_ids`` and wait until squeue lists none of them (a job whose ranks save
+    before they exit may take a while); returns the ids that were still queued or running."""
+    left = sorted(job_ids & live_job_ids())
+    if not left:
+        return []
+    subprocess.run(["scancel", *left], capture_output=True, check=False)
+    deadline = time.monotonic() + timeout
+    while job_ids & live_job_ids() and time.monotonic() < deadline:
+        # A job requeued meanwhile is pending again: cancel that too.
+        subprocess.run(["scancel", *sorted(job_ids & live_job_ids())], capture_output=True,
+                       check=False)
+        time.sleep(1)
+    return left

@@ -2,7 +2,7 @@
 incompatible resumes (2 ranks under torchrun, CPU, fixed seeds).
 
 The Slurm side (signals, requeue, other node counts) is in tests/test_requeue.py and
-tests/test_resume_layout.py.
+tests/test_resume_cli.py.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from trainer_fixtures import (
     TORCHRUN,
+    launch_ranks,
     make_model_dir,
     make_sft_data,
     rewind,
@@ -263,11 +264,13 @@ def test_dp_reshardable_resumes_on_fewer_ranks_and_refuses_tp(reference: tuple[P
     assert numbers(tmp_path / "full") == numbers(ref)  # the format changes no numerics
     run = rewind(tmp_path / "full", tmp_path / "run", 4)
     assert read_info(latest_checkpoint(run)).training["optimizer_format"] == "dp_reshardable"
-    proc = run_train(config, run, 2, *DIST_OPT, fmt, "tensor_model_parallel_size=2")
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpc-mca train: error")]
-    assert proc.returncode != 0 and len(errors) == 2, proc.stderr[-2000:]  # each rank, alone
-    assert "the checkpoint's optimizer state (dp_reshardable) was saved with tp=1 and can only " \
-           "change data parallelism; valid: tp=1" in errors[0]
+    ranks = launch_ranks(2, ["train", str(config), f"training.output_dir={run}", *DIST_OPT, fmt,
+                             "tensor_model_parallel_size=2"])
+    for rank in ranks:  # each rank stops alone, with the one line, before any collective
+        errors = [line for line in rank.stderr.splitlines() if line.startswith("hpc-mca train: error")]
+        assert rank.returncode == 2 and len(errors) == 1, rank.stderr[-2000:]
+        assert "the checkpoint's optimizer state (dp_reshardable) was saved with tp=1 and can " \
+               "only change data parallelism; valid: tp=1" in errors[0]
     proc = run_train(config, run, 1, *DIST_OPT, fmt)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "layout changed: dp 2->1, world_size 2->1" in proc.stdout

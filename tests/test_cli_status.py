@@ -173,8 +173,9 @@ def test_tensorboard_command_line(tmp_path: Path) -> None:
     a, b = _manifest(tmp_path, "x:y", "1"), _manifest(tmp_path, "z", "2")
     runs = resolve_runs(["1", "2"], tmp_path)
     assert logdir_args([], tmp_path) == ["--logdir", str(tmp_path)]
-    assert logdir_args(runs[:1], tmp_path) == ["--logdir", str(a)]
-    assert logdir_args(runs, tmp_path) == ["--logdir_spec", f"x_y_1:{a},z_2:{b}"]
+    assert logdir_args(runs[:1], tmp_path) == ["--logdir_spec", f"x_y_1:{a}"]
+    (b / "tensorboard").mkdir()  # the trainer's event files: the run is named after its dir
+    assert logdir_args(runs, tmp_path) == ["--logdir_spec", f"x_y_1:{a},z_2:{b}/tensorboard"]
     launch = plan_launch(runs[:1], tmp_path, port=16006)
     assert launch.argv[1:7] == ["-m", "tensorboard.main", "--host", "127.0.0.1", "--port",
                                 "16006"]

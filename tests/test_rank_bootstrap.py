@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from trainer_fixtures import launch_ranks
 
 SMOKE = [sys.executable, "-W", "ignore", "-m", "hpc_mca", "smoke", "--steps", "2"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -94,13 +95,11 @@ def test_torchrun_pp2_vp2_runs_the_interleaved_schedule(tmp_path):
     ],
 )
 def test_bad_layout_fails_fast_on_every_rank(tmp_path, args, nproc, expected):
-    cmd = TORCHRUN + [f"--nproc-per-node={nproc}", "-m", "hpc_mca", "smoke", *args]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpc-mca smoke: error:")]
-    # torchrun's agent stops the other workers as soon as one fails, so a rank may be killed
-    # before it prints; that every rank reports alone is asserted under srun
-    # (tests/test_slurm_ranks.py), which lets each task finish.
-    assert 1 <= len(errors) <= nproc, proc.stderr[-3000:]
-    assert all(expected in line for line in errors), errors
-    assert "init_process_group" not in proc.stderr  # nobody reached the rendezvous
+    # Started directly, not under torchrun (whose agent stops the other workers as soon as
+    # one fails): every rank must report the layout error itself, exit 2, and never reach
+    # the rendezvous.
+    for rank in launch_ranks(nproc, ["smoke", *args], timeout=120):
+        errors = [line for line in rank.stderr.splitlines() if line.startswith("hpc-mca smoke: error:")]
+        assert rank.returncode == 2 and len(errors) == 1, rank.stderr[-3000:]
+        assert expected in errors[0], errors
+        assert "init_process_group" not in rank.stderr  # nobody reached the rendezvous

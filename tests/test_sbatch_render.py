@@ -152,17 +152,32 @@ FAKE_SRUN = """#!/bin/bash
 printf '%s\\0' "$@" >"${FAKE_DIR}/srun.args"
 env >"${FAKE_DIR}/srun.env"
 while [[ -e "${FAKE_DIR}/hold" ]]; do sleep 0.05; done
+if [[ -n "${FAKE_FINISH:-}" ]]; then echo '{"step": 1}' >"${HPC_MCA_RUN_DIR}/finished"; fi
 exit "${FAKE_SRUN_EXIT:-0}"
 """
 FAKE_SCANCEL = """#!/bin/bash
 printf '%s\\0' "$@" >>"${FAKE_DIR}/scancel.args"
+echo "$*" >>"${FAKE_DIR}/scancel.calls"
+"""
+# squeue answers what the test wrote into squeue.out (State|Reason|RestartCnt|, or nothing).
+FAKE_SQUEUE = """#!/bin/bash
+cat "${FAKE_DIR}/squeue.out" 2>/dev/null || true
+"""
+# scontrol records its arguments; FAKE_CANCEL_ON_REQUEUE plays a cancel racing the requeue.
+FAKE_SCONTROL = """#!/bin/bash
+echo "$*" >>"${FAKE_DIR}/scontrol.calls"
+if [[ -n "${FAKE_CANCEL_ON_REQUEUE:-}" ]]; then
+    echo "job=${SLURM_JOB_ID} time=0 user=x" >>"${HPC_MCA_RUN_DIR}/cancel_requested"
+fi
 """
 
 
 def _fake_slurm(tmp_path: Path) -> dict[str, str]:
     fake = tmp_path / "fake"
     fake.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL)):
+    (fake / "squeue.out").write_text("RUNNING|None|0|\n")
+    for name, text in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL), ("squeue", FAKE_SQUEUE),
+                       ("scontrol", FAKE_SCONTROL)):
         (fake / name).write_text(text)
         (fake / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HPC_MCA_"))}
@@ -185,7 +200,7 @@ def _srun_args(env: dict[str, str]) -> list[str]:
 
 def test_hostile_values_reach_srun_intact(tmp_path: Path) -> None:
     env = _fake_slurm(tmp_path)
-    env["SLURM_JOB_NAME"] = HOSTILE
+    env.update(SLURM_JOB_NAME=HOSTILE, FAKE_FINISH="1")
     knobs = {**HOSTILE_JOB["knob_values"], "HPC_MCA_HOME": str(REPO),
              "HPC_MCA_RUNS_ROOT": str(tmp_path / "my runs" / "$(touch pwned)")}
     config = tmp_path / "my config's.yaml"
@@ -281,3 +296,70 @@ def test_lead_time_signal_is_recorded_and_forwarded(tmp_path: Path, forward: str
     else:
         assert not scancel.exists()
     assert "signal         SIGUSR1" in out
+
+
+# --- the requeue decision (contract: hpc_mca/checkpoint/requeue.py), with stand-ins --------
+
+VERDICTS = {
+    # name: (signals sent, squeue's answer when the TERM comes / after srun, cancel record,
+    #        expected scontrol calls, expected scancel calls, line in the log)
+    "lead signal": (["USR1"], None, False, ["requeue 4242"], [],
+                    "requeue        time limit ahead (SIGUSR1): restart 1 of at most 10"),
+    "scancel after the lead signal": (["USR1", "TERM"], "COMPLETING|None|0|", False, [], [],
+                                      "end            cancelled: not requeued"),
+    "hpc-mca cancel after the lead signal": (["USR1"], None, True, [], [],
+                                             "end            cancelled: not requeued"),
+    "outside scontrol requeue": (["TERM"], "COMPLETING|None|1|", False, [], [],
+                                 "requeued by Slurm (scontrol requeue or preemption)"),
+    "time limit reached": (["USR1", "TERM"], "COMPLETING|TimeLimit|0|", False,
+                           ["requeue 4242"], [], "time limit reached (SIGTERM): restart 1"),
+    "controller unreachable": (["USR1"], "", False, ["requeue 4242"], [],
+                               "time limit ahead (SIGUSR1)"),
+    "cancel racing the requeue": (["USR1"], None, False, ["requeue 4242"], ["4242"],
+                                  "cancelled while being requeued: the requeued job is cancelled"),
+}
+
+
+def _calls(env: dict[str, str], name: str) -> list[str]:
+    """The stand-in's calls, one line of arguments each."""
+    path = Path(env["FAKE_DIR"]) / f"{name}.calls"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.mark.parametrize("name", sorted(VERDICTS))
+def test_requeue_decision(tmp_path: Path, name: str) -> None:
+    signals, squeue, cancel_record, scontrol, scancel, line = VERDICTS[name]
+    env = _fake_slurm(tmp_path)
+    env.update(SLURM_JOB_NAME="j", HPC_MCA_HOME=str(REPO), HPC_MCA_RANK_CMD="train")
+    if name == "cancel racing the requeue":
+        env["FAKE_CANCEL_ON_REQUEUE"] = "1"
+    config = tmp_path / "c.yaml"
+    config.write_text("{}\n")
+    fake = Path(env["FAKE_DIR"])
+    (fake / "hold").touch()
+    run_dir = tmp_path / "runs" / "j_4242"
+    signal_file = run_dir / "signal_received"
+    proc = _start(render_script(), tmp_path, [str(config)], env)
+    deadline = time.monotonic() + 20
+    while not (fake / "srun.args").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for sent, sig in enumerate(signals, 1):
+        if sig == "TERM" or squeue is not None and sent == len(signals):
+            (fake / "squeue.out").write_text(f"{squeue}\n" if squeue else "")
+        proc.send_signal(getattr(signal, f"SIG{sig}"))
+        while (not signal_file.exists() or len(signal_file.read_text().splitlines()) < sent) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+    if cancel_record:
+        (run_dir / "cancel_requested").write_text("job=4242 time=0 user=me\n")
+    (fake / "hold").unlink()
+    out, _ = proc.communicate(timeout=30)
+    assert line in out, out
+    assert _calls(env, "scontrol") == scontrol, out
+    assert _calls(env, "scancel") == scancel, out
+    if "TERM" in signals:
+        cause = {"COMPLETING|None|0|": "cancelled", "COMPLETING|None|1|": "requeued",
+                 "COMPLETING|TimeLimit|0|": "timelimit"}[squeue]
+        assert signal_file.read_text().splitlines()[-1].endswith(f"cause={cause}")
+    # Not finished and not requeued by this shell: "stopped, not coming back" (75).
+    assert proc.returncode == (0 if scontrol and not scancel else 75), out

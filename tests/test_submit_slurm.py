@@ -184,18 +184,19 @@ def test_train_tensorboard_serves_the_runs_scalars_on_loopback(cli_run: dict) ->
         assert match.group(2) == str(cli_run["run_dir"])
         assert f"ssh -N -L {port}:127.0.0.1:{port} " in tunnel
         base = f"http://127.0.0.1:{port}/data/plugin/scalars"
+        run_name = cli_run["run_dir"].name
         deadline, tags = time.monotonic() + 120, {}
         while time.monotonic() < deadline:
             try:
                 with urllib.request.urlopen(f"{base}/tags", timeout=5) as answer:
                     tags = json.load(answer)
-                if "train/loss" in tags.get("tensorboard", {}):
+                if "train/loss" in tags.get(run_name, {}):
                     break
             except OSError:
                 pass
             time.sleep(1)
-        assert "train/loss" in tags.get("tensorboard", {}), tags
-        with urllib.request.urlopen(f"{base}/scalars?run=tensorboard&tag=train/loss",
+        assert "train/loss" in tags.get(run_name, {}), tags  # the run is named after the job
+        with urllib.request.urlopen(f"{base}/scalars?run={run_name}&tag=train/loss",
                                     timeout=10) as answer:
             points = json.load(answer)
         assert [p[1] for p in points] == list(range(5, DEMO_STEPS + 1, 5))

@@ -68,12 +68,44 @@ def write_config(root: Path, model_dir: Path, train: Path, evaluation: Path | No
     return path
 
 
-def run_train(config: Path, run_dir: Path, nproc: int = 1, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def rank_env() -> dict[str, str]:
+    """This environment without any launcher's rank variables (Slurm's, torchrun's)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     env.update(HPC_MCA_DIST_TIMEOUT="120", PYTHONWARNINGS="ignore")
+    return env
+
+
+def run_train(config: Path, run_dir: Path, nproc: int = 1, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
     command = TORCHRUN + [f"--nproc-per-node={nproc}", "-m", "hpc_mca"] if nproc > 1 else [sys.executable, "-m", "hpc_mca"]
     args = [*command, "train", str(config), f"training.output_dir={run_dir}", *overrides]
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(args, env=rank_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def launch_ranks(nproc: int, args: list[str], timeout: int = 300) -> list[subprocess.CompletedProcess]:
+    """``python -m hpc_mca ARGS`` as ``nproc`` ranks started directly with torchrun's variables
+    (RANK, WORLD_SIZE, MASTER_ADDR/PORT), each run to its own end. Unlike torchrun, whose
+    agent terminates the other workers as soon as one exits non-zero, nothing here kills a
+    rank, so a test can assert what every rank did and printed (e.g. that each rank reports a
+    bad input alone). Only for runs that end without waiting on each other (errors before the
+    process group), or every rank gets to a rendezvous."""
+    from hpc_mca.runtime.env import free_port
+
+    env = {**rank_env(), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, "-m", "hpc_mca", *args],
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(nproc)]
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
 
 
 def steps(run_dir: Path) -> list[dict]:

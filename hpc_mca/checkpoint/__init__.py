@@ -31,6 +31,7 @@ def train_with_checkpoints(trainer: Any, config: Any, ctx: Any, run_dir: Path, m
     on-signal saves, and mark the run finished (or leave it for a requeue when a stop signal
     ended it early). Returns the step results of this process's part of the run."""
     from .checkpointer import Checkpointer
+    from .compat import nothing_to_train
     from .requeue import StopRequest
 
     checkpointer = Checkpointer(config, ctx, run_dir, model_shape)
@@ -38,10 +39,16 @@ def train_with_checkpoints(trainer: Any, config: Any, ctx: Any, run_dir: Path, m
     trainer.callbacks.add_callback(stop)
     try:
         checkpointer.attach(trainer)
-        if checkpointer.already_finished(trainer) or trainer.state.global_step >= trainer.max_steps:
-            history: list[Any] = []  # nothing left to train (a finished run started again)
+        if trainer.state.global_step >= trainer.max_steps:
+            # Resumed at its end: a finished run started again (say so), or one that died
+            # between its last checkpoint and the finished marker (finish() writes it).
+            idle = nothing_to_train(config, trainer.max_steps)
+            if idle and ctx.is_main:
+                print(idle, flush=True)
+            history: list[Any] = []
             trainer.metrics.close()
         else:
+            checkpointer.begin(trainer)
             history = trainer.train()
         checkpointer.finish(trainer, stopped=stop.stopped)
     finally:

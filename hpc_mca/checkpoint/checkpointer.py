@@ -40,6 +40,7 @@ from .store import (
     CheckpointError,
     CheckpointInfo,
     checkpoints_dir,
+    clear_finished,
     finished_step,
     fsync_dir,
     iter_name,
@@ -112,7 +113,8 @@ class Checkpointer:
         if with_rng:
             restore_rng(loaded["rng_state"])
         self.last_saved_step = info.step
-        self._after_resume(info, path, with_rng, time.perf_counter() - started)
+        self._after_resume(info, path, with_rng, time.perf_counter() - started,
+                           getattr(trainer.lr_scheduler, "rederived", {}))
         return info
 
     def _load(self, trainer: Any, path: Path, with_rng: bool, optimizer_format: str) -> dict[str, Any]:
@@ -137,13 +139,16 @@ class Checkpointer:
                 strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
         return dist_checkpointing.load(template, str(path), strategy)
 
-    def _after_resume(self, info: CheckpointInfo, path: Path, with_rng: bool, seconds: float) -> None:
+    def _after_resume(self, info: CheckpointInfo, path: Path, with_rng: bool, seconds: float,
+                      rederived: dict[str, tuple[Any, Any]]) -> None:
         if self.ctx.is_main:
             _truncate_steps(self.run_dir / "steps.jsonl", info.step)
             changes = compat.describe_changes(info, self.records["layout"])
+            schedule = ", ".join(f"{k} {old}->{new}" for k, (old, new) in rederived.items())
             print(f"resumed from {path} at step {info.step} ({info.consumed_samples} samples) "
                   f"in {seconds:.2f} s" + (f"; layout changed: {changes}" if changes else "")
-                  + ("" if with_rng else "; per-rank RNG states not restored (layout changed)"),
+                  + ("" if with_rng else "; per-rank RNG states not restored (layout changed)")
+                  + (f"; LR schedule re-derived for this config: {schedule}" if schedule else ""),
                   flush=True)
             self.last_durable = {"step": info.step, "path": str(path), "time": info.saved_at}
             self._progress(last_checkpoint=self.last_durable)
@@ -293,7 +298,9 @@ class Checkpointer:
         if export:
             self._export(trainer, Path(export) if os.path.isabs(export) else self.run_dir / export)
         if self.ctx.is_main:
-            mark_finished(self.run_dir, trainer.state.global_step)
+            gbs = self.config.training.global_batch_size
+            mark_finished(self.run_dir, trainer.state.global_step,
+                          steps_per_epoch=len(trainer.data.train) // gbs)
             self._progress(finished=True)
         dist.barrier()
 
@@ -306,10 +313,18 @@ class Checkpointer:
         if self.ctx.is_main:
             print(f"exported HF model to {out} in {time.perf_counter() - started:.1f} s", flush=True)
 
-    def already_finished(self, trainer: Any) -> bool:
-        """True when this run finished before (its marker is at or past the resumed step)."""
+    def begin(self, trainer: Any) -> None:
+        """Before training: a run directory whose run had finished goes on (an extension to
+        a larger max_steps, or a fresh start), so its ``finished`` marker goes, and the batch
+        script requeues the run again when it is stopped early."""
         done = finished_step(self.run_dir)
-        return done is not None and trainer.state.global_step >= done
+        if done is None or not self.ctx.is_main:
+            return
+        clear_finished(self.run_dir)
+        step = trainer.state.global_step
+        what = (f"extending the run that finished at step {done} to {trainer.max_steps} steps"
+                if step else f"starting afresh; the run that finished at step {done} is replaced")
+        print(what, flush=True)
 
     def _progress(self, **fields: Any) -> None:
         env = self.ctx.env

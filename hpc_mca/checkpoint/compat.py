@@ -5,8 +5,10 @@ Pure Python (no torch): the trainer calls it on every rank before any tensor is 
 
 What may change between the saving and the loading job (dist_checkpointing reshards):
 tensor/pipeline/virtual-pipeline/data/expert parallel sizes, the node count, the micro-batch
-size and gradient accumulation (the global batch stays), and max_steps (the LR schedule keeps
-the checkpoint's warmup and decay lengths: Megatron's scheduler restores them).
+size and gradient accumulation (the global batch stays), and the run's length (max_steps,
+num_train_epochs) and LR settings: the schedule is re-derived from the config for the new
+total (see :mod:`hpc_mca.trainer.lr_scheduler`), and a finished run is extended that way
+(:func:`nothing_to_train`). A max_steps below the checkpoint's step is refused.
 
 What may not (one line each, naming the config field, both values and the valid choice):
 the model's shape, the global batch size, the data seed and sequence length (the sampler
@@ -21,12 +23,13 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from hpc_mca.trainer.config import ConfigError
+from hpc_mca.trainer.config import ConfigError, steps_for
 
 from .store import (
     CheckpointError,
     CheckpointInfo,
     latest_checkpoint,
+    read_finished,
     read_info,
     resolve_checkpoint,
 )
@@ -161,4 +164,33 @@ def resume_check(config: Any, world_size: int, shape: Any) -> tuple[Path, Checkp
     path = checkpoint_to_load(config)
     if path is None:
         return None
-    return path, check_checkpoint(path, records(config, world_size, shape))
+    info = check_checkpoint(path, records(config, world_size, shape))
+    max_steps = config.training.max_steps
+    if 0 < max_steps < info.step:
+        raise CheckpointMismatch(f"training.max_steps={max_steps} is below the step of the "
+                                 f"checkpoint to resume from ({path}, step {info.step}); valid: "
+                                 f"max_steps >= {info.step}")
+    return path, info
+
+
+def nothing_to_train(config: Any, total_steps: int | None = None) -> str | None:
+    """Why a run would train nothing (one line, saying how to extend it or start afresh), or
+    None. True for a run directory whose run finished at step k when it is resumed
+    (``resume_from_checkpoint=auto``) with a length of at most k steps: ``total_steps`` when
+    known, else max_steps, else num_train_epochs × the epoch length the finished run recorded
+    (None when that cannot be known before the data is read)."""
+    tr = config.training
+    done = read_finished(tr.output_dir)
+    if done is None or tr.resume_from_checkpoint not in ("", "auto"):
+        return None
+    if total_steps is None and tr.max_steps <= 0:
+        if not done.get("steps_per_epoch"):
+            return None
+        total_steps = steps_for(tr, int(done["steps_per_epoch"]))
+    total = total_steps if total_steps is not None else tr.max_steps
+    if total > done["step"]:
+        return None
+    return (f"run {tr.output_dir} finished at step {done['step']} and this config trains to step "
+            f"{total}: nothing to train. To extend it: max_steps=N with N > {done['step']} (or "
+            f"more num_train_epochs; hpc-mca resume JOBID max_steps=N does it as a job); to "
+            f"start afresh: another output_dir")

@@ -59,6 +59,8 @@ class Continuation:
     knobs: dict[str, str]
     world_size: int
     job_name: str
+    signal_lead_given: int | None
+    """The lead-time signal's lead the user chose (kept by later continuations), or None."""
 
     def log(self, job_id: str) -> Path:
         return self.run.run_dir / f"{self.job_name}_{job_id}.out"
@@ -88,7 +90,8 @@ def plan_continuation(job_id: str, runs_root: Path, *, nodes: int | None = None,
     options = _plan_options(run, nodes, plan_changes or {})
     job = make_job_plan(options, config_path, [*user_overrides, *pins, *overrides])
     world = job.world_size
-    _check_loadable(job, config_path, run.run_dir, world)
+    config = _check_loadable(job, config_path, run.run_dir, world)
+    _check_extends(run, config, overrides)
     submit_options = _submit_options(run, runs_root, slurm_changes or {})
     rendered = render_job(job, submit_options)
     knobs = {**rendered.knobs, "HPC_MCA_RUN_DIR": str(run.run_dir)}
@@ -96,7 +99,8 @@ def plan_continuation(job_id: str, runs_root: Path, *, nodes: int | None = None,
         rendered.sbatch, job_name=_job_name(run),
         output=f"{filename_pattern(str(run.run_dir), 'run dir')}/{RUN_DIR_PATTERN}.out")
     script = render_script(sbatch, knobs, rendered.rank_args)
-    return Continuation(run, checkpoint, info, job, script, knobs, world, _job_name(run))
+    return Continuation(run, checkpoint, info, job, script, knobs, world, _job_name(run),
+                        submit_options.signal_lead_s)
 
 
 def submit_continuation(cont: Continuation) -> str:
@@ -144,9 +148,6 @@ def _checkpoint(run_dir: Path) -> tuple[Path, CheckpointInfo]:
     if path is None:
         raise OpsError(f"run {run_dir} has no checkpoint to resume from (no checkpoints/latest); "
                        "nothing submitted")
-    done = finished_step(run_dir)
-    if done is not None:
-        raise OpsError(f"run {run_dir} finished at step {done}; nothing to resume")
     try:
         return path, read_info(path)
     except CheckpointError as err:
@@ -192,8 +193,9 @@ def _gpu(name: str) -> tuple[str, float | None]:
     return match.group(1), float(match.group(2)) if match.group(2) else None
 
 
-def _check_loadable(job: JobPlan, config_path: Path, run_dir: Path, world: int) -> None:
-    """Resolve the trainer config as the new ranks will and run their checkpoint check."""
+def _check_loadable(job: JobPlan, config_path: Path, run_dir: Path, world: int) -> Any:
+    """Resolve the trainer config as the new ranks will and run their checkpoint check;
+    returns the resolved config."""
     from hpc_mca.topology import LayoutError, ModelShape
     from hpc_mca.trainer.config import ConfigError
 
@@ -204,17 +206,39 @@ def _check_loadable(job: JobPlan, config_path: Path, run_dir: Path, world: int) 
         compat.resume_check(config, world, shape)
     except (ConfigError, LayoutError) as err:
         raise OpsError("; ".join(str(err).splitlines())) from None
+    return config
+
+
+def _check_extends(run: Run, config: Any, overrides: Sequence[str]) -> None:
+    """A finished run continues only when the new settings make it longer (the LR schedule
+    is then re-derived for the new total; see hpc_mca.trainer.lr_scheduler)."""
+    done = finished_step(run.run_dir)
+    if done is None:
+        return
+    keys = {o.split("=", 1)[0].rsplit(".", 1)[-1] for o in overrides}
+    if not keys & {"max_steps", "num_train_epochs"}:
+        raise OpsError(f"run {run.run_dir} finished at step {done}; nothing to resume; valid: "
+                       f"extend it with max_steps=N (N > {done}) or num_train_epochs=E, e.g. "
+                       f"hpc-mca resume {run.job_id or 'JOBID'} max_steps={2 * done}")
+    idle = compat.nothing_to_train(config)
+    if idle is not None:
+        raise OpsError(idle)
 
 
 def _submit_options(run: Run, runs_root: Path, changes: dict[str, Any]) -> SubmitOptions:
     """The first job's Slurm options (partition, time, ...), changed where asked."""
-    sbatch = (run.manifest or {}).get("sbatch") or {}
+    manifest = run.manifest or {}
+    sbatch = manifest.get("sbatch") or {}
+    # A lead the user chose is kept (and checked against the new time limit); a default
+    # one is derived again for the new limit. (Older manifests did not say: keep theirs.)
+    lead = manifest["signal_lead_s_given"] if "signal_lead_s_given" in manifest \
+        else sbatch.get("signal_lead_s")
     fields: dict[str, Any] = {
         "runs_root": runs_root, "job_name": _job_name(run),
         "partition": sbatch.get("partition"), "account": sbatch.get("account"),
         "qos": sbatch.get("qos"), "time": sbatch.get("time") or "01:00:00",
         "cpus_per_task": sbatch.get("cpus_per_task"),
-        "signal_lead_s": sbatch.get("signal_lead_s") or 120,
+        "signal_lead_s": lead,
         "sbatch_args": tuple(_extra_args(sbatch.get("extra") or ()))}
     fields.update({k: v for k, v in changes.items() if v is not None})
     return SubmitOptions(**fields)
@@ -241,6 +265,7 @@ def _record(cont: Continuation, job_id: str) -> None:
     manifest.pop("version", None)
     manifest["job_ids"] = [*(manifest.get("job_ids") or []), job_id]
     manifest.setdefault("log", str(run_dir / f"{_job_name(cont.run)}_{manifest['job_id']}.out"))
+    manifest["signal_lead_s_given"] = cont.signal_lead_given
     manifest["continuations"] = [*(manifest.get("continuations") or []), {
         "job_id": job_id, "from_checkpoint": str(cont.checkpoint), "step": cont.info.step,
         "nodes": cont.job.plan.request.nodes, "world_size": cont.world_size,

@@ -7,24 +7,41 @@ This docstring is the contract between the batch script (``sbatch/train.sbatch``
    shell ``lead`` seconds (Slurm checks every 30 s: up to ~60 s more) before the time limit.
    Only the batch shell gets it, and torchrun would not forward it anyway.
 2. Batch shell, on USR1 or TERM: appends ``<SIG> <unix time> job=<id> restart=<n>`` to
-   ``signal_received`` ($HPC_MCA_SIGNAL_FILE, removed when the job (re)starts), and keeps
-   waiting for srun. (With HPC_MCA_FORWARD_SIGNAL=USR1 it also signals the tasks; only for
-   srun-launched ranks: a USR1 before a rank's handler is installed would kill it.)
+   ``signal_received`` ($HPC_MCA_SIGNAL_FILE, removed when the job (re)starts), for a TERM
+   followed by ``cause=<verdict>`` (Slurm's reason, below), and keeps waiting for srun. (With
+   HPC_MCA_FORWARD_SIGNAL=USR1 it also signals the tasks; only for srun-launched ranks: a
+   USR1 before a rank's handler is installed would kill it.)
 3. Ranks: at every step boundary, global rank 0 looks for ``signal_received`` (one stat per
    step, one rank: no metadata storm on a parallel file system); every rank also notes USR1
    or TERM delivered to itself (srun forwards TERM at a time limit, preemption or scancel).
    One all-reduce (MAX) of that flag makes every rank agree at the same step. Then all ranks
    save together (the checkpoint commit: see :mod:`hpc_mca.checkpoint.store`), stop, and
-   exit 0 without writing ``finished``. A second TERM to a rank kills it at once.
-4. Batch shell, after srun returned (exit code rc):
+   exit 0 without writing ``finished``. A second TERM to a rank kills it at once. The ranks
+   do not decide whether the job comes back; the batch shell does.
+4. Batch shell, after srun returned (exit code rc), asks Slurm why the job is ending
+   (``squeue -O State,Reason,RestartCnt`` for its own id) — the verdict:
+
+   * ``requeued``: RestartCnt is above SLURM_RESTART_COUNT, so an outside ``scontrol
+     requeue`` (or a preemption with PreemptMode=REQUEUE) already put the job back;
+   * ``timelimit`` (Reason=TimeLimit) or ``preempted``;
+   * ``cancelled``: the job is ending for any other reason (``scancel``; ``hpc-mca cancel``
+     also writes ``job=<id> ...`` to ``cancel_requested`` first, which counts the same);
+   * ``running``: nothing is ending the job (the ranks ended, or a TERM came from
+     ``scancel --signal=TERM`` alone); ``unknown``: squeue did not answer.
+
+   Then, first match wins:
 
    * ``finished`` exists (written by rank 0 after the last step's checkpoint): done; exit rc.
      A completed run is never requeued, whatever signals came late.
-   * USR1 was received: ``scontrol requeue $SLURM_JOB_ID`` (same job id; Slurm bumps
-     SLURM_RESTART_COUNT; the job restarts after the requeue hold) if
-     SLURM_RESTART_COUNT < HPC_MCA_MAX_REQUEUES, else exit 75 ("stopped, not finished").
-   * only TERM was received: no requeue from here (an outside ``scontrol requeue`` or a
-     preemption requeues the job itself; ``scancel`` means stop).
+   * ``cancelled``: never requeued, whatever signals came before (a lead-time USR1 included).
+   * ``requeued``: nothing to do; Slurm restarts the job.
+   * ``timelimit`` or ``preempted``, or a USR1 was recorded: ``scontrol requeue
+     $SLURM_JOB_ID`` (same job id; Slurm bumps SLURM_RESTART_COUNT; the job restarts after
+     the requeue hold) if SLURM_RESTART_COUNT < HPC_MCA_MAX_REQUEUES, else exit 75
+     ("stopped, not finished"). A ``cancel_requested`` record that appears while the requeue
+     is being made still wins: the shell cancels the requeued job.
+   * only a TERM was recorded (``scancel --signal=TERM``): no requeue; exit 75 if the ranks
+     stopped early.
    * rc != 0 and rc != 2 (2 = bad input: config, data, layout; retrying cannot help) and
      HPC_MCA_REQUEUE_ON_FAILURE=1: requeue within the same budget, so a crash on a flaky node
      resumes from the last checkpoint while a job that keeps failing stops after
@@ -110,8 +127,10 @@ class StopRequest(TrainerCallback):
                 self.checkpointer.stop_time = self.received_at or time.time()
                 self.checkpointer.stop_reason = "signal"
             if self.is_main:
+                # Whether the job comes back (requeue) or ends (cancel) is the batch
+                # shell's decision, printed in its end banner.
                 print(f"stop requested by {self.reason} at step {state.global_step}: saving and "
-                      "exiting for requeue", flush=True)
+                      "exiting", flush=True)
         return control
 
     def restore(self) -> None:

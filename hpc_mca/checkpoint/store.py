@@ -196,14 +196,35 @@ def prune(root: Path, keep: int | None) -> list[Path]:
     return removed
 
 
-def mark_finished(run_dir: Path, step: int) -> None:
-    write_json_atomic(run_dir / FINISHED_FILE,
-                      json.dumps({"step": step, "time": time.time()}) + "\n")
+def mark_finished(run_dir: Path, step: int, steps_per_epoch: int | None = None) -> None:
+    """Write the ``finished`` marker: the run completed at ``step`` (its max_steps). A later
+    job may extend the run (a larger max_steps); :func:`clear_finished` then removes it."""
+    record: dict[str, Any] = {"step": step, "time": time.time()}
+    if steps_per_epoch is not None:
+        record["steps_per_epoch"] = steps_per_epoch  # so a login node can size an extension
+    write_json_atomic(run_dir / FINISHED_FILE, json.dumps(record) + "\n")
+
+
+def read_finished(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The ``finished`` marker (``step``, ``time``, maybe ``steps_per_epoch``), or None while
+    the run has not finished."""
+    try:
+        record = json.loads((Path(run_dir) / FINISHED_FILE).read_text())
+        record["step"] = int(record["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def finished_step(run_dir: str | os.PathLike[str]) -> int | None:
     """The step at which the run finished, or None while it has not."""
-    try:
-        return int(json.loads((Path(run_dir) / FINISHED_FILE).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    record = read_finished(run_dir)
+    return None if record is None else record["step"]
+
+
+def clear_finished(run_dir: str | os.PathLike[str]) -> None:
+    """The run is going on (extended, or started afresh): remove its ``finished`` marker, so
+    the batch script requeues it again when it is stopped early."""
+    path = Path(run_dir) / FINISHED_FILE
+    path.unlink(missing_ok=True)
+    fsync_dir(path.parent)

@@ -71,6 +71,12 @@ def runs_root_option(func: F) -> F:
         help="Where run directories live; default: $HPC_MCA_RUNS_ROOT, else ./runs.")(func)
 
 
+signal_lead_option = click.option(
+    "--signal-lead", type=int, default=None,
+    help="Seconds before the time limit the job gets SIGUSR1 to save and requeue; at most half "
+         "the limit. Default: 120, or a quarter of a limit under 8 minutes.")
+
+
 def slurm_options(func: F) -> F:
     """What the batch script needs besides the plan."""
     return _apply([
@@ -84,8 +90,7 @@ def slurm_options(func: F) -> F:
         click.option("--time", default="01:00:00", show_default=True, envvar="HPC_MCA_TIME",
                      help="Time limit (Slurm format) [$HPC_MCA_TIME]."),
         click.option("--cpus-per-task", type=int, default=None, help="CPUs per rank."),
-        click.option("--signal-lead", type=int, default=120, show_default=True,
-                     help="Seconds before the time limit the job gets SIGUSR1 (requeue hook)."),
+        signal_lead_option,
         click.option("--sbatch-arg", multiple=True,
                      help="Extra sbatch option, e.g. --sbatch-arg=--exclusive (repeatable)."),
         runs_root_option,

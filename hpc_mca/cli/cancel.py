@@ -1,26 +1,30 @@
-"""``hpc-mca cancel JOBID``: scancel a job of hpc-mca's."""
+"""``hpc-mca cancel JOBID``: end a job of hpc-mca's for good (no requeue)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
-from ._options import ops_errors
+from ._options import ops_errors, runs_root_from, runs_root_option
 
 
 @click.command()
 @click.argument("job_id")
-def cancel(job_id: str) -> None:
-    """Cancel JOBID (pending or running). Its run dir and log stay."""
-    from hpc_mca.slurm import commands
-    from hpc_mca.slurm.errors import OpsError
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Wait until Slurm reports the job ended (the ranks may save first).")
+@click.option("--timeout", type=float, default=120.0, show_default=True,
+              help="Seconds to wait for the end.")
+@runs_root_option
+def cancel(job_id: str, wait: bool, timeout: float, runs_root: Path | None) -> None:
+    """Cancel JOBID (pending or running) for good: it is not requeued, whatever signals came
+    before. Its run dir, checkpoints and log stay; hpc-mca resume JOBID continues the run."""
+    from hpc_mca.slurm.cancel import cancel_job
 
     with ops_errors():
-        state = commands.job_state(commands.check_job_id(job_id))
-        if state is None:
-            raise OpsError(f"job {job_id} is unknown to Slurm (squeue, sacct); valid: a job id "
-                           "from hpc-mca status")
-        if state.finished:
-            click.echo(f"job {job_id} already ended ({state.state}); nothing to cancel")
-            return
-        commands.run(["scancel", job_id])
-    click.echo(f"cancelled job {job_id} ({state.name}, was {state.state})")
+        done = cancel_job(job_id, runs_root_from(runs_root), wait_s=timeout if wait else 0)
+    if not done.cancelled:
+        click.echo(f"job {job_id} already ended ({done.was}); nothing to cancel")
+        return
+    end = f"; now {done.now}" if done.now else ""
+    click.echo(f"cancelled job {job_id} ({done.name}, was {done.was}{end})")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ._options import ops_errors, runs_root_from, runs_root_option
+from ._options import ops_errors, runs_root_from, runs_root_option, signal_lead_option
 
 
 @click.command()
@@ -25,16 +25,20 @@ from ._options import ops_errors, runs_root_from, runs_root_option
               help="Must match the checkpoint's optimizer (checked); default: the checkpoint's.")
 @click.option("--time", default=None, help="Time limit of the new job; default: as before.")
 @click.option("--partition", default=None, help="Slurm partition; default: as before.")
+@signal_lead_option
 @click.option("--dry-run", is_flag=True, help="Check and print the batch script; submit nothing.")
 @runs_root_option
 def resume(job_id: str, overrides: tuple[str, ...], nodes: int | None, gpus_per_node: int | None,
            gpu: str | None, tp: int | None, pp: int | None, vp: int | None, ep: int | None,
            distributed_optimizer: bool | None, time: str | None, partition: str | None,
-           dry_run: bool, runs_root: Path | None) -> None:
+           signal_lead: int | None, dry_run: bool, runs_root: Path | None) -> None:
     """Continue the run of JOBID from its latest checkpoint in a new job (same run directory),
     optionally on another number of nodes: the layout is planned anew for the new size
     (the checkpoint reshards over TP/PP/DP) unless --tp/--pp/... force it. OVERRIDES are extra
     key=value settings for the trainer (e.g. max_steps=2000).
+
+    A finished run can be extended: give a larger max_steps (or num_train_epochs); the LR
+    schedule is re-derived for the new total from the finished step on.
 
     Everything is checked first (job, checkpoint, layout, config); on a problem nothing is
     submitted and nothing deleted.
@@ -46,7 +50,8 @@ def resume(job_id: str, overrides: tuple[str, ...], nodes: int | None, gpus_per_
     with ops_errors():
         cont = plan_continuation(job_id, runs_root_from(runs_root), nodes=nodes,
                                  overrides=overrides, plan_changes=changes,
-                                 slurm_changes={"time": time, "partition": partition})
+                                 slurm_changes={"time": time, "partition": partition,
+                                                "signal_lead_s": signal_lead})
         if dry_run:
             click.echo(cont.script, nl=False)
             click.echo(f"# would continue {cont.describe()}")

@@ -37,6 +37,9 @@ def smoke(tp: int, pp: int, vp: int | None, ep: int, experts: int, topk: int,
     The numbers depend only on the model, the batch and the seed, not on TP/DP: compare a
     multi-rank run against a single process to check a cluster's setup.
     """
+    from hpc_mca.runtime.quiet import quiet_library_noise
+
+    quiet_library_noise()  # before megatron is imported
     from hpc_mca.runtime.env import from_environ
     from hpc_mca.topology import Layout, LayoutError, ModelShape, check_layout
 

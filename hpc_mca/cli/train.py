@@ -18,6 +18,9 @@ def train(config: Path, overrides: tuple[str, ...]) -> None:
     keys, missing datasets, impossible layouts, model/weights mismatches) stop every rank with
     one line before anything is allocated.
     """
+    from hpc_mca.runtime.quiet import quiet_library_noise
+
+    quiet_library_noise()  # before megatron is imported
     from hpc_mca.data.errors import DataError
     from hpc_mca.models.errors import ModelLoadError
     from hpc_mca.topology import LayoutError

@@ -99,7 +99,7 @@ def _transformer_config(
     init = {
         # Loading overwrites every parameter: skip the random init and allocate only the local
         # shard. Random init builds each full weight on CPU and slices it, which makes initial
-        # weights identical for every TP size (FACTS.md).
+        # weights identical for every TP size (tests/test_rank_bootstrap.py: TP2xDP2 = TP1).
         "use_cpu_initialization": not loading,
         "perform_initialization": not loading,
     }

@@ -63,6 +63,9 @@ def transformer_config_kwargs(
         "masked_softmax_fusion": False,
         "persist_layer_norm": False,
         "gradient_accumulation_fusion": False,
+        # No CUDA graphs; Megatron's own default ("full") is deprecated and warns on every
+        # rank, while an empty list means the same thing.
+        "cuda_graph_modules": [],
         "params_dtype": dtype,
         "pipeline_dtype": dtype,
         **({_DTYPE_FLAGS[dtype]: True} if dtype in _DTYPE_FLAGS else {}),
@@ -81,9 +84,10 @@ def _parallel_kwargs(layout: Layout, gloo: bool) -> dict[str, Any]:
         "context_parallel_size": layout.cp,
         "expert_model_parallel_size": layout.ep,
         "expert_tensor_parallel_size": layout.etp,
-        # The torch LayerNorm of the local spec refuses sequence parallelism (FACTS.md).
+        # The torch LayerNorm of the local spec refuses sequence parallelism (it raises).
         "sequence_parallel": False,
-        # gloo delivers batched isend/irecv out of order (FACTS.md); unbatched p2p is correct.
+        # Over gloo, batched isend/irecv silently trains interleaved pipelines on wrong data
+        # (measured with PP2 x VP2); unbatched p2p is correct.
         "batch_p2p_comm": not gloo,
     }
     stages = megatron_pipeline_layout(layout)

@@ -167,6 +167,16 @@ def scontrol_job(job_id: str) -> dict[str, str]:
     return fields
 
 
+def current_user() -> str:
+    """The login name (the uid where there is none)."""
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
 def sbatch_env(drop: Sequence[str]) -> dict[str, str]:
     """This process's environment for sbatch (which exports it to the job) without the
     variables in ``drop``, so the values baked into the script apply."""

@@ -72,6 +72,12 @@ def _job_ids(manifest: Mapping[str, Any]) -> list[str]:
     return ids
 
 
+def current_job_id(manifest: Mapping[str, Any]) -> str | None:
+    """The newest job of a run: its last continuation (``hpc-mca resume``), else its first."""
+    ids = [i for i in _job_ids(manifest) if i]
+    return ids[-1] if ids else None
+
+
 @dataclass(frozen=True)
 class Run:
     """A run directory and what is known about it."""

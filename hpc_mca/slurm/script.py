@@ -283,13 +283,42 @@ banner "rank command" "$(printf '%q ' "${rank_args[@]}")"
 banner "start" "$(date '+%Y-%m-%d %H:%M:%S %Z') on $(hostname)"
 
 # --- execution ----------------------------------------------------------------------------
+# Slurm's view of why this job is ending (the controller's record, through squeue): requeued
+# (an outside `scontrol requeue`, or a preemption that requeues: Slurm brings the job back
+# itself), timelimit, preempted, cancelled (scancel, hpc-mca cancel), running (nothing is
+# ending it: e.g. `scancel --signal=TERM` only signals) or unknown (slurmctld did not answer).
+slurm_verdict() {
+    local state="" reason="" restarts=""
+    IFS='|' read -r state reason restarts _ < <(squeue -h -j "${SLURM_JOB_ID}" \
+        -O 'State:|,Reason:|,RestartCnt:|' 2>/dev/null || true) || true
+    if [[ -z "${state}" ]]; then
+        echo unknown
+    elif [[ "${restarts}" =~ ^[0-9]+$ ]] && ((restarts > ${SLURM_RESTART_COUNT:-0})); then
+        echo requeued
+    elif [[ "${reason}" == TimeLimit || "${state}" == TIMEOUT ]]; then
+        echo timelimit
+    elif [[ "${state}" == PREEMPTED || "${reason}" == Preempt* ]]; then
+        echo preempted
+    elif [[ "${state}" == RUNNING ]]; then
+        echo running
+    else
+        echo cancelled
+    fi
+}
+cancel_file="${HPC_MCA_RUN_DIR}/cancel_requested"
+cancel_asked() {  # hpc-mca cancel writes "job=<id> ..." here before it calls scancel
+    grep -qs "^job=${SLURM_JOB_ID} " "${cancel_file}"
+}
+
 interrupted=0
 # shellcheck disable=SC2317  # invoked by the traps below
 on_signal() {  # the hook for a requeue protocol: record the request, optionally forward it
+    local cause=""
     interrupted=1
-    printf '%s %s job=%s restart=%s\n' "$1" "$(date +%s.%N)" "${SLURM_JOB_ID}" \
-        "${SLURM_RESTART_COUNT:-0}" >>"${HPC_MCA_SIGNAL_FILE}"
-    banner "signal" "SIG$1 at $(date '+%H:%M:%S'); recorded in ${HPC_MCA_SIGNAL_FILE}"
+    [[ "$1" != TERM ]] || cause=" cause=$(slurm_verdict)"
+    printf '%s %s job=%s restart=%s%s\n' "$1" "$(date +%s.%N)" "${SLURM_JOB_ID}" \
+        "${SLURM_RESTART_COUNT:-0}" "${cause}" >>"${HPC_MCA_SIGNAL_FILE}"
+    banner "signal" "SIG$1${cause:+ (${cause# })} at $(date '+%H:%M:%S'); recorded in ${HPC_MCA_SIGNAL_FILE}"
     if [[ "$1" == USR1 && -n "${HPC_MCA_FORWARD_SIGNAL}" ]]; then
         scancel --signal="${HPC_MCA_FORWARD_SIGNAL}" "${SLURM_JOB_ID}" || true
     fi
@@ -309,8 +338,21 @@ done
 
 # --- requeue (train; contract: hpc_mca/checkpoint/requeue.py) -------------------------------
 why=""
-if [[ "${HPC_MCA_RANK_CMD}" == train && ! -f "${HPC_MCA_RUN_DIR}/finished" ]]; then
-    if grep -qs '^USR1 ' "${HPC_MCA_SIGNAL_FILE}"; then
+outcome=""
+if [[ "${HPC_MCA_RANK_CMD}" == train ]]; then
+    verdict=$(slurm_verdict)
+    ! cancel_asked || verdict=cancelled
+    if [[ -f "${HPC_MCA_RUN_DIR}/finished" ]]; then
+        :  # a completed run is never requeued, whatever came late
+    elif [[ "${verdict}" == cancelled ]]; then
+        outcome="cancelled: not requeued"
+    elif [[ "${verdict}" == requeued ]]; then
+        outcome="requeued by Slurm (scontrol requeue or preemption)"
+    elif [[ "${verdict}" == timelimit ]]; then
+        why="time limit reached (SIGTERM)"
+    elif [[ "${verdict}" == preempted ]]; then
+        why="preempted (SIGTERM)"
+    elif grep -qs '^USR1 ' "${HPC_MCA_SIGNAL_FILE}"; then
         why="time limit ahead (SIGUSR1)"
     elif ((rc != 0 && rc != 2)) && [[ "${HPC_MCA_REQUEUE_ON_FAILURE}" == 1 ]] &&
         [[ ! -s "${HPC_MCA_SIGNAL_FILE}" ]]; then
@@ -321,14 +363,22 @@ if [[ -n "${why}" ]]; then
     restarts=${SLURM_RESTART_COUNT:-0}
     if ((restarts < HPC_MCA_MAX_REQUEUES)); then
         banner "requeue" "${why}: restart $((restarts + 1)) of at most ${HPC_MCA_MAX_REQUEUES}"
-        scontrol requeue "${SLURM_JOB_ID}" && exit 0
-        banner "requeue" "scontrol requeue failed: not requeued"
+        if ! scontrol requeue "${SLURM_JOB_ID}"; then
+            banner "requeue" "scontrol requeue failed: not requeued"
+        elif ! cancel_asked; then
+            exit 0
+        else  # a cancel that raced the requeue (asked after the checks above) still wins
+            scancel "${SLURM_JOB_ID}" || true
+            outcome="cancelled while being requeued: the requeued job is cancelled"
+        fi
     else
         banner "requeue" "${why}: not requeued, retry budget spent (${restarts} restarts)"
     fi
-    ((rc != 0)) || rc=75  # stopped early and not coming back: not a success
 fi
-banner "end" "exit code ${rc} after $((SECONDS - started)) s"
+if [[ "${HPC_MCA_RANK_CMD}" == train && ! -f "${HPC_MCA_RUN_DIR}/finished" ]] && ((rc == 0)); then
+    rc=75  # the ranks stopped early and the job is not coming back: not a success
+fi
+banner "end" "${outcome:+${outcome}; }exit code ${rc} after $((SECONDS - started)) s"
 exit "${rc}"
 """
 

@@ -11,7 +11,7 @@ from typing import Any
 from . import commands
 from .commands import JobState
 from .errors import OpsError
-from .manifest import Run, find_run, iter_manifests, run_from_manifest
+from .manifest import Run, current_job_id, find_run, iter_manifests, run_from_manifest
 from .progress import Progress, read_progress
 
 
@@ -22,6 +22,9 @@ class RunStatus:
     """None when Slurm no longer (or not yet) knows the job."""
     run: Run | None
     progress: Progress | None
+    current_job_id: str | None = None
+    """The run's newest job when it is not ``job_id`` (a continuation from hpc-mca resume)."""
+    current_job: JobState | None = None
 
     @property
     def state(self) -> str:
@@ -36,6 +39,8 @@ class RunStatus:
             "run_dir": str(self.run.run_dir) if self.run else None,
             "log": str(self.run.log) if self.run and self.run.log else None,
             "progress": dataclasses.asdict(self.progress) if self.progress else None,
+            "current_job_id": self.current_job_id,
+            "current_state": self.current_job.state if self.current_job else None,
         }
 
 
@@ -51,7 +56,10 @@ def job_status(job_id: str, runs_root: Path) -> RunStatus:
                            f"manifest under {runs_root} names it") from None
         run = None
     progress = read_progress(run.run_dir) if run is not None else None
-    return RunStatus(job_id, job, run, progress)
+    current = current_job_id(run.manifest) if run is not None and run.manifest else None
+    if current is None or current == job_id:
+        return RunStatus(job_id, job, run, progress)
+    return RunStatus(job_id, job, run, progress, current, commands.job_state(current))
 
 
 def recent_statuses(runs_root: Path, limit: int = 10) -> list[RunStatus]:
@@ -62,7 +70,8 @@ def recent_statuses(runs_root: Path, limit: int = 10) -> list[RunStatus]:
     found.sort(key=lambda item: item[0], reverse=True)
     out = []
     for _, run_dir, manifest in found[:limit]:
-        run = run_from_manifest(run_dir, manifest)
+        # One row per run, showing its newest job (a continuation, when there is one).
+        run = run_from_manifest(run_dir, manifest, current_job_id(manifest))
         job = commands.job_state(run.job_id) if run.job_id else None
         out.append(RunStatus(run.job_id, job, run, read_progress(run_dir)))
     return out
@@ -126,6 +135,10 @@ def format_status(status: RunStatus, now: float | None = None) -> str:
     else:
         head = f"job {status.job_id}  {status.state} (Slurm has no record of it)"
     lines = [head]
+    if status.current_job_id is not None:
+        now = status.current_job.state if status.current_job else "unknown to Slurm"
+        lines.append(f"  continued   by job {status.current_job_id} ({now}): hpc-mca status "
+                     f"{status.current_job_id}")
     if status.run is not None:
         lines.append(f"  run dir     {status.run.run_dir}")
     lines.append(f"  progress    {progress_text(status.progress, now)}")

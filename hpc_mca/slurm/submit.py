@@ -8,7 +8,6 @@ between the two, the held job is cancelled: nothing is left queued.
 from __future__ import annotations
 
 import datetime
-import getpass
 import os
 import socket
 import sys
@@ -24,6 +23,7 @@ from .jobplan import JobPlan, check_train_config, plan_summary
 from .manifest import write_manifest
 from .quoting import filename_pattern
 from .script import RUN_DIR_PATTERN, SbatchOptions, render_script
+from .timelimit import signal_lead
 
 REPO_ROOT = Path(hpc_mca.__file__).resolve().parents[1]
 """The checkout the CLI runs from (its bin/hpc-mca-rank starts the ranks)."""
@@ -42,7 +42,9 @@ class SubmitOptions:
     qos: str | None = None
     time: str | None = "01:00:00"
     cpus_per_task: int | None = None
-    signal_lead_s: int = 120
+    signal_lead_s: int | None = None
+    """Seconds before the time limit for the lead-time signal; None: 120 s, scaled to a
+    quarter of a short limit (:func:`hpc_mca.slurm.timelimit.signal_lead`)."""
     sbatch_args: tuple[str, ...] = ()
     rank_command: tuple[str, ...] = ("train",)
     """hpc-mca subcommand (and, for anything but train, its arguments) every rank runs."""
@@ -91,7 +93,7 @@ def render_job(job: JobPlan, options: SubmitOptions) -> RenderedJob:
         job_name=name, nodes=req.nodes, ntasks_per_node=req.node_size,
         gpus_per_node=req.node_size if gpu else None, cpus_per_task=options.cpus_per_task,
         time=options.time, partition=options.partition, account=options.account,
-        qos=options.qos, signal_lead_s=options.signal_lead_s,
+        qos=options.qos, signal_lead_s=signal_lead(options.signal_lead_s, options.time),
         output=f"{filename_pattern(str(runs_root), 'runs root')}/{RUN_DIR_PATTERN}/"
                f"{RUN_DIR_PATTERN}.out",
         extra=tuple(options.sbatch_args))
@@ -126,7 +128,7 @@ def submit(job: JobPlan, options: SubmitOptions, argv: Sequence[str]) -> Submitt
         run_dir.mkdir(parents=True, exist_ok=True)
         script = run_dir / SCRIPT_FILE
         script.write_text(rendered.script)
-        manifest = write_manifest(run_dir, _manifest(job, rendered, job_id, argv))
+        manifest = write_manifest(run_dir, _manifest(job, rendered, options, job_id, argv))
         commands.run(["scontrol", "release", job_id])
     except BaseException:
         if job_id:
@@ -135,7 +137,8 @@ def submit(job: JobPlan, options: SubmitOptions, argv: Sequence[str]) -> Submitt
     return Submitted(job_id, run_dir, rendered.log(job_id), manifest)
 
 
-def _manifest(job: JobPlan, rendered: RenderedJob, job_id: str, argv: Sequence[str]) -> dict:
+def _manifest(job: JobPlan, rendered: RenderedJob, options: SubmitOptions, job_id: str,
+              argv: Sequence[str]) -> dict:
     run_dir = rendered.run_dir(job_id)
     rank = [rendered.rank_command, *rendered.rank_args]
     if rendered.rank_command == "train":
@@ -148,14 +151,8 @@ def _manifest(job: JobPlan, rendered: RenderedJob, job_id: str, argv: Sequence[s
         "overrides": list(job.user_overrides), "resolved_overrides": job.train_overrides,
         "rank_command": rank, "plan": plan_summary(job.plan),
         "sbatch": asdict(rendered.sbatch), "knobs": rendered.knobs,
+        "signal_lead_s_given": options.signal_lead_s,
         "submit_time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "submit_host": socket.gethostname(), "user": _user(), "cwd": os.getcwd(),
+        "submit_host": socket.gethostname(), "user": commands.current_user(), "cwd": os.getcwd(),
         "command": list(argv),
     }
-
-
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return str(os.getuid())

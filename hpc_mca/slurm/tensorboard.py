@@ -8,7 +8,6 @@ recursively, so wherever the trainer puts its event files (``<run_dir>/tensorboa
 
 from __future__ import annotations
 
-import getpass
 import os
 import re
 import socket
@@ -16,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import commands
 from .errors import OpsError
 from .manifest import Run
 
@@ -42,17 +42,25 @@ def _run_names(runs: list[Run]) -> list[str]:
 
 
 def logdir_args(runs: list[Run], runs_root: Path) -> list[str]:
-    """TensorBoard's log-directory arguments for ``runs`` (all of ``runs_root`` when empty)."""
+    """TensorBoard's log-directory arguments for ``runs`` (all of ``runs_root`` when empty).
+
+    Each run is named after its run directory (``sft_addition_19``): the trainer's event
+    files are in ``<run dir>/tensorboard``, which TensorBoard would otherwise show as a run
+    called "tensorboard"."""
     if not runs:
         return ["--logdir", str(runs_root)]
-    if len(runs) == 1:
-        return ["--logdir", str(runs[0].run_dir)]
     bad = [str(r.run_dir) for r in runs if "," in str(r.run_dir)]
     if bad:
         raise OpsError(f"run directory {bad[0]!r} contains ',', which TensorBoard's "
-                       "--logdir_spec cannot carry; valid: one such run at a time")
-    spec = ",".join(f"{name}:{run.run_dir}" for name, run in zip(_run_names(runs), runs))
+                       "--logdir_spec cannot carry; valid: a run directory without ','")
+    spec = ",".join(f"{name}:{_events_dir(run.run_dir)}"
+                    for name, run in zip(_run_names(runs), runs))
     return ["--logdir_spec", spec]
+
+
+def _events_dir(run_dir: Path) -> Path:
+    events = run_dir / "tensorboard"
+    return events if events.is_dir() else run_dir
 
 
 @dataclass(frozen=True)
@@ -71,10 +79,7 @@ def plan_launch(runs: list[Run], runs_root: Path, port: int | None = None) -> La
     login = socket.getfqdn()
     if not login or login.startswith("localhost"):
         login = socket.gethostname()
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = str(os.getuid())
+    user = commands.current_user()
     tunnel = f"ssh -N -L {port}:{HOST}:{port} {user}@{login}"
     return Launch(argv, port, f"http://{HOST}:{port}/", tunnel)
 

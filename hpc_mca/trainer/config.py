@@ -455,4 +455,11 @@ def total_training_steps(training: TrainingArguments, num_rows: int) -> int:
         raise ConfigError(f"the training data has {num_rows} rows, fewer than one "
                           f"training.global_batch_size={gbs}; valid: global_batch_size <= "
                           f"{num_rows}")
-    return max(1, math.ceil(training.num_train_epochs * per_epoch))
+    return steps_for(training, per_epoch)
+
+
+def steps_for(training: TrainingArguments, steps_per_epoch: int) -> int:
+    """Optimizer steps of the run when an epoch is ``steps_per_epoch`` steps long."""
+    if training.max_steps > 0:
+        return training.max_steps
+    return max(1, math.ceil(training.num_train_epochs * steps_per_epoch))

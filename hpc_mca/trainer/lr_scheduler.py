@@ -252,14 +252,19 @@ def _scheduler_class() -> type:
     class MegatronLRScheduler(OptimizerParamScheduler):
         """OptimizerParamScheduler with HF's ``get_last_lr()`` and ``step()`` defaulting to 1.
 
-        ``state_dict`` also records the HF name and the WSD settings; ``load_state_dict`` sets
-        the step count (Megatron's adds it to the current one) so a resumed run continues the
-        curve from the saved step.
+        ``state_dict`` also records the HF name and the WSD settings. ``load_state_dict``
+        restores the step count only: the schedule itself (peak and floor, warmup, decay and
+        WSD lengths, weight decay) is the one this run's config defines, so a run resumed with
+        a new max_steps (an extended run) or learning rate follows the schedule defined for
+        the new settings from the resumed step on. What differs from the checkpoint is kept in
+        ``rederived`` ({name: (checkpoint's, now)}) for the resume line.
         """
 
         def __init__(self, optimizer: Any, spec: SchedulerSpec, **kwargs: Any) -> None:
             self.spec = spec
-            super().__init__(optimizer, **kwargs)
+            self.rederived: dict[str, tuple[Any, Any]] = {}
+            super().__init__(optimizer, override_opt_param_scheduler=True,
+                             use_checkpoint_opt_param_scheduler=False, **kwargs)
 
         def step(self, increment: int = 1) -> None:
             super().step(increment)
@@ -278,13 +283,18 @@ def _scheduler_class() -> type:
             if saved != self.spec.name:
                 raise SchedulerError(f"{_TYPE}={self.spec.name!r} but the checkpoint's "
                                      f"scheduler is {saved!r}; valid: {saved!r}")
-            self.wsd_decay_steps = state_dict.get("wsd_decay_steps", self.wsd_decay_steps)
-            self.lr_wsd_decay_style = state_dict.get("lr_wsd_decay_style",
-                                                     self.lr_wsd_decay_style)
+            now = {**super().state_dict(), "wsd_decay_steps": self.wsd_decay_steps}
+            self.rederived = {key: (state_dict[key], now[key]) for key in _SCHEDULE_KEYS
+                              if key in state_dict and state_dict[key] != now[key]}
             self.num_steps = 0
-            super().load_state_dict(state_dict)
+            super().load_state_dict(state_dict)  # overrides: keeps this run's schedule
 
     return MegatronLRScheduler
+
+
+_SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "wsd_decay_steps",
+                  "start_wd", "end_wd")
+"""What a resumed run's config may change about the schedule (reported when it does)."""
 
 
 def __getattr__(name: str) -> Any:

@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 
 from hpc_mca.checkpoint import train_with_checkpoints
-from hpc_mca.checkpoint.compat import resume_check
+from hpc_mca.checkpoint.compat import nothing_to_train, resume_check
 from hpc_mca.runtime.distributed import RankContext, init_distributed, shutdown
 from hpc_mca.runtime.env import from_environ
+from hpc_mca.runtime.quiet import library_line
 from hpc_mca.topology import Layout, ModelShape
 from hpc_mca.trainer.config import TrainConfig, load_config
 
@@ -29,6 +30,11 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
     config = load_config(config_path, overrides).resolve(env.world_size)
     data_files_exist(config)
     resume_check(config, env.world_size, _shape(config))  # before any collective, like config errors
+    idle = nothing_to_train(config)  # a finished run started again: no need for any rank
+    if idle is not None:
+        if env.rank == 0:
+            print(idle, flush=True)
+        return []
     ctx = init_distributed(_layout(config), model=_shape(config), seed=config.training.seed, env=env,
                            global_batch_size=config.training.global_batch_size,
                            micro_batch_size=config.training.per_device_train_batch_size)
@@ -48,6 +54,7 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
     data = _datasets(config, ctx)
     if ctx.is_main:
         print(data.describe(), flush=True)
+        print(library_line(), flush=True)
     model_dir = Path(config.model.model_name_or_path)
     # A directory with only config.json (the demo's) trains from a random init.
     has_weights = any(model_dir.glob("*.safetensors"))
