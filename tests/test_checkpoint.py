@@ -8,12 +8,15 @@ tests/test_resume_cli.py.
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from trainer_fixtures import (
     TORCHRUN,
     launch_ranks,
@@ -152,6 +155,8 @@ def test_signal_file_records(tmp_path: Path) -> None:
     assert read_signal_file(path) == (2, 1700000005.0)
     path.write_text("USR1 1700000000.250 job=1 restart=0\nTERM 1700000009 job=1 restart=0\n")
     assert read_signal_file(path) == (2, 1700000000.25)
+    path.write_text("TERM 1700000009.5 job=1 restart=0 cause=cancelled\n")  # the shell's verdict
+    assert read_signal_file(path) == (2, 1700000009.5)
 
 
 # --- training runs (torchrun, 2 ranks) -------------------------------------------------------
@@ -244,11 +249,43 @@ def test_incompatible_or_missing_checkpoints_fail_in_one_line(reference: tuple[P
     assert proc.returncode == 2 and "resume_from_checkpoint=" in proc.stderr
     assert "no checkpoint at" in proc.stderr.strip().splitlines()[-1]
     assert (run / "steps.jsonl").read_text() == before  # nothing was touched
-    # A finished run started again trains nothing and stays finished.
+    # A finished run started again trains nothing and says so in one line, before any
+    # process group comes up; it stays finished.
     proc = run_train(config, ref, 1, *DIST_OPT)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "at step 10" in proc.stdout and "step 11" not in proc.stdout
-    assert len(steps(ref)) == 10
+    assert proc.stdout.strip() == (
+        f"run {ref} finished at step 10 and this config trains to step 10: nothing to train. To "
+        "extend it: max_steps=N with N > 10 (or more num_train_epochs; hpc-mca resume JOBID "
+        "max_steps=N does it as a job); to start afresh: another output_dir")
+    assert len(steps(ref)) == 10 and json.loads((ref / "finished").read_text())["step"] == 10
+
+
+@pytest.mark.slow
+def test_finished_run_extends_with_the_schedule_of_its_new_total(reference: tuple[Path, Path],
+                                                                 tmp_path: Path) -> None:
+    """max_steps 10 -> 20 on a finished run: steps 1-10 stay, 11-20 are trained at the rates of
+    the cosine schedule defined for 20 steps (transformers' own, warmup 2), and the run is
+    finished again at 20."""
+    from transformers import get_scheduler
+
+    config, ref = reference
+    run = tmp_path / "run"
+    shutil.copytree(ref, run)
+    proc = run_train(config, run, 2, *DIST_OPT, "max_steps=20")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "extending the run that finished at step 10 to 20 steps" in proc.stdout
+    assert "LR schedule re-derived for this config: lr_decay_steps 10->20" in proc.stdout
+    got = numbers(run)
+    assert [s["step"] for s in got] == list(range(1, 21)) and got[:10] == numbers(ref)
+    assert all(math.isfinite(s["loss"]) for s in got)
+    hf = get_scheduler("cosine", torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3),
+                       num_warmup_steps=2, num_training_steps=20)
+    rates = []
+    for _ in range(20):
+        hf.step()
+        rates.append(hf.get_last_lr()[0])
+    assert [s["lr"] for s in got[10:]] == pytest.approx(rates[10:], rel=1e-12, abs=1e-18)
+    assert json.loads((run / "finished").read_text())["step"] == 20
 
 
 @pytest.mark.slow

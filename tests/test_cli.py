@@ -34,6 +34,24 @@ def test_console_script_help():
     assert proc.returncode == 0 and "Usage: hpc-mca" in proc.stdout
 
 
+def test_bin_on_path_is_enough(tmp_path: Path):
+    """bin/hpc-mca runs the venv's command without activating it (README: PATH=bin:$PATH);
+    without an environment it says how to make one."""
+    import os
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PATH": f"{repo / 'bin'}:/usr/bin:/bin",
+           "HPC_MCA_VENV": str(Path(sys.executable).parents[1])}
+    proc = subprocess.run(["hpc-mca", "--help"], capture_output=True, text=True, timeout=60,
+                          env=env, cwd=tmp_path)
+    assert proc.returncode == 0 and "Usage: hpc-mca" in proc.stdout, proc.stderr
+    env["HPC_MCA_VENV"] = str(tmp_path / "nowhere")
+    proc = subprocess.run(["hpc-mca", "status"], capture_output=True, text=True, timeout=60,
+                          env=env, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "run " + str(repo / "bin" / "setup-env") + " first" in proc.stderr
+
+
 def test_unknown_command_names_the_valid_ones():
     script = Path(sys.executable).with_name("hpc-mca")
     proc = subprocess.run([str(script), "smok"], capture_output=True, text=True, timeout=60)

@@ -90,6 +90,11 @@ def test_format_status_joins_slurm_and_progress(tmp_path: Path) -> None:
     assert "PENDING (Priority)" in pending and "no progress reported yet" in pending
     done = format_status(RunStatus("9", _job("COMPLETED", exit_code="0:0"), None, None))
     assert "COMPLETED exit 0:0" in done
+    # An old job of a run that a continuation (hpc-mca resume) carries on.
+    old = format_status(RunStatus("7", _job("CANCELLED"), run, read_progress(tmp_path), "12",
+                                  _job("RUNNING", job_id="12")), now=1005.0).splitlines()
+    assert old[1] == "  continued   by job 12 (RUNNING): hpc-mca status 12"
+    assert old[3].startswith("  progress    step 40/200 (20%)")
 
 
 def test_format_table(tmp_path: Path) -> None:

@@ -121,6 +121,43 @@ def test_state_dict_round_trip_continues_the_curve(name: str, kwargs: dict):
     assert got == pytest.approx(expected[36:T - 1], rel=1e-12)
 
 
+@pytest.mark.parametrize("name, kwargs", [("cosine", {"min_lr": 1e-5}), ("linear", {}),
+                                          ("wsd", {"num_decay_steps": 30})])
+def test_a_longer_run_resumed_follows_the_schedule_of_its_new_total(name: str, kwargs: dict):
+    """An extended run (max_steps T -> 2T, resumed at step T) takes the rate the schedule
+    defined for 2T steps gives each later step, checked against transformers' own schedule
+    (cosine, linear) or the closed form (wsd), and reports what it re-derived."""
+    from transformers import get_scheduler
+
+    first = _scheduler(name, kwargs)
+    first.step(T)
+    training = SimpleNamespace(lr_scheduler_type=name, lr_scheduler_kwargs=kwargs,
+                               learning_rate=LR, warmup_steps=W, warmup_ratio=0.0,
+                               weight_decay=0.01)
+    extended = get_megatron_lr_scheduler(training, 2 * T, _optimizer())
+    extended.load_state_dict(first.state_dict())
+    assert extended.rederived["lr_decay_steps"] == (T, 2 * T)
+    got = []
+    for _ in range(T):
+        extended.step()
+        got.append(extended.get_last_lr()[0])
+    if name == "wsd":
+        stable_until = 2 * T - kwargs["num_decay_steps"]
+        want = [LR if s <= stable_until else LR * (1 - (s - stable_until) / 30)
+                for s in range(T + 1, 2 * T + 1)]
+    else:
+        # transformers' schedules decay to 0: compare the shape above the floor.
+        floor = kwargs.get("min_lr", 0.0)
+        hf = get_scheduler(name, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
+                           num_warmup_steps=W, num_training_steps=2 * T)
+        hf_rates = []
+        for _ in range(2 * T):
+            hf.step()
+            hf_rates.append(hf.get_last_lr()[0])
+        want = [floor + (LR - floor) * rate for rate in hf_rates[T:]]
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
 def test_loading_another_schedulers_state_fails():
     state = _scheduler("cosine", {}).state_dict()
     with pytest.raises(SchedulerError, match="checkpoint's scheduler is 'cosine'"):

@@ -112,10 +112,13 @@ def test_resume_on_other_node_counts_and_layouts(setup: dict) -> None:
     assert [c["world_size"] for c in manifest["continuations"]] == [2, 1]
     assert (run_dir / "finished").is_file()
     print("\n" + "\n".join(resumed))
-    # A finished run cannot be resumed.
+    # A finished run continues only when it is extended.
     done = hpc_mca("resume", third, *runs, cwd=root)
     assert done.returncode == 1
-    assert done.stderr.strip() == f"Error: run {run_dir} finished at step {MAX_STEPS}; nothing to resume"
+    assert done.stderr.strip() == (
+        f"Error: run {run_dir} finished at step {MAX_STEPS}; nothing to resume; valid: extend it "
+        f"with max_steps=N (N > {MAX_STEPS}) or num_train_epochs=E, e.g. hpc-mca resume {third} "
+        f"max_steps={2 * MAX_STEPS}")
 
 
 def test_bad_input_submits_and_deletes_nothing(setup: dict) -> None:

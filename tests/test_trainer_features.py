@@ -144,3 +144,24 @@ def test_malformed_jsonl_names_file_and_line(root, tmp_path):
     proc = run_train(_config(root), root / "bad_jsonl", 1, f"data.dataset=[{bad}]", timeout=120)
     assert proc.returncode == 2
     assert f"{bad}:2:" in proc.stderr
+
+
+@pytest.mark.slow
+def test_run_log_carries_our_lines_not_library_notices(root):
+    """Warnings on (no PYTHONWARNINGS=ignore): a 3-step run's output has the trainer's lines
+    and none of the notices hpc_mca.runtime.quiet documents as noise (nor any other
+    warning: a new one shows up here and gets a decision)."""
+    from trainer_fixtures import rank_env
+
+    env = {k: v for k, v in rank_env().items() if k != "PYTHONWARNINGS"}
+    args = [sys.executable, "-m", "hpc_mca", "train", str(_config(root)),
+            f"training.output_dir={root / 'quiet'}", "training.max_steps=3", "training.save_steps=3"]
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    noise = [line for line in output.splitlines()
+             if "Warning" in line or "warnings.warn" in line or "DEPRECATED" in line
+             or "deprecated" in line]
+    assert noise == [], noise
+    assert "kernels: Transformer Engine no, Apex no" in proc.stdout
+    assert "step 3/3 | loss" in proc.stdout and "saved (end)" in proc.stdout

@@ -13,7 +13,9 @@ Modules:
 * :mod:`.commands` -- running sbatch/squeue/sacct/scontrol/scancel; the job-state join.
 * :mod:`.manifest` -- the run manifest written at submit, and finding a run by job id.
 * :mod:`.progress` -- the progress file the trainer writes (format and tolerant reader).
-* :mod:`.submit`, :mod:`.status`, :mod:`.logs`, :mod:`.tensorboard` -- what the commands do.
+* :mod:`.timelimit` -- Slurm time limits and the lead-time signal that must fit in one.
+* :mod:`.submit`, :mod:`.status`, :mod:`.logs`, :mod:`.cancel`, :mod:`.tensorboard` -- what
+  the commands do.
 """
 
 from .errors import OpsError

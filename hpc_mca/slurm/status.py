@@ -136,8 +136,8 @@ def format_status(status: RunStatus, now: float | None = None) -> str:
         head = f"job {status.job_id}  {status.state} (Slurm has no record of it)"
     lines = [head]
     if status.current_job_id is not None:
-        now = status.current_job.state if status.current_job else "unknown to Slurm"
-        lines.append(f"  continued   by job {status.current_job_id} ({now}): hpc-mca status "
+        current = status.current_job.state if status.current_job else "unknown to Slurm"
+        lines.append(f"  continued   by job {status.current_job_id} ({current}): hpc-mca status "
                      f"{status.current_job_id}")
     if status.run is not None:
         lines.append(f"  run dir     {status.run.run_dir}")

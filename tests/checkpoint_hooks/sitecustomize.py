@@ -5,6 +5,10 @@ of these variables is set; it never changes numerics.
 HPC_MCA_TEST_STEP_SLEEP=S[@R]  sleep S seconds after every optimizer step, only while
                                SLURM_RESTART_COUNT is R (default: always) — so a job lasts
                                until Slurm's signal arrives, then finishes fast after a requeue.
+HPC_MCA_TEST_SAVE_SLEEP=S@STEP  every rank prints "test hook: rank R saving step STEP" and
+                               sleeps S seconds inside the save of step STEP, after its
+                               iter_STEP.tmp directory exists and before any shard is written
+                               (a window in which to cancel or kill the job mid-save).
 HPC_MCA_TEST_KILL=STEP:POINT:RANK  SIGKILL global rank RANK during the save of step STEP, at
                                POINT: before_write (the shards of this rank not yet written),
                                after_write (written, not committed) or before_tracker (rank 0:
@@ -119,9 +123,40 @@ def _install_kill(spec: str) -> None:
     _patch_after_import("hpc_mca.checkpoint.checkpointer", patch)
 
 
+def _install_save_sleep(spec: str) -> None:
+    seconds, _, step = spec.partition("@")
+
+    def patch(module):
+        original_save = module.Checkpointer.save
+
+        def save(self, trainer, reason=None):
+            if trainer.state.global_step != int(step):
+                return original_save(self, trainer, reason)
+            from megatron.core import dist_checkpointing
+
+            real = dist_checkpointing.save
+
+            def slow_save(*args, **kwargs):
+                print(f"test hook: rank {_rank()} saving step {step}", flush=True)
+                time.sleep(float(seconds))
+                return real(*args, **kwargs)
+
+            dist_checkpointing.save = slow_save
+            try:
+                return original_save(self, trainer, reason)
+            finally:
+                dist_checkpointing.save = real
+
+        module.Checkpointer.save = save
+
+    _patch_after_import("hpc_mca.checkpoint.checkpointer", patch)
+
+
 if os.environ.get("HPC_MCA_TEST_STEP_SLEEP"):
     _install_sleep(os.environ["HPC_MCA_TEST_STEP_SLEEP"])
 if os.environ.get("HPC_MCA_TEST_KILL"):
     _install_kill(os.environ["HPC_MCA_TEST_KILL"])
+if os.environ.get("HPC_MCA_TEST_SAVE_SLEEP"):
+    _install_save_sleep(os.environ["HPC_MCA_TEST_SAVE_SLEEP"])
 if _PATCHES:
     sys.meta_path.insert(0, _Finder())
