@@ -55,7 +55,8 @@ echo "after_hpc_mca=$(command -v hpc-mca || true)"
 
 def test_lmod_loads_the_lua_modulefile() -> None:
     seen = _lmod_bash(LOAD, REPO / "modules")
-    assert seen["hpc_mca"] == str(REPO / ".venv" / "bin" / "hpc-mca")
+    # bin/ comes first on PATH: its hpc-mca runs the venv's (whose bin/ is on PATH too).
+    assert seen["hpc_mca"] == str(REPO / "bin" / "hpc-mca")
     assert seen["rank"] == str(REPO / "bin" / "hpc-mca-rank")
     assert seen["home"] == str(REPO)
     assert seen["runs_root"] == str(REPO / "hpc-mca-runs")  # $HOME/hpc-mca-runs (HOME=REPO here)
@@ -72,7 +73,7 @@ def test_lmod_reads_the_tcl_modulefile(tmp_path: Path) -> None:
     (tmp_path / "bin").symlink_to(REPO / "bin")
     (tmp_path / ".venv").symlink_to(REPO / ".venv")
     seen = _lmod_bash(LOAD, tmp_path / "modules")
-    assert seen["hpc_mca"] == str(tmp_path / ".venv" / "bin" / "hpc-mca")
+    assert seen["hpc_mca"] == str(tmp_path / "bin" / "hpc-mca")
     assert seen["rank"] == str(tmp_path / "bin" / "hpc-mca-rank")
     assert seen["home"] == str(tmp_path)
     assert seen["after_home"] == "" and seen["after_hpc_mca"] == ""
