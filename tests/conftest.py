@@ -2,28 +2,47 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
+
+# The user's job index (hpc_mca/slurm/index.py) of this test session, not of the machine's
+# user: every hpc-mca command and job the tests start inherit it (tests that clean HPC_MCA_*
+# out of the environment keep XDG_* variables).
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="hpc-mca-test-state-")
+os.environ.pop("HPC_MCA_STATE_DIR", None)
+
+
+def _test_dirs(factory: pytest.TempPathFactory) -> tuple[Path, ...]:
+    """Where this session's jobs work: pytest's temporary directories and the checkout (jobs
+    of anyone else on the cluster are never touched)."""
+    return (factory.getbasetemp(), REPO)
+
 
 @pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[None]:
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The local Slurm cluster (bin/local-slurm), started once per session when it is down.
-    Jobs the session leaves queued or running are cancelled at its end."""
+    Jobs of this session left queued or running are cancelled at its end."""
     import slurm_cluster as slurm
 
     try:
         slurm.ensure_cluster()
     except slurm.ClusterNeedsRoot as exc:
         pytest.skip(str(exc))
-    before = slurm.live_job_ids()
+    dirs = _test_dirs(tmp_path_factory)
+    before = slurm.live_job_ids(dirs)
     yield
-    slurm.cancel_jobs(slurm.live_job_ids() - before)
+    slurm.cancel_jobs(slurm.live_job_ids(dirs) - before)
 
 
 @pytest.fixture(autouse=True)
-def _no_job_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
+def _no_job_outlives_its_test(request: pytest.FixtureRequest,
+                              tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """A test marked ``slurm`` ends with none of its jobs queued or running: whatever it
     submitted (after its module's fixtures were set up) and left behind is cancelled, and the
     cancel is waited for, so no job of one test runs into the next."""
@@ -32,8 +51,9 @@ def _no_job_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     import slurm_cluster as slurm
 
-    before = slurm.live_job_ids()
+    dirs = _test_dirs(tmp_path_factory)
+    before = slurm.live_job_ids(dirs)
     yield
-    left = slurm.cancel_jobs(slurm.live_job_ids() - before)
+    left = slurm.cancel_jobs(slurm.live_job_ids(dirs) - before)
     if left:
         print(f"\ncancelled job(s) {', '.join(left)} left behind by {request.node.name}")

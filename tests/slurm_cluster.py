@@ -135,14 +135,20 @@ def cancel(job_id: str) -> None:
     _run(["scancel", job_id])
 
 
-def live_job_ids() -> set[str]:
-    """Ids of the jobs squeue lists now (pending, running, completing); empty when squeue
-    cannot answer."""
+def live_job_ids(under: tuple[Path, ...] = ()) -> set[str]:
+    """Ids of the jobs squeue lists now (pending, running, completing), only those whose
+    working directory is below one of ``under`` when given; empty when squeue cannot
+    answer."""
     try:
-        out = _run(["squeue", "-h", "-o", "%A"], timeout=30)
+        out = _run(["squeue", "-h", "-o", "%A\x1f%Z"], timeout=30)
     except SlurmError:
         return set()
-    return {line.strip() for line in out.splitlines() if line.strip()}
+    ids = set()
+    for line in out.splitlines():
+        job_id, _, work_dir = line.strip().partition("\x1f")
+        if job_id and (not under or any(Path(work_dir).is_relative_to(d) for d in under)):
+            ids.add(job_id)
+    return ids
 
 
 def cancel_jobs(job_ids: set[str], timeout: float = 90) -> list[str]:

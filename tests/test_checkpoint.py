@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -53,22 +54,29 @@ def numbers(run_dir: Path) -> list[dict]:
     return [{k: s[k] for k in COMPARED} for s in steps(run_dir)]
 
 
-def _kill_marked(marker: str) -> None:
-    """SIGKILL every process started with HPC_MCA_TEST_RUN=<marker> in its environment."""
+def _marked(marker: str) -> list[str]:
+    """``pid cmdline`` of every live process started with HPC_MCA_TEST_RUN=<marker>."""
     needle = f"HPC_MCA_TEST_RUN={marker}".encode()
+    found = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and needle in (proc / "environ").read_bytes().split(b"\0"):
-                os.kill(int(proc.name), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
+            if not proc.name.isdigit() or needle not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # exited, not yet reaped
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ")[:120]
+            found.append(f"{proc.name} {command!r}")
+        except (OSError, IndexError):
             pass
+    return found
 
 
 def train_killed(config: Path, run_dir: Path, kill: str, *overrides: str) -> subprocess.CompletedProcess:
-    """``run_train`` with the kill hook. A SIGKILLed rank leaves dist_checkpointing's helper
-    (a spawned multiprocessing Manager) orphaned, holding the output pipes open: output goes
-    to files, and the processes this run started (found by an environment marker, since
-    torchrun gives each rank a session of its own) are killed once torchrun returned."""
+    """``run_train`` with the kill hook (torchrun stops the other rank). ``.leftover`` lists
+    the processes this run started (found by an environment marker, since torchrun gives each
+    rank a session of its own) still alive 5 s after torchrun returned: the checkpoint
+    writer's helpers must die with the SIGKILLed rank (they would hold the job step's output
+    open). Whatever is left is killed before returning."""
     marker = f"{os.getpid()}-{run_dir.name}-{kill}"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
@@ -81,9 +89,19 @@ def train_killed(config: Path, run_dir: Path, kill: str, *overrides: str) -> sub
         proc = subprocess.Popen(args, stdout=stdout, stderr=stderr, env=env)
         try:
             code = proc.wait(timeout=300)
+            deadline = time.monotonic() + 5
+            while _marked(marker) and time.monotonic() < deadline:
+                time.sleep(0.1)
         finally:
-            _kill_marked(marker)
-    return subprocess.CompletedProcess(args, code, out.read_text(), err.read_text())
+            leftover = _marked(marker)
+            for line in leftover:
+                try:
+                    os.kill(int(line.split()[0]), signal.SIGKILL)
+                except OSError:
+                    pass
+    done = subprocess.CompletedProcess(args, code, out.read_text(), err.read_text())
+    done.leftover = leftover  # type: ignore[attr-defined]
+    return done
 
 
 # --- the on-disk protocol (no torch) ---------------------------------------------------------
@@ -223,6 +241,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(reference: tuple[Pat
     for spec, previous in kills:
         proc = train_killed(config, run, spec, *DIST_OPT)
         assert proc.returncode != 0 and "test hook: SIGKILL" in proc.stdout, proc.stdout[-2000:]
+        assert proc.leftover == [], (spec, proc.leftover)  # nothing outlives the killed rank
         assert read_tracker(run / "checkpoints") == iter_name(previous), spec
         assert read_info(latest_checkpoint(run)).step == previous
         assert not (run / "finished").exists()
@@ -314,3 +333,75 @@ def test_dp_reshardable_resumes_on_fewer_ranks_and_refuses_tp(reference: tuple[P
     for mine, want in zip(numbers(run), numbers(ref)):
         assert mine["loss"] == pytest.approx(want["loss"], abs=1e-5), (mine, want)
         assert mine["lr"] == pytest.approx(want["lr"], rel=1e-9)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A tmpfs of a given size (root only: mount), unmounted afterwards."""
+    mounts = []
+
+    def mount(size: str) -> Path:
+        if os.geteuid() != 0:
+            pytest.fail("the disk-full tests mount a tmpfs and need root (as bin/test has)")
+        point = tmp_path / f"disk{len(mounts)}"
+        point.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+                       check=True)
+        mounts.append(point)
+        return point
+
+    yield mount
+    for point in mounts:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def _ranks_failed_for_space(ranks: list[subprocess.CompletedProcess], message: str) -> None:
+    for rank in ranks:  # each rank stops with the one line, exit 2 (never requeued)
+        errors = [line for line in rank.stderr.splitlines() if line.startswith("hpc-mca train: error")]
+        assert rank.returncode == 2 and len(errors) == 1, rank.stderr[-3000:]
+        assert message in errors[0], errors[0]
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_said_plainly_and_the_last_checkpoint_resumes(
+        reference: tuple[Path, Path], small_disk) -> None:
+    """Room for one checkpoint (2.9 MB) but not two: the save of step 4 is refused before it
+    starts (free bytes vs the last checkpoint's size), every rank exits 2 with one line
+    naming the directory, the bytes and the last good checkpoint; nothing partial is left;
+    once there is room the run continues from step 2 and equals the uninterrupted run."""
+    config, ref = reference
+    disk = small_disk("4500k")
+    run = disk / "run"
+    train = ["train", str(config), f"training.output_dir={run}", *DIST_OPT]
+    ranks = launch_ranks(2, train)
+    root = run / "checkpoints"
+    _ranks_failed_for_space(ranks, f"checkpoint iter_0000004 does not fit: {root} needs about ")
+    assert "; the last good checkpoint is iter_0000002; free space there" in ranks[0].stderr
+    assert read_tracker(root) == "iter_0000002" and not list(root.glob("*.tmp"))
+    assert (run / "bad_input").is_file() is False  # no batch script here: no record
+    subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+    proc = run_train(config, run, 2, *DIST_OPT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "at step 2 (16 samples)" in proc.stdout
+    assert numbers(run) == numbers(ref)
+
+
+@pytest.mark.slow
+def test_a_save_that_hits_a_full_disk_is_said_plainly(reference: tuple[Path, Path],
+                                                      small_disk) -> None:
+    """No earlier checkpoint to size the first save by: the writes themselves fail (ENOSPC
+    inside torch's writer); the partial iter_0000002.tmp is removed and the line says so, in
+    a batch job's run directory the reason is recorded for the batch script."""
+    config, _ = reference
+    disk = small_disk("1m")
+    run = disk / "run"
+    run.mkdir()
+    env_run_dir = {"HPC_MCA_RUN_DIR": str(run)}
+    ranks = launch_ranks(2, ["train", str(config), f"training.output_dir={run}", *DIST_OPT],
+                         extra_env=env_run_dir)
+    root = run / "checkpoints"
+    _ranks_failed_for_space(ranks, f"checkpoint iter_0000002 does not fit: {root} needs more "
+                                   "room")
+    assert "there is no earlier checkpoint" in ranks[0].stderr
+    assert not list(root.glob("iter_*")), list(root.iterdir())
+    assert (run / "bad_input").read_text().startswith("checkpoint iter_0000002 does not fit")

@@ -178,11 +178,33 @@ def test_tensorboard_command_line(tmp_path: Path) -> None:
     a, b = _manifest(tmp_path, "x:y", "1"), _manifest(tmp_path, "z", "2")
     runs = resolve_runs(["1", "2"], tmp_path)
     assert logdir_args([], tmp_path) == ["--logdir", str(tmp_path)]
-    assert logdir_args(runs[:1], tmp_path) == ["--logdir_spec", f"x_y_1:{a}"]
-    (b / "tensorboard").mkdir()  # the trainer's event files: the run is named after its dir
-    assert logdir_args(runs, tmp_path) == ["--logdir_spec", f"x_y_1:{a},z_2:{b}/tensorboard"]
+    assert logdir_args(runs[:1], tmp_path) == ["--logdir", str(a)]
+    # The trainer's event files: TensorBoard names the run after the directory below
+    # <run dir>/tensorboard, which is the run dir's name.
+    (b / "tensorboard" / b.name).mkdir(parents=True)
+    assert logdir_args(runs[1:], tmp_path) == ["--logdir", f"{b}/tensorboard"]
+    assert logdir_args(runs, tmp_path) == ["--logdir_spec", f"{a},{b}/tensorboard"]
     launch = plan_launch(runs[:1], tmp_path, port=16006)
     assert launch.argv[1:7] == ["-m", "tensorboard.main", "--host", "127.0.0.1", "--port",
                                 "16006"]
     assert launch.tunnel.startswith("ssh -N -L 16006:127.0.0.1:16006 ")
     assert 1024 < free_port() < 65536
+
+
+def test_the_job_index_finds_runs_from_anywhere(tmp_path: Path, monkeypatch) -> None:
+    from hpc_mca.slurm.index import indexed_run_dir, record_job, state_dir
+
+    monkeypatch.setenv("HPC_MCA_STATE_DIR", str(tmp_path / "state"))
+    assert state_dir() == tmp_path / "state" and indexed_run_dir("5") is None
+    elsewhere = _manifest(tmp_path / "elsewhere", "far", "5")
+    record_job("5", elsewhere)
+    record_job("6", tmp_path / "gone")  # removed since: ignored
+    record_job("7", tmp_path / "a\tb")  # cannot be one line of the index: not written
+    assert indexed_run_dir("5") == elsewhere and indexed_run_dir("6") is None
+    assert "a\tb" not in (tmp_path / "state" / "runs.tsv").read_text()
+    # Found from another runs root; a reused job id whose manifest names other jobs is not.
+    assert find_run("5", tmp_path / "empty_root").run_dir == elsewhere
+    record_job("99999981", elsewhere)
+    assert indexed_run_dir("99999981") == elsewhere
+    with pytest.raises(OpsError):
+        find_run("99999981", tmp_path / "empty_root")  # (Slurm does not know it either)

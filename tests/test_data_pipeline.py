@@ -111,3 +111,24 @@ def test_indexed_corpus_through_the_config(tmp_path: Path):
     with pytest.raises(DataError, match="no Megatron .bin/.idx pair"):
         build_datasets(_config(tmp_path, "stage=pt", "dataset_format=indexed",
                                f"dataset={tmp_path / 'nothing'}"))
+
+
+def test_token_ids_beyond_the_model_vocabulary_are_bad_input(tmp_path: Path, sft_file: Path):
+    """A tokenizer larger than the model (or a corpus tokenized for another model): one line
+    naming the file, the sample and the id, before training (tokenized files) or when the
+    sample is read (indexed corpora, too large to scan at every start)."""
+    config = _config(tmp_path, f"dataset={sft_file}")
+    top = int(build_datasets(config).train.samples.input_ids.max())
+    assert build_datasets(config, vocab_size=top + 1).train is not None
+    with pytest.raises(DataError) as err:
+        build_datasets(config, vocab_size=top)
+    assert str(err.value).startswith(f"data.dataset: {sft_file}: token id {top} (first in "
+                                     "sample ")
+    assert str(err.value).endswith(f"not below the model's vocab_size {top}; valid: the "
+                                   "model's tokenizer (tokenizer_name_or_path)")
+    _write_indexed(tmp_path / "corpus", [list(range(3, 12)), [5, 6, 700, 8]])
+    corpus = IndexedSamples(str(tmp_path / "corpus"), 4, "document", vocab_size=500)
+    assert corpus.sample(0)[0].tolist() == [3, 4, 5, 6]
+    with pytest.raises(DataError, match=r"corpus: token id 700 in sample 2 \(tokens 9\.\.12 "
+                                        r"of the corpus\) is not below the model's vocab_size 500"):
+        corpus.sample(2)

@@ -153,6 +153,9 @@ printf '%s\\0' "$@" >"${FAKE_DIR}/srun.args"
 env >"${FAKE_DIR}/srun.env"
 while [[ -e "${FAKE_DIR}/hold" ]]; do sleep 0.05; done
 if [[ -n "${FAKE_FINISH:-}" ]]; then echo '{"step": 1}' >"${HPC_MCA_RUN_DIR}/finished"; fi
+if [[ -n "${FAKE_BAD_INPUT:-}" ]]; then
+    printf '%s\\nrank=0\\n' "${FAKE_BAD_INPUT}" >"${HPC_MCA_RUN_DIR}/bad_input"
+fi
 exit "${FAKE_SRUN_EXIT:-0}"
 """
 FAKE_SCANCEL = """#!/bin/bash
@@ -317,6 +320,10 @@ VERDICTS = {
                                "time limit ahead (SIGUSR1)"),
     "cancel racing the requeue": (["USR1"], None, False, ["requeue 4242"], ["4242"],
                                   "cancelled while being requeued: the requeued job is cancelled"),
+    # A rank stopped on bad input; srun killed the others: exit 143, but never requeued.
+    "bad input": ([], None, False, [], [],
+                  "end            bad input, not requeued: data.dataset: x.jsonl:3: not JSON; "
+                  "exit code 2"),
 }
 
 
@@ -333,6 +340,8 @@ def test_requeue_decision(tmp_path: Path, name: str) -> None:
     env.update(SLURM_JOB_NAME="j", HPC_MCA_HOME=str(REPO), HPC_MCA_RANK_CMD="train")
     if name == "cancel racing the requeue":
         env["FAKE_CANCEL_ON_REQUEUE"] = "1"
+    if name == "bad input":
+        env.update(FAKE_BAD_INPUT="data.dataset: x.jsonl:3: not JSON", FAKE_SRUN_EXIT="143")
     config = tmp_path / "c.yaml"
     config.write_text("{}\n")
     fake = Path(env["FAKE_DIR"])
@@ -361,5 +370,17 @@ def test_requeue_decision(tmp_path: Path, name: str) -> None:
         cause = {"COMPLETING|None|0|": "cancelled", "COMPLETING|None|1|": "requeued",
                  "COMPLETING|TimeLimit|0|": "timelimit"}[squeue]
         assert signal_file.read_text().splitlines()[-1].endswith(f"cause={cause}")
-    # Not finished and not requeued by this shell: "stopped, not coming back" (75).
-    assert proc.returncode == (0 if scontrol and not scancel else 75), out
+    # Not finished and not requeued by this shell: "stopped, not coming back" (75); bad input 2.
+    expected = 2 if name == "bad input" else 0 if scontrol and not scancel else 75
+    assert proc.returncode == expected, out
+
+
+def test_the_script_reads_the_run_dir_files_by_their_contract_names() -> None:
+    from hpc_mca import rundir
+
+    script = render_script()
+    for name in (rundir.SIGNAL_FILE, rundir.CANCEL_FILE, rundir.BAD_INPUT_FILE,
+                 rundir.FINISHED_FILE):
+        assert f'"${{HPC_MCA_RUN_DIR}}/{name}"' in script, name
+    exported = next(line for line in script.splitlines() if line.startswith("export HPC_MCA_HOME"))
+    assert rundir.RUN_DIR_ENV in exported.split()

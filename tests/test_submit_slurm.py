@@ -230,7 +230,8 @@ def test_logs_and_cancel_on_a_second_job(slurm_cluster: None, tmp_path: Path) ->
     assert _status(job_id, tmp_path)["state"] == "RUNNING"
     cancelled = hpc_mca("cancel", job_id, cwd=tmp_path)
     assert cancelled.returncode == 0, cancelled.stderr
-    assert cancelled.stdout.strip() == f"cancelled job {job_id} (longjob, was RUNNING)"
+    assert cancelled.stdout.strip() == (f"cancelled job {job_id} (longjob, was RUNNING; now "
+                                        "CANCELLED)")
     out, err = follower.communicate(timeout=90)
     assert follower.returncode == 0
     assert f"hpc-mca | job            {job_id} (longjob)" in out
@@ -269,11 +270,12 @@ def test_bad_input_gives_one_line_and_submits_nothing(slurm_cluster: None, tmp_p
 
 
 RECORDER = """#!/bin/bash
-# Stand-in interpreter: record what the rank was started with, then succeed.
+# Stand-in interpreter: record what the rank was started with, then finish the run.
 {
     printf '%s\\0' "$@"
     printf 'JOB_NAME=%s\\0RUN_DIR=%s\\0' "${SLURM_JOB_NAME}" "${HPC_MCA_RUN_DIR}"
 } >"${RECORD_FILE}.${SLURM_PROCID}"
+echo '{"step": 1}' >"${HPC_MCA_RUN_DIR}/finished"
 """
 
 
@@ -318,7 +320,7 @@ def test_hostile_strings_reach_slurm_and_ranks_intact(slurm_cluster: None,
 
 def test_lead_time_signal_reaches_the_batch_shell_is_recorded_and_forwarded(
         slurm_cluster: None, tmp_path: Path) -> None:
-    """--signal=B:USR1@50 with a 1-minute limit: the batch shell records the request in the
+    """--signal=B:USR1@30 with a 1-minute limit: the batch shell records the request in the
     run dir (the hook issue 5's requeue protocol builds on), forwards it to the ranks because
     HPC_MCA_FORWARD_SIGNAL=USR1, and keeps waiting for them."""
     config = _tiny_config(tmp_path)
@@ -329,7 +331,7 @@ def test_lead_time_signal_reaches_the_batch_shell_is_recorded_and_forwarded(
                     "while true; do sleep 0.2; done\n")
     fake.chmod(0o755)
     done = hpc_mca("submit", str(config), "--gpu", "CPU", "--nodes", "1", "--job-name", "sig",
-                   "--time", "1", "--signal-lead", "50", cwd=tmp_path,
+                   "--time", "1", "--signal-lead", "30", cwd=tmp_path,
                    env=_env(HPC_MCA_PYTHON=str(fake), HPC_MCA_FORWARD_SIGNAL="USR1"))
     job_id = _submitted_id(done)
     run_dir = tmp_path / "runs" / f"sig_{job_id}"
@@ -356,6 +358,7 @@ if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then
     sleep 60
 fi
 echo "second run, done"
+echo '{"step": 1}' >"${HPC_MCA_RUN_DIR}/finished"
 """
 
 

@@ -62,7 +62,7 @@ def test_tensorboard_scalars_and_progress(root):
     run_dir = root / "tb"
     proc = run_train(config, run_dir, 1)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events = EventAccumulator(str(run_dir / "tensorboard" / run_dir.name))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "train/skipped_iters",
@@ -116,7 +116,7 @@ def test_moe_expert_parallel_training_logs_aux_loss(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = steps(run_dir)
     assert records[-1]["loss"] < records[0]["loss"]
-    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events = EventAccumulator(str(run_dir / "tensorboard" / run_dir.name))
     events.Reload()
     aux = [e.value for e in events.Scalars("train/moe_aux_loss")]
     assert len(aux) == 3 and all(v > 0 for v in aux)

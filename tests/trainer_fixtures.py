@@ -81,7 +81,8 @@ def run_train(config: Path, run_dir: Path, nproc: int = 1, *overrides: str, time
     return subprocess.run(args, env=rank_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def launch_ranks(nproc: int, args: list[str], timeout: int = 300) -> list[subprocess.CompletedProcess]:
+def launch_ranks(nproc: int, args: list[str], timeout: int = 300,
+                 extra_env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
     """``python -m hpc_mca ARGS`` as ``nproc`` ranks started directly with torchrun's variables
     (RANK, WORLD_SIZE, MASTER_ADDR/PORT), each run to its own end. Unlike torchrun, whose
     agent terminates the other workers as soon as one exits non-zero, nothing here kills a
@@ -91,7 +92,7 @@ def launch_ranks(nproc: int, args: list[str], timeout: int = 300) -> list[subpro
     from hpc_mca.runtime.env import free_port
 
     env = {**rank_env(), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(extra_env or {})}
     procs = [subprocess.Popen([sys.executable, "-m", "hpc_mca", *args],
                               env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

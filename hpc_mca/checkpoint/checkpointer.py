@@ -34,6 +34,16 @@ import torch
 import torch.distributed as dist
 
 from . import compat
+from .helper import start_writer_helper, warm_writer_helper
+from .space import (
+    MARGIN,
+    CheckpointSpaceError,
+    is_out_of_space,
+    last_good,
+    make_room,
+    space_message,
+    tree_bytes,
+)
 from .state import build_state, load_optimizer, model_state, restore_rng, sharded_metadata, unwrap
 from .store import (
     INFO_FILE,
@@ -80,8 +90,8 @@ class Checkpointer:
         """Become ``trainer``'s save hook and resume it from the run's checkpoint, if any."""
         trainer.on_save = self.save
         self._metrics = trainer.metrics
-        _start_writer_helper()
-        self._warm = threading.Thread(target=_warm_writer_helper, daemon=True)
+        start_writer_helper()
+        self._warm = threading.Thread(target=warm_writer_helper, daemon=True)
         self._warm.start()
         return self.resume(trainer)
 
@@ -144,9 +154,11 @@ class Checkpointer:
         if self.ctx.is_main:
             _truncate_steps(self.run_dir / "steps.jsonl", info.step)
             changes = compat.describe_changes(info, self.records["layout"])
+            batch = compat.describe_batch_changes(info, self.records["training"])
             schedule = ", ".join(f"{k} {old}->{new}" for k, (old, new) in rederived.items())
             print(f"resumed from {path} at step {info.step} ({info.consumed_samples} samples) "
                   f"in {seconds:.2f} s" + (f"; layout changed: {changes}" if changes else "")
+                  + (f"; {batch}" if batch else "")
                   + ("" if with_rng else "; per-rank RNG states not restored (layout changed)")
                   + (f"; LR schedule re-derived for this config: {schedule}" if schedule else ""),
                   flush=True)
@@ -170,10 +182,7 @@ class Checkpointer:
         started = time.perf_counter()
         if self._warm is not None:
             self._warm.join()
-        if self.ctx.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)  # what a killed save of this step left
-            tmp.mkdir(parents=True)
-        dist.barrier()
+        self._prepare(name, tmp)
         state = build_state(trainer, loading=False, with_rng=True, config=self.config.to_dict(),
                             optimizer_format=self.optimizer_format)
         info = self._info(trainer, reason)
@@ -181,7 +190,12 @@ class Checkpointer:
         # async: Megatron's own background writer ("nvrx" needs nvidia-resiliency-ext).
         extra = {"async_sharded_save": True, "async_strategy": "mcore"} if self.async_save else {}
         with _without_crc32():  # the async writer is forked inside: it inherits the setting
-            request = dist_checkpointing.save(state, str(tmp), self._strategy(), **extra)
+            try:
+                request = dist_checkpointing.save(state, str(tmp), self._strategy(), **extra)
+            except BaseException as err:  # torch's CheckpointException is a BaseException
+                if not isinstance(err, (KeyboardInterrupt, SystemExit)):
+                    self._after_failed_save(name, tmp, err)
+                raise
             phases = {"state dict": built - started,
                       "write" if request is None else "hand-off": time.perf_counter() - built}
             commit = functools.partial(self._commit, name, info, started, phases)
@@ -191,6 +205,54 @@ class Checkpointer:
                 request.finalize_fns.append(commit)
                 self._queue().schedule_async_request(request)
         self.last_saved_step = step
+
+    def _prepare(self, name: str, tmp: Path) -> None:
+        """Rank 0 makes ``tmp`` (after what a killed save of this step left) and room for the
+        checkpoint (see :mod:`.space`); every rank learns the verdict (a collective)."""
+        reason = None
+        if self.ctx.is_main:
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+                reason, pruned = make_room(self.root, self.keep, name)
+            except OSError as err:
+                if not is_out_of_space(err):
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+                reason = space_message(name, self.root, None, shutil.disk_usage(self.root).free,
+                                       last_good(self.root))
+                pruned = []
+            if pruned:
+                print(f"made room for {name}: removed {', '.join(p.name for p in pruned)} "
+                      f"(save_total_limit={self.keep} drops them once {name} is saved)", flush=True)
+        verdict = [reason]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0]:
+            if self.ctx.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointSpaceError(verdict[0])
+
+    def _after_failed_save(self, name: str, tmp: Path, err: BaseException) -> None:
+        """A save failed on every rank (torch's checkpoint writer gathers the failures). When
+        the disk filled up, drop the partial directory and raise CheckpointSpaceError on every
+        rank (rank 0 decides: a collective); otherwise return (the caller re-raises).
+
+        Full means: an ENOSPC/quota error in the chain, or, because Megatron's writer reports
+        a failed worker by its exception class alone, less free space than the failed save
+        had already written (at least 16 MiB)."""
+        reason = None
+        if self.ctx.is_main:
+            free = shutil.disk_usage(self.root).free
+            if is_out_of_space(err) or free < max(16 << 20, tree_bytes(tmp)):
+                shutil.rmtree(tmp, ignore_errors=True)
+                good = last_good(self.root)
+                needed = int(tree_bytes(good) * MARGIN) if good is not None else None
+                reason = space_message(name, self.root, needed,
+                                       shutil.disk_usage(self.root).free, good)
+        verdict = [reason]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0]:
+            raise CheckpointSpaceError(verdict[0]) from None
 
     def poll(self) -> None:
         """Commit a finished async save, if any (call at step boundaries, on every rank)."""
@@ -347,50 +409,6 @@ def _without_crc32() -> Iterator[None]:
         yield
     finally:
         set_crc32_options(previous)
-
-
-def _start_writer_helper() -> None:
-    """Start dist_checkpointing's result-queue helper now (a spawned multiprocessing Manager
-    that every save talks to), deaf to SIGTERM and SIGUSR1 (it inherits their SIG_IGN).
-
-    Slurm signals every process of the job step: at a preemption, scancel or outside requeue
-    a helper with the default TERM action would die while the ranks go on to save, and that
-    save would fail (ConnectionRefusedError). Main thread only (signal.signal); the window in
-    which this rank's own TERM would be ignored is the spawn itself, and the batch shell's
-    record of the signal still reaches the ranks through the signal file.
-    """
-    import signal
-
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-        get_write_results_queue,
-    )
-
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        get_write_results_queue()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _warm_writer_helper() -> None:
-    """Make the helper import what it unpickles (torch, torch.distributed.checkpoint) while
-    training runs: done lazily, that adds ~1 s to the first save, often the one a stop signal
-    waits for."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-        get_write_results_queue,
-    )
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-    from torch.distributed.checkpoint.storage import WriteResult
-
-    try:
-        results = get_write_results_queue()
-        results.put([torch.zeros(1), WriteResult(MetadataIndex("warm-up"), 0,
-                                                 _StorageInfo("", 0, 0))])
-        results.get()
-    except (OSError, EOFError, RuntimeError):  # an optimisation only: the first save does it
-        return
 
 
 def _truncate_steps(path: Path, step: int) -> None:

@@ -83,7 +83,11 @@ def training_record(config: Any, optimizer_format: str) -> dict[str, Any]:
             "precision": "bf16" if tr.bf16 else "fp16" if tr.fp16 else "fp32",
             "use_distributed_optimizer": par.use_distributed_optimizer,
             "optimizer_format": optimizer_format,
-            "finetuning_type": config.finetuning.finetuning_type, "max_steps": tr.max_steps}
+            "finetuning_type": config.finetuning.finetuning_type, "max_steps": tr.max_steps,
+            # Not compared: a resume on another world size keeps the global batch and
+            # re-derives these (reported by describe_batch_changes).
+            "micro_batch_size": tr.per_device_train_batch_size,
+            "gradient_accumulation_steps": tr.gradient_accumulation_steps}
 
 
 def incompatibilities(info: CheckpointInfo, model: dict[str, Any], layout: dict[str, Any],
@@ -121,6 +125,17 @@ def describe_changes(info: CheckpointInfo, layout: dict[str, Any]) -> str:
     """``tp 2->1, dp 2->4`` for the parallel sizes that differ (empty when none)."""
     return ", ".join(f"{k} {info.layout.get(k)}->{v}" for k, v in layout.items()
                      if info.layout.get(k) != v)
+
+
+def describe_batch_changes(info: CheckpointInfo, training: dict[str, Any]) -> str:
+    """``global batch 8 kept: gradient_accumulation_steps 1->2`` when the way the global batch
+    is made up changed (empty when not, or the checkpoint did not record it)."""
+    changed = [f"{key} {info.training[key]}->{training.get(key)}"
+               for key in ("micro_batch_size", "gradient_accumulation_steps")
+               if key in info.training and info.training[key] != training.get(key)]
+    if not changed:
+        return ""
+    return f"global batch {training.get('global_batch_size')} kept: {', '.join(changed)}"
 
 
 def records(config: Any, world_size: int, shape: Any) -> dict[str, dict[str, Any]]:

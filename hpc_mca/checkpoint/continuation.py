@@ -29,6 +29,7 @@ from typing import Any
 
 from hpc_mca.slurm import commands
 from hpc_mca.slurm.errors import OpsError
+from hpc_mca.slurm.index import record_job
 from hpc_mca.slurm.jobplan import JobPlan, PlanOptions, load_train_config, make_job_plan
 from hpc_mca.slurm.manifest import Run, find_run, read_manifest, write_manifest
 from hpc_mca.slurm.quoting import filename_pattern
@@ -87,6 +88,10 @@ def plan_continuation(job_id: str, runs_root: Path, *, nodes: int | None = None,
     pins = [f"global_batch_size={info.training['global_batch_size']}",
             f"use_distributed_optimizer={str(info.training['use_distributed_optimizer']).lower()}",
             "resume_from_checkpoint=auto"]
+    # The global batch stays; how it is accumulated follows the new size (an explicit value
+    # in the config was for the old one), unless given for this continuation.
+    if not _given(overrides, "gradient_accumulation_steps"):
+        pins.append("gradient_accumulation_steps=null")
     options = _plan_options(run, nodes, plan_changes or {})
     job = make_job_plan(options, config_path, [*user_overrides, *pins, *overrides])
     world = job.world_size
@@ -113,6 +118,7 @@ def submit_continuation(cont: Continuation) -> str:
         commands.check_job_id(job_id)
         (cont.run.run_dir / f"job_{job_id}.sbatch").write_text(cont.script)
         _record(cont, job_id)
+        record_job(job_id, cont.run.run_dir)
         commands.run(["scontrol", "release", job_id])
     except BaseException:
         if job_id:
@@ -152,6 +158,11 @@ def _checkpoint(run_dir: Path) -> tuple[Path, CheckpointInfo]:
         return path, read_info(path)
     except CheckpointError as err:
         raise OpsError(str(err)) from None
+
+
+def _given(overrides: Sequence[str], key: str) -> bool:
+    """Whether ``key`` (flat or dotted, e.g. training.max_steps) is among the overrides."""
+    return any(o.split("=", 1)[0].rsplit(".", 1)[-1] == key for o in overrides)
 
 
 def _config_of(run: Run) -> tuple[Path, list[str]]:
@@ -215,8 +226,7 @@ def _check_extends(run: Run, config: Any, overrides: Sequence[str]) -> None:
     done = finished_step(run.run_dir)
     if done is None:
         return
-    keys = {o.split("=", 1)[0].rsplit(".", 1)[-1] for o in overrides}
-    if not keys & {"max_steps", "num_train_epochs"}:
+    if not (_given(overrides, "max_steps") or _given(overrides, "num_train_epochs")):
         raise OpsError(f"run {run.run_dir} finished at step {done}; nothing to resume; valid: "
                        f"extend it with max_steps=N (N > {done}) or num_train_epochs=E, e.g. "
                        f"hpc-mca resume {run.job_id or 'JOBID'} max_steps={2 * done}")

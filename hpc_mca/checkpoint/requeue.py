@@ -33,6 +33,12 @@ This docstring is the contract between the batch script (``sbatch/train.sbatch``
 
    * ``finished`` exists (written by rank 0 after the last step's checkpoint): done; exit rc.
      A completed run is never requeued, whatever signals came late.
+   * ``bad_input`` exists (removed at each start; a rank writes the one-line reason before it
+     exits 2: config, data, layout, model files, a checkpoint that does not fit the disk):
+     never requeued, exit 2, the reason in the end banner — whatever srun made of the exit
+     codes when it killed the other ranks (143, 1).
+   * the run directory's file system has no byte left (even that record could not be
+     written): never requeued.
    * ``cancelled``: never requeued, whatever signals came before (a lead-time USR1 included).
    * ``requeued``: nothing to do; Slurm restarts the job.
    * ``timelimit`` or ``preempted``, or a USR1 was recorded: ``scontrol requeue
@@ -42,10 +48,11 @@ This docstring is the contract between the batch script (``sbatch/train.sbatch``
      is being made still wins: the shell cancels the requeued job.
    * only a TERM was recorded (``scancel --signal=TERM``): no requeue; exit 75 if the ranks
      stopped early.
-   * rc != 0 and rc != 2 (2 = bad input: config, data, layout; retrying cannot help) and
+   * rc != 0 and rc != 2 (2 = bad input; retrying cannot help) and
      HPC_MCA_REQUEUE_ON_FAILURE=1: requeue within the same budget, so a crash on a flaky node
      resumes from the last checkpoint while a job that keeps failing stops after
-     HPC_MCA_MAX_REQUEUES restarts.
+     HPC_MCA_MAX_REQUEUES restarts. (A SIGKILLed rank leaves nothing behind to delay this:
+     the checkpoint writer's helper processes die with it, :mod:`.helper`.)
 5. Restart: the same command runs again; ``training.resume_from_checkpoint=auto`` (the default)
    continues from ``checkpoints/latest``: same samples, LR curve and steps.jsonl (lines after
    the checkpoint's step are dropped, then appended to).
@@ -63,7 +70,8 @@ from typing import Any
 
 from transformers.trainer_callback import TrainerCallback, TrainerControl, TrainerState
 
-SIGNAL_FILE = "signal_received"
+from hpc_mca.rundir import SIGNAL_FILE
+
 SIGNAL_FILE_ENV = "HPC_MCA_SIGNAL_FILE"
 _CODES = {"USR1": 1, "TERM": 2}
 """Stop reasons, ordered: a TERM outranks a USR1 in the agreed code (both mean: save, stop)."""

@@ -29,10 +29,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc_mca.rundir import FINISHED_FILE
+
 CHECKPOINTS_DIR = "checkpoints"
 TRACKER_FILE = "latest"
 INFO_FILE = "checkpoint.json"
-FINISHED_FILE = "finished"
 FORMAT = "hpc-mca/torch_dist/1"
 """Written into every checkpoint.json; a reader refuses formats it does not know."""
 _ITER_RE = re.compile(r"iter_(\d{7,})")

@@ -31,8 +31,8 @@ from .records import (Record, check_dataset_path, detect_sft_format, messages_of
                       text_of)
 from .rows import RowDataset, collate_rows
 from .sampler import DataSampler
-from .store import (IndexedSamples, SampleStore, Samples, cache_key, cached, concat_samples,
-                    default_cache_dir, indexed_prefix, subset)
+from .store import (IndexedSamples, SampleStore, Samples, cache_key, cached, check_token_ids,
+                    concat_samples, default_cache_dir, indexed_prefix, subset)
 from .tokenize import (encode_documents, encode_rendered, load_tokenizer, pad_id, pt_samples,
                        render, sft_sample, tokenizer_fingerprint)
 
@@ -112,14 +112,15 @@ def _indexed_source(path: str, data: Any, stage: str, field: str) -> str | None:
 
 
 def load_samples(path: str, tokenizer: Any, data: Any, stage: str,
-                 field: str = "data.dataset") -> Samples:
-    """Shifted samples of one dataset file or indexed prefix (``data`` is a DataArguments)."""
+                 field: str = "data.dataset", vocab_size: int | None = None) -> Samples:
+    """Shifted samples of one dataset file or indexed prefix (``data`` is a DataArguments);
+    with ``vocab_size``, every token id is checked to be below it (see check_token_ids)."""
     if stage not in _STAGE_TOKENIZERS:
         raise DataError(f"finetuning.stage={stage!r} has no data pipeline; valid: "
                         + ", ".join(_STAGE_TOKENIZERS))
     prefix = _indexed_source(path, data, stage, field)
     if prefix is not None:
-        return IndexedSamples(prefix, data.cutoff_len, data.pt_chunking)
+        return IndexedSamples(prefix, data.cutoff_len, data.pt_chunking, vocab_size)
     key = cache_key([path], tokenizer_fingerprint(tokenizer), _settings(stage, data))
     cache_dir = Path(data.preprocessing_cache_dir or default_cache_dir())
 
@@ -130,13 +131,17 @@ def load_samples(path: str, tokenizer: Any, data: Any, stage: str,
     store, hit = cached(cache_dir / f"{stage}-{key}.npz", tokenize,
                         overwrite=data.overwrite_cache)
     store.stats["cache_hits"] = int(hit)
+    if vocab_size is not None:
+        check_token_ids(store, vocab_size, f"{field}: {path}")
     return store
 
 
-def _load_all(paths: list[str], tokenizer: Any, data: Any, stage: str, field: str) -> Samples:
+def _load_all(paths: list[str], tokenizer: Any, data: Any, stage: str, field: str,
+              vocab_size: int | None) -> Samples:
     for path in paths:  # report a bad second file before tokenizing the first
         _indexed_source(path, data, stage, field)
-    samples = concat_samples([load_samples(p, tokenizer, data, stage, field) for p in paths])
+    samples = concat_samples([load_samples(p, tokenizer, data, stage, field, vocab_size)
+                              for p in paths])
     if len(samples) == 0:
         raise DataError(f"{field}={paths!r} yields no trainable samples")
     return samples
@@ -157,16 +162,19 @@ def pack_alignment(config: Any) -> int:
     return 2 * cp if cp > 1 else 1
 
 
-def build_datasets(config: Any, tokenizer: Any = None) -> TrainingData:
-    """Train/eval rows for a resolved :class:`~hpc_mca.trainer.config.TrainConfig`."""
+def build_datasets(config: Any, tokenizer: Any = None,
+                   vocab_size: int | None = None) -> TrainingData:
+    """Train/eval rows for a resolved :class:`~hpc_mca.trainer.config.TrainConfig`; with the
+    model's ``vocab_size``, token ids at or above it are bad input (DataError)."""
     data, stage = config.data, config.finetuning.stage
     if tokenizer is None:
         tokenizer = load_tokenizer(config.model.tokenizer_name_or_path
                                    or config.model.model_name_or_path)
-    train = _load_all(data.dataset, tokenizer, data, stage, "data.dataset")
+    train = _load_all(data.dataset, tokenizer, data, stage, "data.dataset", vocab_size)
     evaluation = None
     if data.eval_dataset:
-        evaluation = _load_all(data.eval_dataset, tokenizer, data, stage, "data.eval_dataset")
+        evaluation = _load_all(data.eval_dataset, tokenizer, data, stage, "data.eval_dataset",
+                               vocab_size)
     elif data.val_size:
         train, evaluation = _split_val(train, data.val_size, config.training.seed)
     seq_length = data.seq_length or data.cutoff_len

@@ -103,6 +103,24 @@ class SampleStore:
                        json.loads(str(arrays["stats"])))
 
 
+def check_token_ids(store: SampleStore, vocab_size: int, where: str) -> None:
+    """DataError (one line naming ``where``, the sample and the id) when a token id of the
+    tokenized ``store`` is not below ``vocab_size`` (a tokenizer that does not fit the model:
+    the embedding lookup would fail on CPU, or assert on a GPU, mid-training)."""
+    from .tokenize import IGNORE_INDEX
+
+    labels = store.labels[store.labels != IGNORE_INDEX]
+    top = max(int(store.input_ids.max(initial=0)), int(labels.max(initial=0)))
+    if top < vocab_size:
+        return
+    position = int(np.argmax((store.input_ids >= vocab_size)
+                             | ((store.labels >= vocab_size) & (store.labels != IGNORE_INDEX))))
+    sample = int(np.searchsorted(store.offsets, position, side="right")) - 1
+    raise DataError(f"{where}: token id {top} (first in sample {sample} of {len(store)}) is not "
+                    f"below the model's vocab_size {vocab_size}; valid: the model's tokenizer "
+                    "(tokenizer_name_or_path)")
+
+
 # --- cache ---------------------------------------------------------------------------------
 
 
@@ -151,9 +169,11 @@ class IndexedSamples:
     on its own. Labels are the shifted tokens, all trained.
     """
 
-    def __init__(self, prefix: str, cutoff_len: int, chunking: str) -> None:
+    def __init__(self, prefix: str, cutoff_len: int, chunking: str,
+                 vocab_size: int | None = None) -> None:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+        self.prefix, self.vocab_size = prefix, vocab_size
         self.dataset = IndexedDataset(prefix)
         seq_lengths = np.asarray(self.dataset.sequence_lengths, dtype=np.int64)
         self.seq_starts = np.concatenate([[0], np.cumsum(seq_lengths)])
@@ -185,6 +205,13 @@ class IndexedSamples:
 
     def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         tokens = self._tokens(*map(int, self.spans[index]))
+        # Checked as samples are read: a corpus can be too large to scan at every start.
+        if self.vocab_size is not None and len(tokens) and int(tokens.max()) >= self.vocab_size:
+            bad = int(tokens.max())
+            raise DataError(f"{self.prefix}: token id {bad} in sample {index} (tokens "
+                            f"{int(self.spans[index][0])}..{int(self.spans[index][1]) - 1} of the "
+                            f"corpus) is not below the model's vocab_size {self.vocab_size}; "
+                            "valid: a corpus tokenized with the model's tokenizer")
         return tokens[:-1], tokens[1:].copy()
 
 

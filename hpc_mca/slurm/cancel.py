@@ -15,12 +15,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc_mca.rundir import CANCEL_FILE
+
 from . import commands
 from .errors import OpsError
 from .manifest import find_run
-
-CANCEL_FILE = "cancel_requested"
-"""In the run directory; the batch script (hpc_mca/slurm/script.py) reads the same name."""
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from typing import Any
 
 from . import commands
 from .errors import OpsError
+from .index import indexed_run_dir
 
 MANIFEST_FILE = "manifest.json"
 VERSION = 1
@@ -87,7 +88,8 @@ class Run:
     log: Path | None
     manifest: dict[str, Any] | None = field(default=None, compare=False)
     how: str = "manifest"
-    """How it was found: manifest, slurm (job name + work dir) or path (given directly)."""
+    """How it was found: manifest, index (the user's job index), slurm (job name + work dir)
+    or path (given directly)."""
 
     @property
     def name(self) -> str:
@@ -128,12 +130,29 @@ def find_run(job_id: str, runs_root: Path | None = None) -> Run:
     for run_dir, manifest in iter_manifests(root):
         if job_id in _job_ids(manifest):
             return run_from_manifest(run_dir, manifest, job_id)
+    run = _run_from_index(job_id)
+    if run is not None:
+        return run
     run = _run_from_slurm(job_id, root)
     if run is None:
         raise OpsError(f"no run found for job {job_id}: no manifest under {root} names it and "
                        "Slurm does not know the job; valid: a job id from hpc-mca status, or "
                        "--runs-root pointing at the right runs directory")
     return run
+
+
+def _run_from_index(job_id: str) -> Run | None:
+    """A job submitted from elsewhere (another runs root or directory): the user's index."""
+    run_dir = indexed_run_dir(job_id)
+    if run_dir is None:
+        return None
+    manifest = read_manifest(run_dir)
+    if manifest is not None:
+        # Slurm reuses job ids after a cluster is rebuilt: the manifest must name this one.
+        return run_from_manifest(run_dir, manifest, job_id) if job_id in _job_ids(manifest) else None
+    info = commands.scontrol_job(job_id)
+    log = Path(info["StdOut"]) if info.get("StdOut") else None
+    return Run(run_dir, job_id, log, None, how="index")
 
 
 def _run_from_slurm(job_id: str, root: Path) -> Run | None:

@@ -268,7 +268,16 @@ if [[ "${HPC_MCA_RANK_CMD}" == train ]]; then
 fi
 mkdir -p "${HPC_MCA_RUN_DIR}"
 export HPC_MCA_SIGNAL_FILE="${HPC_MCA_RUN_DIR}/signal_received"
-rm -f "${HPC_MCA_SIGNAL_FILE}"  # a request belongs to the run that received it
+bad_input_file="${HPC_MCA_RUN_DIR}/bad_input"
+# A request, or a rank's bad-input verdict, belongs to the run that wrote it.
+rm -f "${HPC_MCA_SIGNAL_FILE}" "${bad_input_file}"
+# The user's job index (hpc_mca/slurm/index.py), so hpc-mca status JOBID finds this run from
+# anywhere; best effort.
+state_dir=${HPC_MCA_STATE_DIR:-${XDG_STATE_HOME:-${HOME:-/nonexistent}/.local/state}/hpc-mca}
+if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]] && mkdir -p "${state_dir}" 2>/dev/null; then
+    printf '%s\t%s\t%s\n' "${SLURM_JOB_ID}" "${HPC_MCA_RUN_DIR}" "$(date +%s)" \
+        >>"${state_dir}/runs.tsv" 2>/dev/null || true
+fi
 
 # --- banner -------------------------------------------------------------------------------
 started=${SECONDS}
@@ -344,6 +353,11 @@ if [[ "${HPC_MCA_RANK_CMD}" == train ]]; then
     ! cancel_asked || verdict=cancelled
     if [[ -f "${HPC_MCA_RUN_DIR}/finished" ]]; then
         :  # a completed run is never requeued, whatever came late
+    elif [[ -s "${bad_input_file}" ]]; then  # whatever srun made of the ranks' exit codes
+        outcome="bad input, not requeued: $(head -n 1 "${bad_input_file}")"
+        rc=2
+    elif [[ "$(df -Pk "${HPC_MCA_RUN_DIR}" | awk 'NR == 2 {print $4}')" == 0 ]]; then
+        outcome="the file system of ${HPC_MCA_RUN_DIR} is full: not requeued"
     elif [[ "${verdict}" == cancelled ]]; then
         outcome="cancelled: not requeued"
     elif [[ "${verdict}" == requeued ]]; then

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_mca.rundir import read_bad_input
+
 from . import commands
 from .commands import JobState
 from .errors import OpsError
@@ -25,6 +27,8 @@ class RunStatus:
     current_job_id: str | None = None
     """The run's newest job when it is not ``job_id`` (a continuation from hpc-mca resume)."""
     current_job: JobState | None = None
+    bad_input: str | None = None
+    """Why a rank stopped on bad input (the run directory's record), if one did."""
 
     @property
     def state(self) -> str:
@@ -41,6 +45,7 @@ class RunStatus:
             "progress": dataclasses.asdict(self.progress) if self.progress else None,
             "current_job_id": self.current_job_id,
             "current_state": self.current_job.state if self.current_job else None,
+            "bad_input": self.bad_input,
         }
 
 
@@ -56,10 +61,11 @@ def job_status(job_id: str, runs_root: Path) -> RunStatus:
                            f"manifest under {runs_root} names it") from None
         run = None
     progress = read_progress(run.run_dir) if run is not None else None
+    bad = read_bad_input(run.run_dir) if run is not None else None
     current = current_job_id(run.manifest) if run is not None and run.manifest else None
     if current is None or current == job_id:
-        return RunStatus(job_id, job, run, progress)
-    return RunStatus(job_id, job, run, progress, current, commands.job_state(current))
+        return RunStatus(job_id, job, run, progress, bad_input=bad)
+    return RunStatus(job_id, job, run, progress, current, commands.job_state(current), bad)
 
 
 def recent_statuses(runs_root: Path, limit: int = 10) -> list[RunStatus]:
@@ -73,7 +79,8 @@ def recent_statuses(runs_root: Path, limit: int = 10) -> list[RunStatus]:
         # One row per run, showing its newest job (a continuation, when there is one).
         run = run_from_manifest(run_dir, manifest, current_job_id(manifest))
         job = commands.job_state(run.job_id) if run.job_id else None
-        out.append(RunStatus(run.job_id, job, run, read_progress(run_dir)))
+        out.append(RunStatus(run.job_id, job, run, read_progress(run_dir),
+                             bad_input=read_bad_input(run_dir)))
     return out
 
 
@@ -139,6 +146,8 @@ def format_status(status: RunStatus, now: float | None = None) -> str:
         current = status.current_job.state if status.current_job else "unknown to Slurm"
         lines.append(f"  continued   by job {status.current_job_id} ({current}): hpc-mca status "
                      f"{status.current_job_id}")
+    if status.bad_input is not None:
+        lines.append(f"  bad input   {status.bad_input} (not requeued)")
     if status.run is not None:
         lines.append(f"  run dir     {status.run.run_dir}")
     lines.append(f"  progress    {progress_text(status.progress, now)}")
@@ -159,7 +168,8 @@ def format_table(statuses: list[RunStatus], now: float | None = None) -> str:
             f"{p.step}/{p.max_steps}" if p.max_steps else str(p.step))
         loss = "-" if p is None or p.loss is None else f"{p.loss:.4f}"
         eta = "-" if p is None or p.eta_s is None else _duration(p.eta_s)
-        rows.append((st.job_id or "?", st.state, step, loss, eta,
+        state = f"{st.state} (bad input)" if st.bad_input else st.state
+        rows.append((st.job_id or "?", state, step, loss, eta,
                      str(st.run.run_dir) if st.run else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[5]

@@ -19,6 +19,7 @@ import hpc_mca
 
 from . import commands
 from .errors import OpsError
+from .index import record_job
 from .jobplan import JobPlan, check_train_config, plan_summary
 from .manifest import write_manifest
 from .quoting import filename_pattern
@@ -129,6 +130,7 @@ def submit(job: JobPlan, options: SubmitOptions, argv: Sequence[str]) -> Submitt
         script = run_dir / SCRIPT_FILE
         script.write_text(rendered.script)
         manifest = write_manifest(run_dir, _manifest(job, rendered, options, job_id, argv))
+        record_job(job_id, run_dir)
         commands.run(["scontrol", "release", job_id])
     except BaseException:
         if job_id:

@@ -2,18 +2,19 @@
 
 TensorBoard binds to 127.0.0.1 only (the login node is shared; nobody else should reach a
 user's runs), on a free port picked here. The user reaches it through an ssh tunnel from
-their own machine, whose command is printed. TensorBoard scans each run directory
-recursively, so wherever the trainer puts its event files (``<run_dir>/tensorboard``) counts.
+their own machine, whose command is printed. TensorBoard scans each directory it is given
+recursively; runs are named after their jobs (see :func:`logdir_args`).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from hpc_mca.rundir import TENSORBOARD_DIR
 
 from . import commands
 from .errors import OpsError
@@ -29,38 +30,28 @@ def free_port(host: str = HOST) -> int:
         return int(sock.getsockname()[1])
 
 
-def _run_names(runs: list[Run]) -> list[str]:
-    """Unique, logdir_spec-safe names: the run dirs' names with odd characters replaced."""
-    names: list[str] = []
-    for run in runs:
-        base = re.sub(r"[^A-Za-z0-9._-]", "_", run.name) or "run"
-        name, n = base, 2
-        while name in names:
-            name, n = f"{base}.{n}", n + 1
-        names.append(name)
-    return names
-
-
 def logdir_args(runs: list[Run], runs_root: Path) -> list[str]:
     """TensorBoard's log-directory arguments for ``runs`` (all of ``runs_root`` when empty).
 
-    Each run is named after its run directory (``sft_addition_19``): the trainer's event
-    files are in ``<run dir>/tensorboard``, which TensorBoard would otherwise show as a run
-    called "tensorboard"."""
+    The trainer writes its event files to ``<run dir>/tensorboard/<run dir name>``
+    (:func:`hpc_mca.rundir.tensorboard_dir`); pointed at ``<run dir>/tensorboard``,
+    TensorBoard names each run after its job (``sft_addition_19``). Several runs go in one
+    ``--logdir_spec`` of unnamed absolute paths, which keeps those names."""
     if not runs:
         return ["--logdir", str(runs_root)]
-    bad = [str(r.run_dir) for r in runs if "," in str(r.run_dir)]
+    dirs = [_events_root(run.run_dir) for run in runs]
+    if len(dirs) == 1:
+        return ["--logdir", str(dirs[0])]
+    bad = [str(d) for d in dirs if "," in str(d)]
     if bad:
         raise OpsError(f"run directory {bad[0]!r} contains ',', which TensorBoard's "
                        "--logdir_spec cannot carry; valid: a run directory without ','")
-    spec = ",".join(f"{name}:{_events_dir(run.run_dir)}"
-                    for name, run in zip(_run_names(runs), runs))
-    return ["--logdir_spec", spec]
+    return ["--logdir_spec", ",".join(str(d) for d in dirs)]
 
 
-def _events_dir(run_dir: Path) -> Path:
-    events = run_dir / "tensorboard"
-    return events if events.is_dir() else run_dir
+def _events_root(run_dir: Path) -> Path:
+    events = run_dir.absolute() / TENSORBOARD_DIR
+    return events if events.is_dir() else run_dir.absolute()
 
 
 @dataclass(frozen=True)

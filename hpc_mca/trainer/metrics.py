@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from hpc_mca.rundir import tensorboard_dir
 from hpc_mca.topology import ModelShape
 
 # Dense bf16 peak TFLOP/s per GPU model, for the MFU estimate (vendor data sheets, no sparsity).
@@ -70,7 +71,7 @@ class MetricsWriter:
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            self.tb = SummaryWriter(log_dir=str(tensorboard_dir(run_dir)))
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.tb is None:

@@ -19,6 +19,7 @@ from hpc_mca.checkpoint import train_with_checkpoints
 from hpc_mca.checkpoint.compat import nothing_to_train, resume_check
 from hpc_mca.runtime.distributed import RankContext, init_distributed, shutdown
 from hpc_mca.runtime.env import from_environ
+from hpc_mca.rundir import clear_bad_input
 from hpc_mca.runtime.quiet import library_line
 from hpc_mca.topology import Layout, ModelShape
 from hpc_mca.trainer.config import TrainConfig, load_config
@@ -51,6 +52,7 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
     run_dir = Path(config.training.output_dir)
     if ctx.is_main:
         config.save_resolved(run_dir)
+        clear_bad_input(run_dir)  # this run's inputs got it this far
     data = _datasets(config, ctx)
     if ctx.is_main:
         print(data.describe(), flush=True)
@@ -84,7 +86,7 @@ def _datasets(config: TrainConfig, ctx: RankContext) -> Any:
 
     if not ctx.is_main:
         dist.barrier()
-    data = build_datasets(config)
+    data = build_datasets(config, vocab_size=_shape(config).vocab_size)
     if ctx.is_main:
         dist.barrier()
     return data

@@ -9,10 +9,12 @@ HPC_MCA_TEST_SAVE_SLEEP=S@STEP  every rank prints "test hook: rank R saving step
                                sleeps S seconds inside the save of step STEP, after its
                                iter_STEP.tmp directory exists and before any shard is written
                                (a window in which to cancel or kill the job mid-save).
-HPC_MCA_TEST_KILL=STEP:POINT:RANK  SIGKILL global rank RANK during the save of step STEP, at
-                               POINT: before_write (the shards of this rank not yet written),
-                               after_write (written, not committed) or before_tracker (rank 0:
-                               checkpoint renamed into place, tracker not yet replaced).
+HPC_MCA_TEST_KILL=STEP:POINT:RANK[@R]  SIGKILL global rank RANK during the save of step STEP,
+                               at POINT: before_write (the shards of this rank not yet
+                               written), after_write (written, not committed) or
+                               before_tracker (rank 0: checkpoint renamed into place, tracker
+                               not yet replaced); only while SLURM_RESTART_COUNT is R when
+                               given (a requeued job then gets past that save).
 """
 
 from __future__ import annotations
@@ -83,8 +85,9 @@ def _install_sleep(spec: str) -> None:
 
 
 def _install_kill(spec: str) -> None:
+    spec, _, restart = spec.partition("@")
     step, point, rank = spec.split(":")
-    if _rank() != int(rank):
+    if _rank() != int(rank) or restart and os.environ.get("SLURM_RESTART_COUNT", "0") != restart:
         return
     step = int(step)
 

@@ -1,0 +1,88 @@
+"""The run directory's files that decide a job's fate, and the exit codes around them.
+
+A run directory (``<runs root>/<job name>_<job id>``, the trainer's ``output_dir``) is shared
+by the login node (``hpc-mca submit/status/resume/cancel``), the batch script and the ranks.
+The names below are the contract between them; the batch script (rendered by
+:mod:`hpc_mca.slurm.script`) spells the same names in bash, and a test keeps the two equal.
+The requeue protocol that reads them is described in :mod:`hpc_mca.checkpoint.requeue`.
+
+Pure Python, no torch: the login-node commands import it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+"""A rank's exit status for input that cannot work (config, data, layout, model files, a
+checkpoint that does not fit the disk): retrying cannot help, the job is never requeued."""
+EXIT_STOPPED = 75
+"""The batch script's exit status when the ranks stopped early (a signal) and the job is not
+coming back (no requeue budget left, or only a TERM asked them to stop)."""
+
+RUN_DIR_ENV = "HPC_MCA_RUN_DIR"
+"""Exported by the batch script: the run directory of this job."""
+
+SIGNAL_FILE = "signal_received"
+"""Batch shell: one line per USR1/TERM it received (removed at each start)."""
+CANCEL_FILE = "cancel_requested"
+"""``hpc-mca cancel``: one ``job=<id> time=<t> user=<u>`` line per cancel asked for."""
+BAD_INPUT_FILE = "bad_input"
+"""A rank that stops on bad input: the one-line reason, then ``job=<id> restart=<n>
+rank=<r> time=<t>`` (removed by the batch shell at each start, by rank 0 when a run gets
+going)."""
+FINISHED_FILE = "finished"
+"""Rank 0, after the last step's checkpoint: the run completed (see hpc_mca.checkpoint.store)."""
+TENSORBOARD_DIR = "tensorboard"
+
+
+def tensorboard_dir(run_dir: Path) -> Path:
+    """Where rank 0 writes TensorBoard event files: ``<run dir>/tensorboard/<run dir name>``,
+    so that TensorBoard, pointed at ``<run dir>/tensorboard``, names the run after its job
+    (``sft_addition_19``) rather than "tensorboard"."""
+    return Path(run_dir) / TENSORBOARD_DIR / Path(run_dir).name
+
+
+def run_dir_from_env() -> Path | None:
+    """This job's run directory, as the batch script exported it (None outside one)."""
+    value = os.environ.get(RUN_DIR_ENV)
+    return Path(value) if value else None
+
+
+def record_bad_input(message: str, run_dir: Path | None = None) -> Path | None:
+    """Leave the reason this rank stops on bad input where the batch script looks before it
+    decides on a requeue (srun may kill the other ranks, turning the job's exit code into 143
+    or 1; this record still says "bad input"). Returns the file, or None when there is no
+    run directory (no batch script to tell) or it cannot be written."""
+    run_dir = run_dir or run_dir_from_env()
+    if run_dir is None:
+        return None
+    reason = " ".join(message.split()) or "bad input"
+    env = os.environ
+    rank = env.get("RANK", env.get("SLURM_PROCID", "0"))
+    detail = (f"job={env.get('SLURM_JOB_ID', '')} restart={env.get('SLURM_RESTART_COUNT', '0')} "
+              f"rank={rank} time={time.time():.3f}")
+    path = run_dir / BAD_INPUT_FILE
+    tmp = run_dir / f".{BAD_INPUT_FILE}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(f"{reason}\n{detail}\n", encoding="utf-8")
+        os.replace(tmp, path)  # ranks failing together each leave a whole record
+    except OSError:
+        return None
+    return path
+
+
+def read_bad_input(run_dir: Path) -> str | None:
+    """The bad-input reason recorded in ``run_dir``, or None."""
+    try:
+        lines = (Path(run_dir) / BAD_INPUT_FILE).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return lines[0] if lines and lines[0].strip() else None
+
+
+def clear_bad_input(run_dir: Path) -> None:
+    """The run is going (its inputs worked this time): forget an older bad-input record."""
+    (Path(run_dir) / BAD_INPUT_FILE).unlink(missing_ok=True)
