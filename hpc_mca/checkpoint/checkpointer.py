@@ -208,7 +208,7 @@ class Checkpointer:
 
     def _prepare(self, name: str, tmp: Path) -> None:
         """Rank 0 makes ``tmp`` (after what a killed save of this step left) and room for the
-        checkpoint (see :mod:`.space`); every rank learns the verdict (a collective)."""
+        checkpoint (see :mod:`.space`); every rank learns the verdict."""
         reason = None
         if self.ctx.is_main:
             try:
@@ -218,24 +218,18 @@ class Checkpointer:
             except OSError as err:
                 if not is_out_of_space(err):
                     raise
-                shutil.rmtree(tmp, ignore_errors=True)
-                reason = space_message(name, self.root, None, shutil.disk_usage(self.root).free,
-                                       last_good(self.root))
-                pruned = []
+                reason, pruned = self._no_room(name, None), []
             if pruned:
                 print(f"made room for {name}: removed {', '.join(p.name for p in pruned)} "
                       f"(save_total_limit={self.keep} drops them once {name} is saved)", flush=True)
-        verdict = [reason]
-        dist.broadcast_object_list(verdict, src=0)
-        if verdict[0]:
-            if self.ctx.is_main:
+            if reason:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointSpaceError(verdict[0])
+        self._stop_unless_room(reason)
 
     def _after_failed_save(self, name: str, tmp: Path, err: BaseException) -> None:
         """A save failed on every rank (torch's checkpoint writer gathers the failures). When
         the disk filled up, drop the partial directory and raise CheckpointSpaceError on every
-        rank (rank 0 decides: a collective); otherwise return (the caller re-raises).
+        rank (rank 0 decides); otherwise return (the caller re-raises).
 
         Full means: an ENOSPC/quota error in the chain, or, because Megatron's writer reports
         a failed worker by its exception class alone, less free space than the failed save
@@ -246,9 +240,16 @@ class Checkpointer:
             if is_out_of_space(err) or free < max(16 << 20, tree_bytes(tmp)):
                 shutil.rmtree(tmp, ignore_errors=True)
                 good = last_good(self.root)
-                needed = int(tree_bytes(good) * MARGIN) if good is not None else None
-                reason = space_message(name, self.root, needed,
-                                       shutil.disk_usage(self.root).free, good)
+                reason = self._no_room(name, int(tree_bytes(good) * MARGIN) if good else None)
+        self._stop_unless_room(reason)
+
+    def _no_room(self, name: str, needed: int | None) -> str:
+        return space_message(name, self.root, needed, shutil.disk_usage(self.root).free,
+                             last_good(self.root))
+
+    def _stop_unless_room(self, reason: str | None) -> None:
+        """Every rank raises CheckpointSpaceError with rank 0's ``reason``, if it has one (a
+        collective: the ranks stop together, each with the one line)."""
         verdict = [reason]
         dist.broadcast_object_list(verdict, src=0)
         if verdict[0]:
@@ -385,7 +386,8 @@ class Checkpointer:
         clear_finished(self.run_dir)
         step = trainer.state.global_step
         what = (f"extending the run that finished at step {done} to {trainer.max_steps} steps"
-                if step else f"starting afresh; the run that finished at step {done} is replaced")
+                if step else f"starting afresh in a run directory whose run finished at step "
+                             f"{done}")
         print(what, flush=True)
 
     def _progress(self, **fields: Any) -> None:

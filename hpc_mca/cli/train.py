@@ -26,9 +26,9 @@ def train(config: Path, overrides: tuple[str, ...]) -> None:
     from hpc_mca.checkpoint.space import CheckpointSpaceError
     from hpc_mca.data.errors import DataError
     from hpc_mca.models.errors import ModelLoadError
+    from hpc_mca.rundir import EXIT_BAD_INPUT, record_bad_input
     from hpc_mca.topology import LayoutError
     from hpc_mca.trainer.config import ConfigError
-    from hpc_mca.rundir import EXIT_BAD_INPUT, record_bad_input
     from hpc_mca.trainer.run import run_training
 
     try:

@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from hpc_mca.checkpoint import train_with_checkpoints
 from hpc_mca.checkpoint.compat import nothing_to_train, resume_check
+from hpc_mca.rundir import clear_bad_input
 from hpc_mca.runtime.distributed import RankContext, init_distributed, shutdown
 from hpc_mca.runtime.env import from_environ
-from hpc_mca.rundir import clear_bad_input
 from hpc_mca.runtime.quiet import library_line
 from hpc_mca.topology import Layout, ModelShape
 from hpc_mca.trainer.config import TrainConfig, load_config
