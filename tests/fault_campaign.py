@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import slurm_cluster as slurm
-from trainer_fixtures import make_model_dir, make_sft_data, run_train, steps, write_config
+from trainer_fixtures import (make_model_dir, make_sft_data, processes_with_env, run_train,
+                              steps, write_config)
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "sbatch" / "train.sbatch"
@@ -78,18 +79,8 @@ def _job_env(**extra: str) -> dict[str, str]:
 
 
 def job_processes(job_id: str) -> list[int]:
-    """Live (not zombie) processes with SLURM_JOB_ID=<job_id> in their environment."""
-    needle = f"SLURM_JOB_ID={job_id}".encode()
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if not proc.name.isdigit() or needle not in (proc / "environ").read_bytes().split(b"\0"):
-                continue
-            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                found.append(int(proc.name))
-        except (OSError, IndexError):
-            pass
-    return found
+    """Live processes with SLURM_JOB_ID=<job_id> in their environment."""
+    return sorted(processes_with_env(f"SLURM_JOB_ID={job_id}"))
 
 
 def _rank_pid(job_id: str, rank: int) -> int | None:

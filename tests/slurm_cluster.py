@@ -7,6 +7,7 @@ requeues with :func:`job_records` / :func:`job_restart_count`. Imports no torch.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from dataclasses import dataclass
@@ -133,6 +134,15 @@ def job_restart_count(job_id: str) -> int:
 def cancel(job_id: str) -> None:
     """scancel the job (no error when it has already ended)."""
     _run(["scancel", job_id])
+
+
+def submitted_job_id(done: subprocess.CompletedProcess) -> str:
+    """The job id ``hpc-mca submit``/``resume`` printed ("submitted job N: ..."), asserting the
+    command succeeded."""
+    assert done.returncode == 0, done.stdout + done.stderr
+    match = re.match(r"submitted job (\d+):", done.stdout)
+    assert match, done.stdout
+    return match.group(1)
 
 
 def live_job_ids(under: tuple[Path, ...] = ()) -> set[str]:

@@ -22,6 +22,7 @@ from trainer_fixtures import (
     TORCHRUN,
     launch_ranks,
     make_model_dir,
+    processes_with_env,
     make_sft_data,
     rewind,
     run_train,
@@ -55,20 +56,9 @@ def numbers(run_dir: Path) -> list[dict]:
 
 
 def _marked(marker: str) -> list[str]:
-    """``pid cmdline`` of every live process started with HPC_MCA_TEST_RUN=<marker>."""
-    needle = f"HPC_MCA_TEST_RUN={marker}".encode()
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if not proc.name.isdigit() or needle not in (proc / "environ").read_bytes().split(b"\0"):
-                continue
-            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue  # exited, not yet reaped
-            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ")[:120]
-            found.append(f"{proc.name} {command!r}")
-        except (OSError, IndexError):
-            pass
-    return found
+    """``pid command`` of every live process started with HPC_MCA_TEST_RUN=<marker>."""
+    return [f"{pid} {command}" for pid, command in
+            processes_with_env(f"HPC_MCA_TEST_RUN={marker}").items()]
 
 
 def train_killed(config: Path, run_dir: Path, kill: str, *overrides: str) -> subprocess.CompletedProcess:
@@ -405,3 +395,23 @@ def test_a_save_that_hits_a_full_disk_is_said_plainly(reference: tuple[Path, Pat
     assert "there is no earlier checkpoint" in ranks[0].stderr
     assert not list(root.glob("iter_*")), list(root.iterdir())
     assert (run / "bad_input").read_text().startswith("checkpoint iter_0000002 does not fit")
+
+
+def test_room_is_made_by_pruning_what_keep_last_k_would_prune(small_disk) -> None:
+    """3 MiB disk, two 1.4 MB checkpoints: the next does not fit. With save_total_limit=2 the
+    older one would go after the save anyway, so it goes before; the tracked one never does;
+    without a limit nothing may go, and the reason names the directory and the bytes."""
+    from hpc_mca.checkpoint.space import make_room
+
+    root = small_disk("3m") / "checkpoints"
+    for step in (1, 2):
+        path = _fake_checkpoint(root, step)
+        (path / "shard").write_bytes(b"\0" * 1_400_000)
+    write_tracker(root, iter_name(2))
+    reason, pruned = make_room(root, None, iter_name(3))
+    assert pruned == [] and reason.startswith(f"checkpoint iter_0000003 does not fit: {root} "
+                                              "needs about 1.5 MB and its file system has ")
+    assert "the last good checkpoint is iter_0000002" in reason
+    assert [p.name for _, p in complete_checkpoints(root)] == ["iter_0000001", "iter_0000002"]
+    assert make_room(root, 2, iter_name(3)) == (None, [root / "iter_0000001"])
+    assert [p.name for _, p in complete_checkpoints(root)] == ["iter_0000002"]

@@ -49,13 +49,6 @@ def hpc_mca(*args: str, cwd: Path, **env_extra: str) -> subprocess.CompletedProc
                           timeout=180, check=False)
 
 
-def submitted(done: subprocess.CompletedProcess) -> str:
-    assert done.returncode == 0, done.stdout + done.stderr
-    match = re.match(r"submitted job (\d+):", done.stdout)
-    assert match, done.stdout
-    return match.group(1)
-
-
 def numbers(run_dir: Path) -> list[dict]:
     return [{k: s[k] for k in COMPARED} for s in steps(run_dir)]
 
@@ -125,8 +118,8 @@ def setup(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict
 def _submit(setup: dict, name: str, **hooks: str) -> tuple[str, Path, Path]:
     work = setup["root"] / name
     work.mkdir()
-    job_id = submitted(hpc_mca("submit", str(setup["config"]), *CPU_2X1, "--time", "10",
-                               cwd=work, **hooks))
+    job_id = slurm.submitted_job_id(hpc_mca("submit", str(setup["config"]), *CPU_2X1, "--time",
+                                            "10", cwd=work, **hooks))
     return job_id, work, work / "runs" / f"config_{job_id}"
 
 
@@ -170,7 +163,7 @@ def test_cancel_during_a_save_keeps_checkpoints_and_the_run_resumes_exactly(setu
     assert (run_dir / "checkpoints" / "iter_0000010" / "checkpoint.json").is_file()
     assert step in (10, 11)
     assert not (run_dir / "finished").exists()
-    resumed = submitted(hpc_mca("resume", job_id, cwd=work))
+    resumed = slurm.submitted_job_id(hpc_mca("resume", job_id, cwd=work))
     assert slurm.wait_for_job(resumed, timeout=300) == "COMPLETED"
     resume_log = (run_dir / f"config_{resumed}.out").read_text()
     assert f"at step {step} " in resume_log, resume_log[-3000:]
@@ -219,8 +212,8 @@ def test_a_two_minute_job_requeues_only_as_often_as_its_steps_need(setup: dict) 
     before the signal; the run of 40 × 2.2 s of steps takes 2 or 3 allocations."""
     work = setup["root"] / "two_minutes"
     work.mkdir()
-    job_id = submitted(hpc_mca("submit", str(setup["config"]), *CPU_2X1, "--time", "2",
-                               cwd=work, HPC_MCA_TEST_STEP_SLEEP="2.2"))
+    job_id = slurm.submitted_job_id(hpc_mca("submit", str(setup["config"]), *CPU_2X1, "--time",
+                                            "2", cwd=work, HPC_MCA_TEST_STEP_SLEEP="2.2"))
     run_dir = work / "runs" / f"config_{job_id}"
     assert slurm.wait_for_job(job_id, timeout=900) == "COMPLETED"
     log = (run_dir / f"config_{job_id}.out").read_text()
@@ -245,8 +238,8 @@ DEMO_150 = ["lr_scheduler_type=constant_with_warmup", "lr_scheduler_kwargs={}",
 def test_finished_demo_run_extends_to_300_steps_and_status_follows_it(setup: dict) -> None:
     work = setup["root"] / "extend"
     work.mkdir()
-    first = submitted(hpc_mca("submit", str(DEMO), *CPU_2X1, *DEMO_150, "max_steps=150",
-                              cwd=work))
+    first = slurm.submitted_job_id(hpc_mca("submit", str(DEMO), *CPU_2X1, *DEMO_150,
+                                           "max_steps=150", cwd=work))
     run_dir = work / "runs" / f"sft_addition_{first}"
     # The reference: 300 steps from the start, with the settings the job's ranks got (the
     # planner's choices included, e.g. the distributed optimizer), on 2 torchrun ranks.
@@ -264,7 +257,7 @@ def test_finished_demo_run_extends_to_300_steps_and_status_follows_it(setup: dic
         done = hpc_mca("resume", first, *extra, cwd=work)
         assert done.returncode == 1 and message in done.stderr, (extra, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1
-    second = submitted(hpc_mca("resume", first, "max_steps=300", cwd=work))
+    second = slurm.submitted_job_id(hpc_mca("resume", first, "max_steps=300", cwd=work))
     assert slurm.wait_for_job(second, timeout=300) == "COMPLETED"
     log = (run_dir / f"sft_addition_{second}.out").read_text()
     assert "extending the run that finished at step 150 to 300 steps" in log, log[-3000:]

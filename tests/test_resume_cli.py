@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -39,13 +38,6 @@ def hpc_mca(*args: str, cwd: Path, **extra: str) -> subprocess.CompletedProcess:
                PYTHONWARNINGS="ignore", **extra)
     return subprocess.run([HPC_MCA, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=120, check=False)
-
-
-def submitted(done: subprocess.CompletedProcess) -> str:
-    assert done.returncode == 0, done.stdout + done.stderr
-    match = re.match(r"submitted job (\d+):", done.stdout)
-    assert match, done.stdout
-    return match.group(1)
 
 
 def stop_after(job_id: str, run_dir: Path, step: int) -> None:
@@ -82,16 +74,16 @@ def setup(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict
 def test_resume_on_other_node_counts_and_layouts(setup: dict) -> None:
     root, config = setup["root"], setup["config"]
     runs = ["--runs-root", str(root / "runs")]
-    first = submitted(hpc_mca("submit", str(config), "--gpu", "CPU", "--nodes", "2",
+    first = slurm.submitted_job_id(hpc_mca("submit", str(config), "--gpu", "CPU", "--nodes", "2",
                               "--gpus-per-node", "2", "--tp", "2", *runs, cwd=root))
     run_dir = root / "runs" / f"config_{first}"
     stop_after(first, run_dir, 3)
     done = hpc_mca("resume", first, "--nodes", "1", "--tp", "1", *runs, cwd=root)
-    second = submitted(done)
+    second = slurm.submitted_job_id(done)
     assert "on 1 node(s) × 2 CPU" in done.stdout and "TP1" in done.stdout, done.stdout
     stop_after(second, run_dir, 7)
-    third = submitted(hpc_mca("resume", second, "--nodes", "1", "--gpus-per-node", "1", *runs,
-                              cwd=root))
+    third = slurm.submitted_job_id(hpc_mca("resume", second, "--nodes", "1", "--gpus-per-node",
+                                           "1", *runs, cwd=root))
     assert slurm.wait_for_job(third, timeout=240) == "COMPLETED"
 
     logs = {job: (run_dir / f"config_{job}.out").read_text() for job in (first, second, third)}
@@ -144,6 +136,7 @@ def test_bad_input_submits_and_deletes_nothing(setup: dict) -> None:
         "999999 --distributed-optimizer --nodes 2": "Error: cannot resume from",
         "999999 --tp 3": "Error: ",
         "999999 global_batch_size=16": "Error: cannot resume from",
+        "999999 --time 1 --signal-lead 120": "Error: --signal-lead 120 s does not fit --time 1",
     }
     for args, message in cases.items():
         done = hpc_mca("resume", *args.split(), "--runs-root", str(runs), cwd=root)
@@ -164,6 +157,10 @@ def test_bad_input_submits_and_deletes_nothing(setup: dict) -> None:
     assert done.returncode == 0 and "# would continue run" in done.stdout, done.stderr
     assert f"HPC_MCA_RUN_DIR=${{HPC_MCA_RUN_DIR:-{ckpt}}}" in done.stdout
     assert f"#SBATCH --output={ckpt}/%x_%j.out" in done.stdout
+    # A shorter limit gets a default lead scaled to it; a lead given for the new job is kept.
+    for args, lead in ((["--time", "2"], 30), (["--time", "2", "--signal-lead", "45"], 45)):
+        done = hpc_mca("resume", "999999", *args, "--dry-run", "--runs-root", str(runs), cwd=root)
+        assert done.returncode == 0 and f"#SBATCH --signal=B:USR1@{lead}\n" in done.stdout
     # A run of the raw template (no manifest naming a config): its resolved_config.yaml.
     raw = runs / "config_999997"
     subprocess.run(["cp", "-r", str(ckpt), str(raw)], check=True)

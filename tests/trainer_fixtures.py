@@ -127,3 +127,21 @@ def rewind(src: Path, dst: Path, step: int) -> Path:
             shutil.rmtree(path)
     write_tracker(root, iter_name(step))
     return dst
+
+
+def processes_with_env(entry: str) -> dict[int, str]:
+    """Live (not zombie) processes whose environment holds ``entry`` (``NAME=value``), as
+    pid -> the start of their command line."""
+    needle = entry.encode()
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or needle not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # exited, not yet reaped
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ")[:120]
+            found[int(proc.name)] = command.decode(errors="replace")
+        except (OSError, IndexError):
+            pass
+    return found
