@@ -174,6 +174,9 @@ def measure_format(root: Path, model: Path, fmt: str, loads: int = 3) -> dict:
     load_s = []
     for _ in range(loads):
         drop_cache(latest)
+        # Without its finished marker the run resumes (loads) at step 4 and ends there; with
+        # it, the trainer would say "nothing to train" before loading anything.
+        (run_dir / "finished").unlink(missing_ok=True)
         loaded = train(root, model, run_dir, "max_steps=4", fmt_arg).stdout
         load_s.append(seconds(r"resumed from .* in ([\d.]+) s", loaded)[0])
     return {"bytes": tree_bytes(latest), "save_s_first": totals[0], "save_s": min(totals[1:]),
