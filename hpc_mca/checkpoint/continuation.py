@@ -11,7 +11,8 @@ to the old ones as ``<job name>_<new id>.out``; the new id is appended to the ma
 ``job_ids``.
 
 Everything is checked before anything is submitted, each problem as one line: an unknown job,
-a job of the run still queued or running, a run without a checkpoint or already finished, a
+a job of the run still queued or running, a run without a checkpoint, a finished run the new
+settings do not make longer (max_steps, num_train_epochs; a longer one is extended), a
 layout the planner or the trainer's config rules refuse, and a layout or config the checkpoint
 cannot be loaded into (:func:`hpc_mca.checkpoint.compat.resume_check`, the same check the
 ranks make). Nothing is ever deleted.

@@ -32,18 +32,16 @@ class Cancelled:
     """False when the job had already ended (nothing was done)."""
     now: str | None
     """The state after waiting (None when not waited for, or Slurm forgot the job)."""
-    recorded_in: Path | None
-    """The run directory's cancel record, when the run directory was found."""
 
 
-def record_cancel(run_dir: Path, job_id: str, user: str) -> Path | None:
-    """Append this cancel to the run directory's record (None when there is no run dir)."""
-    if not run_dir.is_dir():
-        return None
-    path = run_dir / CANCEL_FILE
-    with path.open("a", encoding="utf-8") as out:
-        out.write(f"job={job_id} time={time.time():.3f} user={user}\n")
-    return path
+def record_cancel(run_dir: Path, job_id: str, user: str) -> None:
+    """Append this cancel to the run directory's record. Best effort: without it (no run dir
+    found, not writable) the batch shell still learns of the cancel from Slurm."""
+    try:
+        with (run_dir / CANCEL_FILE).open("a", encoding="utf-8") as out:
+            out.write(f"job={job_id} time={time.time():.3f} user={user}\n")
+    except OSError:
+        pass
 
 
 def cancel_job(job_id: str, runs_root: Path, *, wait_s: float = 120.0,
@@ -56,16 +54,14 @@ def cancel_job(job_id: str, runs_root: Path, *, wait_s: float = 120.0,
         raise OpsError(f"job {job_id} is unknown to Slurm (squeue, sacct); valid: a job id "
                        "from hpc-mca status")
     if state.finished:
-        return Cancelled(job_id, state.name, state.state, False, state.state, None)
+        return Cancelled(job_id, state.name, state.state, False, state.state)
     try:
-        run_dir: Path | None = find_run(job_id, runs_root).run_dir
+        record_cancel(find_run(job_id, runs_root).run_dir, job_id, commands.current_user())
     except OpsError:
-        run_dir = None
-    user = commands.current_user()
-    recorded = record_cancel(run_dir, job_id, user) if run_dir is not None else None
+        pass  # no run directory known: Slurm's verdict alone stops a requeue
     commands.run(["scancel", job_id])
     now = _wait_ended(job_id, wait_s, poll_s) if wait_s > 0 else None
-    return Cancelled(job_id, state.name, state.state, True, now, recorded)
+    return Cancelled(job_id, state.name, state.state, True, now)
 
 
 def _wait_ended(job_id: str, wait_s: float, poll_s: float) -> str | None:
