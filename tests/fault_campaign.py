@@ -8,7 +8,8 @@ injects one fault at a random step, waits for the job to end, and reports:
 * ``orphans_s``: how long after Slurm recorded the job's end (sacct) processes of the job
   (found by SLURM_JOB_ID in their environment: every simulated node is this machine) were
   still alive (about 0 when none were; the trial waits at most ORPHAN_WAIT_S, then kills);
-* ``resume_s``: from the fault to the first step the resumed run logged;
+* ``resume_s``: from the fault to the first step the restarted job logged (resumed from the
+  last checkpoint, or started afresh when the fault hit the first save);
 * ``restarts``: the job's requeues (sacct).
 
 Faults: ``requeue`` (an outside ``scontrol requeue``), ``usr1`` (``scancel --signal=USR1
@@ -40,6 +41,7 @@ COMPARED = ("step", "loss", "tokens", "grad_norm", "lr", "skipped")
 KINDS = ("requeue", "usr1", "kill", "kill_in_save")
 STEPS, SAVE_EVERY = 40, 5
 ORPHAN_WAIT_S = 30.0
+RESTART_BANNER = re.compile(r"hpc-mca \| job +\d+ \(.*\) restart [1-9]\d*$")
 
 
 @dataclass
@@ -112,12 +114,13 @@ def _wait_logged(run_dir: Path, step: int, job_id: str, timeout: float = 300) ->
 
 
 def _first_resumed_step(log: Path, after: int, deadline: float) -> float | None:
-    """When the log first shows a step line after its ``after``-th 'resumed from' line."""
+    """When the log first shows a step line after its ``after``-th restart banner (a restart
+    resumes from the last checkpoint, or starts afresh when the fault hit the first save)."""
     while time.monotonic() < deadline:
         lines = _log_lines(log)
-        resumed = [i for i, line in enumerate(lines) if line.startswith("resumed from")]
-        if len(resumed) > after and any(re.match(r"step \d+/", line)
-                                         for line in lines[resumed[after]:]):
+        restarts = [i for i, line in enumerate(lines) if RESTART_BANNER.match(line)]
+        if len(restarts) > after and any(re.match(r"step \d+/", line)
+                                          for line in lines[restarts[after]:]):
             return time.monotonic()
         time.sleep(0.1)
     return None

@@ -58,16 +58,15 @@ def _sbatch(work: Path, name: str, tasks_per_node: int, config: Path, **env_extr
     return done.stdout.strip().split(";")[0]
 
 
-def test_one_fault_of_each_kind_leaves_the_run_exact_and_no_process_behind(setup: dict) -> None:
-    rng = random.Random()
-    trials = [campaign.trial(kind, setup["config"], setup["reference"],
-                             setup["root"] / f"campaign_{kind}", rng) for kind in campaign.KINDS]
-    print("\n" + "\n".join(f"{t.kind}: job {t.job_id} {t.detail} at step {t.fault_step}"
-                           for t in trials) + "\n" + campaign.table(trials))
-    for t in trials:
-        assert t.state == "COMPLETED" and t.equal, t
-        assert t.restarts >= 1 and t.resume_s is not None, t
-        assert t.orphans_s <= 5, t
+@pytest.mark.parametrize("kind", campaign.KINDS)
+def test_a_fault_leaves_the_run_exact_and_no_process_behind(setup: dict, kind: str) -> None:
+    work = setup["root"] / f"campaign_{kind}"
+    t = campaign.trial(kind, setup["config"], setup["reference"], work, random.Random())
+    print(f"\n{t.kind}: job {t.job_id} {t.detail} at step {t.fault_step}\n"
+          + campaign.table([t]))
+    assert t.state == "COMPLETED" and t.equal, t
+    assert t.restarts >= 1 and t.resume_s is not None, t
+    assert t.orphans_s <= 5, t
 
 
 BAD_INPUTS = {

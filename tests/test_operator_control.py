@@ -231,42 +231,42 @@ def test_a_two_minute_job_requeues_only_as_often_as_its_steps_need(setup: dict) 
 
 # --- a finished run extended; status follows it ----------------------------------------------
 
-DEMO_150 = ["lr_scheduler_type=constant_with_warmup", "lr_scheduler_kwargs={}",
-            "warmup_steps=10", "warmup_ratio=0", "eval_dataset=null", "logging_steps=50"]
+DEMO_60 = ["lr_scheduler_type=constant_with_warmup", "lr_scheduler_kwargs={}",
+           "warmup_steps=10", "warmup_ratio=0", "eval_dataset=null", "logging_steps=20"]
 
 
-def test_finished_demo_run_extends_to_300_steps_and_status_follows_it(setup: dict) -> None:
+def test_finished_demo_run_extends_to_120_steps_and_status_follows_it(setup: dict) -> None:
     work = setup["root"] / "extend"
     work.mkdir()
-    first = slurm.submitted_job_id(hpc_mca("submit", str(DEMO), *CPU_2X1, *DEMO_150,
-                                           "max_steps=150", cwd=work))
+    first = slurm.submitted_job_id(hpc_mca("submit", str(DEMO), *CPU_2X1, *DEMO_60,
+                                           "max_steps=60", cwd=work))
     run_dir = work / "runs" / f"sft_addition_{first}"
-    # The reference: 300 steps from the start, with the settings the job's ranks got (the
+    # The reference: 120 steps from the start, with the settings the job's ranks got (the
     # planner's choices included, e.g. the distributed optimizer), on 2 torchrun ranks.
     overrides = json.loads((run_dir / "manifest.json").read_text())["resolved_overrides"]
     reference = work / "reference"
-    proc = run_train(DEMO, reference, 2, *overrides, "max_steps=300")
+    proc = run_train(DEMO, reference, 2, *overrides, "max_steps=120")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert slurm.wait_for_job(first, timeout=300) == "COMPLETED"
-    assert json.loads((run_dir / "finished").read_text())["step"] == 150
+    assert json.loads((run_dir / "finished").read_text())["step"] == 60
 
-    refused = {(): "nothing to resume; valid: extend it with max_steps=N (N > 150)",
-               ("max_steps=120",): "training.max_steps=120 is below the step of the checkpoint",
-               ("max_steps=150",): "finished at step 150 and this config trains to step 150"}
+    refused = {(): "nothing to resume; valid: extend it with max_steps=N (N > 60)",
+               ("max_steps=40",): "training.max_steps=40 is below the step of the checkpoint",
+               ("max_steps=60",): "finished at step 60 and this config trains to step 60"}
     for extra, message in refused.items():
         done = hpc_mca("resume", first, *extra, cwd=work)
         assert done.returncode == 1 and message in done.stderr, (extra, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1
-    second = slurm.submitted_job_id(hpc_mca("resume", first, "max_steps=300", cwd=work))
+    second = slurm.submitted_job_id(hpc_mca("resume", first, "max_steps=120", cwd=work))
     assert slurm.wait_for_job(second, timeout=300) == "COMPLETED"
     log = (run_dir / f"sft_addition_{second}.out").read_text()
-    assert "extending the run that finished at step 150 to 300 steps" in log, log[-3000:]
-    assert json.loads((run_dir / "finished").read_text())["step"] == 300
+    assert "extending the run that finished at step 60 to 120 steps" in log, log[-3000:]
+    assert json.loads((run_dir / "finished").read_text())["step"] == 120
     worst = assert_same_numbers(run_dir, numbers(reference))
-    print(f"\nextended 150 -> 300: max |loss - 300-step run| {worst:.1e}")
+    print(f"\nextended 60 -> 120: max |loss - 120-step run| {worst:.1e}")
 
     table = json.loads(hpc_mca("status", "--json", cwd=work).stdout)
     assert [(row["job_id"], row["state"]) for row in table] == [(second, "COMPLETED")]
-    assert table[0]["progress"]["step"] == 300 and table[0]["progress"]["max_steps"] == 300
+    assert table[0]["progress"]["step"] == 120 and table[0]["progress"]["max_steps"] == 120
     old = hpc_mca("status", first, cwd=work).stdout
     assert f"continued   by job {second} (COMPLETED)" in old, old
