@@ -4,8 +4,8 @@
   runs ten of each): an outside requeue, the lead-time signal, a SIGKILLed rank at a random
   moment and inside a save — every run ends with the uninterrupted run's numbers exactly,
   and no process of the job outlives it by more than 5 s;
-* bad input (a truncated jsonl line, token ids beyond the model's vocabulary, a missing file)
-  on 2 and 4 ranks with a budget of 3 requeues: never requeued, exit 2, and ``status`` names
+* bad input (a truncated jsonl line, token ids beyond the model's vocabulary, a missing file,
+  an attention backend this machine does not have) on 2 and 4 ranks with a budget of 3 requeues: never requeued, exit 2, and ``status`` names
   the cause, whatever srun made of the other ranks' exit codes;
 * a full disk: one line naming the directory and the bytes, no partial checkpoint left, no
   requeue loop; once there is room the run continues from its last checkpoint exactly;
@@ -73,6 +73,7 @@ BAD_INPUTS = {
     "truncated": "train.jsonl:{line}: ",
     "vocab": "is not below the model's vocab_size 16",
     "missing": "data.dataset: dataset file",
+    "backend": "model.attention_backend='te' is not available here",
 }
 
 
@@ -90,7 +91,8 @@ def _bad_config(root: Path, kind: str) -> tuple[Path, str]:
     model = make_model_dir(work, layers=2, **({"vocab_size": 16} if kind == "vocab" else {}))
     if kind == "missing":
         data = work / "gone.jsonl"
-    return write_config(work, model, data, training={"max_steps": 4}), expected
+    extra = {"model": {"attention_backend": "te"}} if kind == "backend" else {}
+    return write_config(work, model, data, training={"max_steps": 4}, **extra), expected
 
 
 def test_bad_input_is_never_requeued_and_status_names_it(setup: dict) -> None:

@@ -64,30 +64,38 @@ def test_sizes_in_the_config_are_forced_and_kept(tmp_path, model_dir):
 
 def test_command_line_wins_over_the_config(tmp_path, model_dir):
     extra = "parallel:\n  tensor_model_parallel_size: 8\n"
-    job = make_job_plan(PlanOptions(nodes=2, tp=4, stage="pt", precision="fp16", lora=True,
+    job = make_job_plan(PlanOptions(nodes=2, tp=4, stage="pt", precision="fp16", lora=False,
                                     recompute="full"),
                         _config(tmp_path, model_dir, extra))
     chosen = _overrides(job)
     assert chosen["tensor_model_parallel_size"] == "4"
     assert (chosen["stage"], chosen["bf16"], chosen["fp16"]) == ("pt", "false", "true")
-    assert chosen["finetuning_type"] == "lora"
+    assert chosen["finetuning_type"] == "full"
     assert (chosen["recompute_granularity"], chosen["recompute_method"],
             chosen["recompute_num_layers"]) == ("full", "uniform", "1")
 
 
-def test_megatron_bridge_llama3_8b_recipe_is_accepted(model_dir):
-    """Megatron-Bridge's Llama3-8B pretrain recipe: 16×H100 (2 nodes), seq 16384, TP4 PP2 CP2."""
-    job = make_job_plan(PlanOptions(nodes=2, model=str(model_dir), seq_length=16384,
-                                    global_batch_size=64, stage="pt", tp=4, pp=2, cp=2))
-    assert job.plan.forced and job.plan.layout.describe() == "TP4 PP2 CP2 DP1"
-    assert job.plan.memory.total <= job.plan.usable_bytes
+def test_no_context_parallel_until_the_trainer_shards_batches_over_it(model_dir):
+    """The topology planner alone takes Megatron-Bridge's Llama3-8B recipe (16×H100, seq 16384,
+    TP4 PP2 CP2: tests/test_topology_planner.py); a job plan refuses its CP2, and plans a long
+    sequence without CP, because the trainer cannot run CP > 1 yet."""
+    with pytest.raises(OpsError) as err:
+        make_job_plan(PlanOptions(nodes=2, model=str(model_dir), seq_length=16384,
+                                  global_batch_size=64, stage="pt", tp=4, pp=2, cp=2))
+    assert str(err.value) == ("context_parallel_size=2 is not supported by the trainer yet; "
+                              "valid: at most 1")
+    job = make_job_plan(PlanOptions(nodes=4, model=str(model_dir), seq_length=131072,
+                                    global_batch_size=64, stage="pt"))
+    assert job.plan.layout.cp == 1 and job.plan.memory.total <= job.plan.usable_bytes
 
 
 @pytest.mark.parametrize("options, config, message", [
     (dict(nodes=0), True, "nodes=0 must be a positive integer"),
     (dict(gpu="X100"), True, "gpu='X100' is not a known GPU preset; valid: A100-40GB"),
     (dict(tp=3), True, "tensor_parallel_size=3 does not divide num_attention_heads=32"),
-    (dict(stage="rlhf"), True, "stage='rlhf' is not valid; valid: pt, sft, dpo"),
+    (dict(stage="rlhf"), True, "stage='rlhf' is not valid; valid: pt, sft"),
+    (dict(stage="dpo"), True, "stage='dpo' is not yet supported by the trainer; valid: pt, sft"),
+    (dict(lora=True), True, "lora=True (--lora, finetuning_type: lora) is not yet supported"),
     (dict(), None, "config file"),
     (dict(), False, "no model: give --model"),
 ])

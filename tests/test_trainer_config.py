@@ -118,6 +118,11 @@ def test_layout_rule_uses_topology_and_model_shape(run: Path):
 @pytest.mark.parametrize("override, message", [
     (["stage=dpo"], "finetuning.stage='dpo' is not yet supported; valid: pt, sft"),
     (["stage=ppo"], "finetuning.stage='ppo' is not valid; valid: pt, sft"),
+    (["finetuning_type=lora"], "finetuning.finetuning_type='lora' is not yet supported; "
+                               "valid: full"),
+    (["context_parallel_size=2"], "parallel.context_parallel_size=2 is not yet supported "
+                                  "(batches are not sharded over context-parallel ranks yet); "
+                                  "valid: at most 1"),
     (["max_steps=-1", "num_train_epochs=0"], "set max_steps > 0 or num_train_epochs > 0"),
     (["warmup_ratio=1.5"], "training.warmup_ratio=1.5 must be in [0, 1)"),
     (["warmup_steps=2", "warmup_ratio=0.1"], "are both set; valid: one of them"),

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from trainer_fixtures import make_model_dir, make_sft_data, run_train, steps, write_config
 
@@ -128,6 +129,11 @@ def test_moe_expert_parallel_training_logs_aux_loss(tmp_path):
         ("data.dataset=[/nonexistent/train.jsonl]", "/nonexistent/train.jsonl"),
         ("trainnig.max_steps=3", "did you mean"),
         ("training.global_batch_size=7", "global_batch_size/parallel.data_parallel_size=7/1"),
+        ("finetuning.finetuning_type=lora", "finetuning.finetuning_type='lora' is not yet"),
+        pytest.param("model.attention_backend=te",
+                     "model.attention_backend='te' is not available here (needs "
+                     "transformer_engine and CUDA)", marks=pytest.mark.skipif(
+                         torch.cuda.is_available(), reason="CPU machines lack it for sure")),
     ],
 )
 def test_bad_input_is_one_line_before_training(root, override, expected):

@@ -23,6 +23,8 @@ import os
 import shutil
 from pathlib import Path
 
+from hpc_mca.errors import UserError
+
 from .store import CheckpointError, complete_checkpoints, read_tracker
 
 MARGIN = 1.05
@@ -31,7 +33,7 @@ _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _FULL_MESSAGES = ("No space left on device", "Disk quota exceeded", "unexpected pos")
 
 
-class CheckpointSpaceError(CheckpointError):
+class CheckpointSpaceError(CheckpointError, UserError):
     """A checkpoint does not fit on its file system; one line, exit 2 (never requeued)."""
 
 

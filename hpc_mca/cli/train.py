@@ -15,25 +15,21 @@ def train(config: Path, overrides: tuple[str, ...]) -> None:
     """Train with CONFIG (YAML), overridden by key=value pairs, e.g. training.max_steps=20.
 
     Every rank of a job runs this (srun, torchrun or a single process). Bad inputs (unknown
-    keys, missing datasets, impossible layouts, model/weights mismatches) stop every rank with
-    one line before anything is allocated; data errors found while the data is read, and a
+    keys, missing datasets, impossible layouts, model/weights mismatches, an attention backend
+    this machine does not have) stop every rank with one line before anything is allocated; data errors found while the data is read, and a
     checkpoint that does not fit the disk, stop the rank that finds them. Each such stop exits
     2 and leaves the reason in the run directory, so the job is never requeued for it.
     """
     from hpc_mca.runtime.quiet import quiet_library_noise
 
     quiet_library_noise()  # before megatron is imported
-    from hpc_mca.checkpoint.space import CheckpointSpaceError
-    from hpc_mca.data.errors import DataError
-    from hpc_mca.models.errors import ModelLoadError
+    from hpc_mca.errors import UserError
     from hpc_mca.rundir import EXIT_BAD_INPUT, record_bad_input
-    from hpc_mca.topology import LayoutError
-    from hpc_mca.trainer.config import ConfigError
     from hpc_mca.trainer.run import run_training
 
     try:
         run_training(config, overrides)
-    except (ConfigError, DataError, ModelLoadError, LayoutError, CheckpointSpaceError) as err:
+    except UserError as err:
         message = "; ".join(str(err).splitlines() or [type(err).__name__])
         # For the batch script: this job cannot succeed, whatever srun makes of the exit codes.
         record_bad_input(message)

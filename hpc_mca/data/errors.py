@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from hpc_mca.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError):
     """Bad dataset input, reported before training starts.
 
     The message is one line: ``path:line: reason`` for a bad record, otherwise the dotted config

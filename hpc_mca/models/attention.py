@@ -35,6 +35,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
+from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.packed_attention import (
     DEFAULT_SEGMENT_TOKENS,
     Segment,
@@ -103,12 +104,13 @@ def choose_attention_backend(preference: str, available: Iterable[str]) -> str:
         return next(name for name in ATTENTION_BACKENDS if name in available)
     if preference not in ATTENTION_BACKENDS:
         choices = ", ".join(repr(c) for c in ("auto", *ATTENTION_BACKENDS))
-        raise ValueError(f"attention backend {preference!r} is not one of {choices}")
+        raise ModelLoadError(f"model.attention_backend={preference!r} is not one of {choices}")
     if preference not in available:
+        # Bad input, not a crash: a requeue lands on the same kind of node.
         needs = "transformer_engine" if preference == "te" else "flash_attn"
-        raise ValueError(
-            f"attention backend {preference!r} is not available here (needs {needs} and CUDA); "
-            f"available: {', '.join(available)}"
+        raise ModelLoadError(
+            f"model.attention_backend={preference!r} is not available here (needs {needs} and "
+            f"CUDA); available: {', '.join(available)}"
         )
     return preference
 
@@ -116,7 +118,8 @@ def choose_attention_backend(preference: str, available: Iterable[str]) -> str:
 def select_attention_backend(preference: str = "auto") -> str:
     """The backend to use: "te", "flash" or "torch" (see the module docstring for ``auto``).
 
-    An explicit choice that this machine cannot run raises ValueError naming what is available.
+    An explicit choice that this machine cannot run raises ModelLoadError (bad input: exit 2)
+    naming what is available.
     """
     return choose_attention_backend(preference, available_attention_backends())
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from hpc_mca.errors import UserError
 
-class ModelLoadError(ValueError):
+
+class ModelLoadError(UserError):
     """An unsupported model or option, or a checkpoint that does not match its config.
 
     The message is one line naming the file and, where one is involved, the tensor, so a

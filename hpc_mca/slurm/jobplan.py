@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_mca.topology import Layout, LayoutError, Plan, PlanRequest, plan
+from hpc_mca.trainer.config import MAX_CONTEXT_PARALLEL, RESERVED_STAGES, STAGES
 
 from .errors import OpsError
 
@@ -157,12 +158,27 @@ def _request(options: PlanOptions, config: Any, explicit: set[str]) -> PlanReque
     if "global_batch_size" not in fields:
         world = options.nodes * (options.gpus_per_node or _preset_node_size(options))
         fields["global_batch_size"] = DEFAULT_SEQUENCES_PER_GPU * max(world, 1)
+    _refuse_unbuilt(fields)
     try:
-        return PlanRequest(**fields)
+        return PlanRequest(**fields, max_context_parallel=MAX_CONTEXT_PARALLEL)
     except LayoutError as err:
         raise OpsError(str(err)) from None
     except TypeError as err:  # a non-numeric value from a hand-made PlanOptions
         raise OpsError(str(err)) from None
+
+
+def _refuse_unbuilt(fields: dict[str, Any]) -> None:
+    """What the planner can size but the trainer cannot run yet is refused, one line each
+    (context parallelism: the planner's own limit, PlanRequest.max_context_parallel)."""
+    lines, stage = [], fields.get("stage")
+    if stage is not None and stage not in STAGES:
+        why = "is not yet supported by the trainer" if stage in RESERVED_STAGES else "is not valid"
+        lines.append(f"stage={stage!r} {why}; valid: {', '.join(STAGES)}")
+    if fields.get("lora"):
+        lines.append("lora=True (--lora, finetuning_type: lora) is not yet supported by the "
+                     "trainer; valid: full fine-tuning (--no-lora)")
+    if lines:
+        raise OpsError("\n".join(lines))
 
 
 def _from_config(config: Any, explicit: set[str], options: PlanOptions) -> dict[str, Any]:

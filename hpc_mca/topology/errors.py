@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from hpc_mca.errors import UserError
 
-class LayoutError(ValueError):
+
+class LayoutError(UserError):
     """Bad planner input or a layout that breaks a rule.
 
     ``violations`` holds one human-readable line per problem, each naming the field, its value

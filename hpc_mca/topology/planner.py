@@ -24,7 +24,7 @@ from typing import Any
 
 from .errors import LayoutError, raise_if
 from .hardware import GPU_PRESETS, GiB, GpuSpec, get_gpu
-from .layout import Layout, balanced_pipeline_layout, divisors
+from .layout import FIELD_NAMES, Layout, balanced_pipeline_layout, divisors
 from .memory import PRECISIONS, RECOMPUTE, STAGES, MemoryEstimate, Workload, estimate_memory
 from .model import ModelShape
 from .rules import check_layout, seq_alignment
@@ -78,6 +78,9 @@ class PlanRequest:
     """Force none, selective or full activation recompute."""
     use_distributed_optimizer: bool | None = None
     """Force the distributed optimizer on or off; None = on whenever there is DP·CP to shard."""
+    max_context_parallel: int | None = None
+    """The largest CP the trainer that runs the plan supports (None = no limit): the search
+    stays below it and a forced layout above it is refused."""
     shape: ModelShape = field(init=False, repr=False, compare=False)
     """The model as a ModelShape (filled from ``model``)."""
 
@@ -138,9 +141,9 @@ def plan(request: PlanRequest | None = None, /, **fields: Any) -> Plan:
 def _request_violations(req: PlanRequest) -> list[str]:
     lines = []
     for name in ("nodes", "seq_length", "global_batch_size", "gpus_per_node", "lora_rank",
-                 "micro_batch_size"):
+                 "micro_batch_size", "max_context_parallel"):
         value = getattr(req, name)
-        optional = name in ("gpus_per_node", "micro_batch_size")
+        optional = name in ("gpus_per_node", "micro_batch_size", "max_context_parallel")
         if (value is not None or not optional) and (
                 not isinstance(value, int) or isinstance(value, bool) or value < 1):
             lines.append(f"{name}={value!r} must be a positive integer")
@@ -149,6 +152,10 @@ def _request_violations(req: PlanRequest) -> list[str]:
         value = getattr(req, name)
         if value is not None and value not in choices:
             lines.append(f"{name}={value!r} is not valid; valid: {', '.join(choices)}")
+    cap = req.max_context_parallel
+    if req.layout is not None and cap is not None and req.layout.cp > cap:
+        lines.append(f"{FIELD_NAMES['cp']}={req.layout.cp} is not supported by the trainer "
+                     f"yet; valid: at most {cap}")
     try:
         gpu = req.gpu_spec
     except LayoutError as err:
@@ -244,6 +251,8 @@ def _candidates(req: PlanRequest, world: int) -> Iterator[Layout]:
     for tp in (t for t in divisors(req.node_size) if world % t == 0):
         for pp, stages in _pipeline_options(model.num_layers, world // tp):
             for cp in divisors(world // (tp * pp)):
+                if req.max_context_parallel is not None and cp > req.max_context_parallel:
+                    continue
                 if req.seq_length % seq_alignment(cp, tp, tp > 1):
                     continue
                 dp = world // (tp * pp * cp)

@@ -29,12 +29,19 @@ from typing import Any
 
 import yaml
 
-
+from hpc_mca.errors import UserError
 
 STAGES = ("pt", "sft")
 """Training stages with a data pipeline and a loss; routed by ``finetuning.stage``."""
 RESERVED_STAGES = ("dpo",)
 """Stages the entry point will route later (their seam: add the name to STAGES and a builder)."""
+FINETUNING_TYPES = ("full",)
+"""Which parameters train: every one. (``lora`` is refused until LoRA lands: accepting it
+and training every weight would not be what was asked for.)"""
+RESERVED_FINETUNING_TYPES = ("lora",)
+MAX_CONTEXT_PARALLEL = 1
+"""The largest ``parallel.context_parallel_size`` the trainer runs: 1 until batches are
+sharded over CP ranks (the planner proposes no more, and a larger value is refused)."""
 DATASET_FORMATS = ("auto", "text", "alpaca", "sharegpt", "indexed")
 TEMPLATES = ("chat", "plain")
 ATTENTION_BACKENDS = ("auto", "te", "flash", "torch")
@@ -44,7 +51,7 @@ REPORT_TO = ("tensorboard", "none")
 RESOLVED_CONFIG_NAME = "resolved_config.yaml"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """Bad configuration; the message names the dotted field, its value and the valid choices."""
 
 
@@ -107,7 +114,7 @@ class FinetuningArguments:
     stage: str = "sft"
     """pt (next-token loss on all tokens) or sft (loss on responses); dpo is reserved."""
     finetuning_type: str = "full"
-    """full (every parameter) or lora (adapters only)."""
+    """full (every parameter); lora (adapters only) is reserved."""
     lora_rank: int = 8
     """LoRA rank r."""
     lora_alpha: float | None = None

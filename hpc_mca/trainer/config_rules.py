@@ -19,9 +19,12 @@ from hpc_mca.topology import Layout, LayoutError, ModelShape, check_layout
 from .config import (
     ATTENTION_BACKENDS,
     DATASET_FORMATS,
+    FINETUNING_TYPES,
+    MAX_CONTEXT_PARALLEL,
     OPTIMIZER_FORMATS,
     OPTIMIZERS,
     REPORT_TO,
+    RESERVED_FINETUNING_TYPES,
     RESERVED_STAGES,
     STAGES,
     TEMPLATES,
@@ -64,7 +67,10 @@ def _check_finetuning(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"finetuning.stage={ft.stage!r} is not yet supported; valid: "
                           + ", ".join(STAGES))
     _choice("finetuning.stage", ft.stage, STAGES)
-    _choice("finetuning.finetuning_type", ft.finetuning_type, ("full", "lora"))
+    if ft.finetuning_type in RESERVED_FINETUNING_TYPES:
+        raise ConfigError(f"finetuning.finetuning_type={ft.finetuning_type!r} is not yet "
+                          f"supported; valid: {', '.join(FINETUNING_TYPES)}")
+    _choice("finetuning.finetuning_type", ft.finetuning_type, FINETUNING_TYPES)
     _at_least("finetuning.lora_rank", ft.lora_rank, 1)
     if not 0.0 <= ft.lora_dropout < 1.0:
         raise ConfigError(f"finetuning.lora_dropout={ft.lora_dropout} must be in [0, 1)")
@@ -150,6 +156,10 @@ def _check_parallel(config: TrainConfig, world_size: int) -> None:
     if par.overlap_param_gather and not par.use_distributed_optimizer:
         raise ConfigError("parallel.overlap_param_gather=true needs "
                           "parallel.use_distributed_optimizer=true")
+    if par.context_parallel_size > MAX_CONTEXT_PARALLEL:
+        raise ConfigError(f"parallel.context_parallel_size={par.context_parallel_size} is not "
+                          "yet supported (batches are not sharded over context-parallel ranks "
+                          f"yet); valid: at most {MAX_CONTEXT_PARALLEL}")
     if par.tensor_model_parallel_size == 1:
         par.sequence_parallel = False
     if par.expert_tensor_parallel_size is None:

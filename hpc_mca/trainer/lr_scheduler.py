@@ -43,6 +43,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hpc_mca.errors import UserError
+
 __all__ = [
     "MegatronLRScheduler", "SCHEDULER_NAMES", "SchedulerError", "SchedulerSpec",
     "build_lr_scheduler", "get_megatron_lr_scheduler", "resolve_warmup_steps", "scheduler_spec",
@@ -74,7 +76,7 @@ _TYPE = "training.lr_scheduler_type"
 _KW = "training.lr_scheduler_kwargs"
 
 
-class SchedulerError(ValueError):
+class SchedulerError(UserError):
     """A bad scheduler name, kwarg or step count; the message is one line."""
 
 

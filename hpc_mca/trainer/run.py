@@ -30,6 +30,7 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
     env = from_environ()
     config = load_config(config_path, overrides).resolve(env.world_size)
     data_files_exist(config)
+    attention_backend_available(config)
     resume_check(config, env.world_size, _shape(config))  # before any collective, like config errors
     idle = nothing_to_train(config)  # a finished run started again: no need for any rank
     if idle is not None:
@@ -99,6 +100,14 @@ def data_files_exist(config: TrainConfig) -> None:
         check_dataset_path(path, "data.dataset")
     for path in config.data.eval_dataset or ():
         check_dataset_path(path, "data.eval_dataset")
+
+
+def attention_backend_available(config: TrainConfig) -> None:
+    """An explicit ``model.attention_backend`` this machine lacks (``te`` without Transformer
+    Engine or CUDA) is bad input, refused before the process group like a config error."""
+    from hpc_mca.models.attention import select_attention_backend
+
+    select_attention_backend(config.model.attention_backend)
 
 
 def _eval_metric(config: TrainConfig, vocab_size: int, device: torch.device) -> Any:
