@@ -43,7 +43,7 @@ def resume(job_id: str, overrides: tuple[str, ...], nodes: int | None, gpus_per_
     Everything is checked first (job, checkpoint, layout, config); on a problem nothing is
     submitted and nothing deleted.
     """
-    from hpc_mca.checkpoint.continuation import plan_continuation, submit_continuation
+    from hpc_mca.slurm.continuation import plan_continuation, submit_continuation
 
     changes = {"gpus_per_node": gpus_per_node, "gpu": gpu, "tp": tp, "pp": pp, "vp": vp, "ep": ep,
                "distributed_optimizer": distributed_optimizer}

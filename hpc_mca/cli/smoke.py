@@ -57,7 +57,7 @@ def smoke(tp: int, pp: int, vp: int | None, ep: int, experts: int, topk: int,
     except LayoutError as err:
         click.echo(f"hpc-mca smoke: error: {'; '.join(err.violations)}", err=True)
         sys.exit(2)
-    from hpc_mca.runtime.smoke import SmokeConfig
+    from hpc_mca.trainer.smoke import SmokeConfig
 
     cfg = SmokeConfig(model=shape, seq_length=seq_length, global_batch_size=global_batch_size,
                       micro_batch_size=micro_batch_size, steps=steps, distributed_optimizer=distributed_optimizer)
@@ -66,7 +66,7 @@ def smoke(tp: int, pp: int, vp: int | None, ep: int, experts: int, topk: int,
 
 def _run(cfg, layout, seed: int, out: Path | None) -> None:
     from hpc_mca.runtime.distributed import init_distributed, shutdown
-    from hpc_mca.runtime.smoke import run_smoke
+    from hpc_mca.trainer.smoke import run_smoke
 
     ctx = init_distributed(layout, model=cfg.model, seed=seed, global_batch_size=cfg.global_batch_size,
                            micro_batch_size=cfg.micro_batch_size)

@@ -13,6 +13,7 @@ Modules:
 * :mod:`.commands` -- running sbatch/squeue/sacct/scontrol/scancel; the job-state join.
 * :mod:`.manifest` -- the run manifest written at submit, and finding a run by job id.
 * :mod:`.index` -- the user's job index (job id -> run dir), so commands work from anywhere.
+* :mod:`.continuation` -- ``hpc-mca resume``: a run continued in a new job (checked first).
 * :mod:`.progress` -- the progress file the trainer writes (format and tolerant reader).
 * :mod:`.timelimit` -- Slurm time limits and the lead-time signal that must fit in one.
 * :mod:`.submit`, :mod:`.status`, :mod:`.logs`, :mod:`.cancel`, :mod:`.tensorboard` -- what

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import OpsError
@@ -22,6 +22,23 @@ TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NOD
                              "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"})
 """States after which a job does not run again (REQUEUED is not one)."""
 JOB_ID_RE = re.compile(r"\d+(?:_\d+)?")
+
+
+def submit_held(script: str, env: Mapping[str, str], record: Callable[[str], None]) -> str:
+    """Submit ``script`` held, let ``record(job_id)`` write what must exist before the job can
+    start (run directory, manifest, job index), then release it; returns the job id. If
+    anything fails in between, the held job is cancelled: nothing is left queued."""
+    done = run(["sbatch", "--parsable", "--hold"], stdin=script, env=env)
+    job_id = done.stdout.strip().split(";")[0]
+    try:
+        check_job_id(job_id)
+        record(job_id)
+        run(["scontrol", "release", job_id])
+    except BaseException:
+        if job_id:
+            run(["scancel", job_id], check=False)
+        raise
+    return job_id
 
 
 def check_job_id(job_id: str) -> str:

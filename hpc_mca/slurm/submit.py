@@ -21,7 +21,7 @@ from . import commands
 from .errors import OpsError
 from .index import record_job
 from .jobplan import JobPlan, check_train_config, plan_summary
-from .manifest import write_manifest
+from .manifest import MANIFEST_FILE, write_manifest
 from .quoting import filename_pattern
 from .script import RUN_DIR_PATTERN, SbatchOptions, render_script
 from .timelimit import signal_lead
@@ -121,22 +121,17 @@ def submit(job: JobPlan, options: SubmitOptions, argv: Sequence[str]) -> Submitt
         check_train_config(job, str(rendered.run_dir("0")))
     rendered.runs_root.mkdir(parents=True, exist_ok=True)
     env = commands.sbatch_env(drop=[*rendered.knobs, "HPC_MCA_RUN_DIR"])
-    done = commands.run(["sbatch", "--parsable", "--hold"], stdin=rendered.script, env=env)
-    job_id = done.stdout.strip().split(";")[0]
-    try:
-        commands.check_job_id(job_id)
+
+    def record(job_id: str) -> None:
         run_dir = rendered.run_dir(job_id)
         run_dir.mkdir(parents=True, exist_ok=True)
-        script = run_dir / SCRIPT_FILE
-        script.write_text(rendered.script)
-        manifest = write_manifest(run_dir, _manifest(job, rendered, options, job_id, argv))
+        (run_dir / SCRIPT_FILE).write_text(rendered.script)
+        write_manifest(run_dir, _manifest(job, rendered, options, job_id, argv))
         record_job(job_id, run_dir)
-        commands.run(["scontrol", "release", job_id])
-    except BaseException:
-        if job_id:
-            commands.run(["scancel", job_id], check=False)
-        raise
-    return Submitted(job_id, run_dir, rendered.log(job_id), manifest)
+
+    job_id = commands.submit_held(rendered.script, env, record)
+    run_dir = rendered.run_dir(job_id)
+    return Submitted(job_id, run_dir, rendered.log(job_id), run_dir / MANIFEST_FILE)
 
 
 def _manifest(job: JobPlan, rendered: RenderedJob, options: SubmitOptions, job_id: str,

@@ -25,7 +25,7 @@ from transformers.trainer_callback import CallbackHandler, TrainerCallback, Trai
 from hpc_mca.data.dataset import TrainingData, eval_dataloader, train_dataloader
 from hpc_mca.runtime.distributed import RankContext
 from hpc_mca.trainer.callbacks import StepFlowCallback
-from hpc_mca.trainer.config import TrainConfig, total_training_steps
+from hpc_mca.trainer.config import ParallelArguments, TrainConfig, total_training_steps
 from hpc_mca.trainer.lr_scheduler import build_lr_scheduler, resolve_warmup_steps, scheduler_spec
 from hpc_mca.trainer.metrics import MetricsWriter, flops_per_token
 from hpc_mca.trainer.step import make_forward_step, reduce_step_loss
@@ -62,13 +62,14 @@ class Trainer:
 
         self.config, self.ctx, self.data, self.run_dir = config, ctx, data, run_dir
         self.mpu = parallel_state
-        self.model = _wrap_ddp(chunks, config)
+        self.model = wrap_ddp(chunks, config.parallel,
+                              half_precision=config.training.bf16 or config.training.fp16)
         self.max_steps = total_training_steps(config.training, len(data.train))
         tr = config.training
         schedule = scheduler_spec(tr.lr_scheduler_type, tr.lr_scheduler_kwargs, tr.learning_rate,
                                   resolve_warmup_steps(tr.warmup_steps, tr.warmup_ratio, self.max_steps),
                                   self.max_steps)
-        self.optimizer = _build_optimizer(self.model, config, min_lr=schedule.min_lr)
+        self.optimizer = build_optimizer(self.model, optimizer_config(config, min_lr=schedule.min_lr))
         self.lr_scheduler = build_lr_scheduler(schedule, self.optimizer, weight_decay=tr.weight_decay)
         self.forward_backward = get_forward_backward_func()
         self.forward_step = make_forward_step(ctx.device)
@@ -264,12 +265,13 @@ def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
         yield items[start:start + size]
 
 
-def _wrap_ddp(chunks: list[torch.nn.Module], config: TrainConfig) -> list[torch.nn.Module]:
+def wrap_ddp(chunks: list[torch.nn.Module], par: ParallelArguments, *,
+             half_precision: bool = False) -> list[torch.nn.Module]:
     """Megatron DDP around every chunk; bucketing only for the first (ROLL/McaTrainer: later
-    chunks' communication already overlaps the first chunk's compute)."""
+    chunks' communication already overlaps the first chunk's compute). Also used by
+    ``hpc-mca smoke``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    par = config.parallel
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=par.overlap_grad_reduce,
         overlap_param_gather=par.overlap_param_gather, use_distributed_optimizer=par.use_distributed_optimizer,
@@ -279,7 +281,7 @@ def _wrap_ddp(chunks: list[torch.nn.Module], config: TrainConfig) -> list[torch.
     # Gradients cross DP (and the embedding/PP groups) only through this hook; with per-token
     # loss it also divides them by the global real-token count.
     model_config.finalize_model_grads_func = finalize_model_grads
-    if config.training.bf16 or config.training.fp16:
+    if half_precision:
         from megatron.core.transformer.module import Float16Module
 
         # Casts the chunk to half precision and its inputs/outputs at the pipeline ends;
@@ -294,11 +296,18 @@ def _wrap_ddp(chunks: list[torch.nn.Module], config: TrainConfig) -> list[torch.
     return model
 
 
-def _build_optimizer(model: list[torch.nn.Module], config: TrainConfig, min_lr: float) -> Any:
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def build_optimizer(model: list[torch.nn.Module], opt_config: Any) -> Any:
+    """Megatron's optimizer (distributed when the config says so) over the DDP chunks."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    return get_megatron_optimizer(opt_config, model)
+
+
+def optimizer_config(config: TrainConfig, min_lr: float) -> Any:
+    from megatron.core.optimizer import OptimizerConfig
 
     tr, par = config.training, config.parallel
-    opt_config = OptimizerConfig(
+    return OptimizerConfig(
         # Megatron copies lr/min_lr into every param group, where they take precedence over the
         # scheduler's own bounds: both must be the schedule's.
         optimizer=tr.optim, lr=tr.learning_rate, min_lr=min_lr, weight_decay=tr.weight_decay,
@@ -307,4 +316,3 @@ def _build_optimizer(model: list[torch.nn.Module], config: TrainConfig, min_lr: 
         use_distributed_optimizer=par.use_distributed_optimizer,
         optimizer_cpu_offload=par.optimizer_cpu_offload,
     )
-    return get_megatron_optimizer(opt_config, model)

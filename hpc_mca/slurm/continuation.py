@@ -28,23 +28,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_mca.slurm import commands
-from hpc_mca.slurm.errors import OpsError
-from hpc_mca.slurm.index import record_job
-from hpc_mca.slurm.jobplan import JobPlan, PlanOptions, load_train_config, make_job_plan
-from hpc_mca.slurm.manifest import Run, find_run, read_manifest, write_manifest
-from hpc_mca.slurm.quoting import filename_pattern
-from hpc_mca.slurm.script import RUN_DIR_PATTERN, render_script
-from hpc_mca.slurm.submit import SubmitOptions, render_job
-
-from . import compat
-from .store import (
+from hpc_mca.checkpoint import compat
+from hpc_mca.checkpoint.store import (
     CheckpointError,
     CheckpointInfo,
     finished_step,
     latest_checkpoint,
     read_info,
 )
+
+from . import commands
+from .errors import OpsError
+from .index import record_job
+from .jobplan import JobPlan, PlanOptions, load_train_config, make_job_plan
+from .manifest import Run, find_run, read_manifest, write_manifest
+from .quoting import filename_pattern
+from .script import RUN_DIR_PATTERN, render_script
+from .submit import SubmitOptions, render_job
 
 _LAYOUT_FLAGS = ("tp", "pp", "vp", "cp", "ep", "etp")
 
@@ -112,20 +112,12 @@ def plan_continuation(job_id: str, runs_root: Path, *, nodes: int | None = None,
 def submit_continuation(cont: Continuation) -> str:
     """Submit held, record the job in the run's manifest, release; returns the job id. If
     anything fails in between, the held job is cancelled (nothing stays queued)."""
-    env = commands.sbatch_env(drop=[*cont.knobs])
-    done = commands.run(["sbatch", "--parsable", "--hold"], stdin=cont.script, env=env)
-    job_id = done.stdout.strip().split(";")[0]
-    try:
-        commands.check_job_id(job_id)
+    def record(job_id: str) -> None:
         (cont.run.run_dir / f"job_{job_id}.sbatch").write_text(cont.script)
         _record(cont, job_id)
         record_job(job_id, cont.run.run_dir)
-        commands.run(["scontrol", "release", job_id])
-    except BaseException:
-        if job_id:
-            commands.run(["scancel", job_id], check=False)
-        raise
-    return job_id
+
+    return commands.submit_held(cont.script, commands.sbatch_env(drop=[*cont.knobs]), record)
 
 
 # ---- checks ---------------------------------------------------------------------------------

@@ -99,26 +99,20 @@ def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch
 def run_smoke(cfg: SmokeConfig, ctx: RankContext) -> list[dict[str, Any]]:
     """Train ``cfg.steps`` steps on the fixed batch; return per-step loss and grad norm (every
     rank returns the same values: losses are averaged over micro-batches and DP ranks)."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from hpc_mca.trainer.config import ParallelArguments
+    from hpc_mca.trainer.trainer import build_optimizer, wrap_ddp
 
     num_micro = cfg.global_batch_size // (cfg.micro_batch_size * ctx.layout.dp)
     chunks = build_tiny_gpt(cfg.model, cfg.seq_length, ctx)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                               use_distributed_optimizer=cfg.distributed_optimizer)
-    model = [
-        DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0)
-        for i, chunk in enumerate(chunks)
-    ]
-    # The schedule only reduces gradients across DP (and embedding/PP groups) through this hook.
-    chunks[0].config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=cfg.lr, clip_grad=0.0,
-                                                       use_distributed_optimizer=cfg.distributed_optimizer), model)
+    # The trainer's builders: Megatron DDP (gradients cross DP only through its
+    # finalize_model_grads hook) and Megatron's optimizer.
+    model = wrap_ddp(chunks, ParallelArguments(use_distributed_optimizer=cfg.distributed_optimizer))
+    optimizer = build_optimizer(model, OptimizerConfig(
+        optimizer="adam", lr=cfg.lr, clip_grad=0.0,
+        use_distributed_optimizer=cfg.distributed_optimizer))
     forward_backward = get_forward_backward_func()
     tokens = fixed_batch(cfg)
     results = []

@@ -1,0 +1,100 @@
+"""The import direction of hpc_mca's packages, read from the source (no import is executed).
+
+The rule, written once: every module has a layer (the longest matching entry of LAYERS) and
+imports only modules of its own layer or lower ones. The login side (``slurm``, ``cli``) sits
+on top of the rank side; the training loop sits on its checkpointer, models, runtime and
+data, never the other way round.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hpc_mca"
+
+LAYERS = {
+    # 0: contracts everyone shares: the bad-input base class, the run directory's files.
+    "errors": 0, "rundir": 0,
+    # 1: pure planning and data: no torch at import, no knowledge of the trainer.
+    "topology": 1, "data": 1,
+    # 2: the run config and its rules (the login side validates configs with them too).
+    "trainer.config": 2, "trainer.config_rules": 2, "trainer.lr_scheduler": 2,
+    # 3-6: the rank side, bottom up.
+    "runtime": 3, "models": 4, "checkpoint": 5, "trainer": 6,
+    # 7-8: the login side and the entry points.
+    "slurm": 7, "cli": 8, "assets": 8, "__main__": 8, "__init__": 8,
+}
+
+
+def _module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(package).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer(module: str) -> int:
+    """The layer of ``module`` (dotted, below hpc_mca): its longest prefix in LAYERS."""
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in LAYERS:
+            return LAYERS[".".join(parts[:end])]
+    raise KeyError(f"hpc_mca.{module} has no layer: add its package to LAYERS")
+
+
+def _imports(path: Path, module: str) -> list[tuple[int, str]]:
+    """(line, dotted module below hpc_mca) for every hpc_mca import in ``path``."""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            base = package[:len(package) - node.level + 1]
+            names = [".".join([*base, node.module] if node.module else base)]
+            names = ["hpc_mca." + name for name in names]
+            if not node.module:  # from . import x, y: each name is a module or a symbol
+                names = [f"{names[0]}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+            if node.module == "hpc_mca":
+                names = [f"hpc_mca.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found += [(node.lineno, name.removeprefix("hpc_mca.")) for name in names
+                  if name.startswith("hpc_mca.")]
+    return found
+
+
+def violations(package: Path = PACKAGE) -> list[str]:
+    lines = []
+    for path in sorted(package.rglob("*.py")):
+        module = _module_name(path, package)
+        for lineno, target in _imports(path, module):
+            if layer(target) > layer(module):
+                lines.append(f"{path.relative_to(package.parent)}:{lineno}: {module} (layer "
+                             f"{layer(module)}) imports {target} (layer {layer(target)})")
+    return lines
+
+
+def test_no_package_imports_a_higher_one():
+    assert violations() == []
+
+
+def test_the_rule_catches_an_upward_import(tmp_path):
+    """The checker itself: a checkpoint module that imports the login side is reported."""
+    fake = tmp_path / "hpc_mca"
+    (fake / "checkpoint").mkdir(parents=True)
+    (fake / "checkpoint" / "bad.py").write_text(
+        "from hpc_mca.slurm.commands import run\nfrom ..trainer import trainer\n"
+        "from .store import read_tracker\n")
+    assert violations(fake) == [
+        "hpc_mca/checkpoint/bad.py:1: checkpoint.bad (layer 5) imports slurm.commands (layer 7)",
+        "hpc_mca/checkpoint/bad.py:2: checkpoint.bad (layer 5) imports trainer (layer 6)",
+    ]
+
+
+def test_every_module_has_a_layer():
+    for path in PACKAGE.rglob("*.py"):
+        layer(_module_name(path))
