@@ -7,11 +7,13 @@ Modules, in pipeline order:
 * :mod:`.store` - samples in flat arrays, the tokenization cache, Megatron indexed corpora.
 * :mod:`.packing` - best-fit-decreasing packing and its efficiency (no torch).
 * :mod:`.rows` - fixed-length rows (cu_seqlens when packed) and micro-batch collation.
+* :mod:`.batch` - :class:`~.batch.PackedBatch`, a collated micro-batch as one value, and its
+  context-parallel shard (the mirrored 2·CP-chunk layout).
 * :mod:`.sampler` - seed-ordered, data-parallel, resumable sample order (no torch).
 * :mod:`.dataset` - the whole pipeline from a resolved run config.
 * :mod:`.masks` - causal masks, position ids and packed sequence lengths.
 * :mod:`.addition` - the demo task (multi-digit addition) and its exact-match metric.
 
-This package itself imports nothing so that ``import hpc_mca.data`` stays cheap; rows,
+This package itself imports nothing so that ``import hpc_mca.data`` stays cheap; rows, batch,
 dataset, masks and addition import torch when imported.
 """

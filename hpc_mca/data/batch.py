@@ -1,0 +1,103 @@
+"""One micro-batch as one typed value, and this rank's context-parallel share of it.
+
+:class:`PackedBatch` holds what :func:`hpc_mca.data.rows.collate_rows` produces: token ids,
+shifted labels, the loss mask, position ids, the document of each slot and, for packed rows,
+the description of the flattened ``B * S`` stream (``cu_seqlens`` over real lengths,
+``cu_seqlens_padded`` over slots). :meth:`PackedBatch.cp_shard` cuts it for context
+parallelism the way Megatron-Core and Transformer Engine expect:
+
+* every sequence (a row when unpacked, a document's padded span when packed) is cut into
+  ``2·cp`` equal chunks and rank ``r`` keeps chunks ``r`` and ``2·cp-1-r``. Under a causal
+  mask early chunks attend to little and late ones to a lot, so the mirrored pair gives every
+  rank the same attention work;
+* a packed shard keeps the stream description of the whole batch. TE's context-parallel
+  attention takes the global ``cu_seqlens`` together with each rank's tokens in this order
+  (``thd_get_partitioned_indices`` computes the same indices).
+
+Every sequence must be a multiple of ``2·cp`` slots long: the planner's sequence alignment
+rule and the packer's ``align`` see to it, and a batch that breaks it is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from .errors import DataError
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """A collated micro-batch. Unpacked: every tensor is [B, S]. Packed: [B, S] rows that are
+    read as one stream of ``B * S`` slots (or [1, N] once flattened or sharded)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    """Shifted targets; -100 where there is no loss."""
+    loss_mask: torch.Tensor
+    """1.0 where ``labels`` is trained."""
+    position_ids: torch.Tensor
+    """Restart at 0 for every document."""
+    documents: torch.Tensor
+    """The document (1, 2, ...) each slot belongs to, 0 for padding."""
+    cu_seqlens: torch.Tensor | None = None
+    """Packed only: int32 [docs+1], document boundaries over real tokens (leading 0)."""
+    cu_seqlens_padded: torch.Tensor | None = None
+    """Packed only: int32 [docs+1], document boundaries over slots (each span padded)."""
+
+    @classmethod
+    def from_collated(cls, batch: Mapping[str, torch.Tensor]) -> PackedBatch:
+        """From :func:`hpc_mca.data.rows.collate_rows`'s dict."""
+        return cls(batch["input_ids"], batch["labels"], batch["loss_mask"],
+                   batch["position_ids"], batch["attention_mask"],
+                   batch.get("cu_seqlens"), batch.get("cu_seqlens_padded"))
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens_padded is not None
+
+    def _token_fields(self) -> dict[str, torch.Tensor]:
+        return {f: getattr(self, f) for f in
+                ("input_ids", "labels", "loss_mask", "position_ids", "documents")}
+
+    def cp_shard(self, cp_size: int, cp_rank: int) -> PackedBatch:
+        """This CP rank's slots: chunks ``cp_rank`` and ``2·cp_size-1-cp_rank`` of every
+        sequence (see the module docstring); the batch itself when ``cp_size`` is 1."""
+        if not 0 <= cp_rank < cp_size:
+            raise ValueError(f"cp_rank={cp_rank} must be in [0, {cp_size})")
+        if cp_size == 1:
+            return self
+        if self.packed:
+            index = cp_indices(self.cu_seqlens_padded, cp_size, cp_rank)
+            fields = {k: v.reshape(-1)[index.to(v.device)].unsqueeze(0)
+                      for k, v in self._token_fields().items()}
+            return dataclasses.replace(self, **fields)
+        rows, length = self.input_ids.shape
+        chunk = _chunk(length, cp_size, "the row")
+        pair = torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank])
+        fields = {k: v.reshape(rows, 2 * cp_size, chunk)[:, pair.to(v.device)].reshape(rows, -1)
+                  for k, v in self._token_fields().items()}
+        return dataclasses.replace(self, **fields)
+
+
+def cp_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Slot indices of a packed stream that CP rank ``cp_rank`` keeps, in order: for each
+    document's padded span, its chunks ``cp_rank`` and ``2·cp_size-1-cp_rank``."""
+    bounds = cu_seqlens_padded.tolist()
+    parts = []
+    for doc, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        chunk = _chunk(end - start, cp_size, f"document {doc} (slots {start}..{end})")
+        for piece in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            first = start + piece * chunk
+            parts.append(torch.arange(first, first + chunk))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def _chunk(length: int, cp_size: int, what: str) -> int:
+    if length % (2 * cp_size):
+        raise DataError(f"{what} is {length} slots long, not a multiple of 2·CP={2 * cp_size} "
+                        f"(context_parallel_size={cp_size}); valid: pad every sequence to a "
+                        f"multiple of {2 * cp_size}")
+    return length // (2 * cp_size)
