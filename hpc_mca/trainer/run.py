@@ -48,13 +48,16 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
 
 def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> list[Any]:
     from hpc_mca.models.build import build_model
+    from hpc_mca.models.transform import transform_model
+    from hpc_mca.trainer.objective import objective_for
     from hpc_mca.trainer.trainer import Trainer
 
     run_dir = Path(config.training.output_dir)
     if ctx.is_main:
         config.save_resolved(run_dir)
         clear_bad_input(run_dir)  # this run's inputs got it this far
-    data = _datasets(config, ctx)
+    objective = objective_for(config, ctx, _shape(config).vocab_size)
+    data = _datasets(objective, ctx)
     if ctx.is_main:
         print(data.describe(), flush=True)
         print(library_line(), flush=True)
@@ -64,9 +67,10 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
     chunks = build_model(model_dir, ctx, seq_length=_seq_length(config), load_weights=has_weights,
                          attention_backend=config.model.attention_backend,
                          dtype=_dtype(config), config_overrides=_model_overrides(config))
+    chunks = transform_model(chunks, config)  # LoRA, freezing, casts: before DDP wraps them
     shape = _shape(config)
-    trainer = Trainer(config, ctx, chunks, data, run_dir=run_dir, callbacks=callbacks,
-                      eval_metric=_eval_metric(config, shape.vocab_size, ctx.device), model_shape=shape)
+    trainer = Trainer(config, ctx, chunks, data, objective=objective, run_dir=run_dir,
+                      callbacks=callbacks, model_shape=shape)
     # What exists now (imports, model, optimizer, data index) lives to the end of the run: keep
     # it out of the cyclic collector's scans. Megatron calls gc.collect() around checkpoint
     # state dicts, and each full collection over these objects took 0.17 s of a 0.5 s save.
@@ -81,13 +85,11 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
         gc.unfreeze()
 
 
-def _datasets(config: TrainConfig, ctx: RankContext) -> Any:
+def _datasets(objective: Any, ctx: RankContext) -> Any:
     """Rank 0 tokenizes and fills the cache; the others wait and read it."""
-    from hpc_mca.data.dataset import build_datasets
-
     if not ctx.is_main:
         dist.barrier()
-    data = build_datasets(config, vocab_size=_shape(config).vocab_size)
+    data = objective.build_data()
     if ctx.is_main:
         dist.barrier()
     return data
@@ -108,14 +110,6 @@ def attention_backend_available(config: TrainConfig) -> None:
     from hpc_mca.models.attention import select_attention_backend
 
     select_attention_backend(config.model.attention_backend)
-
-
-def _eval_metric(config: TrainConfig, vocab_size: int, device: torch.device) -> Any:
-    if config.finetuning.stage != "sft":
-        return None
-    from hpc_mca.trainer.evaluation import exact_match_accuracy
-
-    return lambda model, rows: exact_match_accuracy(model, rows, config, vocab_size, device)
 
 
 def _layout(config: TrainConfig) -> Layout:

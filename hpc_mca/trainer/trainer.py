@@ -2,13 +2,14 @@
 
 Shaped like Megatron-Core's simple train loop and ROLL's McaTrainer, kept small:
 
-    Trainer(config, ctx, model_chunks, data).train()
+    Trainer(config, ctx, model_chunks, data, objective=objective_for(config, ...)).train()
 
 ``train()`` repeats ``train_step`` (forward-backward over the global batch's micro-batches,
 finalize grads, optimizer step, LR step) until ``max_steps``, logging, evaluating and calling
 the callbacks (transformers' ``TrainerCallback`` protocol) on the way. Everything layout
 specific (pipeline stages, virtual chunks, data-parallel sharding) is Megatron's or the data
-sampler's business; the loop itself does not branch on it.
+sampler's business; the loop itself does not branch on it. What a batch means (forward step,
+loss and its reduction, eval metric) is the stage's :class:`~hpc_mca.trainer.objective.Objective`.
 """
 
 from __future__ import annotations
@@ -28,11 +29,8 @@ from hpc_mca.trainer.callbacks import StepFlowCallback
 from hpc_mca.trainer.config import ParallelArguments, TrainConfig, total_training_steps
 from hpc_mca.trainer.lr_scheduler import build_lr_scheduler, resolve_warmup_steps, scheduler_spec
 from hpc_mca.trainer.metrics import MetricsWriter, flops_per_token
-from hpc_mca.trainer.step import make_forward_step, reduce_step_loss
+from hpc_mca.trainer.objective import Objective
 from hpc_mca.topology import ModelShape
-
-EvalMetric = Callable[[list[torch.nn.Module], Any], dict[str, float]]
-"""(DDP-wrapped model chunks, eval RowDataset) -> extra eval metrics, computed on every rank."""
 
 
 @dataclasses.dataclass
@@ -55,8 +53,8 @@ class Trainer:
     """Runs one training job on this rank."""
 
     def __init__(self, config: TrainConfig, ctx: RankContext, chunks: list[torch.nn.Module],
-                 data: TrainingData, *, run_dir: Path, callbacks: Iterable[TrainerCallback] = (),
-                 eval_metric: EvalMetric | None = None, model_shape: ModelShape | None = None) -> None:
+                 data: TrainingData, *, objective: Objective, run_dir: Path,
+                 callbacks: Iterable[TrainerCallback] = (), model_shape: ModelShape | None = None) -> None:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -72,8 +70,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, optimizer_config(config, min_lr=schedule.min_lr))
         self.lr_scheduler = build_lr_scheduler(schedule, self.optimizer, weight_decay=tr.weight_decay)
         self.forward_backward = get_forward_backward_func()
-        self.forward_step = make_forward_step(ctx.device)
-        self.eval_metric = eval_metric
+        self.objective = objective
+        self.forward_step = objective.forward_step()
+        self.eval_metric = objective.eval_metric()
         self.state = TrainerState(max_steps=self.max_steps, logging_steps=config.training.logging_steps,
                                   eval_steps=config.training.eval_steps or 0, is_world_process_zero=ctx.is_main)
         self.control = TrainerControl()
@@ -204,10 +203,7 @@ class Trainer:
         return [iter(micro_batches) for _ in self.model]
 
     def _reduce(self, outputs: list[dict[str, torch.Tensor]], input_tokens: int = 0) -> tuple[float, int, int]:
-        return reduce_step_loss(outputs, self.mpu.get_data_parallel_group(),
-                                self.mpu.get_pipeline_model_parallel_group(),
-                                self.mpu.is_pipeline_last_stage(ignore_virtual=True), self.ctx.device,
-                                input_tokens)
+        return self.objective.reduce_loss(outputs, input_tokens)
 
     def _grads_finite(self) -> bool:
         """All reduced gradients finite on every rank (one all-reduce of a flag)."""

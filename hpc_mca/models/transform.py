@@ -1,0 +1,33 @@
+"""Model transforms: what happens to the built model chunks before DDP wraps them.
+
+The seam between :func:`hpc_mca.models.build.build_model` and the trainer's DDP wrap is where
+a run changes what trains and how: LoRA adapters (and freezing the base weights), freezing
+layers, dtype casts. A transform takes this rank's chunks and returns the chunks to train;
+it runs on every rank, after the weights are loaded, so it sees the real model.
+
+``finetuning.finetuning_type`` selects the transform in :data:`TRANSFORMS`, one table. Only
+``full`` (every parameter trains: the identity) exists now; ``lora`` is refused by the config
+rules until its transform lands here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+ModelTransform = Callable[[list[torch.nn.Module], Any], list[torch.nn.Module]]
+"""(model chunks, the resolved TrainConfig) -> the chunks to train."""
+
+
+def full(chunks: list[torch.nn.Module], config: Any) -> list[torch.nn.Module]:
+    """Every parameter trains, as built."""
+    return chunks
+
+
+TRANSFORMS: dict[str, ModelTransform] = {"full": full}
+
+
+def transform_model(chunks: list[torch.nn.Module], config: Any) -> list[torch.nn.Module]:
+    """Apply the transform ``config.finetuning.finetuning_type`` selects."""
+    return TRANSFORMS[config.finetuning.finetuning_type](chunks, config)

@@ -1,0 +1,93 @@
+"""Training objectives: what a stage (pt, sft, later dpo and the MTP loss) brings to the loop.
+
+The loop (:class:`hpc_mca.trainer.trainer.Trainer`) knows Megatron's schedules, DDP, the
+optimizer and checkpoints; it does not know what a batch means. An :class:`Objective` owns
+that:
+
+* ``build_data``: the train/eval rows of its stage (a preference pair for dpo, say);
+* ``forward_step``: the ``forward_step_func`` Megatron's schedule calls per micro-batch, and
+  the loss function it returns;
+* ``reduce_loss``: the step's loss from the schedule's outputs, reduced over micro-batches,
+  data-parallel (and later context-parallel) ranks and the pipeline;
+* ``eval_metric``: an extra evaluation metric, if the stage has one;
+* ``auxiliary_models``: models the objective needs beside the trained one (dpo's frozen
+  reference), built by the objective, neither wrapped in DDP nor checkpointed.
+
+The stage name selects the objective in :data:`OBJECTIVES`, one table.
+pt and sft both train next-token prediction with Megatron's per-token loss contract (see
+:mod:`hpc_mca.trainer.step`); they differ in the data (sft masks the prompt's labels) and in
+sft's exact-match metric.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+
+from hpc_mca.runtime.distributed import RankContext
+
+from .config import TrainConfig
+from .step import make_forward_step, reduce_step_loss
+
+EvalMetric = Callable[[list[torch.nn.Module], Any], dict[str, float]]
+"""(DDP-wrapped model chunks, eval RowDataset) -> extra eval metrics, computed on every rank."""
+ForwardStep = Callable[[Iterator[dict[str, torch.Tensor]], torch.nn.Module], Any]
+
+
+class Objective:
+    """Next-token prediction: the loss is the mean over every real token of the global batch."""
+
+    name = "pt"
+
+    def __init__(self, config: TrainConfig, ctx: RankContext, vocab_size: int) -> None:
+        self.config, self.ctx, self.vocab_size = config, ctx, vocab_size
+
+    def build_data(self) -> Any:
+        """This stage's :class:`~hpc_mca.data.dataset.TrainingData` (token ids beyond the
+        model's vocabulary are bad input)."""
+        from hpc_mca.data.dataset import build_datasets
+
+        return build_datasets(self.config, vocab_size=self.vocab_size)
+
+    def forward_step(self) -> ForwardStep:
+        return make_forward_step(self.ctx.device)
+
+    def reduce_loss(self, outputs: list[dict[str, torch.Tensor]], input_tokens: int = 0
+                    ) -> tuple[float, int, int]:
+        """(mean loss per real token, real tokens, input tokens) of a global batch, the same
+        on every rank (a collective over the DP and PP groups)."""
+        from megatron.core import parallel_state as mpu
+
+        return reduce_step_loss(outputs, mpu.get_data_parallel_group(),
+                                mpu.get_pipeline_model_parallel_group(),
+                                mpu.is_pipeline_last_stage(ignore_virtual=True), self.ctx.device,
+                                input_tokens)
+
+    def eval_metric(self) -> EvalMetric | None:
+        return None
+
+    def auxiliary_models(self) -> list[torch.nn.Module]:
+        return []
+
+
+class SftObjective(Objective):
+    """Next-token prediction on the responses (the data masks the prompts), plus exact-match
+    accuracy of greedy answers on the eval rows."""
+
+    name = "sft"
+
+    def eval_metric(self) -> EvalMetric | None:
+        from hpc_mca.trainer.evaluation import exact_match_accuracy
+
+        config, vocab, device = self.config, self.vocab_size, self.ctx.device
+        return lambda model, rows: exact_match_accuracy(model, rows, config, vocab, device)
+
+
+OBJECTIVES: dict[str, type[Objective]] = {"pt": Objective, "sft": SftObjective}
+"""Stage name -> objective. A new stage adds its class here and its name to
+:data:`hpc_mca.trainer.config.STAGES`."""
+
+
+def objective_for(config: TrainConfig, ctx: RankContext, vocab_size: int) -> Objective:
+    return OBJECTIVES[config.finetuning.stage](config, ctx, vocab_size)

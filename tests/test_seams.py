@@ -1,0 +1,30 @@
+"""The rooms where new stages and model transforms go: one table each, in step with the
+config rules (a stage or finetuning type the config accepts always has its implementation)."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from hpc_mca.models.transform import TRANSFORMS, transform_model
+from hpc_mca.trainer.config import FINETUNING_TYPES, STAGES, TrainConfig
+from hpc_mca.trainer.objective import OBJECTIVES, SftObjective
+
+
+def test_every_accepted_stage_has_an_objective_and_every_finetuning_type_a_transform():
+    assert set(OBJECTIVES) == set(STAGES)
+    assert set(TRANSFORMS) == set(FINETUNING_TYPES)
+
+
+def test_sft_alone_adds_the_exact_match_metric():
+    assert OBJECTIVES["sft"] is SftObjective
+    ctx = types.SimpleNamespace(device=torch.device("cpu"))
+    assert OBJECTIVES["pt"](TrainConfig(), ctx, 32).eval_metric() is None
+    assert OBJECTIVES["sft"](TrainConfig(), ctx, 32).eval_metric() is not None
+
+
+def test_full_finetuning_trains_the_model_as_built():
+    chunks = [torch.nn.Linear(2, 2)]
+    assert transform_model(chunks, TrainConfig()) is chunks
+    assert all(p.requires_grad for p in chunks[0].parameters())
