@@ -2,8 +2,9 @@
 
 A run directory (``<runs root>/<job name>_<job id>``, the trainer's ``output_dir``) is shared
 by the login node (``hpc-mca submit/status/resume/cancel``), the batch script and the ranks.
-The names below are the contract between them; the batch script (rendered by
-:mod:`hpc_mca.slurm.script`) spells the same names in bash, and a test keeps the two equal.
+The names below are the contract between them and :func:`write_atomic` is how every JSON or
+text file of it is written; the batch script (rendered by :mod:`hpc_mca.slurm.script`) spells
+the same names in bash, and a test keeps the two equal.
 The requeue protocol that reads them is described in :mod:`hpc_mca.checkpoint.requeue`.
 
 Pure Python, no torch: the login-node commands import it.
@@ -36,6 +37,46 @@ going)."""
 FINISHED_FILE = "finished"
 """Rank 0, after the last step's checkpoint: the run completed (see hpc_mca.checkpoint.store)."""
 TENSORBOARD_DIR = "tensorboard"
+PROGRESS_FILE = "progress.json"
+"""Rank 0: step, loss, throughput, last checkpoint (format: hpc_mca.slurm.progress)."""
+STEPS_FILE = "steps.jsonl"
+"""Rank 0: one JSON line per optimizer step."""
+MANIFEST_FILE = "manifest.json"
+"""``hpc-mca submit``/``resume``: how the run was submitted (hpc_mca.slurm.manifest)."""
+RESOLVED_CONFIG_FILE = "resolved_config.yaml"
+"""Rank 0: the run config as the ranks resolved it."""
+
+
+def write_atomic(path: Path, text: str, *, durable: bool = False) -> Path:
+    """Write ``text`` to ``path`` so that a reader sees the old or the new content, never a
+    part of it (a temp file in the same directory, then a rename). ``durable`` also fsyncs the
+    file and the directory, for what must survive a crash (checkpoint records, the tracker).
+    Concurrent writers each leave a whole file (the temp name carries the pid)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as out:
+        out.write(text)
+        if durable:
+            out.flush()
+            os.fsync(out.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+    return path
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename/creation in ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def tensorboard_dir(run_dir: Path) -> Path:
@@ -64,14 +105,10 @@ def record_bad_input(message: str, run_dir: Path | None = None) -> Path | None:
     rank = env.get("RANK", env.get("SLURM_PROCID", "0"))
     detail = (f"job={env.get('SLURM_JOB_ID', '')} restart={env.get('SLURM_RESTART_COUNT', '0')} "
               f"rank={rank} time={time.time():.3f}")
-    path = run_dir / BAD_INPUT_FILE
-    tmp = run_dir / f".{BAD_INPUT_FILE}.{os.getpid()}.tmp"
-    try:
-        tmp.write_text(f"{reason}\n{detail}\n", encoding="utf-8")
-        os.replace(tmp, path)  # ranks failing together each leave a whole record
+    try:  # ranks failing together each leave a whole record
+        return write_atomic(run_dir / BAD_INPUT_FILE, f"{reason}\n{detail}\n")
     except OSError:
         return None
-    return path
 
 
 def read_bad_input(run_dir: Path) -> str | None:

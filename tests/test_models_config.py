@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import hpc_mca
 from hpc_mca.models.checkpoint import inspect_checkpoint
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_config import SUPPORTED_MODEL_TYPES, read_hf_config
@@ -282,3 +283,49 @@ def test_build_model_fails_before_allocating(llama, tmp_path, monkeypatch):
                     str(model / "model.safetensors"))
     _edit_config(model, model_type="phi3")
     _one_line_error(lambda: build.build_model(model, ctx), "'phi3'")
+
+
+# --- the planner's reader and the model builder's reader agree ------------------------------
+
+
+def _family_configs() -> dict[str, dict]:
+    """Every config the suite builds models from: the bundled demo's and each family's."""
+    import transformers
+    from test_models import COMMON, EXTRA, FAMILIES
+
+    configs = {"demo": json.loads((Path(hpc_mca.__file__).parent / "assets" / "demo" /
+                                   "config.json").read_text())}
+    for name, (config_class, overrides, *_) in {**FAMILIES, **EXTRA}.items():
+        configs[name] = getattr(transformers, config_class)(**{**COMMON, **overrides}).to_dict()
+    # tests/trainer_fixtures.make_model_dir's two models.
+    fixture = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                   tie_word_embeddings=False)
+    configs["fixture_llama"] = transformers.LlamaConfig(**fixture).to_dict()
+    configs["fixture_moe"] = transformers.Qwen3MoeConfig(
+        **fixture, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32).to_dict()
+    return configs
+
+
+@pytest.mark.parametrize("name, config", list(_family_configs().items()))
+def test_planner_shape_and_builder_spec_read_the_same_model(name, config):
+    """The topology planner sizes memory from ModelShape (hpc_mca.topology.model, no
+    transformers); the builder builds from HFModelSpec (hpc_mca.models.hf_config). Two
+    readers, one model: every dimension the planner uses must be the builder's."""
+    from hpc_mca.topology import ModelShape
+
+    shape, spec = ModelShape.from_hf_config(config), read_hf_config(config)
+    builder = {"num_layers": spec.num_layers, "hidden_size": spec.hidden_size,
+               "num_attention_heads": spec.num_attention_heads,
+               "num_query_groups": spec.num_query_groups, "vocab_size": spec.vocab_size,
+               "num_experts": spec.num_experts, "moe_router_topk": spec.moe_router_topk,
+               "tie_word_embeddings": spec.tie_word_embeddings,
+               "head_dim": spec.head_dim}
+    planner = {key: getattr(shape, key) for key in builder}
+    planner["head_dim"] = shape.head_dim or shape.hidden_size // shape.num_attention_heads
+    assert planner == builder
+    if spec.is_moe:
+        assert shape.expert_ffn_hidden_size == spec.moe_ffn_hidden_size
+    else:
+        assert shape.ffn_hidden_size == spec.ffn_hidden_size

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc_mca.rundir import fsync_dir, write_atomic
+
 from . import compat
 from .helper import start_writer_helper, warm_writer_helper
 from .space import (
@@ -52,12 +54,10 @@ from .store import (
     checkpoints_dir,
     clear_finished,
     finished_step,
-    fsync_dir,
     iter_name,
     mark_finished,
     prune,
     read_tracker,
-    write_json_atomic,
     write_tracker,
 )
 
@@ -283,7 +283,7 @@ class Checkpointer:
         tmp, final = self.root / f"{name}.tmp", self.root / name
         if not (tmp / ".metadata").is_file():
             raise CheckpointError(f"checkpoint {name}: {tmp}/.metadata is missing; not committed")
-        write_json_atomic(tmp / INFO_FILE, info.to_json())
+        write_atomic(tmp / INFO_FILE, info.to_json(), durable=True)
         if final.exists():
             # A complete copy of this step from an earlier, interrupted run. The tracker cannot
             # name it (a resumed run never saves its starting step again), so replace it.
@@ -420,5 +420,5 @@ def _truncate_steps(path: Path, step: int) -> None:
         return
     kept = [line for line in path.read_text().splitlines()
             if line.strip() and json.loads(line).get("step", 0) <= step]
-    write_json_atomic(path, "".join(line + "\n" for line in kept))
+    write_atomic(path, "".join(line + "\n" for line in kept), durable=True)
 

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc_mca.rundir import FINISHED_FILE
+from hpc_mca.rundir import FINISHED_FILE, fsync_dir, write_atomic
 
 CHECKPOINTS_DIR = "checkpoints"
 TRACKER_FILE = "latest"
@@ -89,32 +89,6 @@ class CheckpointInfo:
         return cls(**known)
 
 
-def write_json_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old or the new content, never a part:
-    temp file in the same directory, fsync, rename, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as out:
-        out.write(text)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename/creation in ``path`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def read_tracker(root: Path) -> str | None:
     """The checkpoint name ``latest`` points at, or None when there is none yet."""
     try:
@@ -128,7 +102,7 @@ def read_tracker(root: Path) -> str | None:
 
 
 def write_tracker(root: Path, name: str) -> None:
-    write_json_atomic(root / TRACKER_FILE, name + "\n")
+    write_atomic(root / TRACKER_FILE, name + "\n", durable=True)
 
 
 def read_info(ckpt_dir: Path) -> CheckpointInfo:
@@ -203,7 +177,7 @@ def mark_finished(run_dir: Path, step: int, steps_per_epoch: int | None = None) 
     record: dict[str, Any] = {"step": step, "time": time.time()}
     if steps_per_epoch is not None:
         record["steps_per_epoch"] = steps_per_epoch  # so a login node can size an extension
-    write_json_atomic(run_dir / FINISHED_FILE, json.dumps(record) + "\n")
+    write_atomic(run_dir / FINISHED_FILE, json.dumps(record) + "\n", durable=True)
 
 
 def read_finished(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:

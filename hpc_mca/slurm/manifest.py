@@ -34,11 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc_mca.rundir import MANIFEST_FILE, write_atomic
+
 from . import commands
 from .errors import OpsError
 from .index import indexed_run_dir
 
-MANIFEST_FILE = "manifest.json"
 VERSION = 1
 
 
@@ -49,11 +50,8 @@ def default_runs_root() -> Path:
 
 def write_manifest(run_dir: Path, data: Mapping[str, Any]) -> Path:
     """Write ``data`` as the run's manifest, atomically; returns its path."""
-    path = run_dir / MANIFEST_FILE
-    tmp = run_dir / f".{MANIFEST_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"version": VERSION, **data}, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_atomic(run_dir / MANIFEST_FILE,
+                        json.dumps({"version": VERSION, **data}, indent=1) + "\n")
 
 
 def read_manifest(run_dir: Path) -> dict[str, Any] | None:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PROGRESS_FILE = "progress.json"
+from hpc_mca.rundir import PROGRESS_FILE, write_atomic
 
 
 @dataclass(frozen=True)
@@ -83,12 +83,9 @@ def write_progress(run_dir: str | os.PathLike[str], **fields: Any) -> Path:
 
     ``updated`` is filled in unless given. Returns the file's path.
     """
-    path = Path(run_dir) / PROGRESS_FILE
     data = {"updated": time.time(), **fields}
-    tmp = path.with_name(f".{PROGRESS_FILE}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_atomic(Path(run_dir) / PROGRESS_FILE,
+                        json.dumps(data, indent=1, allow_nan=False) + "\n")
 
 
 def read_progress(run_dir: str | os.PathLike[str]) -> Progress | None:

@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from hpc_mca.errors import UserError
+from hpc_mca.rundir import RESOLVED_CONFIG_FILE, write_atomic
 
 STAGES = ("pt", "sft")
 """Training stages with a data pipeline and a loss; routed by ``finetuning.stage``."""
@@ -48,7 +49,7 @@ ATTENTION_BACKENDS = ("auto", "te", "flash", "torch")
 OPTIMIZERS = ("adam", "sgd")
 OPTIMIZER_FORMATS = ("model_space", "fully_reshardable", "dp_reshardable")
 REPORT_TO = ("tensorboard", "none")
-RESOLVED_CONFIG_NAME = "resolved_config.yaml"
+RESOLVED_CONFIG_NAME = RESOLVED_CONFIG_FILE
 
 
 class ConfigError(UserError):
@@ -263,12 +264,8 @@ class TrainConfig:
 
     def save_resolved(self, run_dir: str | os.PathLike[str]) -> Path:
         """Write the config to ``run_dir/resolved_config.yaml`` (atomically); return the path."""
-        path = Path(run_dir) / RESOLVED_CONFIG_NAME
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(self.to_yaml())
-        os.replace(tmp, path)
-        return path
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        return write_atomic(Path(run_dir) / RESOLVED_CONFIG_NAME, self.to_yaml())
 
     @property
     def micro_batches_per_step(self) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hpc_mca.rundir import tensorboard_dir
+from hpc_mca.rundir import PROGRESS_FILE, STEPS_FILE, tensorboard_dir, write_atomic
 from hpc_mca.topology import ModelShape
 
 # Dense bf16 peak TFLOP/s per GPU model, for the MFU estimate (vendor data sheets, no sparsity).
@@ -108,7 +108,7 @@ class MetricsWriter:
     def record_step(self, **fields: Any) -> None:
         """Append one step's numbers to steps.jsonl."""
         if self.enabled:
-            with open(self.run_dir / "steps.jsonl", "a", encoding="utf-8") as out:
+            with open(self.run_dir / STEPS_FILE, "a", encoding="utf-8") as out:
                 out.write(json.dumps(fields) + "\n")
 
     def write_progress(self, **fields: Any) -> None:
@@ -116,10 +116,8 @@ class MetricsWriter:
         if not self.enabled:
             return
         self.progress.update(fields, updated=time.time())
-        path = self.run_dir / "progress.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.progress, indent=1, default=_jsonable))
-        os.replace(tmp, path)
+        write_atomic(self.run_dir / PROGRESS_FILE,
+                     json.dumps(self.progress, indent=1, default=_jsonable))
 
     def close(self) -> None:
         if self.tb is not None:
