@@ -98,3 +98,56 @@ def test_the_rule_catches_an_upward_import(tmp_path):
 def test_every_module_has_a_layer():
     for path in PACKAGE.rglob("*.py"):
         layer(_module_name(path))
+
+
+# The checkpointer sees the training loop only through checkpoint.state.Resumable (model,
+# optimizer, state_dict/load_state_dict): no function of these packages sets an attribute of an
+# object it was handed (``trainer.state.global_step = ...`` with ``trainer`` a parameter); it
+# may set its own (``self.x``).
+OWN_STATE_ONLY = ("checkpoint",)
+
+
+def _root(node: ast.expr) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def foreign_attribute_writes(package: Path = PACKAGE) -> list[str]:
+    lines = []
+    for path in sorted(package.rglob("*.py")):
+        module = _module_name(path, package)
+        if not module.startswith(OWN_STATE_ONLY):
+            continue
+        for func in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            args = func.args
+            handed = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]} - {"self", "cls"}
+            for node in ast.walk(func):
+                for leaf in ast.walk(node) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) else ():
+                    if isinstance(leaf, ast.Attribute) and isinstance(leaf.ctx, ast.Store) \
+                            and _root(leaf) in handed:
+                        lines.append(f"{path.relative_to(package.parent)}:{node.lineno}: "
+                                     f"{module}.{func.name} sets {ast.unparse(leaf)}")
+    return lines
+
+
+def test_the_checkpointer_writes_no_attribute_of_the_loop():
+    assert foreign_attribute_writes() == []
+
+
+def test_the_attribute_rule_catches_a_write_from_outside(tmp_path):
+    """The checker itself: the pre-refactor resume (the checkpointer setting the trainer's
+    counters) is reported; a checkpointer's own attributes are not."""
+    fake = tmp_path / "hpc_mca" / "checkpoint"
+    fake.mkdir(parents=True)
+    (fake / "bad.py").write_text(
+        "def resume(self, trainer, saved):\n"
+        "    self.last_saved_step = saved['global_step']\n"
+        "    trainer.state.global_step = saved['global_step']\n"
+        "    trainer.skipped_iters += 1\n")
+    assert foreign_attribute_writes(fake.parent) == [
+        "hpc_mca/checkpoint/bad.py:3: checkpoint.bad.resume sets trainer.state.global_step",
+        "hpc_mca/checkpoint/bad.py:4: checkpoint.bad.resume sets trainer.skipped_iters",
+    ]

@@ -1,9 +1,13 @@
-"""Saving and resuming a training run: the Checkpointer a Trainer is given.
+"""Saving and resuming a training run: the Checkpointer a Trainer owns and calls.
 
-    checkpointer = Checkpointer(config, ctx, run_dir, model_shape)
-    checkpointer.attach(trainer)      # trainer.on_save = checkpointer.save; resume if possible
-    trainer.train()
-    checkpointer.finish(trainer, stopped=...)
+    checkpointer = Checkpointer(config, ctx, run_dir, model_shape, loop=trainer, progress=...)
+    checkpointer.resume()             # from the run's checkpoint, if any
+    checkpointer.save(reason)         # at a step boundary the trainer chose
+    checkpointer.finalize(finished=...)
+
+The loop is seen through :class:`~.state.Resumable` only (model chunks, optimizer and the
+loop's ``state_dict``/``load_state_dict``): the checkpointer decides nothing about when to save
+or stop, and writes no attribute of the loop.
 
 Saves go through ``megatron.core.dist_checkpointing`` with the torch_dist backend and the
 fully-parallel save wrapper over the data-parallel group (every DP replica writes a share of
@@ -28,12 +32,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from hpc_mca.rundir import fsync_dir, write_atomic
+from hpc_mca.rundir import STEPS_FILE, fsync_dir, write_atomic
 
 from . import compat
 from .helper import start_writer_helper, warm_writer_helper
@@ -46,7 +50,7 @@ from .space import (
     space_message,
     tree_bytes,
 )
-from .state import build_state, load_optimizer, model_state, restore_rng, sharded_metadata, unwrap
+from .state import Resumable, build_state, load_optimizer, loop_state, model_state, sharded_metadata, unwrap
 from .store import (
     INFO_FILE,
     CheckpointError,
@@ -63,12 +67,17 @@ from .store import (
 
 
 class Checkpointer:
-    """Save/resume for one rank of one run; every method is called on every rank."""
+    """Save/resume for one rank of one run; every method is called on every rank.
 
-    def __init__(self, config: Any, ctx: Any, run_dir: Path, model_shape: Any) -> None:
+    ``loop``: what is saved and resumed; ``progress``: the run's progress.json writer (fields
+    merged in), where the last durable checkpoint and the finished state are shown.
+    """
+
+    def __init__(self, config: Any, ctx: Any, run_dir: Path, model_shape: Any, *, loop: Resumable,
+                 progress: Callable[..., None]) -> None:
         tr = config.training
         self.config, self.ctx, self.run_dir = config, ctx, Path(run_dir)
-        self.model_shape = model_shape
+        self.model_shape, self.loop, self._write_progress = model_shape, loop, progress
         self.root = checkpoints_dir(run_dir)
         self.keep, self.async_save = tr.save_total_limit, tr.async_save
         self.records = compat.records(config, ctx.env.world_size, model_shape)
@@ -76,30 +85,21 @@ class Checkpointer:
         self.last_saved_step: int | None = None
         self.last_durable: dict[str, Any] | None = None
         self.stop_time: float | None = None
-        """When the stop was requested (the batch shell's record of the signal, else when the
-        ranks agreed; set by the StopRequest callback), for the signal-to-durable line."""
-        self.stop_reason: str | None = None
+        """When a stop was requested (given to :meth:`save`), for the signal-to-durable line
+        of the save that commits after it."""
         self._warm: threading.Thread | None = None
         self._save_strategy: Any = None
         self._async_queue: Any = None
-        self._metrics: Any = None
-
-    # ---- wiring -------------------------------------------------------------------------------
-
-    def attach(self, trainer: Any) -> CheckpointInfo | None:
-        """Become ``trainer``'s save hook and resume it from the run's checkpoint, if any."""
-        trainer.on_save = self.save
-        self._metrics = trainer.metrics
-        start_writer_helper()
-        self._warm = threading.Thread(target=warm_writer_helper, daemon=True)
-        self._warm.start()
-        return self.resume(trainer)
 
     # ---- resume -------------------------------------------------------------------------------
 
-    def resume(self, trainer: Any) -> CheckpointInfo | None:
-        """Load the checkpoint ``training.resume_from_checkpoint`` selects into ``trainer``
-        (model, optimizer, LR scheduler, step, samples, RNG); None for a fresh start."""
+    def resume(self) -> CheckpointInfo | None:
+        """Start the checkpoint writer's helper, then load the checkpoint
+        ``training.resume_from_checkpoint`` selects into the loop (model, optimizer, and its
+        state dict: LR scheduler, step, samples, RNG); None for a fresh start."""
+        start_writer_helper()
+        self._warm = threading.Thread(target=warm_writer_helper, daemon=True)
+        self._warm.start()
         found = compat.resume_check(self.config, self.ctx.env.world_size, self.model_shape)
         if found is None:
             return None
@@ -109,25 +109,19 @@ class Checkpointer:
         # save_optimizer_format, or an older checkpoint predate a new default).
         saved_format = info.training.get("optimizer_format", self.optimizer_format)
         started = time.perf_counter()
-        loaded = self._load(trainer, path, with_rng, saved_format)
-        for i, chunk in enumerate(trainer.model):
-            key = "model" if len(trainer.model) == 1 else f"model{i}"
+        loaded = self._load(path, with_rng, saved_format)
+        model = self.loop.model
+        for i, chunk in enumerate(model):
+            key = "model" if len(model) == 1 else f"model{i}"
             unwrap(chunk).load_state_dict(loaded[key], strict=True)
-        load_optimizer(trainer.optimizer, loaded["optimizer"],
-                       model_state(trainer.model, sharded_metadata(saved_format)))
-        trainer.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
-        saved = loaded["trainer"]
-        trainer.state.global_step = saved["global_step"]
-        trainer.consumed_samples = saved["consumed_samples"]
-        trainer.skipped_iters = saved["skipped_iters"]
-        if with_rng:
-            restore_rng(loaded["rng_state"])
+        load_optimizer(self.loop.optimizer, loaded["optimizer"],
+                       model_state(model, sharded_metadata(saved_format)))
+        self.loop.load_state_dict(loop_state(loaded, with_rng))
         self.last_saved_step = info.step
-        self._after_resume(info, path, with_rng, time.perf_counter() - started,
-                           getattr(trainer.lr_scheduler, "rederived", {}))
+        self._after_resume(info, path, with_rng, time.perf_counter() - started)
         return info
 
-    def _load(self, trainer: Any, path: Path, with_rng: bool, optimizer_format: str) -> dict[str, Any]:
+    def _load(self, path: Path, with_rng: bool, optimizer_format: str) -> dict[str, Any]:
         from megatron.core import dist_checkpointing, parallel_state
         from megatron.core.dist_checkpointing.serialization import (
             get_default_load_sharded_strategy,
@@ -136,7 +130,7 @@ class Checkpointer:
             FullyParallelLoadStrategyWrapper,
         )
 
-        template = build_state(trainer, loading=True, with_rng=with_rng, config=None,
+        template = build_state(self.loop, loading=True, with_rng=with_rng, config=None,
                                optimizer_format=optimizer_format)
         strategy = get_default_load_sharded_strategy(str(path))
         if self.ctx.device.type == "cuda":
@@ -149,18 +143,15 @@ class Checkpointer:
                 strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
         return dist_checkpointing.load(template, str(path), strategy)
 
-    def _after_resume(self, info: CheckpointInfo, path: Path, with_rng: bool, seconds: float,
-                      rederived: dict[str, tuple[Any, Any]]) -> None:
+    def _after_resume(self, info: CheckpointInfo, path: Path, with_rng: bool, seconds: float) -> None:
         if self.ctx.is_main:
-            _truncate_steps(self.run_dir / "steps.jsonl", info.step)
+            _truncate_steps(self.run_dir / STEPS_FILE, info.step)
             changes = compat.describe_changes(info, self.records["layout"])
             batch = compat.describe_batch_changes(info, self.records["training"])
-            schedule = ", ".join(f"{k} {old}->{new}" for k, (old, new) in rederived.items())
             print(f"resumed from {path} at step {info.step} ({info.consumed_samples} samples) "
                   f"in {seconds:.2f} s" + (f"; layout changed: {changes}" if changes else "")
                   + (f"; {batch}" if batch else "")
-                  + ("" if with_rng else "; per-rank RNG states not restored (layout changed)")
-                  + (f"; LR schedule re-derived for this config: {schedule}" if schedule else ""),
+                  + ("" if with_rng else "; per-rank RNG states not restored (layout changed)"),
                   flush=True)
             self.last_durable = {"step": info.step, "path": str(path), "time": info.saved_at}
             self._progress(last_checkpoint=self.last_durable)
@@ -168,12 +159,15 @@ class Checkpointer:
 
     # ---- save ---------------------------------------------------------------------------------
 
-    def save(self, trainer: Any, reason: str | None = None) -> None:
-        """Checkpoint ``trainer`` at its current step (once per step; the Trainer's on_save)."""
-        step = trainer.state.global_step
-        reason = reason or self.stop_reason or ("end" if step >= trainer.max_steps else "interval")
+    def save(self, reason: str, *, stop_time: float | None = None) -> None:
+        """Checkpoint the loop at its current step, once per step (a second call at the same
+        step does nothing). ``reason``: why (interval, end, signal, callback), recorded in
+        checkpoint.json; ``stop_time``: when the stop this save serves was requested."""
+        counters = self.loop.state_dict()["trainer"]
+        step = counters["global_step"]
         if step == self.last_saved_step:
             return
+        self.stop_time = stop_time if stop_time is not None else self.stop_time
         self.wait()  # one save in flight at a time: the previous one commits first
         from megatron.core import dist_checkpointing
 
@@ -183,9 +177,9 @@ class Checkpointer:
         if self._warm is not None:
             self._warm.join()
         self._prepare(name, tmp)
-        state = build_state(trainer, loading=False, with_rng=True, config=self.config.to_dict(),
+        state = build_state(self.loop, loading=False, with_rng=True, config=self.config.to_dict(),
                             optimizer_format=self.optimizer_format)
-        info = self._info(trainer, reason)
+        info = self._info(counters, reason)
         built = time.perf_counter()
         # async: Megatron's own background writer ("nvrx" needs nvidia-resiliency-ext).
         extra = {"async_sharded_save": True, "async_strategy": "mcore"} if self.async_save else {}
@@ -305,13 +299,13 @@ class Checkpointer:
         print(f"checkpoint {final} saved ({info.reason}) in {seconds:.2f} s ({where}){since}",
               flush=True)
 
-    def _info(self, trainer: Any, reason: str) -> CheckpointInfo:
+    def _info(self, counters: Any, reason: str) -> CheckpointInfo:
         import megatron.core
 
         env = self.ctx.env
         return CheckpointInfo(
-            step=trainer.state.global_step, consumed_samples=trainer.consumed_samples,
-            skipped_iters=trainer.skipped_iters, saved_at=time.time(), job_id=env.job_id,
+            step=counters["global_step"], consumed_samples=counters["consumed_samples"],
+            skipped_iters=counters["skipped_iters"], saved_at=time.time(), job_id=env.job_id,
             restart_count=env.restart_count, reason=reason,
             megatron_core=getattr(megatron.core, "__version__", ""), **self.records)
 
@@ -344,57 +338,54 @@ class Checkpointer:
 
     # ---- the end ------------------------------------------------------------------------------
 
-    def finish(self, trainer: Any, *, stopped: bool) -> None:
-        """After ``train()``: save the last step, wait for async saves, and — unless the run
-        stopped early on request — mark it finished (the job then never requeues) and export
-        the model to HF when configured."""
-        self.save(trainer, None if stopped else "end")
+    def finalize(self, *, finished: bool, steps_per_epoch: int, reason: str = "end") -> None:
+        """At the end of the loop: save the last step (if not saved yet), wait for async saves,
+        and, when the run is ``finished`` (not stopped early for a requeue), export the model to
+        HF when configured and mark the run finished (the job then never requeues)."""
+        self.save(reason)
         self.wait()
         if self._warm is not None:
             self._warm.join()  # never leave it running into interpreter shutdown
         if self._async_queue is not None:
             self._async_queue.close()
             self._async_queue = None
-        if stopped:
+        if not finished:
             return
         export = self.config.training.export_hf_dir
         if export:
-            self._export(trainer, Path(export) if os.path.isabs(export) else self.run_dir / export)
+            self._export(Path(export) if os.path.isabs(export) else self.run_dir / export)
         if self.ctx.is_main:
-            gbs = self.config.training.global_batch_size
-            mark_finished(self.run_dir, trainer.state.global_step,
-                          steps_per_epoch=len(trainer.data.train) // gbs)
+            step = self.loop.state_dict()["trainer"]["global_step"]
+            mark_finished(self.run_dir, step, steps_per_epoch=steps_per_epoch)
             self._progress(finished=True)
         dist.barrier()
 
-    def _export(self, trainer: Any, out: Path) -> None:
+    def _export(self, out: Path) -> None:
         from hpc_mca.models.export import save_hf_checkpoint
 
         started = time.perf_counter()
-        save_hf_checkpoint([unwrap(chunk) for chunk in trainer.model], out,
+        save_hf_checkpoint([unwrap(chunk) for chunk in self.loop.model], out,
                            self.config.model.model_name_or_path)
         if self.ctx.is_main:
             print(f"exported HF model to {out} in {time.perf_counter() - started:.1f} s", flush=True)
 
-    def begin(self, trainer: Any) -> None:
-        """Before training: a run directory whose run had finished goes on (an extension to
-        a larger max_steps, or a fresh start), so its ``finished`` marker goes, and the batch
-        script requeues the run again when it is stopped early."""
+    def begin(self, step: int, max_steps: int) -> None:
+        """Before training from ``step`` to ``max_steps``: a run directory whose run had
+        finished goes on (an extension to a larger max_steps, or a fresh start), so its
+        ``finished`` marker goes, and the batch script requeues the run again when it is
+        stopped early."""
         done = finished_step(self.run_dir)
         if done is None or not self.ctx.is_main:
             return
         clear_finished(self.run_dir)
-        step = trainer.state.global_step
-        what = (f"extending the run that finished at step {done} to {trainer.max_steps} steps"
+        what = (f"extending the run that finished at step {done} to {max_steps} steps"
                 if step else f"starting afresh in a run directory whose run finished at step "
                              f"{done}")
         print(what, flush=True)
 
     def _progress(self, **fields: Any) -> None:
         env = self.ctx.env
-        if self._metrics is not None:
-            self._metrics.write_progress(job_id=env.job_id, restart_count=env.restart_count,
-                                         **fields)
+        self._write_progress(job_id=env.job_id, restart_count=env.restart_count, **fields)
 
 
 @contextlib.contextmanager

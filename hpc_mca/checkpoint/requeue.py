@@ -57,7 +57,9 @@ This docstring is the contract between the batch script (``sbatch/train.sbatch``
    continues from ``checkpoints/latest``: same samples, LR curve and steps.jsonl (lines after
    the checkpoint's step are dropped, then appended to).
 
-:class:`StopRequest` is the rank side of steps 2-3, as a transformers TrainerCallback.
+:class:`StopSignal` is the rank side of steps 2-3: it notes the signals and makes the ranks
+agree; the trainer's step boundary (:mod:`hpc_mca.trainer.boundary`) turns an agreed stop into
+a save and the end of the loop.
 """
 
 from __future__ import annotations
@@ -68,8 +70,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from transformers.trainer_callback import TrainerCallback, TrainerControl, TrainerState
-
 from hpc_mca.rundir import SIGNAL_FILE
 
 SIGNAL_FILE_ENV = "HPC_MCA_SIGNAL_FILE"
@@ -77,24 +77,25 @@ _CODES = {"USR1": 1, "TERM": 2}
 """Stop reasons, ordered: a TERM outranks a USR1 in the agreed code (both mean: save, stop)."""
 
 
-class StopRequest(TrainerCallback):
-    """Turns a USR1/TERM (to the batch shell or to this rank) into a save and a stop at the
-    next step boundary, agreed by all ranks."""
+class StopSignal:
+    """USR1/TERM to the batch shell (its signal file) or to this rank, agreed by all ranks.
 
-    def __init__(self, run_dir: Path, device: Any, is_main: bool, checkpointer: Any = None) -> None:
+    Installs its handlers when made; :meth:`restore` gives the defaults back. :meth:`agree` is
+    a collective that every rank calls at every step boundary.
+    """
+
+    def __init__(self, run_dir: Path, device: Any, is_main: bool) -> None:
         self.signal_file = Path(os.environ.get(SIGNAL_FILE_ENV) or Path(run_dir) / SIGNAL_FILE)
-        self.device, self.is_main, self.checkpointer = device, is_main, checkpointer
+        self.device, self.is_main = device, is_main
         self.received = 0
         self.received_at: float | None = None
-        self.agreed = 0
-        """The stop code all ranks agreed on at the last step boundary (0 = keep training)."""
-        self.stopped = False
-        """True once this callback ended training early (not when the run ended anyway)."""
+        """When the stop was requested: the batch shell's record of the signal (rank 0 reads
+        it), else when this rank got a signal; for the signal-to-durable line."""
         self._install()
 
-    @property
-    def reason(self) -> str:
-        return {1: "USR1 (time limit ahead)", 2: "TERM"}.get(self.agreed, "")
+    @staticmethod
+    def describe(code: int) -> str:
+        return {1: "USR1 (time limit ahead)", 2: "TERM"}.get(code, "")
 
     def _install(self) -> None:
         for name in _CODES:
@@ -109,6 +110,7 @@ class StopRequest(TrainerCallback):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def local_code(self) -> int:
+        """This rank's stop code: its own signals, and on rank 0 the batch shell's record."""
         code = self.received
         if self.is_main:
             recorded, when = read_signal_file(self.signal_file)
@@ -117,29 +119,15 @@ class StopRequest(TrainerCallback):
                 self.received_at = min(when or time.time(), self.received_at or time.time())
         return code
 
-    def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> TrainerControl:
+    def agree(self) -> int:
+        """The highest stop code of any rank (0 = keep training): one all-reduce, so every
+        rank sees the same answer at the same step."""
         import torch
         import torch.distributed as dist
 
-        if self.checkpointer is not None:
-            self.checkpointer.poll()  # commit an async save whose shards are all written
         flag = torch.tensor([self.local_code()], dtype=torch.int32, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.agreed = int(flag.item())
-        if self.agreed and not control.should_training_stop:
-            self.stopped = True
-            control.should_save = control.should_training_stop = True
-            if self.checkpointer is not None:
-                # Rank 0's clock: the shell's record of the signal when there is one.
-                self.checkpointer.stop_time = self.received_at or time.time()
-                self.checkpointer.stop_reason = "signal"
-            if self.is_main:
-                # Whether the job comes back (requeue) or ends (cancel) is the batch
-                # shell's decision, printed in its end banner.
-                print(f"stop requested by {self.reason} at step {state.global_step}: saving and "
-                      "exiting", flush=True)
-        return control
+        return int(flag.item())
 
     def restore(self) -> None:
         """Give SIGUSR1/SIGTERM their default handling back (after training)."""

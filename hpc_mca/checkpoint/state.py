@@ -14,6 +14,11 @@ files and everything else as the "common" state written once)::
     config                       the resolved run config as a dict (common)
     rng_state                    per-rank RNG states: ShardedObject of global shape (world,)
 
+What a checkpoint takes from the training loop is the :class:`Resumable` protocol: the model
+chunks and the optimizer (sharded and loaded in place, being Megatron's), and the loop's own
+small state (:class:`LoopState`) through ``state_dict``/``load_state_dict``. The checkpointer
+never reads or writes anything else of the loop.
+
 The torch AdamW fallback (no Apex/TE) keeps a per-parameter ``step`` tensor that Megatron's
 distributed optimizer handles only half-way: ``state_dict()`` reads it from every parameter
 (a fresh optimizer has none: :func:`init_optimizer_state` gives it one to build the load
@@ -30,11 +35,9 @@ its own copy of the step back.
 from __future__ import annotations
 
 import contextlib
-import random
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol, TypedDict
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -42,6 +45,40 @@ from hpc_mca.models.weights import unwrap  # GPTModel inside DDP/Float16Module: 
 
 from . import model_space
 from .compat import RESHARDABLE_FORMATS
+
+
+class LoopCounters(TypedDict):
+    global_step: int
+    """Optimizer steps taken."""
+    consumed_samples: int
+    """Samples of the training order used so far: the data sampler's position (the next
+    global batch starts here, on any DP size)."""
+    skipped_iters: int
+    """Steps whose gradients were not finite (no update)."""
+
+
+class LoopState(TypedDict, total=False):
+    """The training loop's resumable state beside its model and optimizer."""
+
+    trainer: LoopCounters
+    lr_scheduler: dict[str, Any]
+    """``OptimizerParamScheduler.state_dict()``."""
+    rng_state: dict[str, Any]
+    """This rank's RNG states (:func:`hpc_mca.runtime.rng.collect_rng`); on load present only
+    when the layout is unchanged (per-rank streams mean nothing on another layout)."""
+
+
+class Resumable(Protocol):
+    """A training loop as its checkpointer sees it (:class:`hpc_mca.trainer.trainer.Trainer`)."""
+
+    model: list[torch.nn.Module]
+    """The DDP-wrapped model chunks (this rank's pipeline stages)."""
+    optimizer: Any
+    """The Megatron optimizer over ``model``."""
+
+    def state_dict(self) -> LoopState: ...
+
+    def load_state_dict(self, state: LoopState) -> None: ...
 
 
 def sharded_metadata(optimizer_format: str) -> dict[str, Any]:
@@ -69,30 +106,37 @@ def model_state(chunks: list[torch.nn.Module], metadata: dict[str, Any]) -> dict
             for i, model in enumerate(models)}
 
 
-def build_state(trainer: Any, *, loading: bool, with_rng: bool, config: dict[str, Any] | None,
+def build_state(loop: Resumable, *, loading: bool, with_rng: bool, config: dict[str, Any] | None,
                 optimizer_format: str) -> dict[str, Any]:
-    """The sharded state dict of ``trainer`` (a :class:`hpc_mca.trainer.trainer.Trainer`).
+    """The sharded state dict of ``loop``.
 
     For loading, the same structure serves as the template that says which shards this rank
     needs; the optimizer allocates its state for it.
     """
     metadata = sharded_metadata(optimizer_format)
     if loading:
-        init_optimizer_state(trainer.optimizer)
-    state = model_state(trainer.model, metadata)
+        init_optimizer_state(loop.optimizer)
+    state = model_state(loop.model, metadata)
     if optimizer_format == model_space.FORMAT:
-        state["optimizer"] = _model_space_state(trainer.optimizer, state)
+        state["optimizer"] = _model_space_state(loop.optimizer, state)
     else:
-        state["optimizer"] = trainer.optimizer.sharded_state_dict(
+        state["optimizer"] = loop.optimizer.sharded_state_dict(
             state, is_loading=loading, metadata=metadata)
-    state["lr_scheduler"] = trainer.lr_scheduler.state_dict()
-    state["trainer"] = {"global_step": trainer.state.global_step,
-                        "consumed_samples": trainer.consumed_samples,
-                        "skipped_iters": trainer.skipped_iters}
+    own = loop.state_dict()
+    state["lr_scheduler"] = own["lr_scheduler"]
+    state["trainer"] = dict(own["trainer"])
     if config is not None:
         state["config"] = config
     if with_rng:
-        state["rng_state"] = rng_object()
+        state["rng_state"] = rng_object(own["rng_state"])
+    return state
+
+
+def loop_state(loaded: dict[str, Any], with_rng: bool) -> LoopState:
+    """The loop's part of a loaded checkpoint, for ``Resumable.load_state_dict``."""
+    state: LoopState = {"trainer": loaded["trainer"], "lr_scheduler": loaded["lr_scheduler"]}
+    if with_rng:
+        state["rng_state"] = loaded["rng_state"]
     return state
 
 
@@ -114,34 +158,13 @@ def _model_space_state(optimizer: Any, models: dict[str, Any]) -> dict[str, Any]
 # --- RNG -------------------------------------------------------------------------------------
 
 
-def rng_object() -> Any:
-    """This rank's RNG states as a ShardedObject: one entry per global rank, each saved by its
-    own rank (Megatron's own rng_state keeps only DP rank 0's)."""
+def rng_object(states: dict[str, Any]) -> Any:
+    """This rank's RNG ``states`` as a ShardedObject: one entry per global rank, each saved by
+    its own rank (Megatron's own rng_state keeps only DP rank 0's)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    return ShardedObject("rng_state", collect_rng(), (dist.get_world_size(),),
+    return ShardedObject("rng_state", states, (dist.get_world_size(),),
                          (dist.get_rank(),), replica_id=0)
-
-
-def collect_rng() -> dict[str, Any]:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-            # On CPU the compat layer maps the CUDA generator to the CPU one (same state).
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            "tracker": get_cuda_rng_tracker().get_states()}
-
-
-def restore_rng(states: dict[str, Any]) -> None:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
-    if states.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])
-    get_cuda_rng_tracker().set_states(states["tracker"])
 
 
 # --- the optimizer ---------------------------------------------------------------------------

@@ -15,7 +15,6 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from hpc_mca.checkpoint import train_with_checkpoints
 from hpc_mca.checkpoint.compat import nothing_to_train, resume_check
 from hpc_mca.rundir import clear_bad_input
 from hpc_mca.runtime.distributed import RankContext, init_distributed, shutdown
@@ -70,7 +69,7 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
     chunks = transform_model(chunks, config)  # LoRA, freezing, casts: before DDP wraps them
     shape = _shape(config)
     trainer = Trainer(config, ctx, chunks, data, objective=objective, run_dir=run_dir,
-                      callbacks=callbacks, model_shape=shape)
+                      model_shape=shape, callbacks=callbacks)
     # What exists now (imports, model, optimizer, data index) lives to the end of the run: keep
     # it out of the cyclic collector's scans. Megatron calls gc.collect() around checkpoint
     # state dicts, and each full collection over these objects took 0.17 s of a 0.5 s save.
@@ -79,8 +78,8 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
     gc.collect()
     gc.freeze()
     try:
-        # Resume, interval/end/on-signal saves, the finished marker (hpc_mca/checkpoint).
-        return train_with_checkpoints(trainer, config, ctx, run_dir, shape)
+        # Resume, interval/end/on-signal saves, the finished marker: the trainer's checkpointer.
+        return trainer.train()
     finally:
         gc.unfreeze()
 

@@ -2,11 +2,15 @@
 
 Shaped like Megatron-Core's simple train loop and ROLL's McaTrainer, kept small:
 
-    Trainer(config, ctx, model_chunks, data, objective=objective_for(config, ...)).train()
+    Trainer(config, ctx, model_chunks, data, objective=objective_for(config, ...), ...).train()
 
-``train()`` repeats ``train_step`` (forward-backward over the global batch's micro-batches,
-finalize grads, optimizer step, LR step) until ``max_steps``, logging, evaluating and calling
-the callbacks (transformers' ``TrainerCallback`` protocol) on the way. Everything layout
+``train()`` resumes from the run's checkpoint (if any), repeats ``train_step`` (forward-backward
+over the global batch's micro-batches, finalize grads, optimizer step, LR step) until
+``max_steps``, logging, evaluating and calling the callbacks (transformers' ``TrainerCallback``
+protocol) on the way, and ends the run. The trainer owns its
+:class:`~hpc_mca.checkpoint.checkpointer.Checkpointer` and calls it at step boundaries; what
+to save is the trainer's ``state_dict`` (the :class:`~hpc_mca.checkpoint.state.Resumable`
+protocol), when to save or stop is the step boundary's decision (:mod:`.boundary`). Everything layout
 specific (pipeline stages, virtual chunks, data-parallel sharding) is Megatron's or the data
 sampler's business; the loop itself does not branch on it. What a batch means (forward step,
 loss and its reduction, eval metric) is the stage's :class:`~hpc_mca.trainer.objective.Objective`.
@@ -17,14 +21,21 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from transformers.trainer_callback import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
 
+from hpc_mca.checkpoint.checkpointer import Checkpointer
+from hpc_mca.checkpoint.compat import nothing_to_train
+from hpc_mca.checkpoint.requeue import StopSignal
+from hpc_mca.checkpoint.state import LoopState
 from hpc_mca.data.dataset import TrainingData, eval_dataloader, train_dataloader
+from hpc_mca.rundir import STEPS_FILE
 from hpc_mca.runtime.distributed import RankContext
+from hpc_mca.runtime.rng import collect_rng, restore_rng
+from hpc_mca.trainer.boundary import StepBoundary
 from hpc_mca.trainer.callbacks import StepFlowCallback
 from hpc_mca.trainer.config import ParallelArguments, TrainConfig, total_training_steps
 from hpc_mca.trainer.lr_scheduler import build_lr_scheduler, resolve_warmup_steps, scheduler_spec
@@ -53,8 +64,8 @@ class Trainer:
     """Runs one training job on this rank."""
 
     def __init__(self, config: TrainConfig, ctx: RankContext, chunks: list[torch.nn.Module],
-                 data: TrainingData, *, objective: Objective, run_dir: Path,
-                 callbacks: Iterable[TrainerCallback] = (), model_shape: ModelShape | None = None) -> None:
+                 data: TrainingData, *, objective: Objective, run_dir: Path, model_shape: ModelShape,
+                 callbacks: Iterable[TrainerCallback] = ()) -> None:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -80,27 +91,71 @@ class Trainer:
         self.callbacks = CallbackHandler([flow, *callbacks], self.model, data.tokenizer, self.optimizer,
                                          self.lr_scheduler)
         self.skipped_iters = 0
-        self.on_save: Callable[[Trainer], None] | None = None
-        """Checkpoint hook, called when ``control.should_save`` is set."""
         self.consumed_samples = 0
         seq = config.data.seq_length or config.data.cutoff_len
         self.metrics = MetricsWriter(run_dir, ctx.is_main, "tensorboard" in config.training.report_to,
-                                     self.max_steps, flops_per_token(model_shape, seq) if model_shape else 0.0,
-                                     ctx.env.world_size)
+                                     self.max_steps, flops_per_token(model_shape, seq), ctx.env.world_size)
+        self.checkpointer = Checkpointer(config, ctx, run_dir, model_shape, loop=self,
+                                         progress=self.metrics.write_progress)
 
-    # ---- the loop ---------------------------------------------------------------------------
+    # ---- resumable state (hpc_mca.checkpoint.state.Resumable) -------------------------------
+
+    def state_dict(self) -> LoopState:
+        """What a checkpoint keeps of the loop beside the model and optimizer."""
+        return {"trainer": {"global_step": self.state.global_step, "consumed_samples": self.consumed_samples,
+                            "skipped_iters": self.skipped_iters},
+                "lr_scheduler": self.lr_scheduler.state_dict(), "rng_state": collect_rng()}
+
+    def load_state_dict(self, state: LoopState) -> None:
+        counters = state["trainer"]
+        self.state.global_step = counters["global_step"]
+        self.consumed_samples = counters["consumed_samples"]  # the data sampler starts here
+        self.skipped_iters = counters["skipped_iters"]
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if "rng_state" in state:
+            restore_rng(state["rng_state"])
+
+    # ---- the run ----------------------------------------------------------------------------
 
     def train(self) -> list[StepResult]:
-        """Train to ``max_steps``; return every step's result (the same on every rank)."""
+        """Resume from the run's checkpoint (if any), train to ``max_steps`` with interval, end
+        and on-signal saves, and end the run: marked finished (and exported to HF when
+        configured), or, stopped early by a signal, left for the batch script to requeue.
+        Returns the step results of this process's part of the run (the same on every rank)."""
+        signal = StopSignal(self.run_dir, self.ctx.device, self.ctx.is_main)
+        try:
+            self.checkpointer.resume()
+            self._say_rederived_schedule()
+            if self.state.global_step >= self.max_steps:
+                # Resumed at its end: a finished run started again (say so), or one that died
+                # between its last checkpoint and the finished marker (finalize writes it).
+                idle = nothing_to_train(self.config, self.max_steps)
+                if idle and self.ctx.is_main:
+                    print(idle, flush=True)
+                history, requeue = [], False
+            else:
+                self.checkpointer.begin(self.state.global_step, self.max_steps)
+                boundary = StepBoundary(self.config.training.save_steps, self.max_steps, signal, self.ctx.is_main)
+                history, requeue = self._loop(boundary)
+            self.checkpointer.finalize(finished=not requeue,
+                                       steps_per_epoch=len(self.data.train) // self.config.training.global_batch_size)
+        finally:
+            signal.restore()
+            self.metrics.close()
+        return history
+
+    def _loop(self, boundary: StepBoundary) -> tuple[list[StepResult], bool]:
+        """Train until the boundary decides to stop; also whether it stopped for a requeue."""
         batches = self._global_batches()
         history: list[StepResult] = []
         if self.state.global_step == 0 and self.ctx.is_main:
-            (self.run_dir / "steps.jsonl").unlink(missing_ok=True)  # a fresh run, not a resume
+            (self.run_dir / STEPS_FILE).unlink(missing_ok=True)  # a fresh run, not a resume
         self.control = self.callbacks.on_train_begin(self.config.training, self.state, self.control)
         self.metrics.write_progress(step=self.state.global_step, max_steps=self.max_steps, finished=False,
                                     job_id=self.ctx.env.job_id, restart_count=self.ctx.env.restart_count)
         window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
-        while self.state.global_step < self.max_steps and not self.control.should_training_stop:
+        requeue = False
+        while self.state.global_step < self.max_steps:
             started = time.perf_counter()
             self.control = self.callbacks.on_step_begin(self.config.training, self.state, self.control)
             result = self.train_step(next(batches))
@@ -113,21 +168,33 @@ class Trainer:
                                      grad_norm=result.grad_norm, lr=self.lr_scheduler.get_last_lr()[0],
                                      skipped=result.skipped, seconds=round(result.seconds, 6))
             self.control = self.callbacks.on_step_end(self.config.training, self.state, self.control)
+            self.checkpointer.poll()  # commit an async save whose shards are all written
+            decision = boundary.decide(self.state.global_step, self.control)
+            self.control.should_save, self.control.should_training_stop = decision.save, decision.stop
             if self.control.should_log:
                 elapsed = time.perf_counter() - window_start
                 self._log(result, window_tokens / elapsed, elapsed / window_steps)
             if self.control.should_evaluate:
                 self.evaluate()
-            if self.control.should_save and self.on_save is not None:
-                self.on_save(self)
+            if decision.save:
+                self.checkpointer.save(decision.reason, stop_time=decision.stop_time)
                 self.control = self.callbacks.on_save(self.config.training, self.state, self.control)
-            if self.control.should_log or self.control.should_evaluate or self.control.should_save:
+            if self.control.should_log or self.control.should_evaluate or decision.save:
                 # Throughput covers training steps only, not evaluation or checkpointing.
                 window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
+            if decision.stop:
+                requeue = decision.requeue
+                break
         self.control = self.callbacks.on_train_end(self.config.training, self.state, self.control)
         self.metrics.write_progress(step=self.state.global_step, finished=self.state.global_step >= self.max_steps)
-        self.metrics.close()
-        return history
+        return history, requeue
+
+    def _say_rederived_schedule(self) -> None:
+        """After a resume with another length: the LR schedule keys this config re-derived."""
+        rederived = getattr(self.lr_scheduler, "rederived", {})
+        if rederived and self.ctx.is_main:
+            print("LR schedule re-derived for this config: "
+                  + ", ".join(f"{k} {old}->{new}" for k, (old, new) in rederived.items()), flush=True)
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         """One optimizer step over a global batch (this rank's micro-batches)."""

@@ -66,6 +66,11 @@ def _kill_self(where: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _saving_step(checkpointer) -> int:
+    """The step a Checkpointer.save call is about to save (the loop's own state dict)."""
+    return checkpointer.loop.state_dict()["trainer"]["global_step"]
+
+
 def _install_sleep(spec: str) -> None:
     seconds, _, restart = spec.partition("@")
     if restart and os.environ.get("SLURM_RESTART_COUNT", "0") != restart:
@@ -104,9 +109,9 @@ def _install_kill(spec: str) -> None:
             return
         original_save = module.Checkpointer.save
 
-        def save(self, trainer, reason=None):
-            if trainer.state.global_step != step:
-                return original_save(self, trainer, reason)
+        def save(self, *args, **kwargs):
+            if _saving_step(self) != step:
+                return original_save(self, *args, **kwargs)
             from megatron.core import dist_checkpointing
 
             real = dist_checkpointing.save
@@ -119,7 +124,7 @@ def _install_kill(spec: str) -> None:
                 return out
 
             dist_checkpointing.save = killing_save
-            return original_save(self, trainer, reason)
+            return original_save(self, *args, **kwargs)
 
         module.Checkpointer.save = save
 
@@ -132,9 +137,9 @@ def _install_save_sleep(spec: str) -> None:
     def patch(module):
         original_save = module.Checkpointer.save
 
-        def save(self, trainer, reason=None):
-            if trainer.state.global_step != int(step):
-                return original_save(self, trainer, reason)
+        def save(self, *args, **kwargs):
+            if _saving_step(self) != int(step):
+                return original_save(self, *args, **kwargs)
             from megatron.core import dist_checkpointing
 
             real = dist_checkpointing.save
@@ -146,7 +151,7 @@ def _install_save_sleep(spec: str) -> None:
 
             dist_checkpointing.save = slow_save
             try:
-                return original_save(self, trainer, reason)
+                return original_save(self, *args, **kwargs)
             finally:
                 dist_checkpointing.save = real
 
