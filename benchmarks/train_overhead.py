@@ -66,8 +66,8 @@ def bare_step_times(config_path: Path, steps: int) -> list[float]:
         model[0].zero_grad_buffer()
         optimizer.zero_grad()
         forward_backward(forward_step_func=forward_step, data_iterator=iter(micro), model=model,
-                         num_microbatches=per_step, seq_length=micro[0]["input_ids"].shape[1],
-                         micro_batch_size=micro[0]["input_ids"].shape[0], forward_only=False)
+                         num_microbatches=per_step, seq_length=micro[0].seq_length,
+                         micro_batch_size=micro[0].rows, forward_only=False)
         optimizer.step()
         times.append(time.perf_counter() - start)
     shutdown()

@@ -70,3 +70,31 @@ def test_a_sequence_not_a_multiple_of_2cp_is_refused():
         cp_indices(bounds, 2, 1)
     with pytest.raises(ValueError, match=r"cp_rank=2 must be in \[0, 2\)"):
         _unpacked(1, 8).cp_shard(2, 2)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_loaders_yield_packed_batches_the_model_inputs_read(packed):
+    """What the data loaders hand the trainer (collate_batch) and what the step feeds Megatron
+    (model_inputs): the collated tensors unchanged; a packed batch flattened to one [1, B*S]
+    stream with its document boundaries; ignored labels as token 0 with loss weight 0."""
+    from hpc_mca.data.batch import collate_batch
+    from hpc_mca.trainer.step import model_inputs
+
+    samples = [(np.arange(1, n + 1), np.where(np.arange(n) % 3, np.arange(1, n + 1), -100))
+               for n in (5, 9, 3, 7)]
+    rows = RowDataset(SampleStore.from_samples(samples), 16, pad_token_id=0, packed=packed)
+    picked = [rows[i] for i in range(len(rows))]
+    batch, collated = collate_batch(picked), collate_rows(picked)
+    assert batch.packed == packed and batch.rows == len(rows) and batch.seq_length == 16
+    assert batch.input_tokens == 5 + 9 + 3 + 7 == int((collated["attention_mask"] > 0).sum())
+    inputs = model_inputs(batch, torch.device("cpu"))
+    shape = (1, batch.rows * 16) if packed else (batch.rows, 16)
+    assert inputs["input_ids"].shape == shape
+    assert torch.equal(inputs["labels"].reshape(-1), collated["labels"].clamp(min=0).reshape(-1))
+    assert torch.equal(inputs["loss_mask"].reshape(-1) > 0, collated["labels"].reshape(-1) >= 0)
+    params = inputs["packed_seq_params"]
+    if packed:
+        assert params.cu_seqlens_q.tolist() == collated["cu_seqlens"].tolist()
+        assert params.cu_seqlens_q_padded.tolist() == collated["cu_seqlens_padded"].tolist()
+    else:
+        assert params is None

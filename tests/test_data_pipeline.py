@@ -43,13 +43,13 @@ def test_sft_rows_and_rank_loaders(tmp_path: Path, sft_file: Path, packing: bool
     batches = [next(iter(train_dataloader(data.train, config, data_parallel_rank=r)))
                for r in range(2)]
     for batch in batches:
-        assert batch["input_ids"].shape == (2, 32)
-        assert ("cu_seqlens" in batch) == packing
+        assert batch.input_ids.shape == (2, 32)
+        assert batch.packed == packing and (batch.cu_seqlens is not None) == packing
     fresh = list(itertools.islice(train_dataloader(data.train, config, data_parallel_rank=0), 3))
     resumed = list(itertools.islice(train_dataloader(data.train, config, data_parallel_rank=0,
                                                      consumed_samples=4), 2))
     for a, b in zip(fresh[1:], resumed):  # 4 = one micro-step of 2 rows on each of 2 ranks
-        assert torch.equal(a["input_ids"], b["input_ids"])
+        assert torch.equal(a.input_ids, b.input_ids)
     evaluation = list(eval_dataloader(data.eval, _config(
         tmp_path, f"dataset={sft_file}", "per_device_eval_batch_size=1"), data_parallel_rank=1))
     assert len(evaluation) == len(data.eval) // 2

@@ -1,9 +1,10 @@
 """One micro-batch as one typed value, and this rank's context-parallel share of it.
 
-:class:`PackedBatch` holds what :func:`hpc_mca.data.rows.collate_rows` produces: token ids,
-shifted labels, the loss mask, position ids, the document of each slot and, for packed rows,
-the description of the flattened ``B * S`` stream (``cu_seqlens`` over real lengths,
-``cu_seqlens_padded`` over slots). :meth:`PackedBatch.cp_shard` cuts it for context
+:class:`PackedBatch` is what the data loaders yield (:func:`collate_batch` over
+:func:`hpc_mca.data.rows.collate_rows`) and what the model inputs and the loss are made from
+(:mod:`hpc_mca.trainer.step`): token ids, shifted labels, the loss mask, position ids, the
+document of each slot and, for packed rows, the description of the flattened ``B * S`` stream
+(``cu_seqlens`` over real lengths, ``cu_seqlens_padded`` over slots). :meth:`PackedBatch.cp_shard` cuts it for context
 parallelism the way Megatron-Core and Transformer Engine expect:
 
 * every sequence (a row when unpacked, a document's padded span when packed) is cut into
@@ -21,11 +22,12 @@ rule and the packer's ``align`` see to it, and a batch that breaks it is refused
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from .errors import DataError
+from .rows import collate_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,20 @@ class PackedBatch:
     def packed(self) -> bool:
         return self.cu_seqlens_padded is not None
 
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_length(self) -> int:
+        """Slots per row (per shard row once sharded)."""
+        return self.input_ids.shape[-1]
+
+    @property
+    def input_tokens(self) -> int:
+        """Non-padding input tokens (what throughput counts)."""
+        return int((self.documents > 0).sum())
+
     def _token_fields(self) -> dict[str, torch.Tensor]:
         return {f: getattr(self, f) for f in
                 ("input_ids", "labels", "loss_mask", "position_ids", "documents")}
@@ -80,6 +96,12 @@ class PackedBatch:
         fields = {k: v.reshape(rows, 2 * cp_size, chunk)[:, pair.to(v.device)].reshape(rows, -1)
                   for k, v in self._token_fields().items()}
         return dataclasses.replace(self, **fields)
+
+
+def collate_batch(rows: Sequence[dict[str, torch.Tensor]]) -> PackedBatch:
+    """The data loaders' ``collate_fn``: rows of a :class:`~hpc_mca.data.rows.RowDataset` into
+    one :class:`PackedBatch`."""
+    return PackedBatch.from_collated(collate_rows(rows))
 
 
 def cp_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:

@@ -29,7 +29,8 @@ import torch
 from .errors import DataError
 from .records import (Record, check_dataset_path, detect_sft_format, messages_of, read_records,
                       text_of)
-from .rows import RowDataset, collate_rows
+from .batch import collate_batch
+from .rows import RowDataset
 from .sampler import DataSampler
 from .store import (IndexedSamples, SampleStore, Samples, cache_key, cached, check_token_ids,
                     concat_samples, default_cache_dir, indexed_prefix, subset)
@@ -192,7 +193,7 @@ def build_datasets(config: Any, tokenizer: Any = None,
 
 
 def _loader(dataset: RowDataset, sampler: DataSampler) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_rows)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_batch)
 
 
 def train_dataloader(dataset: RowDataset, config: Any, *, data_parallel_rank: int,

@@ -49,7 +49,6 @@ ATTENTION_BACKENDS = ("auto", "te", "flash", "torch")
 OPTIMIZERS = ("adam", "sgd")
 OPTIMIZER_FORMATS = ("model_space", "fully_reshardable", "dp_reshardable")
 REPORT_TO = ("tensorboard", "none")
-RESOLVED_CONFIG_NAME = RESOLVED_CONFIG_FILE
 
 
 class ConfigError(UserError):
@@ -265,7 +264,7 @@ class TrainConfig:
     def save_resolved(self, run_dir: str | os.PathLike[str]) -> Path:
         """Write the config to ``run_dir/resolved_config.yaml`` (atomically); return the path."""
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        return write_atomic(Path(run_dir) / RESOLVED_CONFIG_NAME, self.to_yaml())
+        return write_atomic(Path(run_dir) / RESOLVED_CONFIG_FILE, self.to_yaml())
 
     @property
     def micro_batches_per_step(self) -> int:

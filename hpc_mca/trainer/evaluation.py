@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_mca.data.addition import response_exact_match
+from hpc_mca.data.batch import PackedBatch
 from hpc_mca.data.dataset import eval_dataloader
 from hpc_mca.models.inference import forward_logits, thd_packed_seq_params
 from hpc_mca.models.weights import unwrap
@@ -29,8 +30,8 @@ def exact_match_accuracy(model: list[torch.nn.Module], eval_rows: Any, config: A
     for batch in loader:
         logits = _logits(chunks, batch, vocab_size)
         if logits is not None:
-            predictions = logits.argmax(dim=-1).reshape(batch["labels"].shape).cpu()
-            counts += response_exact_match(predictions, batch["labels"], batch["attention_mask"]).to(device)
+            predictions = logits.argmax(dim=-1).reshape(batch.labels.shape).cpu()
+            counts += response_exact_match(predictions, batch.labels, batch.documents).to(device)
     if mpu.is_pipeline_last_stage(ignore_virtual=True):
         dist.all_reduce(counts, group=mpu.get_data_parallel_group())
     else:
@@ -39,9 +40,9 @@ def exact_match_accuracy(model: list[torch.nn.Module], eval_rows: Any, config: A
     return {"eval/accuracy": float(counts[0] / counts[1]) if counts[1] else 0.0}
 
 
-def _logits(chunks: list[torch.nn.Module], batch: dict[str, torch.Tensor], vocab_size: int) -> torch.Tensor | None:
-    if "cu_seqlens" in batch:
-        packed = thd_packed_seq_params(batch["cu_seqlens"], batch.get("cu_seqlens_padded"))
-        return forward_logits(chunks, batch["input_ids"].reshape(1, -1), vocab_size,
-                              position_ids=batch["position_ids"].reshape(1, -1), packed_seq_params=packed)
-    return forward_logits(chunks, batch["input_ids"], vocab_size, position_ids=batch["position_ids"])
+def _logits(chunks: list[torch.nn.Module], batch: PackedBatch, vocab_size: int) -> torch.Tensor | None:
+    if batch.packed:
+        packed = thd_packed_seq_params(batch.cu_seqlens, batch.cu_seqlens_padded)
+        return forward_logits(chunks, batch.input_ids.reshape(1, -1), vocab_size,
+                              position_ids=batch.position_ids.reshape(1, -1), packed_seq_params=packed)
+    return forward_logits(chunks, batch.input_ids, vocab_size, position_ids=batch.position_ids)

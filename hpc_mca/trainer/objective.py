@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from hpc_mca.data.batch import PackedBatch
 from hpc_mca.runtime.distributed import RankContext
 
 from .config import TrainConfig
@@ -32,7 +33,7 @@ from .step import make_forward_step, reduce_step_loss
 
 EvalMetric = Callable[[list[torch.nn.Module], Any], dict[str, float]]
 """(DDP-wrapped model chunks, eval RowDataset) -> extra eval metrics, computed on every rank."""
-ForwardStep = Callable[[Iterator[dict[str, torch.Tensor]], torch.nn.Module], Any]
+ForwardStep = Callable[[Iterator[PackedBatch], torch.nn.Module], Any]
 
 
 class Objective:

@@ -17,39 +17,37 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from hpc_mca.data.batch import PackedBatch
 from hpc_mca.models.inference import thd_packed_seq_params
 
-Batch = dict[str, torch.Tensor]
 
-
-def model_inputs(batch: Batch, device: torch.device) -> dict[str, Any]:
-    """Megatron GPTModel arguments for a collated micro-batch (``hpc_mca.data.rows``).
+def model_inputs(batch: PackedBatch, device: torch.device) -> dict[str, Any]:
+    """Megatron GPTModel arguments for a micro-batch.
 
     Packed rows are flattened into one THD stream ``[1, B*S]`` described by ``cu_seqlens``;
     unpacked rows stay ``[B, S]`` and rely on the causal mask (padding is loss-masked and sits
     after the real tokens, so it never influences them). Labels are already shifted by the data
     pipeline; ignored positions (-100) become token 0 and carry loss weight 0.
     """
-    labels = batch["labels"]
     inputs = {
-        "input_ids": batch["input_ids"],
-        "position_ids": batch["position_ids"],
-        "labels": labels.clamp(min=0),
-        "loss_mask": batch["loss_mask"].float(),
+        "input_ids": batch.input_ids,
+        "position_ids": batch.position_ids,
+        "labels": batch.labels.clamp(min=0),
+        "loss_mask": batch.loss_mask.float(),
     }
     packed = None
-    if "cu_seqlens" in batch:
+    if batch.packed:
         inputs = {key: value.reshape(1, -1) for key, value in inputs.items()}
-        packed = thd_packed_seq_params(batch["cu_seqlens"], batch.get("cu_seqlens_padded"))
+        packed = thd_packed_seq_params(batch.cu_seqlens, batch.cu_seqlens_padded)
     out = {key: value.to(device, non_blocking=True) for key, value in inputs.items()}
     out["packed_seq_params"] = packed
     return out
 
 
-def make_forward_step(device: torch.device) -> Callable[[Iterator[Batch], torch.nn.Module], Any]:
+def make_forward_step(device: torch.device) -> Callable[[Iterator[PackedBatch], torch.nn.Module], Any]:
     """The ``forward_step_func`` handed to Megatron's forward-backward schedule."""
 
-    def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module) -> Any:
+    def forward_step(data_iterator: Iterator[PackedBatch], model: torch.nn.Module) -> Any:
         inputs = model_inputs(next(data_iterator), device)
         output = model(
             inputs["input_ids"], inputs["position_ids"], None,

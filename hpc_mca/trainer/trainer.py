@@ -31,6 +31,7 @@ from hpc_mca.checkpoint.checkpointer import Checkpointer
 from hpc_mca.checkpoint.compat import nothing_to_train
 from hpc_mca.checkpoint.requeue import StopSignal
 from hpc_mca.checkpoint.state import LoopState
+from hpc_mca.data.batch import PackedBatch
 from hpc_mca.data.dataset import TrainingData, eval_dataloader, train_dataloader
 from hpc_mca.rundir import STEPS_FILE
 from hpc_mca.runtime.distributed import RankContext
@@ -196,7 +197,7 @@ class Trainer:
             print("LR schedule re-derived for this config: "
                   + ", ".join(f"{k} {old}->{new}" for k, (old, new) in rederived.items()), flush=True)
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+    def train_step(self, micro_batches: list[PackedBatch]) -> StepResult:
         """One optimizer step over a global batch (this rank's micro-batches)."""
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -204,10 +205,10 @@ class Trainer:
         outputs = self.forward_backward(
             forward_step_func=self.forward_step, data_iterator=self._iterators(micro_batches),
             model=self.model, num_microbatches=len(micro_batches),
-            seq_length=micro_batches[0]["input_ids"].shape[-1],
-            micro_batch_size=micro_batches[0]["input_ids"].shape[0], forward_only=False,
+            seq_length=micro_batches[0].seq_length, micro_batch_size=micro_batches[0].rows,
+            forward_only=False,
         )
-        inputs = sum(int((batch["attention_mask"] > 0).sum()) for batch in micro_batches)
+        inputs = sum(batch.input_tokens for batch in micro_batches)
         loss, tokens, inputs = self._reduce(outputs, inputs)
         self.control = self.callbacks.on_pre_optimizer_step(self.config.training, self.state, self.control)
         skipped = not self._grads_finite()
@@ -233,8 +234,7 @@ class Trainer:
                 outputs = self.forward_backward(
                     forward_step_func=self.forward_step, data_iterator=self._iterators(micro),
                     model=self.model, num_microbatches=len(micro),
-                    seq_length=micro[0]["input_ids"].shape[-1],
-                    micro_batch_size=micro[0]["input_ids"].shape[0], forward_only=True)
+                    seq_length=micro[0].seq_length, micro_batch_size=micro[0].rows, forward_only=True)
                 loss, tokens, _ = self._reduce(outputs)
                 loss_sum += torch.tensor([loss * tokens, tokens], dtype=torch.float64, device=self.ctx.device)
         for chunk in self.model:
@@ -251,7 +251,7 @@ class Trainer:
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _global_batches(self) -> Iterator[list[dict[str, torch.Tensor]]]:
+    def _global_batches(self) -> Iterator[list[PackedBatch]]:
         """This rank's micro-batches, grouped per optimizer step."""
         loader = train_dataloader(self.data.train, self.config, consumed_samples=self.consumed_samples,
                                   data_parallel_rank=self.mpu.get_data_parallel_rank())
@@ -264,7 +264,7 @@ class Trainer:
         # The interleaved schedule needs at least PP micro-batches per call.
         return max(1, self.mpu.get_pipeline_model_parallel_world_size())
 
-    def _iterators(self, micro_batches: list[dict[str, torch.Tensor]]) -> Any:
+    def _iterators(self, micro_batches: list[PackedBatch]) -> Any:
         if len(self.model) == 1:
             return iter(micro_batches)
         return [iter(micro_batches) for _ in self.model]
