@@ -174,18 +174,29 @@ def test_tp_message_matches_documented_form():
 
 def test_tp_must_stay_in_node(llama8b):
     [line] = check_layout(Layout(tp=16), 32, llama8b, gpus_per_node=8)
-    assert line == ("tensor_parallel_size=16 exceeds gpus_per_node=8 (its groups must stay "
-                    "inside a node); valid: 1, 2, 4, 8")
+    assert line == ("tensor_parallel_size=16 does not divide num_query_groups=8 (the KV heads: "
+                    "each TP rank holds whole ones) and exceeds gpus_per_node=8 (its groups must "
+                    "stay inside a node); valid: 1, 2, 4, 8")
 
 
-def test_tp_kv_heads_divisor_or_multiple():
+def test_tp_must_divide_the_kv_heads():
+    """A TP above the KV-head count is refused (HF weights are imported as whole KV heads per
+    TP rank), with the divisors that work for this model and world."""
     mqa = ModelShape(num_layers=4, hidden_size=1024, num_attention_heads=16,
                      num_query_groups=1, ffn_hidden_size=4096, vocab_size=1000)
-    assert check_layout(Layout(tp=8), 8, mqa) == []  # Megatron replicates the single KV head
+    assert check_layout(Layout(tp=8), 8, mqa) == [
+        "tensor_parallel_size=8 does not divide num_query_groups=1 (the KV heads: each TP rank "
+        "holds whole ones); valid: 1"]
     gqa = ModelShape(num_layers=4, hidden_size=1536, num_attention_heads=12,
                      num_query_groups=4, ffn_hidden_size=4096, vocab_size=1000)
     [line] = check_layout(Layout(tp=6), 12, gqa)
-    assert "is neither a divisor nor a multiple of num_query_groups=4" in line
+    assert line.startswith("tensor_parallel_size=6 does not divide num_query_groups=4")
+    assert line.endswith("; valid: 1, 2, 4")
+    llama70b_like = ModelShape(num_layers=80, hidden_size=8192, num_attention_heads=64,
+                               num_query_groups=8, ffn_hidden_size=28672, vocab_size=128256)
+    assert check_layout(Layout(tp=8), 64, llama70b_like, gpus_per_node=8) == []
+    [line] = check_layout(Layout(tp=16), 64, llama70b_like)
+    assert line.endswith("; valid: 1, 2, 4, 8")
 
 
 def test_world_size_product(llama8b):

@@ -47,7 +47,7 @@ def oracle_valid(lay: Layout, world: int, model: ModelShape, gpn: int, gbs: int,
     dp = world // (lay.tp * lay.pp * lay.cp)
     sp = lay.tp > 1
     tp_ok = (gpn % lay.tp == 0 and model.num_attention_heads % lay.tp == 0
-             and (model.num_query_groups % lay.tp == 0 or lay.tp % model.num_query_groups == 0)
+             and model.num_query_groups % lay.tp == 0  # whole KV heads per TP rank
              and model.ffn_hidden_size % lay.tp == 0)
     vp = lay.vp or 1
     pp_ok = model.num_layers % (lay.pp * vp) == 0 and (lay.vp is None or lay.pp > 1)
@@ -139,6 +139,7 @@ def test_planner_never_emits_a_layout_that_breaks_a_rule(inputs):
                         sequence_packing=inputs["sequence_packing"]) == []
     assert p.layout.dp * p.layout.model_parallel_size == world
     assert p.layout.tp <= inputs["gpus_per_node"]
+    assert inputs["model"].num_query_groups % p.layout.tp == 0  # never TP above the KV heads
     assert p.memory.total <= p.usable_bytes
     assert p.num_microbatches * p.micro_batch_size * p.layout.dp == inputs["global_batch_size"]
     assert p.reason and "\n" not in p.reason

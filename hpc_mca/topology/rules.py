@@ -123,9 +123,12 @@ def _tp_problems(tp: int, job: _Job) -> list[str]:
     groups = model.num_query_groups
     if model.num_attention_heads % tp:
         problems.append(f"does not divide num_attention_heads={model.num_attention_heads}")
-    elif groups % tp and tp % groups:
-        # Megatron accepts TP > KV heads by replicating each KV head: "divisor or multiple".
-        problems.append(f"is neither a divisor nor a multiple of num_query_groups={groups}")
+    elif groups % tp:
+        # Megatron itself would accept a multiple of the KV-head count (it replicates each KV
+        # head over TP ranks), but an HF checkpoint's K/V weights are imported by slicing whole
+        # heads per TP rank: every rank must own at least one KV head of its own.
+        problems.append(f"does not divide num_query_groups={groups} (the KV heads: each "
+                        "TP rank holds whole ones)")
     elif model.ffn_hidden_size % tp:
         problems.append(f"does not divide ffn_hidden_size={model.ffn_hidden_size}")
     return problems + _node_problem(tp, job.gpus_per_node)
