@@ -20,6 +20,7 @@ import pytest
 import torch
 from trainer_fixtures import (
     TORCHRUN,
+    assert_bad_input_on_every_rank,
     launch_ranks,
     make_model_dir,
     processes_with_env,
@@ -312,11 +313,10 @@ def test_dp_reshardable_resumes_on_fewer_ranks_and_refuses_tp(reference: tuple[P
     assert read_info(latest_checkpoint(run)).training["optimizer_format"] == "dp_reshardable"
     ranks = launch_ranks(2, ["train", str(config), f"training.output_dir={run}", *DIST_OPT, fmt,
                              "tensor_model_parallel_size=2"])
-    for rank in ranks:  # each rank stops alone, with the one line, before any collective
-        errors = [line for line in rank.stderr.splitlines() if line.startswith("hpc-mca train: error")]
-        assert rank.returncode == 2 and len(errors) == 1, rank.stderr[-2000:]
-        assert "the checkpoint's optimizer state (dp_reshardable) was saved with tp=1 and can " \
-               "only change data parallelism; valid: tp=1" in errors[0]
+    # Each rank stops alone before any collective; rank 0 says why.
+    assert_bad_input_on_every_rank(ranks, "the checkpoint's optimizer state (dp_reshardable) was "
+                                          "saved with tp=1 and can only change data parallelism; "
+                                          "valid: tp=1")
     proc = run_train(config, run, 1, *DIST_OPT, fmt)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "layout changed: dp 2->1, world_size 2->1" in proc.stdout
@@ -346,10 +346,7 @@ def small_disk(tmp_path: Path):
 
 
 def _ranks_failed_for_space(ranks: list[subprocess.CompletedProcess], message: str) -> None:
-    for rank in ranks:  # each rank stops with the one line, exit 2 (never requeued)
-        errors = [line for line in rank.stderr.splitlines() if line.startswith("hpc-mca train: error")]
-        assert rank.returncode == 2 and len(errors) == 1, rank.stderr[-3000:]
-        assert message in errors[0], errors[0]
+    assert_bad_input_on_every_rank(ranks, message)  # exit 2 (never requeued), one line
 
 
 @pytest.mark.slow

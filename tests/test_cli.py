@@ -72,6 +72,7 @@ def test_operator_commands_never_import_torch(tmp_path: Path):
         '"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, '
         '"vocab_size": 128256}')
     config = tmp_path / "run.yaml"
+    (tmp_path / "d.jsonl").write_text('{"instruction": "1+1=", "output": "2"}\n')
     config.write_text(f"model_name_or_path: {model}\ndataset: d.jsonl\nbf16: true\n"
                       "cutoff_len: 8192\nglobal_batch_size: 64\n")
     out = _run_python(

@@ -73,6 +73,7 @@ BAD_INPUTS = {
     "truncated": "train.jsonl:{line}: ",
     "vocab": "is not below the model's vocab_size 16",
     "missing": "data.dataset: dataset file",
+    "empty": "yields no trainable samples",
     "backend": "model.attention_backend='te' is not available here",
 }
 
@@ -86,6 +87,9 @@ def _bad_config(root: Path, kind: str) -> tuple[Path, str]:
         lines = data.read_text().splitlines()
         data.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2] + "\n")
         expected = BAD_INPUTS[kind].format(line=len(lines))
+    elif kind == "empty":
+        data.write_text("")
+        expected = BAD_INPUTS[kind]
     else:
         expected = BAD_INPUTS[kind]
     model = make_model_dir(work, layers=2, **({"vocab_size": 16} if kind == "vocab" else {}))
@@ -109,6 +113,10 @@ def test_bad_input_is_never_requeued_and_status_names_it(setup: dict) -> None:
         records = slurm.job_records(job_id)
         assert slurm.job_restart_count(job_id) == 0 and records[-1].exit_code == "2:0", records
         log = (root / f"bad_{kind}_{job_id}.out").read_text()
+        # Every rank stopped on it; one line says why (rank 0's), no rank crashed on the way.
+        errors = [line for line in log.splitlines() if line.startswith("hpc-mca train: error")]
+        assert len(errors) == 1 and expected in errors[0], (kind, per_node, log[-3000:])
+        assert "Traceback" not in log, (kind, per_node, log[-3000:])
         end = [line for line in log.splitlines() if line.startswith("hpc-mca | end")]
         assert len(end) == 1 and "bad input, not requeued: " in end[0], log[-3000:]
         assert expected in end[0], (kind, end[0])

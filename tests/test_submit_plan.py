@@ -28,6 +28,7 @@ def model_dir(tmp_path: Path) -> Path:
 
 def _config(tmp_path: Path, model_dir: Path, extra: str = "") -> Path:
     path = tmp_path / "run.yaml"
+    (tmp_path / "d.jsonl").write_text('{"instruction": "1+1=", "output": "2"}\n')
     path.write_text(f"model:\n  model_name_or_path: {model_dir}\ndata:\n  dataset: d.jsonl\n"
                     f"  cutoff_len: 4096\ntraining:\n  bf16: true\n  global_batch_size: 64\n"
                     f"{extra}")
@@ -161,3 +162,21 @@ def test_cli_errors_are_one_line(tmp_path, model_dir, args, message):
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert result.stderr.startswith(message)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["learning_rate=-1"], "Error: training.learning_rate=-1.0 must be >= 0"),
+    (["dataset=gone.jsonl"], "Error: data.dataset: dataset file "),
+    (["max_steps=0"], "Error: training.max_steps=0 is not a step count; valid: a positive "
+                      "number of optimizer steps, or -1"),
+])
+@pytest.mark.parametrize("sbatch", [False, True])
+def test_plan_checks_the_run_config_as_submit_does(tmp_path, model_dir, overrides, message, sbatch):
+    """plan and plan --sbatch refuse what submit would refuse (and the ranks after it), in one
+    line, without touching Slurm."""
+    args = ["plan", str(_config(tmp_path, model_dir)), *overrides, "--runs-root", str(tmp_path / "r")]
+    result = CliRunner().invoke(main, args + (["--sbatch"] if sbatch else []))
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith(message), result.stderr
+    assert result.stdout == ""

@@ -10,7 +10,15 @@ import sys
 import pytest
 import torch
 
-from trainer_fixtures import make_model_dir, make_sft_data, run_train, steps, write_config
+from trainer_fixtures import (
+    assert_bad_input_on_every_rank,
+    launch_ranks,
+    make_model_dir,
+    make_sft_data,
+    run_train,
+    steps,
+    write_config,
+)
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +179,28 @@ def test_run_log_carries_our_lines_not_library_notices(root):
     assert noise == [], noise
     assert "kernels: Transformer Engine no, Apex no" in proc.stdout
     assert "step 3/3 | loss" in proc.stdout and "saved (end)" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_bad_data_found_by_rank_zero_stops_every_rank(root, tmp_path, nproc):
+    """Rank 0 alone tokenizes (after the process group is up); what it finds wrong stops every
+    rank with exit 2, one line in all of their output, no traceback (no rank left waiting in a
+    collective to crash)."""
+    lines = (root / "train.jsonl").read_text().splitlines()
+    truncated = tmp_path / "truncated.jsonl"
+    truncated.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2] + "\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    small_vocab = make_model_dir(tmp_path / "vocab16", layers=2, vocab_size=16)
+    cases = [
+        ([f"data.dataset=[{truncated}]"], f"{truncated}:{len(lines)}: "),
+        ([f"data.dataset=[{empty}]"], "yields no trainable samples"),
+        ([f"model.model_name_or_path={small_vocab}"], "is not below the model's vocab_size 16"),
+    ]
+    for number, (overrides, expected) in enumerate(cases):
+        run = tmp_path / f"run{number}"
+        ranks = launch_ranks(nproc, ["train", str(_config(root)), f"training.output_dir={run}",
+                                     "data.eval_dataset=null", *overrides], timeout=240)
+        assert_bad_input_on_every_rank(ranks, expected)
+        assert not (run / "steps.jsonl").exists()

@@ -109,6 +109,19 @@ def launch_ranks(nproc: int, args: list[str], timeout: int = 300,
     return results
 
 
+def assert_bad_input_on_every_rank(ranks: list[subprocess.CompletedProcess], message: str) -> str:
+    """Every rank exited 2 (bad input: never requeued); global rank 0 printed the one line,
+    which names ``message``; the others exited quietly. Returns the line."""
+    errors = [[line for line in rank.stderr.splitlines() if line.startswith("hpc-mca train: error")]
+              for rank in ranks]
+    for number, (rank, lines) in enumerate(zip(ranks, errors)):
+        assert rank.returncode == 2, (number, rank.returncode, rank.stderr[-3000:])
+        assert len(lines) == (1 if number == 0 else 0), (number, rank.stderr[-3000:])
+        assert "Traceback" not in rank.stderr, (number, rank.stderr[-3000:])
+    assert message in errors[0][0], errors[0][0]
+    return errors[0][0]
+
+
 def steps(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
 

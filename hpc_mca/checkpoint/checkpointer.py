@@ -243,11 +243,13 @@ class Checkpointer:
 
     def _stop_unless_room(self, reason: str | None) -> None:
         """Every rank raises CheckpointSpaceError with rank 0's ``reason``, if it has one (a
-        collective: the ranks stop together, each with the one line)."""
+        collective: the ranks stop together; rank 0 reports the line)."""
         verdict = [reason]
         dist.broadcast_object_list(verdict, src=0)
         if verdict[0]:
-            raise CheckpointSpaceError(verdict[0]) from None
+            err = CheckpointSpaceError(verdict[0])
+            err.on_every_rank = True
+            raise err from None
 
     def poll(self) -> None:
         """Commit a finished async save, if any (call at step boundaries, on every rank)."""

@@ -24,17 +24,19 @@ def plan(config: Path | None, overrides: tuple[str, ...], show_sbatch: bool, **o
     --model. Sizes set on the command line or in the config are checked, not searched.
     """
     from hpc_mca.slurm.jobplan import make_job_plan
-    from hpc_mca.slurm.submit import render_job
+    from hpc_mca.slurm.submit import checked_job
     from hpc_mca.topology import format_plan_table
 
     with ops_errors():
         job = make_job_plan(plan_options_from(options), config, overrides)
+        # The same checks as submit: a plan is only shown for a job that would be submitted.
+        rendered = (checked_job(job, submit_options_from(options))
+                    if config is not None or show_sbatch else None)
         table = format_plan_table(job.plan)
         if job.plan_overrides:
             table += "\n  trainer     " + " ".join(job.plan_overrides)
         if not show_sbatch:
             click.echo(table)
             return
-        rendered = render_job(job, submit_options_from(options))
         click.echo(table, err=True)
         click.echo(rendered.script, nl=False)

@@ -30,8 +30,18 @@ def train(config: Path, overrides: tuple[str, ...]) -> None:
     try:
         run_training(config, overrides)
     except UserError as err:
-        message = "; ".join(str(err).splitlines() or [type(err).__name__])
-        # For the batch script: this job cannot succeed, whatever srun makes of the exit codes.
-        record_bad_input(message)
-        click.echo(f"hpc-mca train: error: {message}", err=True)
+        if not (err.on_every_rank and _global_rank() != 0):  # then rank 0 reports it
+            message = "; ".join(str(err).splitlines() or [type(err).__name__])
+            # For the batch script: this job cannot succeed, whatever srun makes of the exit codes.
+            record_bad_input(message)
+            click.echo(f"hpc-mca train: error: {message}", err=True)
         sys.exit(EXIT_BAD_INPUT)
+
+
+def _global_rank() -> int:
+    from hpc_mca.runtime.env import from_environ
+
+    try:
+        return from_environ().rank
+    except Exception:  # an environment it cannot read: report on every rank, to be safe
+        return 0

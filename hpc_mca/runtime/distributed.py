@@ -19,11 +19,13 @@ import dataclasses
 import datetime
 import os
 import random
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from hpc_mca.errors import BadInputOnRankZero, UserError
 from hpc_mca.runtime import cpu_compat
 from hpc_mca.runtime.env import RankEnv, from_environ
 from hpc_mca.topology import Layout, LayoutError, ModelShape, check_layout
@@ -87,6 +89,29 @@ def init_distributed(
     _init_model_parallel(layout)
     _seed_everything(seed)
     return RankContext(env=env, layout=layout, device=device, backend=backend, seed=seed)
+
+
+T = TypeVar("T")
+
+
+def rank_zero_first(build: Callable[[], T], is_main: bool) -> T:
+    """``build()`` on global rank 0, then on the other ranks (rank 0 fills a cache they read:
+    tokenized data). Bad input rank 0 finds reaches every rank: rank 0 raises its UserError, the
+    others a :class:`~hpc_mca.errors.BadInputOnRankZero` with its message, so the whole job
+    exits 2 together instead of the other ranks crashing in a collective (a collective)."""
+    verdict: list[str | None] = [None]
+    if is_main:
+        try:
+            result = build()
+        except UserError as err:
+            err.on_every_rank = True
+            verdict[0] = str(err)
+            dist.broadcast_object_list(verdict, src=0)
+            raise
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise BadInputOnRankZero(verdict[0])
+    return result if is_main else build()
 
 
 def _select_device(env: RankEnv) -> tuple[torch.device, str]:

@@ -293,8 +293,13 @@ def _yaml(value: Any) -> str:
 
 
 def check_train_config(job: JobPlan, run_dir: str) -> None:
-    """Resolve the trainer's config as the ranks will (same overrides, same world size), so a
-    config error stops ``submit`` instead of the job."""
+    """Resolve the trainer's config as the ranks will (same overrides, same world size) and
+    look for its dataset files, so a bad config stops ``plan`` and ``submit`` instead of the
+    job. Data is only looked for, not read (tokenizing is the ranks' work); the paths are
+    checked as this machine sees them, which for a cluster's shared file system is what the
+    ranks see."""
+    from hpc_mca.data.errors import DataError
+    from hpc_mca.data.records import check_dataset_path
     from hpc_mca.trainer.config import ConfigError
 
     if job.config_path is None:
@@ -302,7 +307,10 @@ def check_train_config(job: JobPlan, run_dir: str) -> None:
     config = load_train_config(job.config_path, [*job.train_overrides, f"output_dir={run_dir}"])
     try:
         config.resolve(job.world_size)
-    except ConfigError as err:
+        for field in ("dataset", "eval_dataset"):
+            for path in getattr(config.data, field) or ():
+                check_dataset_path(path, f"data.{field}")
+    except (ConfigError, DataError) as err:
         raise OpsError(str(err)) from None
 
 

@@ -114,11 +114,18 @@ class Submitted:
     manifest: Path
 
 
-def submit(job: JobPlan, options: SubmitOptions, argv: Sequence[str]) -> Submitted:
-    """Submit ``job``; returns where it lives. Raises OpsError with nothing left queued."""
+def checked_job(job: JobPlan, options: SubmitOptions) -> RenderedJob:
+    """``job``'s batch script, after its run config passed the checks the ranks would make
+    first (:func:`~.jobplan.check_train_config`); ``plan`` and ``submit`` both stop here."""
     rendered = render_job(job, options)
     if rendered.rank_command == "train":
         check_train_config(job, str(rendered.run_dir("0")))
+    return rendered
+
+
+def submit(job: JobPlan, options: SubmitOptions, argv: Sequence[str]) -> Submitted:
+    """Submit ``job``; returns where it lives. Raises OpsError with nothing left queued."""
+    rendered = checked_job(job, options)
     rendered.runs_root.mkdir(parents=True, exist_ok=True)
     env = commands.sbatch_env(drop=[*rendered.knobs, "HPC_MCA_RUN_DIR"])
 

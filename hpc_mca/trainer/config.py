@@ -153,7 +153,8 @@ class TrainingArguments:
     warmup_steps: int = 0
     """Warmup steps; overrides ``warmup_ratio`` when positive."""
     max_steps: int = -1
-    """Optimizer steps of the run; -1 = ``num_train_epochs`` passes over the data."""
+    """Optimizer steps of the run (> 0); -1 = ``num_train_epochs`` passes over the data. 0 and
+    other negative values are refused (transformers would read them as -1)."""
     num_train_epochs: float = 3.0
     """Passes over the training rows when ``max_steps`` is -1."""
     logging_steps: int = 10

@@ -123,6 +123,12 @@ def _check_training(config: TrainConfig, world_size: int) -> None:
 
 def _check_schedule(config: TrainConfig, world_size: int) -> None:
     tr = config.training
+    if tr.max_steps == 0 or tr.max_steps < -1:
+        # HF reads any max_steps <= 0 as "use the epochs"; a 0 that silently trains for three
+        # epochs is a surprise, so only -1 (the default) means that here.
+        raise ConfigError(f"training.max_steps={tr.max_steps} is not a step count; valid: a "
+                          "positive number of optimizer steps, or -1 (num_train_epochs passes "
+                          "over the data)")
     if tr.max_steps <= 0 and tr.num_train_epochs <= 0:
         raise ConfigError(f"training.max_steps={tr.max_steps} and training.num_train_epochs="
                           f"{tr.num_train_epochs}: set max_steps > 0 or num_train_epochs > 0")

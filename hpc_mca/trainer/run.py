@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
-import torch.distributed as dist
 
 from hpc_mca.checkpoint.compat import nothing_to_train, resume_check
+from hpc_mca.errors import UserError
 from hpc_mca.rundir import clear_bad_input
-from hpc_mca.runtime.distributed import RankContext, init_distributed, shutdown
+from hpc_mca.runtime.distributed import RankContext, init_distributed, rank_zero_first, shutdown
 from hpc_mca.runtime.env import from_environ
 from hpc_mca.runtime.quiet import library_line
 from hpc_mca.topology import Layout, ModelShape
@@ -27,10 +27,14 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
                  callbacks: Iterable[Any] = ()) -> list[Any]:
     """Train as configured; return the per-step results (identical on every rank)."""
     env = from_environ()
-    config = load_config(config_path, overrides).resolve(env.world_size)
-    data_files_exist(config)
-    attention_backend_available(config)
-    resume_check(config, env.world_size, _shape(config))  # before any collective, like config errors
+    try:
+        config = load_config(config_path, overrides).resolve(env.world_size)
+        data_files_exist(config)
+        attention_backend_available(config)
+        resume_check(config, env.world_size, _shape(config))  # before any collective
+    except UserError as err:
+        err.on_every_rank = True  # every rank read the same inputs and stops here alike
+        raise
     idle = nothing_to_train(config)  # a finished run started again: no need for any rank
     if idle is not None:
         if env.rank == 0:
@@ -85,13 +89,9 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
 
 
 def _datasets(objective: Any, ctx: RankContext) -> Any:
-    """Rank 0 tokenizes and fills the cache; the others wait and read it."""
-    if not ctx.is_main:
-        dist.barrier()
-    data = objective.build_data()
-    if ctx.is_main:
-        dist.barrier()
-    return data
+    """Rank 0 tokenizes and fills the cache; the others wait and read it (bad data stops
+    every rank: see rank_zero_first)."""
+    return rank_zero_first(objective.build_data, ctx.is_main)
 
 
 def data_files_exist(config: TrainConfig) -> None:
