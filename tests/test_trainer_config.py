@@ -128,7 +128,7 @@ def test_layout_rule_uses_topology_and_model_shape(run: Path):
     (["warmup_steps=2", "warmup_ratio=0.1"], "are both set; valid: one of them"),
     (["warmup_steps=10", "lr_scheduler_type=cosine"], "valid: warmup_steps < 10"),
     (["lr_scheduler_type=cosin"], "training.lr_scheduler_type='cosin' is not a known scheduler; "
-                                  "valid: constant, constant_with_warmup, linear, cosine"),
+                                  "valid: linear, cosine, cosine_with_restarts, polynomial"),
     (["bf16=true", "fp16=true"], "training.bf16 and training.fp16 are both true"),
     (["optim=lion"], "training.optim='lion' is not valid; valid: adam, sgd"),
     (["dataset_format=text"], "data.dataset_format='text' does not fit finetuning.stage='sft'"),
@@ -160,7 +160,8 @@ def test_sequence_parallel_off_without_tp(run: Path):
 
 
 def test_save_resolved_round_trips(run: Path, tmp_path: Path):
-    resolved = load_config(run / "run.yaml", ["lr_scheduler_kwargs={min_lr: 1.0e-5}"]).resolve(2)
+    resolved = load_config(run / "run.yaml", ["lr_scheduler_type=cosine_with_min_lr",
+                                              "lr_scheduler_kwargs={min_lr: 1.0e-5}"]).resolve(2)
     path = resolved.save_resolved(tmp_path / "run_dir")
     assert path.name == "resolved_config.yaml"
     reloaded = load_config(path)

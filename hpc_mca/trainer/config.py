@@ -144,10 +144,13 @@ class TrainingArguments:
     learning_rate: float = 5e-5
     """Peak learning rate."""
     lr_scheduler_type: str = "linear"
-    """constant, constant_with_warmup, linear, cosine, cosine_with_min_lr, inverse_sqrt, wsd."""
+    """A name of transformers' ``get_scheduler`` (linear, cosine, cosine_with_restarts,
+    polynomial, constant, constant_with_warmup, inverse_sqrt, cosine_with_min_lr,
+    cosine_warmup_with_min_lr, warmup_stable_decay; Megatron's inverse-square-root and WSD are
+    aliases); see :mod:`hpc_mca.trainer.lr_scheduler`."""
     lr_scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra scheduler arguments (min_lr, min_lr_rate; wsd: num_decay_steps or decay_ratio,
-    wsd_decay_style)."""
+    """That scheduler's kwargs, named and defaulted as in transformers (e.g. num_cycles,
+    min_lr_rate, lr_end and power, timescale; warmup_stable_decay: num_decay_steps ...)."""
     warmup_ratio: float = 0.0
     """Warmup as a fraction of the run's steps (used when ``warmup_steps`` is 0)."""
     warmup_steps: int = 0

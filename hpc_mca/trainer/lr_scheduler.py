@@ -1,46 +1,51 @@
-"""Learning-rate schedules under Hugging Face names, run by Megatron-Core's scheduler.
+"""Learning-rate schedules exactly as transformers' ``get_scheduler``, run by Megatron-Core's
+scheduler.
 
-Users write ``lr_scheduler_type: cosine`` and ``lr_scheduler_kwargs: {min_lr_rate: 0.1}`` as in
-transformers; the run uses ``megatron.core.optimizer_param_scheduler.OptimizerParamScheduler``,
-which writes the rate into every ``optimizer.param_groups`` entry (so Megatron's per-group
-``max_lr``/``min_lr`` overrides keep working) and checkpoints with the rest of Megatron.
+Users write ``lr_scheduler_type: cosine`` and ``lr_scheduler_kwargs: {num_cycles: 0.5}`` as in
+transformers (the same names, kwarg names and defaults; the rate at every step agrees with
+``transformers.get_scheduler`` to rounding, checked in tests/test_lr_scheduler.py). The run uses
+``megatron.core.optimizer_param_scheduler.OptimizerParamScheduler``, which writes the rate into
+every ``optimizer.param_groups`` entry (a group's own ``max_lr`` scales its curve) and
+checkpoints with the rest of Megatron; only its ``get_lr`` is replaced by the HF factor below.
 
 Two layers:
 
-* :func:`scheduler_spec` (pure Python) maps a name, its kwargs, the peak rate, the warmup and the
-  number of optimizer steps onto Megatron's arguments and rejects bad input with one line naming
-  the field, the value and the valid choices. The config calls it at resolve time, before
-  anything is allocated.
+* :func:`scheduler_spec` (pure Python) validates a name, its kwargs, the peak rate, the warmup
+  and the number of optimizer steps, with one line naming the field, the value and the valid
+  choices. The config calls it at resolve time, before anything is allocated.
 * :class:`MegatronLRScheduler` (imports megatron on first use) is the scheduler itself plus
   ``get_last_lr()`` and a default ``step()`` increment of 1, the interface HF loops expect.
 
-Step convention (same as HF): after construction the rate is the one of step 0; each
-``step()`` follows one optimizer step. With ``w`` warmup steps the rate at step ``s <= w`` is
-``lr * s / w``; ``T`` is the number of training steps, and decay ends at ``T``.
+Step convention (HF's): after construction the rate is the one of step 0; each ``step()``
+follows one optimizer step. ``w`` is the warmup, ``T`` the number of training steps, the rate
+is ``lr × factor(s)``; during warmup (``s < w``) the factor is ``s / w`` unless said otherwise.
 
-| name                 | rate after warmup (s > w)                                     |
-|----------------------|----------------------------------------------------------------|
-| constant             | lr (warmup ignored, as in HF)                                  |
-| constant_with_warmup | lr                                                             |
-| linear               | min + (lr - min) * (T - s) / (T - w)                           |
-| cosine               | min + (lr - min) * (1 + cos(pi * (s - w) / (T - w))) / 2       |
-| cosine_with_min_lr   | cosine with min from ``min_lr`` or ``min_lr_rate`` (required)  |
-| inverse_sqrt         | max(min, lr * sqrt(max(w, 1) / s))                             |
-| wsd                  | lr until T - D, then min + (lr - min) * f((s - T + D) / D)     |
+| name (alias)                     | kwargs (defaults)                        | factor after warmup, p = (s - w) / (T - w)          |
+|----------------------------------|------------------------------------------|-----------------------------------------------------|
+| constant                         | -                                        | 1 (no warmup)                                       |
+| constant_with_warmup             | -                                        | 1                                                   |
+| linear                           | -                                        | max(0, 1 - p)                                       |
+| cosine                           | num_cycles=0.5                           | max(0, (1 + cos(2π·num_cycles·p)) / 2)              |
+| cosine_with_restarts             | num_cycles=1                             | (1 + cos(π·(num_cycles·p mod 1))) / 2, 0 from p ≥ 1  |
+| polynomial                       | lr_end=1e-7, power=1.0                   | ((lr - lr_end)·(1 - p)^power + lr_end) / lr          |
+| inverse_sqrt (inverse-square-root) | timescale=w or 10000                   | 1 / sqrt((s + timescale - w) / timescale)           |
+| cosine_with_min_lr               | num_cycles=0.5, min_lr or min_lr_rate    | cosine, scaled to [min_lr_rate, 1]                  |
+| cosine_warmup_with_min_lr        | as above + warmup_lr_rate=None           | the same on (s - w + 1); warmup from warmup_lr_rate |
+| warmup_stable_decay (wsd, WSD)   | num_decay_steps (required),              | warmup (warmup_type), 1 until T - D, then decay     |
+|                                  | num_stable_steps=T - w - D,              | (decay_type) to min_lr_ratio; warm-up starts at     |
+|                                  | warmup_type=linear, decay_type=cosine,   | min_lr_ratio too                                    |
+|                                  | min_lr_ratio=0, num_cycles=0.5           |                                                     |
 
-``min`` is 0 unless ``min_lr`` (absolute) or ``min_lr_rate`` (fraction of lr) is given. For
-``wsd``, ``D`` comes from ``num_decay_steps`` or ``decay_ratio`` (fraction of T, default 0.1)
-and ``f`` from ``wsd_decay_style`` (alias ``decay_type``): linear ``1 - x``, cosine
-``(1 + cos(pi x)) / 2``, exponential ``2 * 0.5**x - 1``, minus_sqrt (alias ``1-sqrt``)
-``1 - sqrt(x)``.
+``reduce_lr_on_plateau`` and ``greedy`` (rates driven by a metric each step) are refused in one
+line. The aliases are Megatron's ``lr_decay_style`` names.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from hpc_mca.errors import UserError
@@ -50,27 +55,30 @@ __all__ = [
     "build_lr_scheduler", "get_megatron_lr_scheduler", "resolve_warmup_steps", "scheduler_spec",
 ]
 
-SCHEDULER_NAMES = (
-    "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr",
-    "inverse_sqrt", "wsd",
-)
-"""Accepted ``lr_scheduler_type`` values (transformers' names)."""
-
-# Megatron's lr_decay_style for each HF name.
-_MEGATRON_STYLE = {
-    "constant": "constant", "constant_with_warmup": "constant", "linear": "linear",
-    "cosine": "cosine", "cosine_with_min_lr": "cosine", "inverse_sqrt": "inverse-square-root",
-    "wsd": "WSD",
+_REQUIRED = object()
+_MIN_LR = {"min_lr": None, "min_lr_rate": None}
+_KWARGS: dict[str, dict[str, Any]] = {
+    "linear": {},
+    "cosine": {"num_cycles": 0.5},
+    "cosine_with_restarts": {"num_cycles": 1},
+    "polynomial": {"lr_end": 1e-7, "power": 1.0},
+    "constant": {},
+    "constant_with_warmup": {},
+    "inverse_sqrt": {"timescale": None},
+    "cosine_with_min_lr": {"num_cycles": 0.5, **_MIN_LR},
+    "cosine_warmup_with_min_lr": {"num_cycles": 0.5, **_MIN_LR, "warmup_lr_rate": None},
+    "warmup_stable_decay": {"num_decay_steps": _REQUIRED, "num_stable_steps": None,
+                            "warmup_type": "linear", "decay_type": "cosine",
+                            "min_lr_ratio": 0.0, "num_cycles": 0.5},
 }
-_MIN_KWARGS = ("min_lr", "min_lr_rate")
-_KWARGS: dict[str, tuple[str, ...]] = {
-    "constant": (), "constant_with_warmup": (), "linear": _MIN_KWARGS, "cosine": _MIN_KWARGS,
-    "cosine_with_min_lr": _MIN_KWARGS, "inverse_sqrt": _MIN_KWARGS,
-    "wsd": _MIN_KWARGS + ("num_decay_steps", "decay_ratio", "wsd_decay_style", "decay_type"),
-}
-WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
-_WSD_ALIASES = {"1-sqrt": "minus_sqrt"}
-_DEFAULT_WSD_DECAY_RATIO = 0.1
+"""Each accepted name's kwargs and their defaults, as transformers has them."""
+SCHEDULER_NAMES = tuple(_KWARGS)
+"""Accepted ``lr_scheduler_type`` values (transformers' names; see also the aliases)."""
+ALIASES = {"inverse-square-root": "inverse_sqrt", "WSD": "warmup_stable_decay",
+           "wsd": "warmup_stable_decay"}
+"""Megatron's ``lr_decay_style`` names for the same schedules."""
+_METRIC_DRIVEN = ("reduce_lr_on_plateau", "greedy")
+WSD_SHAPES = ("linear", "cosine", "1-sqrt")
 
 _TYPE = "training.lr_scheduler_type"
 _KW = "training.lr_scheduler_kwargs"
@@ -82,26 +90,31 @@ class SchedulerError(UserError):
 
 @dataclass(frozen=True)
 class SchedulerSpec:
-    """Everything OptimizerParamScheduler needs, derived from HF-style arguments."""
+    """A validated schedule: the HF name and kwargs (defaults filled in), the peak rate, the
+    warmup and the run's length."""
 
     name: str
-    """The HF name the user gave."""
+    """transformers' name (an alias is resolved)."""
     max_lr: float
     """Peak rate (``learning_rate``)."""
     min_lr: float
-    """Floor the decay ends at."""
+    """Where the schedule ends (its floor: min_lr, lr_end, min_lr_ratio·lr; 0 for most)."""
     warmup_steps: int
-    """Linear warmup from 0 over this many steps."""
+    """HF's ``num_warmup_steps``."""
     total_steps: int
     """Optimizer steps of the run (T)."""
-    megatron_style: str
-    """Megatron's ``lr_decay_style``."""
-    decay_steps: int
-    """Megatron's ``lr_decay_steps`` (T, or just past the warmup for constant schedules)."""
-    wsd_decay_steps: int | None = None
-    """WSD only: length D of the final decay."""
-    wsd_decay_style: str | None = None
-    """WSD only: shape of the final decay."""
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """The schedule's kwargs with transformers' defaults filled in."""
+
+    @property
+    def decay_steps(self) -> int:
+        """Megatron's ``lr_decay_steps`` (kept in its state dict): T, or just past the warmup
+        for schedules that do not decay."""
+        return max(self.total_steps, self.warmup_steps + 1)
+
+    def factor(self, step: int) -> float:
+        """The rate at ``step`` as a fraction of the peak (transformers' lambda)."""
+        return _FACTORS[self.name](self, step)
 
 
 def resolve_warmup_steps(warmup_steps: int, warmup_ratio: float, total_steps: int) -> int:
@@ -109,110 +122,221 @@ def resolve_warmup_steps(warmup_steps: int, warmup_ratio: float, total_steps: in
     return warmup_steps if warmup_steps > 0 else math.ceil(warmup_ratio * total_steps)
 
 
-def scheduler_spec(
-    name: str,
-    kwargs: Mapping[str, Any] | None,
-    learning_rate: float,
-    warmup_steps: int,
-    total_steps: int,
-) -> SchedulerSpec:
-    """Validate HF-style scheduler arguments and translate them for Megatron."""
-    if name not in _MEGATRON_STYLE:
+def scheduler_spec(name: str, kwargs: Mapping[str, Any] | None, learning_rate: float,
+                   warmup_steps: int, total_steps: int) -> SchedulerSpec:
+    """Validate HF-style scheduler arguments (one-line SchedulerError otherwise)."""
+    canonical = ALIASES.get(name, name)
+    if canonical in _METRIC_DRIVEN:
+        raise SchedulerError(f"{_TYPE}={name!r} sets the rate from a metric at every step, which "
+                             f"this trainer does not feed it; valid: {', '.join(SCHEDULER_NAMES)}")
+    if canonical not in _KWARGS:
         raise SchedulerError(f"{_TYPE}={name!r} is not a known scheduler; valid: "
-                             + ", ".join(SCHEDULER_NAMES))
-    kwargs = dict(kwargs or {})
-    _check_kwarg_names(name, kwargs)
-    if name == "constant":
-        warmup_steps = 0
-    _check_steps(name, warmup_steps, total_steps)
-    min_lr = _min_lr(name, kwargs, learning_rate)
-    constant = _MEGATRON_STYLE[name] == "constant"
-    spec = SchedulerSpec(
-        name=name, max_lr=float(learning_rate), min_lr=min_lr, warmup_steps=warmup_steps,
-        total_steps=total_steps, megatron_style=_MEGATRON_STYLE[name],
-        decay_steps=max(total_steps, warmup_steps + 1) if constant else total_steps,
-    )
-    if name == "wsd":
-        return _with_wsd(spec, kwargs)
-    return spec
-
-
-def _check_kwarg_names(name: str, kwargs: dict[str, Any]) -> None:
-    valid = _KWARGS[name]
-    for key in kwargs:
-        if key not in valid:
-            choices = ", ".join(valid) if valid else "none"
-            raise SchedulerError(f"{_KW}.{key} is not used by {_TYPE}={name!r}; valid: {choices}")
-
-
-def _check_steps(name: str, warmup_steps: int, total_steps: int) -> None:
+                             + ", ".join(SCHEDULER_NAMES) + " (aliases: " + ", ".join(ALIASES) + ")")
+    given = dict(kwargs or {})
+    for key in given:
+        if key not in _KWARGS[canonical]:
+            choices = ", ".join(_KWARGS[canonical]) or "none"
+            raise SchedulerError(f"{_KW}.{key} is not a kwarg of {_TYPE}={name!r}; valid: {choices}")
+    resolved = {**_KWARGS[canonical], **given}
+    for key, value in resolved.items():
+        if value is _REQUIRED:
+            raise SchedulerError(f"{_TYPE}={name!r} needs {_KW}.{key}")
     if total_steps < 1:
         raise SchedulerError(f"the run has {total_steps} optimizer steps; need at least 1 "
                              "(set training.max_steps or training.num_train_epochs)")
     if warmup_steps < 0:
         raise SchedulerError(f"training.warmup_steps={warmup_steps} must be >= 0")
-    if _MEGATRON_STYLE[name] != "constant" and warmup_steps >= total_steps:
-        raise SchedulerError(
-            f"warmup of {warmup_steps} steps leaves no decay for {_TYPE}={name!r} in a run of "
-            f"{total_steps} steps; valid: warmup_steps < {total_steps}")
+    if canonical == "constant":
+        warmup_steps = 0  # transformers ignores the warmup for it
+    spec = SchedulerSpec(canonical, float(learning_rate), 0.0, warmup_steps, total_steps, resolved)
+    return _CHECKS.get(canonical, _check_decay)(spec)
 
 
-def _min_lr(name: str, kwargs: dict[str, Any], learning_rate: float) -> float:
-    if "min_lr" in kwargs and "min_lr_rate" in kwargs:
+def _number(spec: SchedulerSpec, key: str, low: float, high: float = math.inf) -> float:
+    value = spec.kwargs[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise SchedulerError(f"{_KW}.{key}={value!r} must be a number in [{low}, {high}]")
+    return float(value)
+
+
+def _check_decay(spec: SchedulerSpec) -> SchedulerSpec:
+    """Schedules that decay over T - w steps: the warmup must leave some."""
+    if spec.name not in ("constant", "constant_with_warmup", "inverse_sqrt") \
+            and spec.warmup_steps >= spec.total_steps:
+        raise SchedulerError(f"warmup of {spec.warmup_steps} steps leaves no decay for {_TYPE}="
+                             f"{spec.name!r} in a run of {spec.total_steps} steps; valid: "
+                             f"warmup_steps < {spec.total_steps}")
+    if "num_cycles" in spec.kwargs:
+        _number(spec, "num_cycles", 0.0)
+    return spec
+
+
+def _check_polynomial(spec: SchedulerSpec) -> SchedulerSpec:
+    lr_end, _ = _number(spec, "lr_end", 0.0), _number(spec, "power", 0.0)
+    if not spec.max_lr > lr_end:
+        raise SchedulerError(f"{_KW}.lr_end={lr_end} must be below learning_rate={spec.max_lr}")
+    return _check_decay(_replace_min(spec, lr_end))
+
+
+def _check_inverse_sqrt(spec: SchedulerSpec) -> SchedulerSpec:
+    timescale = spec.kwargs["timescale"]
+    if timescale is None:
+        timescale = spec.warmup_steps or 10_000
+    elif isinstance(timescale, bool) or not isinstance(timescale, int) or timescale < 1:
+        raise SchedulerError(f"{_KW}.timescale={timescale!r} must be a positive integer")
+    return SchedulerSpec(spec.name, spec.max_lr, 0.0, spec.warmup_steps, spec.total_steps,
+                         {**spec.kwargs, "timescale": timescale})
+
+
+def _check_min_lr(spec: SchedulerSpec) -> SchedulerSpec:
+    kw = spec.kwargs
+    if kw["min_lr"] is not None and kw["min_lr_rate"] is not None:
         raise SchedulerError(f"{_KW} sets both min_lr and min_lr_rate; valid: one of them")
-    if name == "cosine_with_min_lr" and not any(k in kwargs for k in _MIN_KWARGS):
-        raise SchedulerError(f"{_TYPE}='cosine_with_min_lr' needs {_KW}.min_lr or "
-                             f"{_KW}.min_lr_rate")
-    if "min_lr_rate" in kwargs:
-        rate = _number(kwargs, "min_lr_rate")
-        if not 0.0 <= rate <= 1.0:
-            raise SchedulerError(f"{_KW}.min_lr_rate={rate} must be in [0, 1]")
-        return rate * float(learning_rate)
-    min_lr = _number(kwargs, "min_lr") if "min_lr" in kwargs else 0.0
-    if not 0.0 <= min_lr <= learning_rate:
-        raise SchedulerError(f"{_KW}.min_lr={min_lr} must be in [0, learning_rate="
-                             f"{learning_rate}]")
-    return min_lr
+    if kw["min_lr"] is None and kw["min_lr_rate"] is None:
+        raise SchedulerError(f"{_TYPE}={spec.name!r} needs {_KW}.min_lr or {_KW}.min_lr_rate")
+    if kw["min_lr"] is not None:
+        rate = _number(spec, "min_lr", 0.0, spec.max_lr) / spec.max_lr if spec.max_lr else 0.0
+    else:
+        rate = _number(spec, "min_lr_rate", 0.0, 1.0)
+    if kw.get("warmup_lr_rate") is not None:
+        _number(spec, "warmup_lr_rate", 0.0, 1.0)
+    spec = SchedulerSpec(spec.name, spec.max_lr, 0.0, spec.warmup_steps, spec.total_steps,
+                         {**kw, "min_lr_rate": rate})
+    return _check_decay(_replace_min(spec, rate * spec.max_lr))
 
 
-def _number(kwargs: dict[str, Any], key: str) -> float:
-    value = kwargs[key]
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        return float(value)
-    except (TypeError, ValueError):
-        raise SchedulerError(f"{_KW}.{key}={value!r} must be a number") from None
+def _check_wsd(spec: SchedulerSpec) -> SchedulerSpec:
+    kw, total, warmup = spec.kwargs, spec.total_steps, spec.warmup_steps
+    for key in ("warmup_type", "decay_type"):
+        if kw[key] not in WSD_SHAPES:
+            raise SchedulerError(f"{_KW}.{key}={kw[key]!r} is not known; valid: "
+                                 + ", ".join(WSD_SHAPES))
+    decay = kw["num_decay_steps"]
+    room = total - warmup
+    if isinstance(decay, bool) or not isinstance(decay, int) or not 0 <= decay <= room:
+        raise SchedulerError(f"{_KW}.num_decay_steps={decay!r} must be an integer in "
+                             f"0..{room} (the run's {total} steps after {warmup} of warmup)")
+    stable = kw["num_stable_steps"]
+    if stable is None:
+        stable = room - decay  # transformers' rule when only the run length is known
+    elif isinstance(stable, bool) or not isinstance(stable, int) or stable < 0:
+        raise SchedulerError(f"{_KW}.num_stable_steps={stable!r} must be a non-negative integer")
+    ratio = _number(spec, "min_lr_ratio", 0.0, 1.0)
+    _number(spec, "num_cycles", 0.0)
+    spec = SchedulerSpec(spec.name, spec.max_lr, 0.0, warmup, total,
+                         {**kw, "num_stable_steps": stable})
+    return _replace_min(spec, ratio * spec.max_lr)
 
 
-def _with_wsd(spec: SchedulerSpec, kwargs: dict[str, Any]) -> SchedulerSpec:
-    decay = _wsd_decay_steps(kwargs, spec.total_steps)
-    room = spec.total_steps - spec.warmup_steps
-    if not 1 <= decay <= room:
-        raise SchedulerError(f"{_KW}: wsd decays over {decay} steps but the run has {room} "
-                             f"steps after warmup; valid: 1..{room}")
-    if "wsd_decay_style" in kwargs and "decay_type" in kwargs:
-        raise SchedulerError(f"{_KW} sets both wsd_decay_style and decay_type; valid: one")
-    style = str(kwargs.get("wsd_decay_style", kwargs.get("decay_type", "linear")))
-    style = _WSD_ALIASES.get(style, style)
-    if style not in WSD_DECAY_STYLES:
-        raise SchedulerError(f"{_KW}.wsd_decay_style={style!r} is not known; valid: "
-                             + ", ".join(WSD_DECAY_STYLES))
-    return replace(spec, wsd_decay_steps=decay, wsd_decay_style=style)
+def _replace_min(spec: SchedulerSpec, min_lr: float) -> SchedulerSpec:
+    return SchedulerSpec(spec.name, spec.max_lr, float(min_lr), spec.warmup_steps,
+                         spec.total_steps, spec.kwargs)
 
 
-def _wsd_decay_steps(kwargs: dict[str, Any], total_steps: int) -> int:
-    if "num_decay_steps" in kwargs and "decay_ratio" in kwargs:
-        raise SchedulerError(f"{_KW} sets both num_decay_steps and decay_ratio; valid: one")
-    if "num_decay_steps" in kwargs:
-        steps = kwargs["num_decay_steps"]
-        if isinstance(steps, bool) or not isinstance(steps, int):
-            raise SchedulerError(f"{_KW}.num_decay_steps={steps!r} must be an integer")
-        return steps
-    ratio = _number(kwargs, "decay_ratio") if "decay_ratio" in kwargs else _DEFAULT_WSD_DECAY_RATIO
-    if not 0.0 < ratio <= 1.0:
-        raise SchedulerError(f"{_KW}.decay_ratio={ratio} must be in (0, 1]")
-    return max(1, round(ratio * total_steps))
+_CHECKS: dict[str, Callable[[SchedulerSpec], SchedulerSpec]] = {
+    "polynomial": _check_polynomial, "inverse_sqrt": _check_inverse_sqrt,
+    "cosine_with_min_lr": _check_min_lr, "cosine_warmup_with_min_lr": _check_min_lr,
+    "warmup_stable_decay": _check_wsd,
+}
+
+
+# --- the factors (transformers' lambdas, restated) ---------------------------------------------
+
+
+def _ramp(step: int, warmup: int) -> float:
+    return float(step) / float(max(1, warmup))
+
+
+def _progress(spec: SchedulerSpec, step: int) -> float:
+    return float(step - spec.warmup_steps) / float(max(1, spec.total_steps - spec.warmup_steps))
+
+
+def _with_warmup(after: Callable[[SchedulerSpec, int], float]) -> Callable[[SchedulerSpec, int], float]:
+    def factor(spec: SchedulerSpec, step: int) -> float:
+        return _ramp(step, spec.warmup_steps) if step < spec.warmup_steps else after(spec, step)
+    return factor
+
+
+def _cosine(spec: SchedulerSpec, progress: float) -> float:
+    return 0.5 * (1.0 + math.cos(math.pi * float(spec.kwargs["num_cycles"]) * 2.0 * progress))
+
+
+def _restarts(spec: SchedulerSpec, step: int) -> float:
+    progress = _progress(spec, step)
+    if progress >= 1.0:
+        return 0.0
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * (float(spec.kwargs["num_cycles"]) * progress % 1.0))))
+
+
+def _polynomial(spec: SchedulerSpec, step: int) -> float:
+    lr_end, peak = spec.kwargs["lr_end"], spec.max_lr
+    if step > spec.total_steps:
+        return lr_end / peak
+    remaining = 1 - (step - spec.warmup_steps) / (spec.total_steps - spec.warmup_steps)
+    return ((peak - lr_end) * remaining ** spec.kwargs["power"] + lr_end) / peak
+
+
+def _inverse_sqrt(spec: SchedulerSpec, step: int) -> float:
+    timescale = spec.kwargs["timescale"]
+    return 1.0 / math.sqrt((step + timescale - spec.warmup_steps) / timescale)
+
+
+def _cosine_min(spec: SchedulerSpec, step: int) -> float:
+    rate = spec.kwargs["min_lr_rate"]
+    return max(0.0, _cosine(spec, _progress(spec, step)) * (1 - rate) + rate)
+
+
+def _cosine_warmup_min(spec: SchedulerSpec, step: int) -> float:
+    """cosine_warmup_with_min_lr: the warmup ends at 1 on its last step, the decay counts from
+    one step later than the other schedules."""
+    s, w, total = float(step), float(spec.warmup_steps), float(spec.total_steps)
+    start = spec.kwargs["warmup_lr_rate"]
+    if s < w:
+        if start is None:
+            return (s + 1.0) / max(1.0, w)
+        return start + (1.0 - start) * s / max(1, w - 1)
+    progress = (s - w + 1.0) / max(1.0, total - w)
+    rate = spec.kwargs["min_lr_rate"]
+    return max(0.0, _cosine(spec, progress) * (1 - rate) + rate)
+
+
+def _wsd_shape(kind: str, x: float, rising: bool) -> float:
+    if kind == "linear":
+        return x if rising else 1.0 - x
+    if kind == "cosine":
+        return 0.5 * (1.0 - math.cos(math.pi * x)) if rising else 0.5 * (1.0 + math.cos(math.pi * x))
+    return 1.0 - math.sqrt(1.0 - x) if rising else 1.0 - math.sqrt(x)
+
+
+def _wsd(spec: SchedulerSpec, step: int) -> float:
+    kw, warmup = spec.kwargs, spec.warmup_steps
+    ratio, stable, decay = kw["min_lr_ratio"], kw["num_stable_steps"], kw["num_decay_steps"]
+    if step < warmup:
+        shape = _wsd_shape(kw["warmup_type"], _ramp(step, warmup), rising=True)
+    elif step < warmup + stable:
+        return 1.0
+    elif step < warmup + stable + decay:
+        x = float(step - warmup - stable) / float(max(1, decay))
+        shape = (_cosine(spec, x) if kw["decay_type"] == "cosine"
+                 else _wsd_shape(kw["decay_type"], x, rising=False))
+    else:
+        return ratio
+    return max(0.0, shape * (1.0 - ratio) + ratio)
+
+
+_FACTORS: dict[str, Callable[[SchedulerSpec, int], float]] = {
+    "constant": lambda spec, step: 1.0,
+    "constant_with_warmup": _with_warmup(lambda spec, step: 1.0),
+    "linear": _with_warmup(lambda spec, step: max(0.0, float(spec.total_steps - step) / float(
+        max(1, spec.total_steps - spec.warmup_steps)))),
+    "cosine": _with_warmup(lambda spec, step: max(0.0, _cosine(spec, _progress(spec, step)))),
+    "cosine_with_restarts": _with_warmup(_restarts),
+    "polynomial": _with_warmup(_polynomial),
+    "inverse_sqrt": _with_warmup(_inverse_sqrt),
+    "cosine_with_min_lr": _with_warmup(_cosine_min),
+    "cosine_warmup_with_min_lr": _cosine_warmup_min,
+    "warmup_stable_decay": _wsd,
+}
 
 
 # --- the Megatron scheduler ------------------------------------------------------------------
@@ -224,14 +348,15 @@ def build_lr_scheduler(spec: SchedulerSpec, optimizer: Any, weight_decay: float 
     ``optimizer`` is a Megatron optimizer or anything with a ``param_groups`` list of dicts (all
     the scheduler touches). Weight decay stays constant at ``weight_decay``.
     """
+    # Megatron's own decay arguments only describe the run for its state dict and checks; the
+    # rate itself comes from spec.factor (see MegatronLRScheduler.get_lr).
     return _scheduler_class()(
         optimizer, spec,
         init_lr=0.0, max_lr=spec.max_lr, min_lr=spec.min_lr,
         lr_warmup_steps=spec.warmup_steps, lr_decay_steps=spec.decay_steps,
-        lr_decay_style=spec.megatron_style,
+        lr_decay_style="constant",
         start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=spec.decay_steps,
         wd_incr_style="constant",
-        wsd_decay_steps=spec.wsd_decay_steps, lr_wsd_decay_style=spec.wsd_decay_style,
     )
 
 
@@ -252,14 +377,17 @@ def _scheduler_class() -> type:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     class MegatronLRScheduler(OptimizerParamScheduler):
-        """OptimizerParamScheduler with HF's ``get_last_lr()`` and ``step()`` defaulting to 1.
+        """OptimizerParamScheduler with transformers' rates (``get_lr``), HF's ``get_last_lr()``
+        and ``step()`` defaulting to 1.
 
-        ``state_dict`` also records the HF name and the WSD settings. ``load_state_dict``
-        restores the step count only: the schedule itself (peak and floor, warmup, decay and
-        WSD lengths, weight decay) is the one this run's config defines, so a run resumed with
-        a new max_steps (an extended run) or learning rate follows the schedule defined for
-        the new settings from the resumed step on. What differs from the checkpoint is kept in
-        ``rederived`` ({name: (checkpoint's, now)}) for the resume line.
+        A param group's ``max_lr`` (Megatron's per-group override) scales its curve; the
+        group's ``min_lr`` is not used (HF's schedules define their own floor). ``state_dict``
+        also records the HF name and kwargs. ``load_state_dict`` restores the step count only:
+        the schedule itself (peak, warmup, length, kwargs, weight decay) is the one this run's
+        config defines, so a run resumed with a new max_steps (an extended run) or learning
+        rate follows the schedule defined for the new settings from the resumed step on. What
+        differs from the checkpoint is kept in ``rederived`` ({name: (checkpoint's, now)}) for
+        the resume line.
         """
 
         def __init__(self, optimizer: Any, spec: SchedulerSpec, **kwargs: Any) -> None:
@@ -268,6 +396,9 @@ def _scheduler_class() -> type:
             super().__init__(optimizer, override_opt_param_scheduler=True,
                              use_checkpoint_opt_param_scheduler=False, **kwargs)
 
+        def get_lr(self, param_group: dict) -> float:
+            return param_group.get("max_lr", self.max_lr) * self.spec.factor(self.num_steps)
+
         def step(self, increment: int = 1) -> None:
             super().step(increment)
 
@@ -275,27 +406,26 @@ def _scheduler_class() -> type:
             return [float(group["lr"]) for group in self.optimizer.param_groups]
 
         def state_dict(self) -> dict:
-            state = super().state_dict()
-            state.update(name=self.spec.name, wsd_decay_steps=self.wsd_decay_steps,
-                         lr_wsd_decay_style=self.lr_wsd_decay_style)
-            return state
+            return {**super().state_dict(), "name": self.spec.name, "kwargs": dict(self.spec.kwargs)}
 
         def load_state_dict(self, state_dict: dict) -> None:
             saved = state_dict.get("name", self.spec.name)
-            if saved != self.spec.name:
+            if ALIASES.get(saved, saved) != self.spec.name:
                 raise SchedulerError(f"{_TYPE}={self.spec.name!r} but the checkpoint's "
                                      f"scheduler is {saved!r}; valid: {saved!r}")
-            now = {**super().state_dict(), "wsd_decay_steps": self.wsd_decay_steps}
+            now = super().state_dict()
             self.rederived = {key: (state_dict[key], now[key]) for key in _SCHEDULE_KEYS
                               if key in state_dict and state_dict[key] != now[key]}
+            old_kwargs = state_dict.get("kwargs") or {}
+            self.rederived.update({key: (old_kwargs[key], value) for key, value in self.spec.kwargs.items()
+                                   if key in old_kwargs and old_kwargs[key] != value})
             self.num_steps = 0
             super().load_state_dict(state_dict)  # overrides: keeps this run's schedule
 
     return MegatronLRScheduler
 
 
-_SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "wsd_decay_steps",
-                  "start_wd", "end_wd")
+_SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "start_wd", "end_wd")
 """What a resumed run's config may change about the schedule (reported when it does)."""
 
 
