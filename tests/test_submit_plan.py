@@ -180,3 +180,23 @@ def test_plan_checks_the_run_config_as_submit_does(tmp_path, model_dir, override
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert result.stderr.startswith(message), result.stderr
     assert result.stdout == ""
+
+
+def test_an_uneven_pipeline_goes_from_the_plan_to_the_trainer_config(tmp_path, model_dir):
+    """--pp 3 on 32 layers: the plan splits 10,12,10, hands the split to the trainer as an
+    override, and the trainer's config accepts it (the same rules); a split of the wrong sum is
+    refused in one line naming the config key."""
+    from hpc_mca.trainer.config import ConfigError, load_config
+
+    config = _config(tmp_path, model_dir)
+    job = make_job_plan(PlanOptions(nodes=3, pp=3, tp=8), config)
+    assert job.plan.layout.pipeline_layout == (10, 12, 10)
+    assert _overrides(job)["pipeline_layout"] == "10,12,10"
+    check_train_config(job, str(tmp_path / "runs" / "x_0"))  # the ranks' own check passes
+    resolved = load_config(config, [*job.train_overrides, "output_dir=x"]).resolve(24)
+    assert resolved.parallel.pipeline_layout == [10, 12, 10]
+    bad = load_config(config, [*job.train_overrides, "output_dir=x", "pipeline_layout=10,10,10"])
+    with pytest.raises(ConfigError) as err:
+        bad.resolve(24)
+    assert str(err.value) == ("parallel.pipeline_layout places 30 layers but num_layers=32; "
+                              "valid: a sum of 32")

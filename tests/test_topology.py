@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from hpc_mca.topology import (Layout, LayoutError, ModelShape, balanced_pipeline_layout,
-                              check_layout, megatron_pipeline_layout)
+                              check_layout, megatron_pipeline_layout, plan)
 
 # Llama-3-8B's public config.json values (the keys the planner reads).
 LLAMA3_8B_CONFIG = {
@@ -207,7 +207,9 @@ def test_world_size_product(llama8b):
 
 def test_pp_divides_layers(llama8b):
     [line] = check_layout(Layout(tp=4, pp=3), 24, llama8b)
-    assert line == "pipeline_parallel_size=3 does not divide num_layers=32; valid: 1, 2"
+    assert line == ("pipeline_parallel_size=3 does not divide num_layers=32; valid: 1, 2, or "
+                    "this size with an uneven split: pipeline_layout=10,12,10")
+    assert check_layout(Layout(tp=4, pp=3, pipeline_layout=(10, 12, 10)), 24, llama8b) == []
 
 
 def test_vp_needs_pp_and_divides_stage(llama8b):
@@ -315,3 +317,17 @@ def test_balanced_pipeline_layout():
     assert megatron_pipeline_layout(Layout(pp=2)) is None
     assert Layout(pp=8, pipeline_layout=balanced_pipeline_layout(126, 8)).describe() == (
         "TP1 PP8(15,16×6,15) CP1 DP?")
+
+
+def test_a_forced_pp_that_does_not_divide_the_layers_plans_an_uneven_split():
+    """Published layouts put 126 layers on PP8 (Llama-3.1-405B): the planner takes --pp 8 and
+    splits 15,16×6,15 (the first and last stages also hold the embedding and the loss)."""
+    shape = ModelShape(num_layers=126, hidden_size=16384, num_attention_heads=128,
+                       num_query_groups=8, ffn_hidden_size=53248, vocab_size=128256)
+    job = dict(model=shape, nodes=64, gpu="H100-80GB", seq_length=4096, global_batch_size=4096)
+    p = plan(**job, layout=Layout(tp=8, pp=8))
+    assert p.layout.pipeline_layout == (15, 16, 16, 16, 16, 16, 16, 15)
+    assert p.layout.describe() == "TP8 PP8(15,16×6,15) CP1 DP8"
+    given = plan(**job,
+                 layout=Layout(tp=8, pp=8, pipeline_layout=(14, 16, 16, 16, 16, 16, 16, 16)))
+    assert given.layout.pipeline_layout == (14, 16, 16, 16, 16, 16, 16, 16)  # the user's split

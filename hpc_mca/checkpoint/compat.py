@@ -56,7 +56,7 @@ _TRAINING_FIELDS = {
     "finetuning_type": "finetuning.finetuning_type",
 }
 # Parallel sizes a dp_reshardable optimizer state cannot change (it stores DP-bucket shards).
-_DP_RESHARDABLE_FIXED = ("tp", "pp", "vp", "ep", "etp", "cp")
+_DP_RESHARDABLE_FIXED = ("tp", "pp", "vp", "ep", "etp", "cp", "pipeline_layout")
 
 
 def model_record(shape: Any) -> dict[str, Any]:
@@ -72,7 +72,8 @@ def layout_record(config: Any, world_size: int) -> dict[str, Any]:
     return {"tp": par.tensor_model_parallel_size, "pp": par.pipeline_model_parallel_size,
             "vp": par.virtual_pipeline_model_parallel_size, "cp": par.context_parallel_size,
             "ep": par.expert_model_parallel_size, "etp": par.expert_tensor_parallel_size,
-            "dp": par.data_parallel_size, "world_size": world_size}
+            "dp": par.data_parallel_size, "world_size": world_size,
+            "pipeline_layout": list(par.pipeline_layout) if par.pipeline_layout is not None else None}
 
 
 def training_record(config: Any, optimizer_format: str) -> dict[str, Any]:

@@ -125,10 +125,6 @@ def make_job_plan(options: PlanOptions, config_path: Path | None = None,
         result = plan(request)
     except LayoutError as err:
         raise OpsError(str(err)) from None
-    if result.layout.pipeline_layout is not None and config is not None:
-        raise OpsError(f"the plan splits {request.shape.num_layers} layers unevenly over "
-                       f"PP{result.layout.pp}, which the trainer config cannot express; "
-                       "valid: --pp with a divisor of the layer count, or more nodes")
     extra = _plan_overrides(result, options, explicit) if config is not None else ()
     return JobPlan(result, config_path, overrides, tuple(extra))
 
@@ -228,6 +224,8 @@ def _forced_layout(options: PlanOptions, config: Any, explicit: set[str]) -> Lay
             sizes[flag] = getattr(config.parallel, key)
     if not sizes:
         return None
+    if config is not None and "pipeline_layout" in explicit and config.parallel.pipeline_layout:
+        sizes["pipeline_layout"] = tuple(config.parallel.pipeline_layout)
     try:
         return Layout(**sizes)
     except LayoutError as err:
@@ -241,6 +239,8 @@ def _plan_overrides(result: Plan, options: PlanOptions, explicit: set[str]) -> l
         "tensor_model_parallel_size": lay.tp, "pipeline_model_parallel_size": lay.pp,
         "virtual_pipeline_model_parallel_size": lay.vp, "context_parallel_size": lay.cp,
         "expert_model_parallel_size": lay.ep, "expert_tensor_parallel_size": lay.etp,
+        # An uneven split as the config writes it (15,16,16,...); null for an even one.
+        "pipeline_layout": ",".join(map(str, lay.pipeline_layout)) if lay.pipeline_layout else None,
         "per_device_train_batch_size": result.micro_batch_size,
         "global_batch_size": result.request.global_batch_size,
         "use_distributed_optimizer": result.use_distributed_optimizer,
@@ -248,6 +248,8 @@ def _plan_overrides(result: Plan, options: PlanOptions, explicit: set[str]) -> l
         **_recompute(result.recompute),
     }
     cli_set = {LAYOUT_KEYS[f] for f in LAYOUT_KEYS if getattr(options, f) is not None}
+    if options.pp is not None or options.vp is not None:
+        cli_set.add("pipeline_layout")  # follows the pipeline size the CLI forced
     if options.micro_batch_size is not None:
         cli_set.add("per_device_train_batch_size")
     if options.global_batch_size is not None:

@@ -220,6 +220,7 @@ def _gib(n: float) -> str:
 
 def _plan_forced(req: PlanRequest, forced: Layout) -> Plan:
     mbs = req.micro_batch_size or 1
+    forced = _with_uneven_split(req, forced)
     raise_if(_violations(req, forced, mbs))  # before resolving: field lines beat the product one
     layout = forced.resolved(req.world_size)
     usable = req.gpu_spec.usable_bytes
@@ -234,6 +235,16 @@ def _plan_forced(req: PlanRequest, forced: Layout) -> Plan:
         f"layout {layout.describe()} needs {_gib(est.total)} per GPU with recompute={recompute}, "
         f"more than the {_gib(usable)} usable on {req.gpu_spec.name}; valid: drop the forced "
         "layout to let the planner choose, add nodes, or use LoRA")
+
+
+def _with_uneven_split(req: PlanRequest, forced: Layout) -> Layout:
+    """A forced PP (×VP) that does not divide the layers gets the balanced uneven split the
+    search would use (``--pp 8`` on 126 layers: 15,16×6,15), unless a split was given."""
+    stages = forced.num_virtual_stages
+    if forced.pipeline_layout is not None or req.shape.num_layers % stages == 0:
+        return forced
+    split = balanced_pipeline_layout(req.shape.num_layers, stages)
+    return forced if split is None else replace(forced, pipeline_layout=split)
 
 
 def _forced_reason(req: PlanRequest, layout: Layout, est: MemoryEstimate, recompute: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .layout import FIELD_NAMES, Layout, divisors, nearest, world_violations
+from .layout import FIELD_NAMES, Layout, balanced_pipeline_layout, divisors, nearest, world_violations
 from .model import ModelShape
 
 
@@ -154,9 +154,13 @@ def _pp_lines(job: _Job) -> list[str]:
     if model is None or lay.pipeline_layout is not None or model.num_layers % lay.pp == 0:
         return []
     rest = lay.tp * lay.cp
-    valid = [p for p in divisors(model.num_layers) if job.world_size % (p * rest) == 0]
+    valid = ", ".join(map(str, nearest(lay.pp, [p for p in divisors(model.num_layers)
+                                                 if job.world_size % (p * rest) == 0])))
+    split = balanced_pipeline_layout(model.num_layers, lay.pp) if lay.vp is None else None
+    if split is not None:
+        valid += f", or this size with an uneven split: pipeline_layout={','.join(map(str, split))}"
     return _line(FIELD_NAMES["pp"], lay.pp,
-                 [f"does not divide num_layers={model.num_layers}"], nearest(lay.pp, valid))
+                 [f"does not divide num_layers={model.num_layers}"], valid)
 
 
 def _vp_lines(job: _Job) -> list[str]:

@@ -215,6 +215,11 @@ class ParallelArguments:
     """Pipeline stages."""
     virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks per pipeline rank (interleaved schedule); None = not interleaved."""
+    pipeline_layout: list[int] | None = None
+    """Transformer layers of each pipeline stage, in schedule order (PP·VP entries; with VP,
+    rank r's chunks are entries r, r+PP, ...), for splits the stages do not share evenly, e.g.
+    ``[15, 16, 16, 16, 16, 16, 16, 15]`` for 126 layers on PP8 (the first and last stages also
+    hold the embedding and the output layer); None = an even split."""
     context_parallel_size: int = 1
     """Ranks each sequence is split over."""
     expert_model_parallel_size: int = 1
@@ -418,8 +423,14 @@ def _coerce(dotted: str, value: Any, hint: Any) -> Any:
         (hint,) = [a for a in args if a is not type(None)]
     origin = typing.get_origin(hint)
     if origin is list:
+        (item,) = typing.get_args(hint)
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list) and item is int:
+            try:
+                return [_coerce_scalar(dotted, int(v) if isinstance(v, str) else v, int) for v in value]
+            except (ConfigError, ValueError):
+                raise ConfigError(f"{dotted}={value!r} must be a list of integers") from None
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return value
         raise ConfigError(f"{dotted}={value!r} must be a list of strings")

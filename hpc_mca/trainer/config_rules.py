@@ -188,7 +188,8 @@ def _layout(par: ParallelArguments) -> Layout:
             tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
             cp=par.context_parallel_size, ep=par.expert_model_parallel_size,
             etp=par.expert_tensor_parallel_size, vp=par.virtual_pipeline_model_parallel_size,
-            dp=par.data_parallel_size)
+            dp=par.data_parallel_size,
+            pipeline_layout=tuple(par.pipeline_layout) if par.pipeline_layout is not None else None)
     except LayoutError as err:
         raise ConfigError("\n".join(_our_names(line) for line in err.violations)) from None
 
@@ -205,6 +206,7 @@ _TOPOLOGY_NAMES = {
     "tensor_parallel_size": "parallel.tensor_model_parallel_size",
     "pipeline_parallel_size": "parallel.pipeline_model_parallel_size",
     "virtual_pipeline_parallel_size": "parallel.virtual_pipeline_model_parallel_size",
+    "pipeline_layout": "parallel.pipeline_layout",
     "context_parallel_size": "parallel.context_parallel_size",
     "expert_parallel_size": "parallel.expert_model_parallel_size",
     "expert_tensor_parallel_size": "parallel.expert_tensor_parallel_size",

@@ -115,7 +115,8 @@ def _layout(config: TrainConfig) -> Layout:
     par = config.parallel
     return Layout(tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
                   cp=par.context_parallel_size, ep=par.expert_model_parallel_size,
-                  etp=par.expert_tensor_parallel_size or 1, vp=par.virtual_pipeline_model_parallel_size)
+                  etp=par.expert_tensor_parallel_size or 1, vp=par.virtual_pipeline_model_parallel_size,
+                  pipeline_layout=tuple(par.pipeline_layout) if par.pipeline_layout is not None else None)
 
 
 @functools.cache
