@@ -71,7 +71,7 @@ def test_a_fault_leaves_the_run_exact_and_no_process_behind(setup: dict, kind: s
 
 BAD_INPUTS = {
     "truncated": "train.jsonl:{line}: ",
-    "vocab": "is not below the model's vocab_size 16",
+    "vocab": "tokens but the model's vocab_size is 16 (ids from 16 on have no embedding)",
     "missing": "data.dataset: dataset file",
     "empty": "yields no trainable samples",
     "backend": "model.attention_backend='te' is not available here",

@@ -186,7 +186,8 @@ def test_run_log_carries_our_lines_not_library_notices(root):
 def test_bad_data_found_by_rank_zero_stops_every_rank(root, tmp_path, nproc):
     """Rank 0 alone tokenizes (after the process group is up); what it finds wrong stops every
     rank with exit 2, one line in all of their output, no traceback (no rank left waiting in a
-    collective to crash)."""
+    collective to crash). A tokenizer larger than the model's vocabulary is found earlier, by
+    every rank, and reported the same way."""
     lines = (root / "train.jsonl").read_text().splitlines()
     truncated = tmp_path / "truncated.jsonl"
     truncated.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2] + "\n")
@@ -196,7 +197,8 @@ def test_bad_data_found_by_rank_zero_stops_every_rank(root, tmp_path, nproc):
     cases = [
         ([f"data.dataset=[{truncated}]"], f"{truncated}:{len(lines)}: "),
         ([f"data.dataset=[{empty}]"], "yields no trainable samples"),
-        ([f"model.model_name_or_path={small_vocab}"], "is not below the model's vocab_size 16"),
+        # Found by every rank before the process group (the tokenizer does not fit the model).
+        ([f"model.model_name_or_path={small_vocab}"], "tokens but the model's vocab_size is 16"),
     ]
     for number, (overrides, expected) in enumerate(cases):
         run = tmp_path / f"run{number}"

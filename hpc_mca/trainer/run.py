@@ -30,6 +30,7 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
     try:
         config = load_config(config_path, overrides).resolve(env.world_size)
         data_files_exist(config)
+        tokenizer_fits_model(config, _shape(config).vocab_size)
         attention_backend_available(config)
         resume_check(config, env.world_size, _shape(config))  # before any collective
     except UserError as err:
@@ -101,6 +102,22 @@ def data_files_exist(config: TrainConfig) -> None:
         check_dataset_path(path, "data.dataset")
     for path in config.data.eval_dataset or ():
         check_dataset_path(path, "data.eval_dataset")
+
+
+def tokenizer_fits_model(config: TrainConfig, vocab_size: int) -> None:
+    """A tokenizer with more tokens than the model has embeddings is the wrong tokenizer (or
+    the wrong model): refused before the process group, whatever the data happens to use. The
+    data's own ids are checked again when it is read (hpc_mca.data.store.check_token_ids)."""
+    from hpc_mca.data.tokenize import load_tokenizer
+    from hpc_mca.models.errors import ModelLoadError
+
+    path = config.model.tokenizer_name_or_path or config.model.model_name_or_path
+    size = len(load_tokenizer(path))
+    if size > vocab_size:
+        raise ModelLoadError(f"the tokenizer at {path} has {size} tokens but the model's "
+                             f"vocab_size is {vocab_size} (ids from {vocab_size} on have no "
+                             f"embedding); valid: the model's own tokenizer, of at most "
+                             f"{vocab_size} tokens (model.tokenizer_name_or_path)")
 
 
 def attention_backend_available(config: TrainConfig) -> None:
