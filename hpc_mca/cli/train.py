@@ -15,10 +15,12 @@ def train(config: Path, overrides: tuple[str, ...]) -> None:
     """Train with CONFIG (YAML), overridden by key=value pairs, e.g. training.max_steps=20.
 
     Every rank of a job runs this (srun, torchrun or a single process). Bad inputs (unknown
-    keys, missing datasets, impossible layouts, model/weights mismatches, an attention backend
-    this machine does not have) stop every rank with one line before anything is allocated; data errors found while the data is read, and a
-    checkpoint that does not fit the disk, stop the rank that finds them. Each such stop exits
-    2 and leaves the reason in the run directory, so the job is never requeued for it.
+    keys, missing datasets, impossible layouts, model/weights mismatches, a tokenizer larger
+    than the model's vocabulary, an attention backend this machine does not have) stop every
+    rank before anything is allocated; data errors rank 0 finds while it tokenizes, and a
+    checkpoint that does not fit the disk, are shared with the other ranks. Every rank exits 2,
+    rank 0 prints the one line and leaves it in the run directory, so the job is never
+    requeued for it.
     """
     from hpc_mca.runtime.quiet import quiet_library_noise
 

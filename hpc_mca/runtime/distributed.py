@@ -96,9 +96,10 @@ T = TypeVar("T")
 
 def rank_zero_first(build: Callable[[], T], is_main: bool) -> T:
     """``build()`` on global rank 0, then on the other ranks (rank 0 fills a cache they read:
-    tokenized data). Bad input rank 0 finds reaches every rank: rank 0 raises its UserError, the
-    others a :class:`~hpc_mca.errors.BadInputOnRankZero` with its message, so the whole job
-    exits 2 together instead of the other ranks crashing in a collective (a collective)."""
+    tokenized data). A collective: every rank calls it. Bad input rank 0 finds reaches every
+    rank: rank 0 raises its UserError, the others a :class:`~hpc_mca.errors.BadInputOnRankZero`
+    with its message, so the whole job exits 2 together instead of the other ranks crashing in
+    their next collective."""
     verdict: list[str | None] = [None]
     if is_main:
         try:
