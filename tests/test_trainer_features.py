@@ -206,3 +206,43 @@ def test_bad_data_found_by_rank_zero_stops_every_rank(root, tmp_path, nproc):
                                      "data.eval_dataset=null", *overrides], timeout=240)
         assert_bad_input_on_every_rank(ranks, expected)
         assert not (run / "steps.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_logged_throughput_covers_the_last_logging_window(root, tmp_path):
+    """perf/tokens_per_s at step 10 (logging every 5) is the rate of steps 6-10 alone, checked
+    against a second measurement: the input tokens and device-synchronised seconds those steps
+    recorded in steps.jsonl. Steps 1-5 are slowed by a callback (0.5 s each), so a figure that
+    still averaged since step 1 would come out several times lower."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    script = tmp_path / "slow_start.py"
+    script.write_text(
+        "import sys, time\n"
+        "from transformers import TrainerCallback\n"
+        "from hpc_mca.trainer.run import run_training\n"
+        "class SlowStart(TrainerCallback):\n"
+        "    def on_step_begin(self, args, state, control, **kw):\n"
+        "        if state.global_step < 5:\n"
+        "            time.sleep(0.5)\n"
+        "if __name__ == '__main__':\n"
+        "    run_training(sys.argv[1], sys.argv[2:], callbacks=[SlowStart()])\n"
+    )
+    config = _config(root, training={"max_steps": 10, "logging_steps": 5})
+    run_dir = root / "throughput"
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(script), str(config),
+                           f"training.output_dir={run_dir}", "data.eval_dataset=null"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = steps(run_dir)
+    window = records[5:10]
+    assert [r["step"] for r in window] == [6, 7, 8, 9, 10]
+    measured = sum(r["input_tokens"] for r in window) / sum(r["seconds"] for r in window)
+    events = EventAccumulator(str(run_dir / "tensorboard" / run_dir.name))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("perf/tokens_per_s")}
+    assert set(logged) == {5, 10}
+    # The window also holds the bookkeeping between steps (metrics, callbacks): a little slower.
+    assert 0.4 * measured <= logged[10] <= 1.01 * measured, (logged, measured)
+    first = sum(r["input_tokens"] for r in records[:5]) / sum(r["seconds"] for r in records[:5])
+    assert logged[5] <= 1.01 * first and logged[5] < 0.5 * logged[10], (logged, first)

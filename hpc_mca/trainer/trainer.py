@@ -58,7 +58,8 @@ class StepResult:
     """True when the gradients were not finite and the update was skipped."""
     moe_aux_loss: float | None = None
     seconds: float = 0.0
-    """Wall time of the loop iteration (callbacks, data, forward-backward, optimizer)."""
+    """Wall time of the loop iteration (callbacks, data, forward-backward, optimizer), to the
+    end of its device work (CUDA is synchronised first)."""
 
 
 class Trainer:
@@ -160,27 +161,31 @@ class Trainer:
             started = time.perf_counter()
             self.control = self.callbacks.on_step_begin(self.config.training, self.state, self.control)
             result = self.train_step(next(batches))
+            _sync(self.ctx.device)  # a GPU step ends when its kernels do, not when they are queued
             result.seconds = time.perf_counter() - started
             history.append(result)
             self.state.global_step += 1
             self.state.epoch = self.consumed_samples / max(1, len(self.data.train))
             window_tokens, window_steps = window_tokens + result.input_tokens, window_steps + 1
             self.metrics.record_step(step=self.state.global_step, loss=result.loss, tokens=result.tokens,
-                                     grad_norm=result.grad_norm, lr=self.lr_scheduler.get_last_lr()[0],
-                                     skipped=result.skipped, seconds=round(result.seconds, 6))
+                                     input_tokens=result.input_tokens, grad_norm=result.grad_norm,
+                                     lr=self.lr_scheduler.get_last_lr()[0], skipped=result.skipped,
+                                     seconds=round(result.seconds, 6))
             self.control = self.callbacks.on_step_end(self.config.training, self.state, self.control)
             self.checkpointer.poll()  # commit an async save whose shards are all written
             decision = boundary.decide(self.state.global_step, self.control)
             self.control.should_save, self.control.should_training_stop = decision.save, decision.stop
-            if self.control.should_log:
+            # Read once: on_log/on_evaluate clear the flags they answer.
+            log, evaluate = self.control.should_log, self.control.should_evaluate
+            if log:
                 elapsed = time.perf_counter() - window_start
                 self._log(result, window_tokens / elapsed, elapsed / window_steps)
-            if self.control.should_evaluate:
+            if evaluate:
                 self.evaluate()
             if decision.save:
                 self.checkpointer.save(decision.reason, stop_time=decision.stop_time)
                 self.control = self.callbacks.on_save(self.config.training, self.state, self.control)
-            if self.control.should_log or self.control.should_evaluate or decision.save:
+            if log or evaluate or decision.save:
                 # Throughput covers training steps only, not evaluation or checkpointing.
                 window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
             if decision.stop:
@@ -317,6 +322,11 @@ class Trainer:
 # Megatron router's load-balancing type -> the name it records its loss under.
 _MOE_AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
                        "global_aux_loss": "global_load_balancing_loss"}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _as_list(value: Any) -> list[Any]:
