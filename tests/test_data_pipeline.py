@@ -12,6 +12,7 @@ from hpc_mca.data.addition import DEMO_DIR
 from hpc_mca.data.dataset import build_datasets, eval_dataloader, train_dataloader
 from hpc_mca.data.errors import DataError
 from hpc_mca.data.store import IndexedSamples
+from trainer_fixtures import write_indexed
 from hpc_mca.trainer.config import load_config
 
 
@@ -78,19 +79,9 @@ def test_pt_text_documents(tmp_path: Path):
     assert row["loss_mask"].sum() > 0 and "cu_seqlens" in row
 
 
-def _write_indexed(prefix: Path, documents: list[list[int]]) -> None:
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
-    for doc in documents:
-        builder.add_item(torch.tensor(doc, dtype=torch.int32))
-        builder.end_document()
-    builder.finalize(f"{prefix}.idx")
-
-
 def test_indexed_corpus_concat_and_document(tmp_path: Path):
     docs = [list(range(10, 17)), list(range(20, 23)), list(range(30, 40))]
-    _write_indexed(tmp_path / "corpus", docs)
+    write_indexed(tmp_path / "corpus", docs)
     stream = sum(docs, [])
     concat = IndexedSamples(str(tmp_path / "corpus"), 4, "concat")
     labels = np.concatenate([concat.sample(i)[1] for i in range(len(concat))])
@@ -103,7 +94,7 @@ def test_indexed_corpus_concat_and_document(tmp_path: Path):
 
 
 def test_indexed_corpus_through_the_config(tmp_path: Path):
-    _write_indexed(tmp_path / "corpus", [list(range(3, 40))] * 4)
+    write_indexed(tmp_path / "corpus", [list(range(3, 40))] * 4)
     config = _config(tmp_path, "stage=pt", f"dataset={tmp_path / 'corpus'}",
                      "sequence_packing=false")
     data = build_datasets(config)
@@ -126,7 +117,7 @@ def test_token_ids_beyond_the_model_vocabulary_are_bad_input(tmp_path: Path, sft
                                      "sample ")
     assert str(err.value).endswith(f"not below the model's vocab_size {top}; valid: the "
                                    "model's tokenizer (tokenizer_name_or_path)")
-    _write_indexed(tmp_path / "corpus", [list(range(3, 12)), [5, 6, 700, 8]])
+    write_indexed(tmp_path / "corpus", [list(range(3, 12)), [5, 6, 700, 8]])
     corpus = IndexedSamples(str(tmp_path / "corpus"), 4, "document", vocab_size=500)
     assert corpus.sample(0)[0].tolist() == [3, 4, 5, 6]
     with pytest.raises(DataError, match=r"corpus: token id 700 in sample 2 \(tokens 9\.\.12 "

@@ -74,3 +74,15 @@ def test_nodelist_parsing():
 def test_no_torch_imported():
     code = "import sys, hpc_mca.runtime.env; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_more_ranks_than_gpus_on_a_node_is_one_line():
+    """Checked before the rendezvous on CUDA machines (NCCL would fail later with "invalid
+    usage"); the rule itself is pure, so it is tested here without a GPU."""
+    from hpc_mca.runtime.distributed import ranks_per_gpu_violations
+
+    assert ranks_per_gpu_violations(8, 8) == [] and ranks_per_gpu_violations(1, 8) == []
+    assert ranks_per_gpu_violations(2, 1) == [
+        "2 ranks on this node but 1 GPU(s) visible: NCCL needs one GPU per rank; valid: at most "
+        "1 ranks per node (--ntasks-per-node / --nproc-per-node, or --gpus-per-node for hpc-mca "
+        "submit)"]

@@ -246,3 +246,25 @@ def test_logged_throughput_covers_the_last_logging_window(root, tmp_path):
     assert 0.4 * measured <= logged[10] <= 1.01 * measured, (logged, measured)
     first = sum(r["input_tokens"] for r in records[:5]) / sum(r["seconds"] for r in records[:5])
     assert logged[5] <= 1.01 * first and logged[5] < 0.5 * logged[10], (logged, first)
+
+
+@pytest.mark.slow
+def test_an_indexed_corpus_trains_and_plans(root, tmp_path):
+    """dataset_format: indexed with a Megatron .bin/.idx prefix passes the start-up data check
+    (which once refused it for not being a records file) and trains; hpc-mca plan, which makes
+    the same check, accepts it too."""
+    from click.testing import CliRunner
+
+    from hpc_mca.cli import main
+    from trainer_fixtures import write_indexed
+
+    prefix = tmp_path / "corpus"
+    write_indexed(prefix, [[3 + (i * 7 + j) % 20 for j in range(30)] for i in range(64)])
+    config = _config(root, finetuning={"stage": "pt"}, training={"max_steps": 3, "logging_steps": 1})
+    overrides = [f"data.dataset=[{prefix}]", "data.dataset_format=indexed", "data.eval_dataset=null"]
+    proc = run_train(config, tmp_path / "run", 1, *overrides)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [s["step"] for s in steps(tmp_path / "run")] == [1, 2, 3]
+    planned = CliRunner().invoke(main, ["plan", str(config), *overrides, "--gpu", "CPU",
+                                        "--gpus-per-node", "1", "--runs-root", str(tmp_path / "r")])
+    assert planned.exit_code == 0, planned.output

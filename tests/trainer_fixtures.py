@@ -122,6 +122,19 @@ def assert_bad_input_on_every_rank(ranks: list[subprocess.CompletedProcess], mes
     return errors[0][0]
 
 
+def write_indexed(prefix: Path, documents: list[list[int]]) -> None:
+    """A Megatron .bin/.idx corpus at ``prefix``, one document per list of token ids."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    for doc in documents:
+        builder.add_item(torch.tensor(doc, dtype=torch.int32))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+
+
 def steps(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
 

@@ -40,6 +40,21 @@ class Record:
     """The record itself."""
 
 
+def indexed_prefix(path: str) -> str | None:
+    """The ``.bin``/``.idx`` prefix ``path`` names (the prefix or either file), else None."""
+    prefix = path[:-4] if path.endswith((".bin", ".idx")) else path
+    both = os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")
+    return prefix if both else None
+
+
+def check_dataset_source(path: str | os.PathLike[str], field: str = "data.dataset") -> None:
+    """A dataset entry the pipeline can read: a Megatron ``.bin``/``.idx`` pair (its prefix or
+    either file) or a records file (:func:`check_dataset_path`); DataError (one line) otherwise.
+    What the run config's ``dataset_format`` makes of it is checked when the data is read."""
+    if indexed_prefix(os.fspath(path)) is None:
+        check_dataset_path(path, field)
+
+
 def check_dataset_path(path: str | os.PathLike[str], field: str = "data.dataset") -> Path:
     """The path if it is a readable dataset file; DataError (one line) otherwise."""
     path = Path(path)

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .errors import DataError
+from .records import indexed_prefix
 from .tokenize import windows
 
 CACHE_VERSION = 1
@@ -152,13 +153,6 @@ def cached(path: Path, build: Any, overwrite: bool = False) -> tuple[SampleStore
 
 
 # --- Megatron indexed corpora --------------------------------------------------------------
-
-
-def indexed_prefix(path: str) -> str | None:
-    """The ``.bin``/``.idx`` prefix ``path`` names (the prefix or either file), else None."""
-    prefix = path[:-4] if path.endswith((".bin", ".idx")) else path
-    both = os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")
-    return prefix if both else None
 
 
 class IndexedSamples:

@@ -29,6 +29,7 @@ from hpc_mca.errors import BadInputOnRankZero, UserError
 from hpc_mca.runtime import cpu_compat
 from hpc_mca.runtime.env import RankEnv, from_environ
 from hpc_mca.topology import Layout, LayoutError, ModelShape, check_layout
+from hpc_mca.topology.errors import raise_if
 
 __all__ = ["RankContext", "init_distributed", "shutdown"]
 
@@ -117,11 +118,22 @@ def rank_zero_first(build: Callable[[], T], is_main: bool) -> T:
 
 def _select_device(env: RankEnv) -> tuple[torch.device, str]:
     if torch.cuda.is_available():
+        raise_if(ranks_per_gpu_violations(env.local_world_size, torch.cuda.device_count()))
         local = env.local_rank % torch.cuda.device_count()
         torch.cuda.set_device(local)
         return torch.device("cuda", local), "nccl"
     cpu_compat.activate()
     return torch.device("cpu"), "gloo"
+
+
+def ranks_per_gpu_violations(ranks_on_node: int, gpus_on_node: int) -> list[str]:
+    """NCCL gives each rank its own GPU: two ranks on one device fail inside NCCL ("invalid
+    usage") after the rendezvous. Said in one line before it instead."""
+    if ranks_on_node <= gpus_on_node:
+        return []
+    return [f"{ranks_on_node} ranks on this node but {gpus_on_node} GPU(s) visible: NCCL needs "
+            f"one GPU per rank; valid: at most {gpus_on_node} ranks per node "
+            "(--ntasks-per-node / --nproc-per-node, or --gpus-per-node for hpc-mca submit)"]
 
 
 def _init_model_parallel(layout: Layout) -> None:

@@ -301,7 +301,7 @@ def check_train_config(job: JobPlan, run_dir: str) -> None:
     checked as this machine sees them, which for a cluster's shared file system is what the
     ranks see."""
     from hpc_mca.data.errors import DataError
-    from hpc_mca.data.records import check_dataset_path
+    from hpc_mca.data.records import check_dataset_source
     from hpc_mca.trainer.config import ConfigError
 
     if job.config_path is None:
@@ -311,7 +311,7 @@ def check_train_config(job: JobPlan, run_dir: str) -> None:
         config.resolve(job.world_size)
         for field in ("dataset", "eval_dataset"):
             for path in getattr(config.data, field) or ():
-                check_dataset_path(path, f"data.{field}")
+                check_dataset_source(path, f"data.{field}")
     except (ConfigError, DataError) as err:
         raise OpsError(str(err)) from None
 

@@ -41,9 +41,13 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
         if env.rank == 0:
             print(idle, flush=True)
         return []
-    ctx = init_distributed(_layout(config), model=_shape(config), seed=config.training.seed, env=env,
-                           global_batch_size=config.training.global_batch_size,
-                           micro_batch_size=config.training.per_device_train_batch_size)
+    try:
+        ctx = init_distributed(_layout(config), model=_shape(config), seed=config.training.seed,
+                               env=env, global_batch_size=config.training.global_batch_size,
+                               micro_batch_size=config.training.per_device_train_batch_size)
+    except UserError as err:  # a layout or ranks-per-GPU refusal: found alike by every rank
+        err.on_every_rank = True
+        raise
     try:
         return _train(config, ctx, callbacks)
     finally:
@@ -96,12 +100,12 @@ def _datasets(objective: Any, ctx: RankContext) -> Any:
 
 
 def data_files_exist(config: TrainConfig) -> None:
-    from hpc_mca.data.records import check_dataset_path
+    from hpc_mca.data.records import check_dataset_source
 
     for path in config.data.dataset:
-        check_dataset_path(path, "data.dataset")
+        check_dataset_source(path, "data.dataset")
     for path in config.data.eval_dataset or ():
-        check_dataset_path(path, "data.eval_dataset")
+        check_dataset_source(path, "data.eval_dataset")
 
 
 def tokenizer_fits_model(config: TrainConfig, vocab_size: int) -> None:
