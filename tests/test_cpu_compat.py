@@ -22,8 +22,10 @@ NEEDED_BY = {
 
 def run_probe(*skip: str) -> dict[str, str]:
     proc = subprocess.run([sys.executable, "-W", "ignore", str(PROBE), *skip],
-                          capture_output=True, text=True, timeout=180, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+                          capture_output=True, text=True, timeout=180)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and lines, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    return json.loads(lines[-1])
 
 
 def test_patch_table_matches_tests():
