@@ -84,27 +84,34 @@ def test_tensorboard_scalars_and_progress(root):
     assert (run_dir / "resolved_config.yaml").exists()
 
 
+def _train_with_callback(tmp_path, callback: str, config, run_dir) -> subprocess.CompletedProcess:
+    """``hpc-mca train``'s entry point in a fresh process with one user TrainerCallback (the
+    source of a class named Callback); prints which steps were skipped."""
+    script = tmp_path / "with_callback.py"
+    script.write_text(
+        "import sys, time\n"
+        "from transformers import TrainerCallback\n"
+        "from hpc_mca.trainer.run import run_training\n"
+        f"{callback}"
+        "if __name__ == '__main__':\n"
+        "    history = run_training(sys.argv[1], sys.argv[2:], callbacks=[Callback()])\n"
+        "    print('SKIPPED', [h.skipped for h in history])\n"
+    )
+    return subprocess.run([sys.executable, "-W", "ignore", str(script), str(config),
+                           f"training.output_dir={run_dir}", "data.eval_dataset=null"],
+                          capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.slow
 def test_non_finite_gradients_skip_the_update(root, tmp_path):
     # A user callback poisons one gradient before the optimizer step of step 2.
-    script = tmp_path / "nan_run.py"
-    script.write_text(
-        "import sys, math\n"
-        "from transformers import TrainerCallback\n"
-        "from hpc_mca.trainer.run import run_training\n"
-        "class Poison(TrainerCallback):\n"
-        "    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):\n"
-        "        if state.global_step == 1:\n"
-        "            model[0].buffers[0].grad_data[0] = float('nan')\n"
-        "if __name__ == '__main__':\n"
-        "    history = run_training(sys.argv[1], sys.argv[2:], callbacks=[Poison()])\n"
-        "    print('SKIPPED', [h.skipped for h in history])\n"
-    )
-    config = _config(root, training={"max_steps": 3, "logging_steps": 1})
+    poison = ("class Callback(TrainerCallback):\n"
+              "    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):\n"
+              "        if state.global_step == 1:\n"
+              "            model[0].buffers[0].grad_data[0] = float('nan')\n")
     run_dir = root / "nan"
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(script), str(config),
-                           f"training.output_dir={run_dir}", "data.eval_dataset=null"],
-                          capture_output=True, text=True, timeout=300)
+    proc = _train_with_callback(tmp_path, poison, _config(root, training={"max_steps": 3, "logging_steps": 1}),
+                                run_dir)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "SKIPPED [False, True, False]" in proc.stdout
     records = steps(run_dir)
@@ -216,23 +223,13 @@ def test_logged_throughput_covers_the_last_logging_window(root, tmp_path):
     still averaged since step 1 would come out several times lower."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    script = tmp_path / "slow_start.py"
-    script.write_text(
-        "import sys, time\n"
-        "from transformers import TrainerCallback\n"
-        "from hpc_mca.trainer.run import run_training\n"
-        "class SlowStart(TrainerCallback):\n"
-        "    def on_step_begin(self, args, state, control, **kw):\n"
-        "        if state.global_step < 5:\n"
-        "            time.sleep(0.5)\n"
-        "if __name__ == '__main__':\n"
-        "    run_training(sys.argv[1], sys.argv[2:], callbacks=[SlowStart()])\n"
-    )
-    config = _config(root, training={"max_steps": 10, "logging_steps": 5})
+    slow_start = ("class Callback(TrainerCallback):\n"
+                  "    def on_step_begin(self, args, state, control, **kw):\n"
+                  "        if state.global_step < 5:\n"
+                  "            time.sleep(0.5)\n")
     run_dir = root / "throughput"
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(script), str(config),
-                           f"training.output_dir={run_dir}", "data.eval_dataset=null"],
-                          capture_output=True, text=True, timeout=300)
+    proc = _train_with_callback(tmp_path, slow_start,
+                                _config(root, training={"max_steps": 10, "logging_steps": 5}), run_dir)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = steps(run_dir)
     window = records[5:10]

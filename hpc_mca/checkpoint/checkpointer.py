@@ -340,11 +340,11 @@ class Checkpointer:
 
     # ---- the end ------------------------------------------------------------------------------
 
-    def finalize(self, *, finished: bool, steps_per_epoch: int, reason: str = "end") -> None:
+    def finalize(self, *, finished: bool, steps_per_epoch: int) -> None:
         """At the end of the loop: save the last step (if not saved yet), wait for async saves,
         and, when the run is ``finished`` (not stopped early for a requeue), export the model to
         HF when configured and mark the run finished (the job then never requeues)."""
-        self.save(reason)
+        self.save("end")  # a no-op when the loop already saved this step (it always does on a stop)
         self.wait()
         if self._warm is not None:
             self._warm.join()  # never leave it running into interpreter shutdown

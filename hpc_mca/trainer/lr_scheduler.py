@@ -45,7 +45,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hpc_mca.errors import UserError
@@ -175,7 +175,7 @@ def _check_polynomial(spec: SchedulerSpec) -> SchedulerSpec:
     lr_end, _ = _number(spec, "lr_end", 0.0), _number(spec, "power", 0.0)
     if not spec.max_lr > lr_end:
         raise SchedulerError(f"{_KW}.lr_end={lr_end} must be below learning_rate={spec.max_lr}")
-    return _check_decay(_replace_min(spec, lr_end))
+    return _check_decay(replace(spec, min_lr=lr_end))
 
 
 def _check_inverse_sqrt(spec: SchedulerSpec) -> SchedulerSpec:
@@ -184,8 +184,7 @@ def _check_inverse_sqrt(spec: SchedulerSpec) -> SchedulerSpec:
         timescale = spec.warmup_steps or 10_000
     elif isinstance(timescale, bool) or not isinstance(timescale, int) or timescale < 1:
         raise SchedulerError(f"{_KW}.timescale={timescale!r} must be a positive integer")
-    return SchedulerSpec(spec.name, spec.max_lr, 0.0, spec.warmup_steps, spec.total_steps,
-                         {**spec.kwargs, "timescale": timescale})
+    return replace(spec, kwargs={**spec.kwargs, "timescale": timescale})
 
 
 def _check_min_lr(spec: SchedulerSpec) -> SchedulerSpec:
@@ -200,9 +199,7 @@ def _check_min_lr(spec: SchedulerSpec) -> SchedulerSpec:
         rate = _number(spec, "min_lr_rate", 0.0, 1.0)
     if kw.get("warmup_lr_rate") is not None:
         _number(spec, "warmup_lr_rate", 0.0, 1.0)
-    spec = SchedulerSpec(spec.name, spec.max_lr, 0.0, spec.warmup_steps, spec.total_steps,
-                         {**kw, "min_lr_rate": rate})
-    return _check_decay(_replace_min(spec, rate * spec.max_lr))
+    return _check_decay(replace(spec, min_lr=rate * spec.max_lr, kwargs={**kw, "min_lr_rate": rate}))
 
 
 def _check_wsd(spec: SchedulerSpec) -> SchedulerSpec:
@@ -223,14 +220,7 @@ def _check_wsd(spec: SchedulerSpec) -> SchedulerSpec:
         raise SchedulerError(f"{_KW}.num_stable_steps={stable!r} must be a non-negative integer")
     ratio = _number(spec, "min_lr_ratio", 0.0, 1.0)
     _number(spec, "num_cycles", 0.0)
-    spec = SchedulerSpec(spec.name, spec.max_lr, 0.0, warmup, total,
-                         {**kw, "num_stable_steps": stable})
-    return _replace_min(spec, ratio * spec.max_lr)
-
-
-def _replace_min(spec: SchedulerSpec, min_lr: float) -> SchedulerSpec:
-    return SchedulerSpec(spec.name, spec.max_lr, float(min_lr), spec.warmup_steps,
-                         spec.total_steps, spec.kwargs)
+    return replace(spec, min_lr=ratio * spec.max_lr, kwargs={**kw, "num_stable_steps": stable})
 
 
 _CHECKS: dict[str, Callable[[SchedulerSpec], SchedulerSpec]] = {
