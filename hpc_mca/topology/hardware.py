@@ -29,6 +29,24 @@ class GpuSpec:
     """Share of memory the estimate may fill. The rest is for what the estimate does not model:
     the CUDA context (~0.5 GiB), NCCL buffers (~1-2 GiB), allocator fragmentation and
     temporary buffers such as all-gathered weights and communication staging."""
+    # Speed figures for the step-time estimate (topology/cost.py). Peaks are the vendors'
+    # dense (no sparsity) tensor-core figures; bandwidths are what NCCL's bus bandwidth
+    # reaches in practice, not the link's line rate.
+    peak_tflops: float = 989.0
+    """Dense bf16/fp16 tensor-core peak, TFLOP/s (H100 SXM: 989)."""
+    fp32_tflops: float = 67.0
+    """Plain fp32 (no TF32) peak, TFLOP/s: what fp32 runs get, since torch leaves TF32 off."""
+    memory_gbps: float = 3350.0
+    """HBM bandwidth, GB/s (bounds element-wise kernels and the optimizer step)."""
+    intra_node_gbps: float = 360.0
+    """Collective bus bandwidth between GPUs of one node, GB/s (NVLink 4: 450 GB/s a
+    direction; NCCL all-reduce sustains ~360 without NVLink SHARP)."""
+    inter_node_gbps: float = 40.0
+    """Collective bus bandwidth per GPU across nodes, GB/s (one 400 Gb/s NIC a GPU)."""
+    intra_node_latency_us: float = 3.0
+    """Latency of one ring step inside a node, microseconds."""
+    inter_node_latency_us: float = 8.0
+    """Latency of one ring step across nodes, microseconds."""
 
     @property
     def usable_bytes(self) -> int:
@@ -39,12 +57,19 @@ GPU_PRESETS: dict[str, GpuSpec] = {
     spec.name: spec
     for spec in (
         GpuSpec("H100-80GB", 81559 * MiB, fp8=True),
-        GpuSpec("H200-141GB", 143771 * MiB, fp8=True),
-        GpuSpec("A100-40GB", 40536 * MiB),
-        GpuSpec("A100-80GB", 81920 * MiB),
+        GpuSpec("H200-141GB", 143771 * MiB, fp8=True, memory_gbps=4800.0),
+        # A100: 312 TFLOP/s bf16, NVLink 3 (300 GB/s a direction), one 200 Gb/s NIC a GPU.
+        GpuSpec("A100-40GB", 40536 * MiB, peak_tflops=312.0, fp32_tflops=19.5,
+                memory_gbps=1555.0, intra_node_gbps=230.0, inter_node_gbps=20.0),
+        GpuSpec("A100-80GB", 81920 * MiB, peak_tflops=312.0, fp32_tflops=19.5,
+                memory_gbps=2039.0, intra_node_gbps=230.0, inter_node_gbps=20.0),
         # Local CPU runs: one gloo process per "device"; 16 GiB of host memory per process is a
-        # conservative laptop/CI figure; pass gpu_memory_gib to plan for a bigger machine.
-        GpuSpec("CPU", 16 * GiB, gpus_per_node=1, sequence_parallel=False, usable_fraction=0.8),
+        # conservative laptop/CI figure; pass gpu_memory_gib to plan for a bigger machine. The
+        # speed figures are rough (a few cores' vector units, gloo over shared memory): they
+        # order CPU layouts, they do not predict CPU step times.
+        GpuSpec("CPU", 16 * GiB, gpus_per_node=1, sequence_parallel=False, usable_fraction=0.8,
+                peak_tflops=0.1, fp32_tflops=0.1, memory_gbps=10.0, intra_node_gbps=2.0,
+                inter_node_gbps=1.0, intra_node_latency_us=50.0, inter_node_latency_us=100.0),
     )
 }
 

@@ -81,7 +81,7 @@ class MemoryEstimate:
 
 
 @dataclass(frozen=True)
-class _Counts:
+class ParamCounts:
     """Parameters held by one GPU, split by how they are sharded."""
 
     dense: int = 0     # TP-sharded (or replicated) weights; optimizer sharded over DP·CP
@@ -102,21 +102,21 @@ def layers_on_rank(model: ModelShape, layout: Layout, rank: int) -> int:
     return sum(layout.pipeline_layout[rank::layout.pp])
 
 
-def _mlp_mats(model: ModelShape) -> int:
+def mlp_matrices(model: ModelShape) -> int:
     return 3 if model.gated_linear_unit else 2
 
 
-def _layer_counts(model: ModelShape, layout: Layout, lora_rank: int) -> _Counts:
+def _layer_counts(model: ModelShape, layout: Layout, lora_rank: int) -> ParamCounts:
     """Parameters of one transformer layer on one GPU."""
     h, d, tp = model.hidden_size, model.kv_channels, layout.tp
-    hq, hkv, mats = model.num_attention_heads * d, model.num_query_groups * d, _mlp_mats(model)
+    hq, hkv, mats = model.num_attention_heads * d, model.num_query_groups * d, mlp_matrices(model)
     attn = h * hq + 2 * h * hkv + hq * h           # QKV (GQA-narrow K and V) and output proj
     fc1_out = (mats - 1) * model.ffn_hidden_size   # gate+up for SwiGLU, up alone otherwise
     lora_attn = lora_rank * ((h + hq + 2 * hkv) + (hq + h))
     if not model.is_moe:
         mlp = mats * h * model.ffn_hidden_size
         lora_mlp = lora_rank * ((h + fc1_out) + (model.ffn_hidden_size + h))
-        return _Counts(dense=(attn + mlp) // tp + 2 * h,
+        return ParamCounts(dense=(attn + mlp) // tp + 2 * h,
                        adapters=(lora_attn + lora_mlp) // tp)
     fe, fs = model.expert_ffn_hidden_size, model.moe_shared_expert_ffn_hidden_size
     local_experts = model.num_experts // layout.ep
@@ -124,11 +124,11 @@ def _layer_counts(model: ModelShape, layout: Layout, lora_rank: int) -> _Counts:
     shared = mats * h * fs
     expert = local_experts * mats * h * fe // layout.etp
     lora_expert = local_experts * lora_rank * ((h + (mats - 1) * fe) + (fe + h)) // layout.etp
-    return _Counts(dense=(attn + shared) // tp + router + 2 * h, expert=expert,
+    return ParamCounts(dense=(attn + shared) // tp + router + 2 * h, expert=expert,
                    adapters=(lora_attn + lora_rank * (mats * fs + 2 * h)) // tp + lora_expert)
 
 
-def _stage_counts(model: ModelShape, layout: Layout, rank: int, lora_rank: int) -> _Counts:
+def stage_counts(model: ModelShape, layout: Layout, rank: int, lora_rank: int) -> ParamCounts:
     """Parameters on one GPU of pipeline rank ``rank``: its layers plus embedding/output."""
     per_layer = _layer_counts(model, layout, lora_rank)
     n = layers_on_rank(model, layout, rank)
@@ -137,7 +137,7 @@ def _stage_counts(model: ModelShape, layout: Layout, rank: int, lora_rank: int) 
     # The output layer is its own matrix unless tied; with PP > 1 even a tied one is copied to
     # the last stage, which is where Megatron keeps its gradient in sync with the embedding.
     tables = int(first) + int(last and (layout.pp > 1 or not model.tie_word_embeddings))
-    return _Counts(dense=n * per_layer.dense + tables * table + int(last) * model.hidden_size,
+    return ParamCounts(dense=n * per_layer.dense + tables * table + int(last) * model.hidden_size,
                    expert=n * per_layer.expert, adapters=n * per_layer.adapters)
 
 
@@ -145,7 +145,7 @@ def _weight_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def _state_memory(counts: _Counts, layout: Layout, work: Workload) -> tuple[int, int, int]:
+def _state_memory(counts: ParamCounts, layout: Layout, work: Workload) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes for the parameters in ``counts``."""
     w = _weight_bytes(work.precision)
     base = counts.dense + counts.expert
@@ -164,15 +164,15 @@ def _state_memory(counts: _Counts, layout: Layout, work: Workload) -> tuple[int,
     return params, grads, optimizer
 
 
-def _tokens(work: Workload, layout: Layout) -> int:
+def microbatch_tokens(work: Workload, layout: Layout) -> int:
     """Tokens of one micro-batch on one CP rank (DPO runs chosen and rejected together)."""
     pairs = 2 if work.stage == "dpo" else 1
     return -(-work.seq_length // layout.cp) * work.micro_batch_size * pairs
 
 
-def _layer_bytes_per_token(model: ModelShape, work: Workload, layout: Layout) -> int:
+def layer_bytes_per_token(model: ModelShape, work: Workload, layout: Layout) -> int:
     """Bytes one layer saves for backward per token, before the TP split (2 B per element)."""
-    h, d, mats = model.hidden_size, model.kv_channels, _mlp_mats(model)
+    h, d, mats = model.hidden_size, model.kv_channels, mlp_matrices(model)
     hq, hkv = model.num_attention_heads * d, model.num_query_groups * d
     # Attention: norm input, QKV input, Q/K/V, core-attention output (also the proj input).
     attn = 2 * (2 * h + hq + 2 * hkv + hq)
@@ -207,17 +207,17 @@ def _inflight_layers(model: ModelShape, layout: Layout, work: Workload, rank: in
 
 
 def _activation_memory(model: ModelShape, layout: Layout, work: Workload, rank: int) -> int:
-    per_layer = _tokens(work, layout) * _layer_bytes_per_token(model, work, layout) // layout.tp
+    per_layer = microbatch_tokens(work, layout) * layer_bytes_per_token(model, work, layout) // layout.tp
     if work.recompute == "full":
         # Only each layer's (sequence-parallel) input survives; backward re-runs one layer at a
         # time, so one layer's full activations come back on top.
-        stored = _tokens(work, layout) * 2 * model.hidden_size // layout.tp
+        stored = microbatch_tokens(work, layout) * 2 * model.hidden_size // layout.tp
         total = _inflight_layers(model, layout, work, rank) * stored + per_layer
     else:
         total = _inflight_layers(model, layout, work, rank) * per_layer
     if rank == layout.pp - 1:
         # Loss: bf16 logits plus the fp32 softmax the fused vocab-parallel cross entropy keeps.
-        total += _tokens(work, layout) * padded_vocab(model, layout.tp) // layout.tp * 6
+        total += microbatch_tokens(work, layout) * padded_vocab(model, layout.tp) // layout.tp * 6
     return int(total)
 
 
@@ -235,7 +235,7 @@ def estimate_memory(model: ModelShape, layout: Layout, work: Workload) -> Memory
     """Per-GPU memory of the busiest pipeline stage (first or last) for a resolved layout."""
     estimates = []
     for rank in _busiest_ranks(model, layout):
-        counts = _stage_counts(model, layout, rank, work.lora_rank)
+        counts = stage_counts(model, layout, rank, work.lora_rank)
         params, grads, optimizer = _state_memory(counts, layout, work)
         estimates.append(MemoryEstimate(params, grads, optimizer,
                                         _activation_memory(model, layout, work, rank)))

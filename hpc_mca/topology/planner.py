@@ -1,43 +1,31 @@
-"""plan(): choose a layout, micro-batch size and recompute policy that fit memory.
+"""plan(): choose a layout, micro-batch size and recompute policy for a job.
 
-Strategy, in order of preference (each step only when the previous cannot fit):
+The search (topology/search.py) tries every rule-valid TP·PP·CP·EP split with every recompute
+level, micro-batch size and interleaving depth, keeps what fits the GPU with a memory headroom,
+and takes the fastest by estimated step time (topology/cost.py). A forced layout is checked,
+not searched: it gets the fastest micro-batch and recompute that fit, and the plan carries the
+search's own choice for the same job, so a report can show both estimates side by side.
 
-1. no activation recompute (selective first when flash attention is off), then full recompute;
-2. the least model parallelism TP·PP·CP, so the most GPUs do cheap data parallelism;
-3. for equal TP·PP·CP: TP as large as possible (it stays inside a node on NVLink), then PP
-   before CP (PP splits weights, CP only splits activations, which matters for long sequences);
-4. for MoE, the smallest EP that fits (EP reuses data-parallel ranks, so it costs no DP).
-
-A PP size that does not divide the layers gets a balanced explicit ``pipeline_layout``. On the
-chosen layout the micro-batch then grows while it holds at most 8k tokens, and a pipeline is
-interleaved (VP chunks of >= 4 layers) until its bubble is under 5%. Every candidate goes
-through check_layout before it is returned, so the planner never emits a layout the rules
-reject.
+A PP size that does not divide the layers gets a balanced explicit ``pipeline_layout``. Every
+plan passes check_layout, so the planner never emits a layout the rules reject.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .cost import StepTime
 from .errors import LayoutError, raise_if
 from .hardware import GPU_PRESETS, GiB, GpuSpec, get_gpu
-from .layout import FIELD_NAMES, Layout, balanced_pipeline_layout, divisors
-from .memory import PRECISIONS, RECOMPUTE, STAGES, MemoryEstimate, Workload, estimate_memory
+from .layout import FIELD_NAMES, Layout, balanced_pipeline_layout
+from .memory import PRECISIONS, RECOMPUTE, STAGES, MemoryEstimate
 from .model import ModelShape
-from .rules import check_layout, seq_alignment
-
-# Beyond ~8k tokens per micro-batch the GEMMs are already large; more only costs memory and,
-# with pipelining, bubble.
-MAX_MICRO_BATCH_TOKENS = 8192
-# Interleaved chunks thinner than this spend more on point-to-point traffic than they save.
-MIN_LAYERS_PER_VIRTUAL_CHUNK = 4
-# Pipeline bubble, (PP−1)/(VP·micro-batches), below which interleaving is not worth its traffic.
-BUBBLE_TARGET = 0.05
-# How far the "nearest node counts" hint in a no-layout error looks.
-_NODE_SEARCH_SPAN = 64
+from .search import (PLAN_HEADROOM, Option, distributed_optimizer, fastest, memory,
+                     overlap_grad_reduce, planning_budget, recompute_options, search,
+                     search_reason, tunings, violations)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +69,12 @@ class PlanRequest:
     max_context_parallel: int | None = None
     """The largest CP the trainer that runs the plan supports (None = no limit): the search
     stays below it and a forced layout above it is refused."""
+    overlap_grad_reduce: bool | None = None
+    """Force Megatron's overlap_grad_reduce on or off; None = on whenever there are DP·CP ranks
+    to reduce over (the step-time estimate assumes what the plan says)."""
+    overlap_param_gather: bool = False
+    """The run overlaps the distributed optimizer's parameter all-gather with the next
+    forward (estimated as hidden); the planner does not turn it on by itself."""
     shape: ModelShape = field(init=False, repr=False, compare=False)
     """The model as a ModelShape (filled from ``model``)."""
 
@@ -117,15 +111,29 @@ class Plan:
     use_distributed_optimizer: bool
     sequence_parallel: bool
     """On whenever TP > 1 (required for MoE with TP, and what the activation estimate assumes)."""
+    overlap_grad_reduce: bool
+    """Reduce gradients during the last micro-batch's backward (Megatron DDP)."""
     memory: MemoryEstimate
     """Per-GPU bytes on the busiest pipeline stage."""
+    step_time: StepTime
+    """Estimated seconds of one optimizer step, by cause."""
     usable_bytes: int
-    """The memory budget the plan was fitted to (device memory minus headroom)."""
+    """Device memory the estimate may fill (GpuSpec.usable_fraction); a searched plan also
+    leaves PLAN_HEADROOM of it free."""
     reason: str
     """One line on why this layout."""
     request: PlanRequest
     forced: bool = False
     """True when the layout came from the request rather than the search."""
+    searched: Plan | None = None
+    """For a forced layout: the search's own plan for the same job (None when nothing else
+    fits), to set the two estimates side by side."""
+
+    @property
+    def tokens_per_second_per_gpu(self) -> float:
+        """Estimated training throughput: global batch tokens over step time and GPUs."""
+        req = self.request
+        return req.global_batch_size * req.seq_length / self.step_time.total / req.world_size
 
 
 def plan(request: PlanRequest | None = None, /, **fields: Any) -> Plan:
@@ -135,7 +143,10 @@ def plan(request: PlanRequest | None = None, /, **fields: Any) -> Plan:
     or does not fit, or when no layout fits at all.
     """
     req = PlanRequest(**fields) if request is None else replace(request, **fields)
-    return _plan_search(req) if req.layout is None else _plan_forced(req, req.layout)
+    if req.layout is not None:
+        return _plan_forced(req, req.layout)
+    ranked = search(req)
+    return _make_plan(req, ranked[0], search_reason(req, ranked), forced=False)
 
 
 def _request_violations(req: PlanRequest) -> list[str]:
@@ -167,49 +178,20 @@ def _request_violations(req: PlanRequest) -> list[str]:
     return lines
 
 
-# --- evaluating one candidate -----------------------------------------------------------------
-
-def _auto_distributed_optimizer(req: PlanRequest, layout: Layout) -> bool:
-    """Sharding optimizer state costs nothing but a reduce-scatter, so use it whenever there is
-    more than one data-parallel rank to shard over."""
-    if req.use_distributed_optimizer is not None:
-        return req.use_distributed_optimizer
-    return (layout.dp or 1) * layout.cp > 1
 
 
-def _workload(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Workload:
-    return Workload(
-        seq_length=req.seq_length, micro_batch_size=mbs,
-        num_microbatches=req.global_batch_size // (mbs * (layout.dp or 1)),
-        stage=req.stage, precision=req.precision, lora=req.lora, lora_rank=req.lora_rank,
-        recompute=recompute, use_distributed_optimizer=_auto_distributed_optimizer(req, layout),
-        flash_attention=req.flash_attention)
-
-
-def _violations(req: PlanRequest, layout: Layout, mbs: int) -> list[str]:
-    return check_layout(layout, req.world_size, req.shape, gpus_per_node=req.node_size,
-                        global_batch_size=req.global_batch_size, micro_batch_size=mbs,
-                        seq_length=req.seq_length, sequence_packing=req.sequence_packing)
-
-
-def _estimate(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> MemoryEstimate:
-    return estimate_memory(req.shape, layout, _workload(req, layout, mbs, recompute))
-
-
-def _make_plan(req: PlanRequest, layout: Layout, mbs: int, recompute: str, reason: str, *,
-               forced: bool) -> Plan:
-    work = _workload(req, layout, mbs, recompute)
-    return Plan(layout=layout, micro_batch_size=mbs, num_microbatches=work.num_microbatches,
-                recompute=recompute, use_distributed_optimizer=work.use_distributed_optimizer,
-                sequence_parallel=layout.tp > 1 and req.gpu_spec.sequence_parallel, memory=estimate_memory(req.shape, layout, work),
-                usable_bytes=req.gpu_spec.usable_bytes, reason=reason, request=req,
-                forced=forced)
-
-
-def _recompute_options(req: PlanRequest) -> list[str]:
-    if req.recompute is not None:
-        return [req.recompute]
-    return ["none"] + ([] if req.flash_attention else ["selective"]) + ["full"]
+def _make_plan(req: PlanRequest, option: Option, reason: str, *, forced: bool,
+               searched: Plan | None = None) -> Plan:
+    layout = option.layout
+    mbs = option.micro_batch_size
+    return Plan(layout=layout, micro_batch_size=mbs,
+                num_microbatches=req.global_batch_size // (mbs * (layout.dp or 1)),
+                recompute=option.recompute,
+                use_distributed_optimizer=distributed_optimizer(req, layout),
+                sequence_parallel=layout.tp > 1 and req.gpu_spec.sequence_parallel,
+                overlap_grad_reduce=overlap_grad_reduce(req, layout), memory=option.memory,
+                step_time=option.time, usable_bytes=req.gpu_spec.usable_bytes, reason=reason,
+                request=req, forced=forced, searched=searched)
 
 
 def _gib(n: float) -> str:
@@ -219,22 +201,22 @@ def _gib(n: float) -> str:
 # --- forced layout ----------------------------------------------------------------------------
 
 def _plan_forced(req: PlanRequest, forced: Layout) -> Plan:
-    mbs = req.micro_batch_size or 1
+    """Check a user's layout and give it the fastest micro-batch and recompute that fit the
+    usable memory (the search's headroom is the user's call here; the reason says so)."""
     forced = _with_uneven_split(req, forced)
-    raise_if(_violations(req, forced, mbs))  # before resolving: field lines beat the product one
+    raise_if(violations(req, forced, req.micro_batch_size or 1))  # field lines beat the product
     layout = forced.resolved(req.world_size)
     usable = req.gpu_spec.usable_bytes
-    for recompute in _recompute_options(req):
-        est = _estimate(req, layout, mbs, recompute)
-        if est.total <= usable:
-            mbs = req.micro_batch_size or _grow_micro_batch(req, layout, recompute)
-            est = _estimate(req, layout, mbs, recompute)
-            return _make_plan(req, layout, mbs, recompute,
-                              _forced_reason(req, layout, est, recompute), forced=True)
-    raise LayoutError(
-        f"layout {layout.describe()} needs {_gib(est.total)} per GPU with recompute={recompute}, "
-        f"more than the {_gib(usable)} usable on {req.gpu_spec.name}; valid: drop the forced "
-        "layout to let the planner choose, add nodes, or use LoRA")
+    ranked = fastest(option for recompute in recompute_options(req)
+                     for option in tunings(req, layout, recompute, usable, interleave=False))
+    if not ranked:
+        raise LayoutError(_forced_no_fit_line(req, layout))
+    try:
+        searched = plan(replace(req, layout=None))
+    except LayoutError:
+        searched = None
+    return _make_plan(req, ranked[0], _forced_reason(req, ranked[0]), forced=True,
+                      searched=searched)
 
 
 def _with_uneven_split(req: PlanRequest, forced: Layout) -> Layout:
@@ -247,193 +229,20 @@ def _with_uneven_split(req: PlanRequest, forced: Layout) -> Layout:
     return forced if split is None else replace(forced, pipeline_layout=split)
 
 
-def _forced_reason(req: PlanRequest, layout: Layout, est: MemoryEstimate, recompute: str) -> str:
-    return (f"user-forced {layout.describe()} passes every rule and fits {req.gpu_spec.name} "
-            f"({_gib(est.total)} of {_gib(req.gpu_spec.usable_bytes)} usable, "
-            f"recompute={recompute})")
+def _forced_no_fit_line(req: PlanRequest, layout: Layout) -> str:
+    mbs, recompute = req.micro_batch_size or 1, recompute_options(req)[-1]
+    total = memory(req, layout, mbs, recompute).total
+    return (f"layout {layout.describe()} needs {_gib(total)} per GPU with "
+            f"recompute={recompute}, more than the {_gib(req.gpu_spec.usable_bytes)} usable on "
+            f"{req.gpu_spec.name}; valid: drop the forced layout to let the planner choose, "
+            "add nodes, or use LoRA")
 
 
-# --- search -----------------------------------------------------------------------------------
-
-def _candidates(req: PlanRequest, world: int) -> Iterator[Layout]:
-    """Layouts that pass the cheap arithmetic rules, most preferred first (see module doc)."""
-    model = req.shape
-    found = []
-    for tp in (t for t in divisors(req.node_size) if world % t == 0):
-        for pp, stages in _pipeline_options(model.num_layers, world // tp):
-            for cp in divisors(world // (tp * pp)):
-                if req.max_context_parallel is not None and cp > req.max_context_parallel:
-                    continue
-                if req.seq_length % seq_alignment(cp, tp, tp > 1):
-                    continue
-                dp = world // (tp * pp * cp)
-                if req.global_batch_size % ((req.micro_batch_size or 1) * dp):
-                    continue
-                for ep in _expert_parallel_options(model, tp * cp * dp):
-                    found.append(Layout(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp,
-                                        pipeline_layout=stages))
-    yield from sorted(found, key=lambda lay: (lay.model_parallel_size, -lay.tp, lay.cp, lay.ep))
-
-
-def _pipeline_options(num_layers: int, ranks: int) -> Iterator[tuple[int, tuple[int, ...] | None]]:
-    """PP sizes dividing ``ranks``: even splits, else a balanced explicit layout (which is how
-    e.g. 126 layers go on 8 or 16 stages)."""
-    for pp in divisors(ranks):
-        if pp > num_layers:
-            return
-        if num_layers % pp == 0:
-            yield pp, None
-        elif (stages := balanced_pipeline_layout(num_layers, pp)) is not None:
-            yield pp, stages
-
-
-def _expert_parallel_options(model: ModelShape, stage_ranks: int) -> list[int]:
-    if not model.is_moe:
-        return [1]
-    return [e for e in divisors(model.num_experts) if stage_ranks % e == 0]
-
-
-@dataclass
-class _Search:
-    """Best rejected candidate so far, for explaining the winner or the failure."""
-
-    valid: int = 0
-    leanest: tuple[int, Layout, str] | None = None
-
-    def miss(self, total: int, layout: Layout, recompute: str) -> None:
-        self.valid += 1
-        if self.leanest is None or total < self.leanest[0]:
-            self.leanest = (total, layout, recompute)
-
-
-def _plan_search(req: PlanRequest) -> Plan:
-    usable, mbs = req.gpu_spec.usable_bytes, req.micro_batch_size or 1
-    search = _Search()
-    for recompute in _recompute_options(req):
-        for layout in _candidates(req, req.world_size):
-            if _violations(req, layout, mbs):
-                continue  # the arithmetic pre-filter is not the authority; check_layout is
-            est = _estimate(req, layout, mbs, recompute)
-            if est.total > usable:
-                search.miss(est.total, layout, recompute)
-                continue
-            return _finish(req, layout, recompute, search)
-    raise LayoutError(_no_fit_line(req, search))
-
-
-def _finish(req: PlanRequest, layout: Layout, recompute: str, search: _Search) -> Plan:
-    """Tune micro-batch and interleaving on the chosen layout, then explain it."""
-    mbs = req.micro_batch_size or _grow_micro_batch(req, layout, recompute)
-    layout = _interleave(req, layout, mbs, recompute)
-    est = _estimate(req, layout, mbs, recompute)
-    return _make_plan(req, layout, mbs, recompute,
-                      _search_reason(req, layout, mbs, recompute, est, search), forced=False)
-
-
-def _fits(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> bool:
-    return (not _violations(req, layout, mbs)
-            and _estimate(req, layout, mbs, recompute).total <= req.gpu_spec.usable_bytes)
-
-
-def _grow_micro_batch(req: PlanRequest, layout: Layout, recompute: str) -> int:
-    """Largest power-of-two micro-batch under MAX_MICRO_BATCH_TOKENS that fits, keeping at
-    least 4·PP micro-batches per step when pipelining (the bubble is (PP−1)/micro-batches)."""
-    best, mbs = 1, 2
-    dp = layout.dp or 1
-    while mbs * req.seq_length <= MAX_MICRO_BATCH_TOKENS:
-        if req.global_batch_size % (mbs * dp) or (
-                layout.pp > 1 and req.global_batch_size // (mbs * dp) < 4 * layout.pp):
-            break
-        if not _fits(req, layout, mbs, recompute):
-            break
-        best, mbs = mbs, mbs * 2
-    return best
-
-
-def _bubble(layout: Layout, microbatches: int) -> float:
-    return (layout.pp - 1) / ((layout.vp or 1) * microbatches)
-
-
-def _interleave(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Layout:
-    """Fewest virtual chunks (of >= 4 layers each) that bring the bubble under BUBBLE_TARGET,
-    or as many as fit when none does; no interleaving when the bubble is already small."""
-    microbatches = req.global_batch_size // (mbs * (layout.dp or 1))
-    if layout.pp == 1 or _bubble(layout, microbatches) <= BUBBLE_TARGET:
-        return layout
-    best = layout
-    for candidate in _virtual_options(req.shape.num_layers, layout):
-        if _fits(req, candidate, mbs, recompute):
-            best = candidate
-            if _bubble(candidate, microbatches) <= BUBBLE_TARGET:
-                break
-    return best
-
-
-def _virtual_options(num_layers: int, layout: Layout) -> Iterator[Layout]:
-    """Interleaved versions of ``layout``, fewest chunks first, every chunk >= 4 layers.
-    An even pipeline stays even; an uneven one gets a balanced layout over PP·VP stages."""
-    for vp in range(2, num_layers // (layout.pp * MIN_LAYERS_PER_VIRTUAL_CHUNK) + 1):
-        stages = layout.pp * vp
-        if layout.pipeline_layout is None:
-            if num_layers % stages == 0:
-                yield replace(layout, vp=vp)
-            continue
-        chunks = balanced_pipeline_layout(num_layers, stages)
-        if chunks is not None and min(chunks) >= MIN_LAYERS_PER_VIRTUAL_CHUNK:
-            yield replace(layout, vp=vp, pipeline_layout=chunks)
-
-
-def _search_reason(req: PlanRequest, layout: Layout, mbs: int, recompute: str,
-                   est: MemoryEstimate, search: _Search) -> str:
-    gpu = req.gpu_spec
-    mp = layout.model_parallel_size
-    head = (f"{layout.describe()}: the least model parallelism (TP·PP·CP={mp}) that fits "
-            f"{gpu.name} ({_gib(est.total)} of {_gib(gpu.usable_bytes)} usable)")
-    parts = [head + (" without recompute" if recompute == "none"
-                     else f" only with {recompute} recompute")]
-    if search.leanest is not None:
-        parts.append(f"layouts preferred to it need >= {_gib(search.leanest[0])}")
-    elif mp == 1:
-        parts.append("the model fits one GPU, so every GPU does data parallelism")
-    if layout.cp > 1:
-        parts.append(f"CP{layout.cp} splits the {req.seq_length}-token sequences")
-    if layout.ep > 1:
-        parts.append(f"EP{layout.ep} spreads the {req.shape.num_experts} experts")
-    if layout.vp:
-        parts.append(f"VP{layout.vp} shrinks the pipeline bubble to "
-                     f"{_bubble(layout, req.global_batch_size // (mbs * (layout.dp or 1))):.0%}")
-    return "; ".join(parts)
-
-
-def _no_fit_line(req: PlanRequest, search: _Search) -> str:
-    where = f"{req.nodes} node(s) × {req.node_size} {req.gpu_spec.name}"
-    if search.leanest is not None:
-        total, layout, recompute = search.leanest
-        return (f"no layout fits {where} ({_gib(req.gpu_spec.usable_bytes)} usable per GPU): "
-                f"the leanest, {layout.describe()} with recompute={recompute}, needs "
-                f"{_gib(total)}; valid: more nodes, a larger GPU, LoRA or a shorter seq_length")
-    nearby = _nearest_workable_nodes(req)
-    hint = ", ".join(map(str, nearby)) if nearby else "none nearby"
-    return (f"nodes={req.nodes} gives world_size={req.world_size}, which no TP·PP·CP·DP split "
-            f"satisfies with global_batch_size={req.global_batch_size}, "
-            f"num_layers={req.shape.num_layers} and seq_length={req.seq_length}; "
-            f"valid nodes: {hint}")
-
-
-def _nearest_workable_nodes(req: PlanRequest) -> list[int]:
-    """The closest node counts below and above with at least one rule-valid layout."""
-    found = []
-    for step in (-1, 1):
-        n = req.nodes + step
-        while n >= 1 and abs(n - req.nodes) <= _NODE_SEARCH_SPAN:
-            world = n * req.node_size
-            mbs = req.micro_batch_size or 1
-            if any(not check_layout(lay, world, req.shape, gpus_per_node=req.node_size,
-                                    global_batch_size=req.global_batch_size,
-                                    micro_batch_size=mbs, seq_length=req.seq_length,
-                                    sequence_packing=req.sequence_packing)
-                   for lay in _candidates(req, world)):
-                found.append(n)
-                break
-            n += step
-    return found
+def _forced_reason(req: PlanRequest, option: Option) -> str:
+    total, usable = option.memory.total, req.gpu_spec.usable_bytes
+    room = ("" if total <= planning_budget(req) else
+            f"; inside the {PLAN_HEADROOM:.0%} headroom the search keeps free, so "
+            "fragmentation may run it out of memory")
+    return (f"user-forced {option.layout.describe()} passes every rule and fits "
+            f"{req.gpu_spec.name} ({_gib(total)} of {_gib(usable)} usable, "
+            f"recompute={option.recompute}){room}")

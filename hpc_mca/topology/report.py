@@ -36,8 +36,36 @@ def _rows(plan: Plan) -> list[tuple[str, str]]:
                        f"{_gib(mem.optimizer)} | activations {_gib(mem.activations)}"),
         ("", f"total {_gib(mem.total)} of {_gib(plan.usable_bytes)} usable "
              f"({plan.request.gpu_spec.name}: {_gib(plan.request.gpu_spec.memory_bytes)})"),
+        ("step time", _step_time(plan)),
+        ("", _breakdown(plan)),
+        *_versus_search(plan),
         ("why", plan.reason),
     ]
+
+
+def _step_time(plan: Plan) -> str:
+    return (f"~{plan.step_time.total:.3g} s estimated "
+            f"({plan.tokens_per_second_per_gpu:,.0f} tokens/s per GPU)")
+
+
+def _breakdown(plan: Plan) -> str:
+    """The causes that take at least 1% of the step, largest first."""
+    shares = sorted(plan.step_time.shares().items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{name.replace('_', ' ')} {share:.0%}" for name, share in shares
+                     if share >= 0.01)
+
+
+def _versus_search(plan: Plan) -> list[tuple[str, str]]:
+    """For a forced layout, the planner's own choice for the same job and its estimate."""
+    if not plan.forced:
+        return []
+    if plan.searched is None:
+        return [("planner", "no layout of its own fits with its headroom")]
+    other = plan.searched
+    change = other.step_time.total / plan.step_time.total - 1
+    return [("planner", f"would choose {other.layout.describe()}, micro {other.micro_batch_size},"
+                        f" recompute {other.recompute}: ~{other.step_time.total:.3g} s "
+                        f"({change:+.0%} vs forced)")]
 
 
 def format_plan_table(plan: Plan) -> str:

@@ -1,0 +1,147 @@
+"""Step-time estimate: the α-β terms counted by hand, the directions a user relies on when
+comparing layouts, and the absolute figure against published Megatron-Bridge throughputs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from hpc_mca.topology import Layout, ModelShape, Workload, get_gpu
+from hpc_mca.topology.cost import (DDP_BUCKET_PARAMS, GEMM_EFFICIENCY, GEMM_HALF_WIDTH, Network,
+                                   estimate_step_time)
+
+LLAMA3_8B = ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32,
+                       num_query_groups=8, ffn_hidden_size=14336, vocab_size=128256)
+LLAMA3_70B = ModelShape(num_layers=80, hidden_size=8192, num_attention_heads=64,
+                        num_query_groups=8, ffn_hidden_size=28672, vocab_size=128256)
+LLAMA31_405B = ModelShape(num_layers=126, hidden_size=16384, num_attention_heads=128,
+                          num_query_groups=8, ffn_hidden_size=53248, vocab_size=128256)
+QWEN3_30B_A3B = ModelShape(num_layers=48, hidden_size=2048, num_attention_heads=32,
+                           num_query_groups=4, head_dim=128, ffn_hidden_size=6144,
+                           vocab_size=151936, num_experts=128, moe_ffn_hidden_size=768,
+                           moe_router_topk=8)
+H100 = get_gpu("H100-80GB")
+
+
+def _time(layout: Layout, world: int, model: ModelShape = LLAMA3_8B, node: int = 8,
+          gpu=H100, **work):
+    layout = layout.resolved(world)
+    base = dict(seq_length=4096, num_microbatches=8)
+    return estimate_step_time(model, layout, Workload(**{**base, **work}), gpu, node)
+
+
+# --- the terms, counted by hand --------------------------------------------------------------
+
+def test_ring_collective_is_latency_plus_volume_over_the_link():
+    net = Network(H100, 8)
+    assert net.ring(1, 1e9, 1) == 0.0
+    assert net.ring(4, 1e9, 4) == pytest.approx(3 * 3e-6 + 1e9 / 360e9)
+    assert net.ring(4, 1e9, 16) == pytest.approx(3 * 8e-6 + 1e9 / 40e9)  # spans two nodes
+
+
+def test_tensor_parallel_time_is_eight_collectives_a_layer():
+    """TP4 with sequence parallelism: 4 all-gathers/reduce-scatters forward and 4 backward per
+    layer and micro-batch, each moving 3/4 of the 4096-token × 4096-wide bf16 activation."""
+    t = _time(Layout(tp=4), 4, num_microbatches=2)
+    each = 3 * 3e-6 + 0.75 * 4096 * 4096 * 2 / 360e9
+    assert t.tensor_parallel == pytest.approx(2 * 32 * 8 * each)
+    recomputed = _time(Layout(tp=4), 4, num_microbatches=2, recompute="full")
+    assert recomputed.tensor_parallel == pytest.approx(2 * 32 * 12 * each)
+
+
+def test_pipeline_bubble_is_pp_minus_one_over_vp_micro_batch_times():
+    t = _time(Layout(pp=4), 4, num_microbatches=16)
+    per_mb = (t.compute + t.pipeline_p2p) / 16
+    assert t.pipeline_bubble == pytest.approx(3 * per_mb)
+    t2 = _time(Layout(pp=4, vp=2), 4, num_microbatches=16)
+    assert t2.pipeline_bubble < 0.6 * t.pipeline_bubble  # (PP−1)/VP plus 2× the sends
+    assert t2.pipeline_p2p == pytest.approx(2 * t.pipeline_p2p)
+
+
+def test_gemm_share_falls_for_narrow_matrices():
+    """Compute per GPU at TP2 is more than half of TP1's: h/TP = 2048 columns run at
+    2048/(2048+256) of the peak share instead of 4096/(4096+256)."""
+    one, two = _time(Layout(), 1).compute, _time(Layout(tp=2), 2).compute
+    assert 0.5 * one < two < 0.5 * one * (4096 / 4352) / (2048 / 2304) * 1.001
+    assert GEMM_EFFICIENCY == 0.70 and GEMM_HALF_WIDTH == 256
+
+
+def test_data_parallel_reduction_hides_behind_the_last_backward():
+    dp = _time(Layout(), 8, num_microbatches=1, use_distributed_optimizer=False)
+    net = Network(H100, 8)
+    params = 8_030_261_248  # Llama-3-8B with vocab padded to 128·TP (= its 128256)
+    full = 2 * net.ring(8, 7 / 8 * 4 * params, 8)
+    exposed = estimate_step_time(LLAMA3_8B, Layout().resolved(8),
+                                 Workload(seq_length=4096, use_distributed_optimizer=False),
+                                 H100, 8, overlap_grad_reduce=False)
+    assert exposed.data_parallel == pytest.approx(full, rel=1e-3)
+    assert dp.data_parallel < exposed.data_parallel
+    assert dp.data_parallel >= full * DDP_BUCKET_PARAMS / params * 0.999  # the last bucket
+    assert _time(Layout(), 1).data_parallel == 0.0
+
+
+def test_groups_that_cross_nodes_pay_the_network():
+    inside = _time(Layout(), 8, node=8, num_microbatches=1)
+    across = _time(Layout(), 8, node=4, num_microbatches=1)
+    assert across.data_parallel > 5 * inside.data_parallel
+    assert across.compute == inside.compute
+
+
+def test_context_parallel_ring_hides_behind_long_attention_only():
+    long = _time(Layout(cp=8), 8, seq_length=131072, num_microbatches=1)
+    assert long.context_parallel == 0.0
+    slow_link = replace(H100, intra_node_gbps=1.0)
+    short = _time(Layout(cp=8), 8, seq_length=2048, num_microbatches=1, gpu=slow_link)
+    assert short.context_parallel > 0.0
+
+
+def test_expert_all_to_all_inside_a_node_is_cheaper_than_across():
+    inside = _time(Layout(ep=8), 8, model=QWEN3_30B_A3B, node=8, num_microbatches=1)
+    across = _time(Layout(ep=8), 8, model=QWEN3_30B_A3B, node=2, num_microbatches=1)
+    assert 0 < inside.expert_parallel < across.expert_parallel / 4
+
+
+# --- directions ------------------------------------------------------------------------------
+
+def test_recompute_lora_dpo_and_precision_move_compute_the_right_way():
+    none = _time(Layout(), 8).compute
+    assert 1.25 < _time(Layout(), 8, recompute="full").compute / none < 1.34
+    assert _time(Layout(), 8, lora=True).compute < 0.8 * none
+    assert _time(Layout(), 8, stage="dpo").compute > 2.5 * none  # pairs and a reference
+    assert _time(Layout(), 8, precision="fp8").compute < 0.8 * none
+    assert _time(Layout(), 8, precision="fp32").compute > 5 * none
+    no_flash = _time(Layout(), 8, flash_attention=False)
+    assert no_flash.compute > none
+    assert _time(Layout(), 8, flash_attention=False, recompute="selective").compute > \
+        no_flash.compute
+
+
+def test_step_time_parts_sum_to_the_total():
+    t = _time(Layout(tp=2, pp=2, cp=2), 16, model=LLAMA3_70B)
+    assert sum(t.shares().values()) == pytest.approx(1.0)
+    assert t.total == pytest.approx(sum(t.shares()[k] * t.total for k in t.shares()))
+
+
+# --- the absolute figure against published measurements ----------------------------------------
+
+# Megatron-Bridge's performance summary, DGX-H100, FP8 current scaling, 25.11 container
+# (docs/performance-summary.md): tokens/s per GPU measured with these layouts. The 8B run there
+# uses FSDP, which we estimate as DDP with the distributed optimizer.
+PUBLISHED = [
+    (LLAMA3_8B, Layout(), 8, 128, 14451),
+    (LLAMA3_70B, Layout(tp=4, pp=8, vp=5), 64, 128, 1602),
+    (LLAMA31_405B, Layout(tp=8, pp=8, cp=2, vp=8, pipeline_layout=(1,) + (2,) * 62 + (1,)),
+     1024, 512, 292),
+]
+
+
+@pytest.mark.parametrize("model, layout, world, gbs, published", PUBLISHED,
+                         ids=["llama3-8b", "llama3-70b", "llama3.1-405b"])
+def test_estimate_is_within_30_percent_of_published_throughput(model, layout, world, gbs,
+                                                               published):
+    layout = layout.resolved(world)
+    work = Workload(seq_length=8192, num_microbatches=gbs // layout.dp, precision="fp8")
+    t = estimate_step_time(model, layout, work, H100, 8)
+    estimated = gbs * 8192 / t.total / world
+    assert 0.7 < estimated / published < 1.3, (estimated, published)
