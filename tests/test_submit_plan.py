@@ -76,6 +76,22 @@ def test_command_line_wins_over_the_config(tmp_path, model_dir):
             chosen["recompute_num_layers"]) == ("full", "uniform", "1")
 
 
+def test_the_plan_overlaps_gradient_reduction_unless_the_config_says_not_to(tmp_path, model_dir):
+    """The step-time estimate assumes overlap_grad_reduce, so the plan turns it on for the
+    trainer; a config that turns it off keeps it off and is estimated without the overlap."""
+    job = make_job_plan(PlanOptions(nodes=2), _config(tmp_path, model_dir))
+    assert job.plan.layout.dp > 1 and job.plan.overlap_grad_reduce
+    assert _overrides(job)["overlap_grad_reduce"] == "true"
+    lay = job.plan.layout
+    same = dict(nodes=2, tp=lay.tp, pp=lay.pp, vp=lay.vp,
+                micro_batch_size=job.plan.micro_batch_size)
+    on = make_job_plan(PlanOptions(**same), _config(tmp_path, model_dir))
+    off = make_job_plan(PlanOptions(**same), _config(
+        tmp_path, model_dir, "parallel:\n  overlap_grad_reduce: false\n"))
+    assert not off.plan.overlap_grad_reduce and "overlap_grad_reduce" not in _overrides(off)
+    assert off.plan.step_time.data_parallel > on.plan.step_time.data_parallel > 0
+
+
 def test_no_context_parallel_until_the_trainer_shards_batches_over_it(model_dir):
     """The topology planner alone takes Megatron-Bridge's Llama3-8B recipe (16×H100, seq 16384,
     TP4 PP2 CP2: tests/test_topology_planner.py); a job plan refuses its CP2, and plans a long

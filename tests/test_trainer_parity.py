@@ -1,6 +1,6 @@
 """The trainer's loss curve does not depend on the layout: 10 steps of TP=2, PP=2, an uneven
-PP=2 split (1|3 layers), DP=2, interleaved PP (2 x 2 chunks) and DP=2 with the distributed
-optimizer equal one process."""
+PP=2 split (1|3 layers), DP=2, interleaved PP (2 x 2 chunks), DP=2 with the distributed
+optimizer, and that with the gradient reduction overlapped, equal one process."""
 
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ def test_reference_learns(setup):
         ("dp2", []),
         ("vpp", ["parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2"]),
         ("dp2_distopt", ["parallel.use_distributed_optimizer=true"]),
+        # What the planner emits for DP > 1: gradients reduced during the last backward.
+        ("dp2_overlap", ["parallel.use_distributed_optimizer=true",
+                         "parallel.overlap_grad_reduce=true"]),
     ],
 )
 def test_layout_matches_single_process(setup, name, overrides):

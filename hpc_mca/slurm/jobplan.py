@@ -203,6 +203,9 @@ def _from_config(config: Any, explicit: set[str], options: PlanOptions) -> dict[
         fields["recompute"] = par.recompute_granularity or "none"
     if "use_distributed_optimizer" in explicit:
         fields["use_distributed_optimizer"] = par.use_distributed_optimizer
+    if "overlap_grad_reduce" in explicit:
+        fields["overlap_grad_reduce"] = par.overlap_grad_reduce
+    fields["overlap_param_gather"] = par.overlap_param_gather
     return fields
 
 
@@ -245,6 +248,8 @@ def _plan_overrides(result: Plan, options: PlanOptions, explicit: set[str]) -> l
         "global_batch_size": result.request.global_batch_size,
         "use_distributed_optimizer": result.use_distributed_optimizer,
         "sequence_parallel": result.sequence_parallel,
+        # The step-time estimate assumes it; Megatron's DDP leaves it off by default.
+        "overlap_grad_reduce": result.overlap_grad_reduce,
         **_recompute(result.recompute),
     }
     cli_set = {LAYOUT_KEYS[f] for f in LAYOUT_KEYS if getattr(options, f) is not None}
@@ -329,6 +334,9 @@ def plan_summary(result: Plan) -> dict[str, Any]:
         "memory_bytes": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
                          "activations": mem.activations, "total": mem.total,
                          "usable": result.usable_bytes},
+        "step_time_s": {"total": result.step_time.total,
+                        **dataclasses.asdict(result.step_time)},
+        "tokens_per_second_per_gpu": result.tokens_per_second_per_gpu,
         "reason": result.reason,
         "request": {"nodes": req.nodes, "gpus_per_node": req.node_size, "gpu": req.gpu_spec.name,
                     "world_size": req.world_size, "model": req.shape.name,
