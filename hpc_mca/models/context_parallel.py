@@ -1,0 +1,149 @@
+"""Context-parallel packed attention in plain PyTorch: all-gather and all-to-all (Ulysses).
+
+Every CP rank holds, for each document of a packed stream, chunks ``r`` and ``2·cp-1-r`` of
+its padded span (:func:`hpc_mca.data.batch.cp_indices`). Two ways to attend over the whole
+document from there, named as Megatron's ``cp_comm_type``:
+
+* ``all_gather``: gather every rank's keys and values (their gradients are summed back to the
+  owner in backward), put them in stream order, and let the local queries attend with the
+  document/causal mask of their *global* slots. Memory: the whole stream's K/V on each rank;
+  traffic: (CP−1)/CP of K and V forward, of their gradients backward.
+* ``a2a`` (Ulysses): an all-to-all turns sequence-sharded Q/K/V into head-sharded ones, each
+  rank attends over the whole stream with heads/CP heads, and a second all-to-all turns the
+  output back. Needs the key/value heads (and so the query heads) divisible by CP.
+
+Both reduce to :func:`~hpc_mca.models.packed_attention.packed_attention` on global layouts,
+so the mask logic is the one the single-rank path uses (and is tested against). Collectives
+run on whatever backend the group has: gloo lacks reduce-scatter, so the all-gather's backward
+all-reduces and keeps its own slice there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hpc_mca.data.batch import cp_indices
+
+from .packed_attention import DEFAULT_SEGMENT_TOKENS, packed_attention, packed_layout
+
+CP_COMM_TYPES = ("all_gather", "a2a")
+
+
+class _GatherSequence(torch.autograd.Function):
+    """[t, ...] on each rank → [cp·t, ...] in rank order; backward sums each rank's share."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        out = x.new_empty((size * x.size(0),) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        group = ctx.group
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        grad = grad.contiguous()
+        if dist.get_backend(group) == "gloo":  # no reduce-scatter in gloo
+            dist.all_reduce(grad, group=group)
+            return grad.chunk(size)[rank].clone(), None
+        out = grad.new_empty((grad.size(0) // size,) + tuple(grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, group=group)
+        return out, None
+
+
+def _all_to_all(x: Tensor, group: dist.ProcessGroup, *, heads_to_sequence: bool) -> Tensor:
+    """Sequence-sharded [t, h, d] → head-sharded [cp·t, h/cp, d] (sequence in rank order), or
+    back with ``heads_to_sequence=False``."""
+    size = dist.get_world_size(group)
+    if heads_to_sequence:
+        t, h, d = x.shape
+        send = x.reshape(t, size, h // size, d).transpose(0, 1).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        return recv.reshape(size * t, h // size, d)  # recv[j]: rank j's chunk, my heads
+    total, hs, d = x.shape
+    send = x.reshape(size, total // size, hs, d).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.transpose(0, 1).reshape(total // size, size * hs, d)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _all_to_all(x, group, heads_to_sequence=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _all_to_all(grad, ctx.group, heads_to_sequence=False), None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _all_to_all(x, group, heads_to_sequence=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _all_to_all(grad, ctx.group, heads_to_sequence=True), None
+
+
+def cp_comm_violations(comm_type: str, cp_size: int, num_query_groups: int) -> list[str]:
+    """One line per reason ``comm_type`` cannot run at ``cp_size`` for this model."""
+    if comm_type not in CP_COMM_TYPES:
+        return [f"cp_comm_type={comm_type!r} is not valid; valid: {', '.join(CP_COMM_TYPES)}"]
+    if comm_type == "a2a" and num_query_groups % cp_size:
+        fits = [c for c in range(1, num_query_groups + 1) if num_query_groups % c == 0]
+        return [f"cp_comm_type='a2a' needs context_parallel_size={cp_size} to divide the "
+                f"{num_query_groups} key/value heads; valid: context_parallel_size in "
+                f"{', '.join(map(str, fits))}, or cp_comm_type='all_gather'"]
+    return []
+
+
+def context_parallel_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu_seqlens: Tensor,
+    cu_seqlens_padded: Tensor,
+    group: dist.ProcessGroup,
+    *,
+    comm_type: str = "all_gather",
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
+) -> Tensor:
+    """Causal packed attention of this rank's ``[t, heads, dim]`` slots over whole documents.
+
+    ``cu_seqlens``/``cu_seqlens_padded`` describe the whole (unsharded) stream; the tensors
+    hold this rank's slots in :func:`cp_indices` order. Returns ``[t, heads, dim]`` in the same
+    order, zeros at padding slots.
+    """
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    cu_pad = cu_seqlens_padded.cpu()
+    shards = [cp_indices(cu_pad, size, r) for r in range(size)]
+    everyone = torch.cat(shards)
+    order = torch.argsort(everyone)  # rank-order positions → stream order
+    stream = everyone[order]
+    whole = packed_layout(cu_seqlens.cpu(), cu_pad, slots=stream)
+    common = dict(causal=True, scale=scale, dropout_p=dropout_p, segment_tokens=segment_tokens)
+    device_order = order.to(query.device)
+    if comm_type == "all_gather":
+        mine = packed_layout(cu_seqlens.cpu(), cu_pad, slots=shards[rank])
+        k = _GatherSequence.apply(key, group)[device_order]
+        v = _GatherSequence.apply(value, group)[device_order]
+        return packed_attention(query, k, v, mine, whole, **common)
+    if comm_type == "a2a":
+        q, k, v = (_SequenceToHeads.apply(x, group)[device_order] for x in (query, key, value))
+        out = packed_attention(q, k, v, whole, whole, **common)
+        back = out[torch.argsort(device_order)]  # stream order → rank order
+        return _HeadsToSequence.apply(back, group)
+    raise ValueError(cp_comm_violations(comm_type, size, key.size(1))[0])
