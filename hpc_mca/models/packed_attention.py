@@ -18,9 +18,10 @@ How packed attention is computed, in three independent layers:
    matrix (eager), so it is not used; a single block-diagonal mask over the whole pack costs
    O(t^2) and measured 2-5x slower than per-document calls at t = 2-4k.
 
-Context parallelism (not implemented yet) fits in without touching layers 2 and 3. With CP=2
-every document is cut into 4 chunks c0..c3 and rank 0 holds [c0, c3], rank 1 holds [c1, c2]
-(mirrored so causal work is balanced). A CP variant only has to (a) call :func:`packed_layout`
+Context parallelism (:mod:`hpc_mca.models.context_parallel`) fits in without touching layers
+2 and 3. With CP=2 every document is cut into 4 chunks c0..c3 and rank 0 holds [c0, c3], rank 1
+holds [c1, c2] (mirrored so causal work is balanced). A CP variant only has to (a) call
+:func:`packed_layout`
 with the global slot indices its local queries occupy instead of ``arange(t)``, (b) gather the
 keys/values of the whole document group with their global slots, and (c) run
 :func:`packed_attention` on those layouts: ``attention_allowed`` compares global positions, so
