@@ -74,26 +74,17 @@ def _all_to_all(x: Tensor, group: dist.ProcessGroup, *, heads_to_sequence: bool)
     return recv.transpose(0, 1).reshape(total // size, size * hs, d)
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _all_to_all(x, group, heads_to_sequence=True)
+class _Redistribute(torch.autograd.Function):
+    """:func:`_all_to_all` one way forward, the other way backward."""
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _all_to_all(grad, ctx.group, heads_to_sequence=False), None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _all_to_all(x, group, heads_to_sequence=False)
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup, heads_to_sequence: bool) -> Tensor:
+        ctx.group, ctx.heads_to_sequence = group, heads_to_sequence
+        return _all_to_all(x, group, heads_to_sequence=heads_to_sequence)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _all_to_all(grad, ctx.group, heads_to_sequence=True), None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _all_to_all(grad, ctx.group, heads_to_sequence=not ctx.heads_to_sequence), None, None
 
 
 def cp_comm_violations(comm_type: str, cp_size: int, num_query_groups: int) -> list[str]:
@@ -142,8 +133,8 @@ def context_parallel_attention(
         v = _GatherSequence.apply(value, group)[device_order]
         return packed_attention(query, k, v, mine, whole, **common)
     if comm_type == "a2a":
-        q, k, v = (_SequenceToHeads.apply(x, group)[device_order] for x in (query, key, value))
+        q, k, v = (_Redistribute.apply(x, group, True)[device_order] for x in (query, key, value))
         out = packed_attention(q, k, v, whole, whole, **common)
         back = out[torch.argsort(device_order)]  # stream order → rank order
-        return _HeadsToSequence.apply(back, group)
+        return _Redistribute.apply(back, group, False)
     raise ValueError(cp_comm_violations(comm_type, size, key.size(1))[0])

@@ -40,8 +40,8 @@ from dataclasses import dataclass, fields, replace
 
 from .hardware import GpuSpec
 from .layout import Layout
-from .memory import (Workload, layer_bytes_per_token, layers_on_rank, microbatch_tokens,
-                     mlp_matrices, padded_vocab, stage_counts)
+from .memory import (Workload, busiest_ranks, layer_bytes_per_token, layers_on_rank,
+                     microbatch_tokens, mlp_matrices, padded_vocab, stage_counts, weight_bytes)
 from .model import ModelShape
 
 # Share of the tensor-core peak a large bf16 GEMM sustains (cuBLAS on H100 reaches ~700 of
@@ -161,7 +161,7 @@ def estimate_step_time(model: ModelShape, layout: Layout, work: Workload, gpu: G
                        overlap_param_gather: bool = False) -> StepTime:
     """Seconds of one optimizer step of ``work`` on a resolved ``layout`` (see module doc)."""
     net = Network(gpu, gpus_per_node)
-    ranks = _ranks_to_check(model, layout)
+    ranks = busiest_ranks(model, layout)  # the first, the last, the most loaded
     passes = {r: _micro_batch(model, layout, work, net, r) for r in ranks}
     slowest = max(ranks, key=lambda r: passes[r].total)
     mb, m = passes[slowest], work.num_microbatches
@@ -173,13 +173,6 @@ def estimate_step_time(model: ModelShape, layout: Layout, work: Workload, gpu: G
         pipeline_bubble=(layout.pp - 1) / (layout.vp or 1) * mb.total,
         pipeline_p2p=m * mb.p2p, data_parallel=grads,
         optimizer=max(_optimizer(model, layout, work, gpu, r) for r in ranks))
-
-
-def _ranks_to_check(model: ModelShape, layout: Layout) -> list[int]:
-    """The pipeline ranks that can be slowest: the first (embedding), the last (output layer
-    and loss) and the one with the most layers."""
-    loads = [layers_on_rank(model, layout, r) for r in range(layout.pp)]
-    return sorted({0, layout.pp - 1, loads.index(max(loads))})
 
 
 # --- compute -----------------------------------------------------------------------------------
@@ -277,7 +270,7 @@ def _micro_batch(model: ModelShape, layout: Layout, work: Workload, net: Network
     forward, backward, compute, attn = _compute(model, layout, work, net.gpu, rank)
     tokens = microbatch_tokens(work, layout)
     layers = layers_on_rank(model, layout, rank)
-    width = 4 if work.precision == "fp32" else 2
+    width = weight_bytes(work.precision)
     activation = tokens * model.hidden_size * width  # one layer's input for the TP group
     forward_passes = 1 + (work.recompute == "full") + (work.stage == "dpo")
     tp = layout.tp
@@ -298,7 +291,7 @@ def _ring_attention(model: ModelShape, layout: Layout, work: Workload, net: Netw
     cp = layout.cp
     if cp == 1:
         return 0.0
-    width = 4 if work.precision == "fp32" else 2
+    width = weight_bytes(work.precision)
     kv = 2 * microbatch_tokens(work, layout) * model.num_query_groups * model.kv_channels \
         * width / layout.tp
     hop = net.ring(2, kv, layout.tp * cp)  # one point-to-point step of the ring
@@ -314,7 +307,7 @@ def _all_to_all(model: ModelShape, layout: Layout, work: Workload, net: Network,
     ep = layout.ep
     if not model.is_moe or ep == 1:
         return 0.0
-    width = 4 if work.precision == "fp32" else 2
+    width = weight_bytes(work.precision)
     routed = microbatch_tokens(work, layout) / layout.tp * model.moe_router_topk \
         * model.hidden_size * width
     each = net.all_to_all(ep, routed, layout.etp)
@@ -339,7 +332,7 @@ def _data_parallel(model: ModelShape, layout: Layout, work: Workload, net: Netwo
     dense, expert = (counts.adapters, 0) if work.lora else (counts.dense, counts.expert)
     dp = layout.dp or 1
     span = layout.tp * layout.cp * dp
-    width = 4 if work.precision == "fp32" else 2
+    width = weight_bytes(work.precision)
     reduce = gather = 0.0
     for params, ranks in ((dense, dp * layout.cp),
                           (expert, span // (layout.ep * layout.etp))):

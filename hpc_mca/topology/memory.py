@@ -141,13 +141,13 @@ def stage_counts(model: ModelShape, layout: Layout, rank: int, lora_rank: int) -
                    expert=n * per_layer.expert, adapters=n * per_layer.adapters)
 
 
-def _weight_bytes(precision: str) -> int:
+def weight_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
 def _state_memory(counts: ParamCounts, layout: Layout, work: Workload) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes for the parameters in ``counts``."""
-    w = _weight_bytes(work.precision)
+    w = weight_bytes(work.precision)
     base = counts.dense + counts.expert
     params = base * w + (counts.adapters * w if work.lora else 0)
     if work.stage == "dpo" and not work.lora:
@@ -221,7 +221,7 @@ def _activation_memory(model: ModelShape, layout: Layout, work: Workload, rank: 
     return int(total)
 
 
-def _busiest_ranks(model: ModelShape, layout: Layout) -> list[int]:
+def busiest_ranks(model: ModelShape, layout: Layout) -> list[int]:
     """Pipeline ranks that can peak: the first (most micro-batches in flight, embedding), the
     last (output layer, logits) and, with an explicit layout, the one holding most layers."""
     ranks = {0, layout.pp - 1}
@@ -234,7 +234,7 @@ def _busiest_ranks(model: ModelShape, layout: Layout) -> list[int]:
 def estimate_memory(model: ModelShape, layout: Layout, work: Workload) -> MemoryEstimate:
     """Per-GPU memory of the busiest pipeline stage (first or last) for a resolved layout."""
     estimates = []
-    for rank in _busiest_ranks(model, layout):
+    for rank in busiest_ranks(model, layout):
         counts = stage_counts(model, layout, rank, work.lora_rank)
         params, grads, optimizer = _state_memory(counts, layout, work)
         estimates.append(MemoryEstimate(params, grads, optimizer,

@@ -178,8 +178,6 @@ def _request_violations(req: PlanRequest) -> list[str]:
     return lines
 
 
-
-
 def _make_plan(req: PlanRequest, option: Option, reason: str, *, forced: bool,
                searched: Plan | None = None) -> Plan:
     layout = option.layout
