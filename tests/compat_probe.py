@@ -28,6 +28,15 @@ def probe_causal_mask():
     assert mask.tolist() == [[False, True, True], [False, False, True], [False, False, False]]
 
 
+def probe_cp_rope():
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+    emb = torch.arange(4.0).reshape(4, 1, 1, 1)
+    out = get_pos_emb_on_this_cp_rank(emb, 0, parallel_state.get_context_parallel_group())
+    assert out.flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def probe_tracker_fork():
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
@@ -79,7 +88,8 @@ def probe_backward_allocates():
     assert x.grad.tolist() == [1.0, 1.0]
 
 
-PROBES = [probe_backward_allocates, probe_alltoall, probe_causal_mask, probe_tracker_fork, probe_ddp_overlap]
+PROBES = [probe_backward_allocates, probe_alltoall, probe_causal_mask, probe_cp_rope, probe_tracker_fork,
+          probe_ddp_overlap]
 
 if __name__ == "__main__":
     installed = cpu_compat.activate(skip=sys.argv[1:])

@@ -13,7 +13,7 @@ PROBE = Path(__file__).with_name("compat_probe.py")
 
 # patch -> the probes that must fail when only that patch is left out
 NEEDED_BY = {
-    "devices": {"probe_causal_mask", "probe_ddp_overlap", "probe_backward_allocates"},
+    "devices": {"probe_causal_mask", "probe_ddp_overlap", "probe_backward_allocates", "probe_cp_rope"},
     "rng": {"probe_tracker_fork"},
     "streams": {"probe_ddp_overlap"},
     "alltoall": {"probe_alltoall"},

@@ -92,18 +92,24 @@ def test_the_plan_overlaps_gradient_reduction_unless_the_config_says_not_to(tmp_
     assert off.plan.step_time.data_parallel > on.plan.step_time.data_parallel > 0
 
 
-def test_no_context_parallel_until_the_trainer_shards_batches_over_it(model_dir):
-    """The topology planner alone takes Megatron-Bridge's Llama3-8B recipe (16×H100, seq 16384,
-    TP4 PP2 CP2: tests/test_topology_planner.py); a job plan refuses its CP2, and plans a long
-    sequence without CP, because the trainer cannot run CP > 1 yet."""
+def test_context_parallel_is_planned_with_the_configs_attention_exchange(tmp_path, model_dir):
+    """Megatron-Bridge's Llama3-8B recipe (16×H100, seq 16384, TP4 PP2 CP2) becomes a job plan
+    whose overrides carry CP2; the plan sizes the config's cp_comm_type, and a2a is refused
+    in one line where CP does not divide the key/value heads per TP rank."""
+    forced = dict(tp=4, pp=2, cp=2, seq_length=16384)
+    job = make_job_plan(PlanOptions(nodes=2, **forced), _config(tmp_path, model_dir))
+    assert job.plan.layout.cp == 2 and _overrides(job)["context_parallel_size"] == "2"
+    assert job.plan.request.cp_comm_type == "all_gather"
+    a2a = make_job_plan(PlanOptions(nodes=2, **forced), _config(
+        tmp_path, model_dir, "parallel:\n  cp_comm_type: a2a\n"))
+    assert a2a.plan.request.cp_comm_type == "a2a"
+    assert a2a.plan.step_time.context_parallel != job.plan.step_time.context_parallel
     with pytest.raises(OpsError) as err:
-        make_job_plan(PlanOptions(nodes=2, model=str(model_dir), seq_length=16384,
-                                  global_batch_size=64, stage="pt", tp=4, pp=2, cp=2))
-    assert str(err.value) == ("context_parallel_size=2 is not supported by the trainer yet; "
-                              "valid: at most 1")
-    job = make_job_plan(PlanOptions(nodes=4, model=str(model_dir), seq_length=131072,
-                                    global_batch_size=64, stage="pt"))
-    assert job.plan.layout.cp == 1 and job.plan.memory.total <= job.plan.usable_bytes
+        make_job_plan(PlanOptions(nodes=4, **{**forced, "cp": 4}), _config(
+            tmp_path, model_dir, "parallel:\n  cp_comm_type: a2a\n"))
+    assert str(err.value) == (
+        "context_parallel_size=4 does not divide the 2 key/value heads per tensor-parallel rank "
+        "that cp_comm_type='a2a' splits; valid: 1, 2, or cp_comm_type='all_gather'")
 
 
 @pytest.mark.parametrize("options, config, message", [

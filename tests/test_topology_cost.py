@@ -83,11 +83,27 @@ def test_groups_that_cross_nodes_pay_the_network():
 
 
 def test_context_parallel_ring_hides_behind_long_attention_only():
-    long = _time(Layout(cp=8), 8, seq_length=131072, num_microbatches=1)
+    long = _time(Layout(cp=8), 8, seq_length=131072, num_microbatches=1, cp_comm_type="p2p")
     assert long.context_parallel == 0.0
     slow_link = replace(H100, intra_node_gbps=1.0)
-    short = _time(Layout(cp=8), 8, seq_length=2048, num_microbatches=1, gpu=slow_link)
+    short = _time(Layout(cp=8), 8, seq_length=2048, num_microbatches=1, gpu=slow_link,
+                  cp_comm_type="p2p")
     assert short.context_parallel > 0.0
+
+
+def test_all_gather_and_a2a_context_parallel_are_counted_by_hand():
+    """all_gather: (CP−1) shares of K/V gathered forward and reduce-scattered backward;
+    a2a: Q, K, V and the output re-sharded each way; neither hides behind attention."""
+    net, tokens = Network(H100, 8), 131072 // 8
+    kv = 2 * tokens * LLAMA3_8B.num_query_groups * LLAMA3_8B.kv_channels * 2
+    q_out = 2 * tokens * LLAMA3_8B.num_attention_heads * LLAMA3_8B.kv_channels * 2
+    layers = LLAMA3_8B.num_layers
+    gather = _time(Layout(cp=8), 8, seq_length=131072, num_microbatches=1)
+    assert gather.context_parallel == pytest.approx(layers * 2 * net.ring(8, 7 * kv, 8))
+    a2a = _time(Layout(cp=8), 8, seq_length=131072, num_microbatches=1, cp_comm_type="a2a")
+    assert a2a.context_parallel == pytest.approx(layers * 2 * net.all_to_all(8, kv + q_out, 1))
+    # Ulysses moves each rank's share once; all_gather brings in every other rank's K/V.
+    assert a2a.context_parallel < gather.context_parallel
 
 
 def test_expert_all_to_all_inside_a_node_is_cheaper_than_across():
@@ -135,7 +151,8 @@ PUBLISHED = [
 def test_estimate_is_within_30_percent_of_published_throughput(model, layout, world, gbs,
                                                                published):
     layout = layout.resolved(world)
-    work = Workload(seq_length=8192, num_microbatches=gbs // layout.dp, precision="fp8")
+    work = Workload(seq_length=8192, num_microbatches=gbs // layout.dp, precision="fp8",
+                    cp_comm_type="p2p")  # Transformer Engine's ring, as published
     t = estimate_step_time(model, layout, work, H100, 8)
     estimated = gbs * 8192 / t.total / world
     assert 0.7 < estimated / published < 1.3, (estimated, published)

@@ -20,9 +20,10 @@ QWEN3_30B_A3B = ModelShape(num_layers=48, hidden_size=2048, num_attention_heads=
 LLAMA3_405B = ModelShape(num_layers=126, hidden_size=16384, num_attention_heads=128,
                          num_query_groups=8, ffn_hidden_size=53248, vocab_size=128256)
 
-# The public Megatron-Bridge recipe: Llama3-8B pretrain on 16×H100 at seq 16384, TP4 PP2 CP2.
+# The public Megatron-Bridge recipe: Llama3-8B pretrain on 16×H100 at seq 16384, TP4 PP2 CP2
+# (Transformer Engine: the p2p ring for CP attention).
 RECIPE = dict(model=LLAMA3_8B, nodes=2, gpus_per_node=8, gpu="H100-80GB", seq_length=16384,
-              global_batch_size=512)
+              global_batch_size=512, cp_comm_type="p2p")
 
 
 def _valid(p) -> list[str]:
@@ -73,7 +74,8 @@ def test_sequence_parallel_only_where_the_hardware_has_it():
 def test_recipe_memory_matches_hand_count():
     """TP4 PP2 CP2 DP1, first pipeline stage, counted by hand from the formulas."""
     layout = Layout(tp=4, pp=2, cp=2).resolved(16)
-    est = estimate_memory(LLAMA3_8B, layout, Workload(seq_length=16384, num_microbatches=512))
+    work = Workload(seq_length=16384, num_microbatches=512, cp_comm_type="p2p")
+    est = estimate_memory(LLAMA3_8B, layout, work)
     attn = 4096 * 4096 * 2 + 2 * 4096 * 1024          # Q and O full width, K and V GQA-narrow
     mlp = 3 * 4096 * 14336                             # SwiGLU: gate, up, down
     per_layer = (attn + mlp) // 4 + 2 * 4096           # TP4 shards; two norms replicated
@@ -87,6 +89,12 @@ def test_recipe_memory_matches_hand_count():
     per_token = 34 * 4096 + 4 * 32
     assert est.activations == 32 * (8192 * per_token // 4)
     assert round(est.total / GiB, 1) == 19.7
+    # all_gather keeps the other CP rank's K and V (2·1024 bf16 elements a token) per layer;
+    # a2a keeps head-sharded copies of Q, K, V and the output.
+    gathered = estimate_memory(LLAMA3_8B, layout, replace(work, cp_comm_type="all_gather"))
+    assert gathered.activations == 32 * (8192 * (per_token + 2 * 2 * 1024) // 4)
+    a2a = estimate_memory(LLAMA3_8B, layout, replace(work, cp_comm_type="a2a"))
+    assert a2a.activations == 32 * (8192 * (per_token + 2 * (2 * 4096 + 2 * 1024)) // 4)
 
 
 # --- memory model directions ---------------------------------------------------------------------
@@ -303,7 +311,8 @@ def test_format_plan_table():
     text = format_plan_table(plan(**RECIPE, layout=Layout(tp=4, pp=2, cp=2)))
     lines = text.splitlines()
     assert lines[0].startswith("plan for 32-layer model: 2 node(s) × 8 H100-80GB (world 16)")
-    assert any(line.strip().startswith("layout") and "TP4 PP2 CP2 DP1" in line for line in lines)
+    assert any(line.strip().startswith("layout") and "TP4 PP2 CP2 DP1" in line
+               and "CP attention p2p" in line for line in lines)
     assert "params 1.9 GiB | grads 3.7 GiB | optimizer 5.6 GiB | activations 8.5 GiB" in text
     assert "total 19.7 GiB of 70.1 GiB usable" in text and "why" in text
     p = plan(**RECIPE, layout=Layout(tp=4, pp=2, cp=2))

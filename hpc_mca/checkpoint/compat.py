@@ -11,8 +11,8 @@ total (see :mod:`hpc_mca.trainer.lr_scheduler`), and a finished run is extended 
 (:func:`nothing_to_train`). A max_steps below the checkpoint's step is refused.
 
 What may not (one line each, naming the config field, both values and the valid choice):
-the model's shape, the global batch size, the data seed and sequence length (the sampler
-position would point at other rows), the optimizer, the precision, distributed vs. plain
+the model's shape, the global batch size, the data seed, sequence length and packing
+alignment (the sampler position would point at other rows), the optimizer, the precision, distributed vs. plain
 optimizer (their state layouts differ), full vs. LoRA training, and — for the
 ``dp_reshardable`` optimizer format only — tensor/pipeline/expert parallel sizes.
 """
@@ -23,7 +23,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from hpc_mca.trainer.config import ConfigError, steps_for
+from hpc_mca.trainer.config import ConfigError, pack_alignment, steps_for
 
 from .store import (
     CheckpointError,
@@ -50,6 +50,7 @@ _TRAINING_FIELDS = {
     "global_batch_size": "training.global_batch_size",
     "seed": "training.seed",
     "seq_length": "data.seq_length",
+    "pack_alignment": "data.pack_alignment",
     "optim": "training.optim",
     "precision": "training.bf16/fp16",
     "use_distributed_optimizer": "parallel.use_distributed_optimizer",
@@ -81,6 +82,8 @@ def training_record(config: Any, optimizer_format: str) -> dict[str, Any]:
     tr, par = config.training, config.parallel
     return {"global_batch_size": tr.global_batch_size, "seed": tr.seed,
             "seq_length": config.data.seq_length or config.data.cutoff_len, "optim": tr.optim,
+            # Packed rows depend on where samples may start.
+            "pack_alignment": pack_alignment(config) if config.data.sequence_packing else None,
             "precision": "bf16" if tr.bf16 else "fp16" if tr.fp16 else "fp32",
             "use_distributed_optimizer": par.use_distributed_optimizer,
             "optimizer_format": optimizer_format,

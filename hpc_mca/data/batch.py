@@ -48,6 +48,10 @@ class PackedBatch:
     """Packed only: int32 [docs+1], document boundaries over real tokens (leading 0)."""
     cu_seqlens_padded: torch.Tensor | None = None
     """Packed only: int32 [docs+1], document boundaries over slots (each span padded)."""
+    cp_size: int = 1
+    """Context-parallel ranks the batch is split over (1: the whole batch)."""
+    cp_rank: int = 0
+    """Which share this is, once split (:meth:`cp_shard`)."""
 
     @classmethod
     def from_collated(cls, batch: Mapping[str, torch.Tensor]) -> PackedBatch:
@@ -70,6 +74,12 @@ class PackedBatch:
         return self.input_ids.shape[-1]
 
     @property
+    def schedule_shape(self) -> tuple[int, int]:
+        """(seq_length, micro_batch_size) for Megatron's schedule, which divides the sequence
+        by CP itself: the whole sequence, and one row for a packed stream."""
+        return self.seq_length * self.cp_size, self.rows
+
+    @property
     def input_tokens(self) -> int:
         """Non-padding input tokens (what throughput counts)."""
         return int((self.documents > 0).sum())
@@ -83,19 +93,24 @@ class PackedBatch:
         sequence (see the module docstring); the batch itself when ``cp_size`` is 1."""
         if not 0 <= cp_rank < cp_size:
             raise ValueError(f"cp_rank={cp_rank} must be in [0, {cp_size})")
+        if self.cp_size != 1:
+            raise ValueError("this batch is already a context-parallel share")
         if cp_size == 1:
             return self
+        index = self.cp_slots(cp_size, cp_rank)
         if self.packed:
-            index = cp_indices(self.cu_seqlens_padded, cp_size, cp_rank)
             fields = {k: v.reshape(-1)[index.to(v.device)].unsqueeze(0)
                       for k, v in self._token_fields().items()}
-            return dataclasses.replace(self, **fields)
-        rows, length = self.input_ids.shape
-        chunk = _chunk(length, cp_size, "the row")
-        pair = torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank])
-        fields = {k: v.reshape(rows, 2 * cp_size, chunk)[:, pair.to(v.device)].reshape(rows, -1)
-                  for k, v in self._token_fields().items()}
-        return dataclasses.replace(self, **fields)
+        else:
+            fields = {k: v[:, index.to(v.device)] for k, v in self._token_fields().items()}
+        return dataclasses.replace(self, **fields, cp_size=cp_size, cp_rank=cp_rank)
+
+    def cp_slots(self, cp_size: int, cp_rank: int) -> torch.Tensor:
+        """Where CP rank ``cp_rank``'s share sits in this (whole) batch: indices into the
+        flattened stream when packed, column indices of every row otherwise."""
+        if self.packed:
+            return cp_indices(self.cu_seqlens_padded, cp_size, cp_rank)
+        return cp_indices(torch.tensor([0, self.seq_length]), cp_size, cp_rank, what="the row")
 
 
 def collate_batch(rows: Sequence[dict[str, torch.Tensor]]) -> PackedBatch:
@@ -104,13 +119,15 @@ def collate_batch(rows: Sequence[dict[str, torch.Tensor]]) -> PackedBatch:
     return PackedBatch.from_collated(collate_rows(rows))
 
 
-def cp_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+def cp_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int,
+               what: str | None = None) -> torch.Tensor:
     """Slot indices of a packed stream that CP rank ``cp_rank`` keeps, in order: for each
-    document's padded span, its chunks ``cp_rank`` and ``2·cp_size-1-cp_rank``."""
+    document's padded span, its chunks ``cp_rank`` and ``2·cp_size-1-cp_rank``. ``what``
+    names a span in errors (default: the document and its slots)."""
     bounds = cu_seqlens_padded.tolist()
     parts = []
     for doc, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        chunk = _chunk(end - start, cp_size, f"document {doc} (slots {start}..{end})")
+        chunk = _chunk(end - start, cp_size, what or f"document {doc} (slots {start}..{end})")
         for piece in (cp_rank, 2 * cp_size - 1 - cp_rank):
             first = start + piece * chunk
             parts.append(torch.arange(first, first + chunk))

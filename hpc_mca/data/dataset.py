@@ -157,12 +157,6 @@ def _split_val(samples: Samples, val_size: float, seed: int) -> tuple[Samples, S
     return subset(samples, np.sort(order[n_val:])), subset(samples, np.sort(order[:n_val]))
 
 
-def pack_alignment(config: Any) -> int:
-    """Slots each packed sample is rounded up to: 2·CP under context parallelism, else 1."""
-    cp = config.parallel.context_parallel_size
-    return 2 * cp if cp > 1 else 1
-
-
 def build_datasets(config: Any, tokenizer: Any = None,
                    vocab_size: int | None = None) -> TrainingData:
     """Train/eval rows for a resolved :class:`~hpc_mca.trainer.config.TrainConfig`; with the
@@ -179,6 +173,8 @@ def build_datasets(config: Any, tokenizer: Any = None,
     elif data.val_size:
         train, evaluation = _split_val(train, data.val_size, config.training.seed)
     seq_length = data.seq_length or data.cutoff_len
+    from hpc_mca.trainer.config import pack_alignment  # the config owns the default
+
     align = pack_alignment(config) if data.sequence_packing else 1
 
     def rows(samples: Samples) -> RowDataset:

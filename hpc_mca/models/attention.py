@@ -10,8 +10,10 @@ of Megatron's local ``DotProductAttention`` (megatron-core 0.19.2) and adds what
 lacks: THD packed sequences (``packed_seq_params.qkv_format == "thd"``, tensors ``[t, heads,
 dim]``) with attention confined to each document, padded ``cu_seqlens_*_padded`` layouts, and a
 bool mask path that never produces empty softmax rows. GQA and ``softmax_scale`` behave as in
-Megatron. Sliding windows, softmax offsets, attention bias and context parallelism are refused
-with a ValueError rather than silently ignored.
+Megatron. Under context parallelism (``config.context_parallel_size > 1``) causal attention
+runs through :mod:`.context_parallel` with ``cp_comm_type`` "all_gather" or "a2a". Sliding
+windows, softmax offsets, attention bias, non-causal masks under CP and CP on the flash backend
+are refused with a ValueError rather than silently ignored.
 
 The packed-sequence kernel (layout, mask, segments) lives in :mod:`.packed_attention`,
 which also explains how context parallelism fits in.
@@ -35,6 +37,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
+from hpc_mca.models.context_parallel import (
+    CP_COMM_TYPES,
+    context_parallel_attention,
+    cp_comm_violations,
+)
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.packed_attention import (
     DEFAULT_SEGMENT_TOKENS,
@@ -175,10 +182,10 @@ class _CoreAttentionBase(MegatronModule):
 
     def _refuse_unsupported(self, config: TransformerConfig, layer_number: int) -> None:
         name = f"{self.backend_name} attention backend"
-        if config.context_parallel_size != 1:
+        if config.context_parallel_size != 1 and self.backend_name != "torch":
             raise ValueError(
                 f"config.context_parallel_size={config.context_parallel_size}: the {name} "
-                "does not implement context parallelism yet; use the 'te' backend"
+                "does not implement context parallelism; use the 'torch' or 'te' backend"
             )
         window, skip = config.window_size, config.window_attn_skip_freq
         if is_layer_window_attention(window, skip, layer_number):
@@ -237,6 +244,35 @@ class TorchCoreAttention(_CoreAttentionBase):
     def __init__(self, *args: Any, segment_tokens: int = DEFAULT_SEGMENT_TOKENS, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.segment_tokens = segment_tokens
+        self.cp_group = self._context_parallel_group()
+
+    def _context_parallel_group(self) -> Optional[Any]:
+        """The CP group when ``context_parallel_size > 1`` (checking ``cp_comm_type`` against
+        this layer's local key/value heads), else None."""
+        config = self.config
+        cp = config.context_parallel_size
+        if cp == 1:
+            return None
+        comm = self.cp_comm_type or "p2p"  # Megatron's default when none is given
+        local_groups = config.num_query_groups // config.tensor_model_parallel_size
+        problems = cp_comm_violations(comm, cp, local_groups)
+        if comm == "p2p":
+            problems = [f"cp_comm_type='p2p' needs the 'te' attention backend; valid with the "
+                        f"torch backend: {', '.join(CP_COMM_TYPES)}"]
+        if problems:
+            raise ValueError(problems[0])
+        if self.attn_mask_type not in _CAUSAL_TYPES or self.attn_mask_type == (
+            AttnMaskType.causal_bottom_right
+        ):
+            raise ValueError(
+                f"attn_mask_type={self.attn_mask_type.name} under context parallelism: the torch "
+                "backend runs causal (top-left) attention only there"
+            )
+        if self.pg_collection is not None and getattr(self.pg_collection, "cp", None) is not None:
+            return self.pg_collection.cp
+        from megatron.core import parallel_state
+
+        return parallel_state.get_context_parallel_group()
 
     def forward(
         self,
@@ -253,9 +289,48 @@ class TorchCoreAttention(_CoreAttentionBase):
         mask_type = self._mask_type(attn_mask_type)
         dropout_p, rng = self._dropout()
         with rng:
+            if self.cp_group is not None:
+                return self._forward_cp(query, key, value, attention_mask, packed_seq_params,
+                                        dropout_p)
             if self._is_thd(packed_seq_params):
                 return self._forward_thd(query, key, value, mask_type, packed_seq_params, dropout_p)
             return self._forward_sbhd(query, key, value, attention_mask, mask_type, dropout_p)
+
+    def _forward_cp(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        params: Optional[PackedSeqParams],
+        dropout_p: float,
+    ) -> Tensor:
+        """Causal attention of this CP rank's chunks over whole sequences.
+
+        THD: the tensors hold this rank's chunks of the stream ``params`` describes (global
+        ``cu_seqlens``, as TE takes them). sbhd: every row holds this rank's two chunks of that
+        row; the rows are read as one stream of equal-length documents (padding sits after the
+        real tokens of a row, so causality alone keeps it out of them).
+        """
+        common = dict(comm_type=self.cp_comm_type, scale=self.softmax_scale,
+                      dropout_p=dropout_p, segment_tokens=self.segment_tokens)
+        cp = self.config.context_parallel_size
+        if self._is_thd(params):
+            if query.dim() == 4:
+                query, key, value = (x.squeeze(1) for x in (query, key, value))
+            cu = _first(params.cu_seqlens_q)
+            cu_pad = _first(params.cu_seqlens_q_padded, cu)
+            ctx = context_parallel_attention(query, key, value, cu, cu_pad, self.cp_group,
+                                             **common)
+            return ctx.reshape(ctx.size(0), -1)
+        if attention_mask is not None:
+            raise ValueError("an explicit attention_mask under context parallelism is not "
+                             "supported by the torch backend (causal masks only)")
+        s, b = query.size(0), query.size(1)
+        cu = torch.arange(b + 1, dtype=torch.int64) * (s * cp)
+        stream = [x.transpose(0, 1).reshape(b * s, *x.shape[2:]) for x in (query, key, value)]
+        ctx = context_parallel_attention(*stream, cu, cu, self.cp_group, **common)
+        return ctx.reshape(b, s, -1).transpose(0, 1)
 
     def _forward_sbhd(
         self,

@@ -28,11 +28,13 @@ def forward_logits(
     the others.
 
     ``input_ids`` is ``[batch, seq]`` (``[1, tokens]`` with ``packed_seq_params`` in THD
-    format), run as micro-batches of ``micro_batch_size`` rows (default: the whole batch, or
+    format; under context parallelism this rank's share of them, and the logits are this
+    rank's too), run as micro-batches of ``micro_batch_size`` rows (default: the whole batch, or
     single rows with virtual pipeline chunks, whose interleaved schedule needs at least PP
     micro-batches). Tensor-parallel vocabulary shards are gathered and Megatron's vocabulary
     padding is cut off.
     """
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device = next(chunks[0].parameters()).device
@@ -55,7 +57,8 @@ def forward_logits(
                 data_iterator=iterators,
                 model=list(chunks) if len(chunks) > 1 else chunks[0],
                 num_microbatches=len(batches),
-                seq_length=input_ids.size(1),
+                # The schedule divides by CP: under CP the inputs are this rank's share.
+                seq_length=input_ids.size(1) * max(1, parallel_state.get_context_parallel_world_size()),
                 micro_batch_size=size,
                 forward_only=True,
             )
@@ -84,14 +87,15 @@ def _logits_step(vocab_size: int, packed_seq_params: Any) -> Any:
 
 
 def thd_packed_seq_params(
-    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None = None, cp_size: int = 1
 ) -> Any:
     """``PackedSeqParams`` for one packed row of documents, in THD format.
 
     ``max_seqlen_*`` is the longest *padded* document: Megatron sizes the RoPE table from it
-    and applies RoPE per padded slot range. (Megatron also treats a RoPE table exactly as long
-    as the whole pack as absolute positions across documents, so no bound larger than the
-    longest document may be passed.)
+    (times ``cp_size``) and applies RoPE per padded slot range. Megatron also reads a RoPE
+    table exactly as long as the whole pack as absolute positions across documents; under
+    context parallelism ``longest · cp_size`` can equal the pack (two equal documents on CP2),
+    so the bound is raised by one slot there to keep positions restarting per document.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -99,6 +103,8 @@ def thd_packed_seq_params(
     cu_pad = None if cu_seqlens_padded is None else cu_seqlens_padded.to(torch.int32)
     slots = cu if cu_pad is None else cu_pad
     longest = int((slots[1:] - slots[:-1]).max()) if slots.numel() > 1 else 0
+    if slots.numel() > 2 and longest * cp_size == int(slots[-1]):
+        longest += 1
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,

@@ -90,6 +90,10 @@ def _parallel_kwargs(layout: Layout, gloo: bool) -> dict[str, Any]:
         # (measured with PP2 x VP2); unbatched p2p is correct.
         "batch_p2p_comm": not gloo,
     }
+    if layout.cp > 1:
+        # Megatron's default is "p2p", which only TE implements; all_gather runs on every
+        # backend (config: parallel.cp_comm_type).
+        kwargs["cp_comm_type"] = "all_gather"
     stages = megatron_pipeline_layout(layout)
     if stages is not None:
         kwargs["pipeline_model_parallel_layout"] = stages

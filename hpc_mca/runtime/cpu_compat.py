@@ -104,6 +104,9 @@ class _CudaToCpuMode(TorchFunctionMode):
     (e.g. utils.GlobalMemoryBuffer.get_tensor, transformer/utils.get_default_causal_mask,
     optimizer/clip_grads.py, distributed/param_and_grad_buffer.py) and the ``.type()`` checks
     in optimizer/optimizer.py, optimizer/distrib_optimizer.py and optimizer/clip_grads.py.
+    Also drops ``pin_memory=True`` from factories: pinning needs an accelerator, and
+    models/common/embeddings/rope_utils.get_pos_emb_on_this_cp_rank (RoPE under context
+    parallelism) builds its chunk index that way.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -115,6 +118,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             return _CUDA_TYPE_NAMES.get(name, name)
         if func is torch.Tensor.backward or func is torch.autograd.backward:
             return self._backward(*args, **kwargs)
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = _CPU
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
@@ -280,7 +285,7 @@ def _as_list(sizes: Any) -> Any:
 
 
 PATCHES: tuple[Patch, ...] = (
-    Patch("devices", "torch.cuda.current_device()/device='cuda'/.cuda()/.type() across megatron/core", _install_device_mode),
+    Patch("devices", "torch.cuda.current_device()/device='cuda'/.cuda()/.type()/pin_memory across megatron/core", _install_device_mode),
     Patch("rng", "megatron/core/tensor_parallel/random.py CUDA RNG tracker", _install_rng),
     Patch("streams", "torch.cuda.Stream/Event/current_stream/synchronize in DDP, MoE, timers", _install_streams),
     Patch("alltoall", "MoE alltoall dispatcher split sizes on gloo", _install_alltoall_splits),

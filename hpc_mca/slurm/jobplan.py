@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_mca.topology import Layout, LayoutError, Plan, PlanRequest, plan
-from hpc_mca.trainer.config import MAX_CONTEXT_PARALLEL, RESERVED_STAGES, STAGES
+from hpc_mca.trainer.config import RESERVED_STAGES, STAGES
 
 from .errors import OpsError
 
@@ -156,7 +156,7 @@ def _request(options: PlanOptions, config: Any, explicit: set[str]) -> PlanReque
         fields["global_batch_size"] = DEFAULT_SEQUENCES_PER_GPU * max(world, 1)
     _refuse_unbuilt(fields)
     try:
-        return PlanRequest(**fields, max_context_parallel=MAX_CONTEXT_PARALLEL)
+        return PlanRequest(**fields)
     except LayoutError as err:
         raise OpsError(str(err)) from None
     except TypeError as err:  # a non-numeric value from a hand-made PlanOptions
@@ -164,8 +164,7 @@ def _request(options: PlanOptions, config: Any, explicit: set[str]) -> PlanReque
 
 
 def _refuse_unbuilt(fields: dict[str, Any]) -> None:
-    """What the planner can size but the trainer cannot run yet is refused, one line each
-    (context parallelism: the planner's own limit, PlanRequest.max_context_parallel)."""
+    """What the planner can size but the trainer cannot run yet is refused, one line each."""
     lines, stage = [], fields.get("stage")
     if stage is not None and stage not in STAGES:
         why = "is not yet supported by the trainer" if stage in RESERVED_STAGES else "is not valid"
@@ -206,6 +205,7 @@ def _from_config(config: Any, explicit: set[str], options: PlanOptions) -> dict[
     if "overlap_grad_reduce" in explicit:
         fields["overlap_grad_reduce"] = par.overlap_grad_reduce
     fields["overlap_param_gather"] = par.overlap_param_gather
+    fields["cp_comm_type"] = par.cp_comm_type  # what the trainer will run under CP
     return fields
 
 

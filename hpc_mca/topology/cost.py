@@ -279,24 +279,37 @@ def _micro_batch(model: ModelShape, layout: Layout, work: Workload, net: Network
     tensor_parallel = layers * 4 * (forward_passes + 1) * tp_each
     return _Pass(forward=forward, backward=backward, compute=compute,
                  tensor_parallel=tensor_parallel,
-                 context_parallel=layers * _ring_attention(model, layout, work, net, attn),
+                 context_parallel=layers * _cp_attention(model, layout, work, net, attn),
                  expert_parallel=layers * _all_to_all(model, layout, work, net, forward_passes),
                  p2p=_pipeline_sends(layout, net, activation))
 
 
-def _ring_attention(model: ModelShape, layout: Layout, work: Workload, net: Network,
-                    attn_forward: float) -> float:
-    """Exposed seconds of one layer's CP ring: CP−1 KV hops forward, KV and dKV backward, each
-    hidden behind that pass's attention."""
+def _cp_attention(model: ModelShape, layout: Layout, work: Workload, net: Network,
+                  attn_forward: float) -> float:
+    """Exposed seconds of one layer's CP exchange, by ``cp_comm_type``:
+
+    * p2p (TE's ring): CP−1 KV hops forward, KV and dKV backward, each hidden behind that
+      pass's attention;
+    * all_gather: the keys/values gathered before attention and their gradients reduce-
+      scattered after it, not overlapped;
+    * a2a (Ulysses): Q, K, V and the output re-sharded forward and their gradients backward,
+      not overlapped.
+    """
     cp = layout.cp
     if cp == 1:
         return 0.0
     width = weight_bytes(work.precision)
-    kv = 2 * microbatch_tokens(work, layout) * model.num_query_groups * model.kv_channels \
-        * width / layout.tp
-    hop = net.ring(2, kv, layout.tp * cp)  # one point-to-point step of the ring
-    forward = max(0.0, (cp - 1) * hop - attn_forward)
-    backward = max(0.0, 2 * (cp - 1) * hop - FLASH_BACKWARD_FACTOR * attn_forward)
+    tokens = microbatch_tokens(work, layout)
+    kv = 2 * tokens * model.num_query_groups * model.kv_channels * width / layout.tp
+    if work.cp_comm_type == "p2p":
+        hop = net.ring(2, kv, layout.tp * cp)  # one point-to-point step of the ring
+        forward = max(0.0, (cp - 1) * hop - attn_forward)
+        backward = max(0.0, 2 * (cp - 1) * hop - FLASH_BACKWARD_FACTOR * attn_forward)
+    elif work.cp_comm_type == "all_gather":
+        forward = backward = net.ring(cp, (cp - 1) * kv, layout.tp * cp)
+    else:
+        q_and_out = 2 * tokens * model.num_attention_heads * model.kv_channels * width / layout.tp
+        forward = backward = net.all_to_all(cp, kv + q_and_out, layout.tp)
     recompute = forward if work.recompute == "full" else 0.0
     return forward + backward + recompute
 

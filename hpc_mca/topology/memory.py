@@ -32,6 +32,8 @@ from .layout import Layout
 from .model import ModelShape
 
 STAGES = ("pt", "sft", "dpo")
+CP_COMM_TYPES = ("all_gather", "a2a", "p2p")
+"""Context-parallel attention exchanges (Megatron's ``cp_comm_type``); p2p is TE's alone."""
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 RECOMPUTE = ("none", "selective", "full")
 
@@ -60,6 +62,8 @@ class Workload:
     """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer)."""
     flash_attention: bool = True
     """Fused attention that never materialises the s×s score matrix."""
+    cp_comm_type: str = "all_gather"
+    """Context-parallel attention exchange: p2p (TE's ring), all_gather or a2a (Ulysses)."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,7 @@ def layer_bytes_per_token(model: ModelShape, work: Workload, layout: Layout) -> 
     elif work.recompute != "selective":
         # Scores, softmax and dropout mask: Korthikanti's 5·a·s per token (s local under CP).
         attn += 5 * model.num_attention_heads * -(-work.seq_length // layout.cp)
+    attn += 2 * _cp_attention_elements(model, work, layout)
     if not model.is_moe:
         # Norm input, fc1 input, fc1 output (gate+up), activation output (fc2 input).
         return attn + 2 * (2 * h + mats * model.ffn_hidden_size)
@@ -190,6 +195,19 @@ def layer_bytes_per_token(model: ModelShape, work: Workload, layout: Layout) -> 
     # the router keeps fp32 logits/probabilities per expert.
     moe = 2 * (2 * h + k * (h + mats * fe) + mats * fs) + 4 * model.num_experts
     return attn + moe
+
+
+def _cp_attention_elements(model: ModelShape, work: Workload, layout: Layout) -> int:
+    """Extra elements per local token that CP attention keeps for backward: all_gather keeps
+    the whole sequence's keys and values (CP−1 more shares), a2a its head-sharded copies of Q,
+    K, V and the output; TE's p2p ring keeps only its own shares."""
+    cp, d = layout.cp, model.kv_channels
+    hq, hkv = model.num_attention_heads * d, model.num_query_groups * d
+    if cp == 1 or work.cp_comm_type == "p2p":
+        return 0
+    if work.cp_comm_type == "all_gather":
+        return 2 * hkv * (cp - 1)
+    return 2 * hq + 2 * hkv
 
 
 def _inflight_layers(model: ModelShape, layout: Layout, work: Workload, rank: int) -> float:

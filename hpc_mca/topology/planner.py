@@ -21,7 +21,7 @@ from .cost import StepTime
 from .errors import LayoutError, raise_if
 from .hardware import GPU_PRESETS, GiB, GpuSpec, get_gpu
 from .layout import FIELD_NAMES, Layout, balanced_pipeline_layout
-from .memory import PRECISIONS, RECOMPUTE, STAGES, MemoryEstimate
+from .memory import CP_COMM_TYPES, PRECISIONS, RECOMPUTE, STAGES, MemoryEstimate
 from .model import ModelShape
 from .search import (PLAN_HEADROOM, Option, distributed_optimizer, fastest, memory,
                      overlap_grad_reduce, planning_budget, recompute_options, search,
@@ -66,6 +66,9 @@ class PlanRequest:
     """Force none, selective or full activation recompute."""
     use_distributed_optimizer: bool | None = None
     """Force the distributed optimizer on or off; None = on whenever there is DP·CP to shard."""
+    cp_comm_type: str = "all_gather"
+    """How CP attention exchanges the sequence (p2p needs TE; a2a needs CP to divide the
+    key/value heads per TP rank): sized in memory and step time, checked as a rule."""
     max_context_parallel: int | None = None
     """The largest CP the trainer that runs the plan supports (None = no limit): the search
     stays below it and a forced layout above it is refused."""
@@ -159,7 +162,7 @@ def _request_violations(req: PlanRequest) -> list[str]:
                 not isinstance(value, int) or isinstance(value, bool) or value < 1):
             lines.append(f"{name}={value!r} must be a positive integer")
     for name, choices in (("stage", STAGES), ("precision", PRECISIONS),
-                          ("recompute", RECOMPUTE)):
+                          ("recompute", RECOMPUTE), ("cp_comm_type", CP_COMM_TYPES)):
         value = getattr(req, name)
         if value is not None and value not in choices:
             lines.append(f"{name}={value!r} is not valid; valid: {', '.join(choices)}")

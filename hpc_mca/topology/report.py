@@ -26,8 +26,9 @@ def _rows(plan: Plan) -> list[tuple[str, str]]:
     optimizer = "distributed (sharded over data-parallel ranks)" \
         if plan.use_distributed_optimizer else "replicated (not sharded)"
     source = "forced" if plan.forced else "planned"
+    cp = f"; CP attention {plan.request.cp_comm_type}" if lay.cp > 1 else ""
     return [
-        ("layout", f"{lay.describe()}  ({source}; sequence parallel {sp})"),
+        ("layout", f"{lay.describe()}  ({source}; sequence parallel {sp}{cp})"),
         ("batch", f"micro {plan.micro_batch_size} × DP {lay.dp} × {plan.num_microbatches} "
                   f"micro-batches = global {plan.request.global_batch_size}"),
         ("recompute", plan.recompute),

@@ -28,6 +28,7 @@ class _Job:
     seq_length: int | None
     sequence_packing: bool
     sequence_parallel_given: bool | None
+    cp_comm_type: str | None = None
 
     def sequence_parallel(self, tp: int) -> bool:
         """Sequence parallelism at TP size ``tp``: as given, else on whenever TP > 1."""
@@ -51,6 +52,7 @@ def check_layout(
     seq_length: int | None = None,
     sequence_packing: bool = False,
     sequence_parallel: bool | None = None,
+    cp_comm_type: str | None = None,
 ) -> list[str]:
     """Return violations, one line each (empty list = valid).
 
@@ -58,13 +60,15 @@ def check_layout(
     ``"tensor_parallel_size=3 does not divide num_attention_heads=32; valid: 1, 2, 4, 8"``.
     Rules that need a fact the caller left out (model, batch sizes, sequence length, node size)
     are skipped. ``sequence_parallel`` defaults to on whenever TP > 1, as in our recipes.
+    ``cp_comm_type`` "a2a" (Ulysses) adds its head rule under CP.
     """
     bad_input = _input_violations(world_size, gpus_per_node, global_batch_size,
                                   micro_batch_size, seq_length)
     if bad_input:
         return bad_input
     job = _Job(layout, world_size, model, gpus_per_node, global_batch_size,
-               micro_batch_size or 1, seq_length, sequence_packing, sequence_parallel)
+               micro_batch_size or 1, seq_length, sequence_packing, sequence_parallel,
+               cp_comm_type)
     tp_lines = _tp_lines(job)
     tp_pp_lines = tp_lines + _pp_lines(job)
     # A bad TP also breaks the sequence alignment it is part of; say so once, on the TP line.
@@ -223,6 +227,22 @@ def _seq_lines(job: _Job) -> list[str]:
     return _line("seq_length", seq, [f"is not {why}"], valid)
 
 
+def _cp_comm_lines(job: _Job) -> list[str]:
+    """Ulysses (a2a) splits each TP rank's key/value heads over the CP ranks."""
+    lay, model = job.layout, job.model
+    if job.cp_comm_type != "a2a" or lay.cp == 1 or model is None:
+        return []
+    if model.num_query_groups % lay.tp:
+        return []  # the TP rule reports it
+    local = model.num_query_groups // lay.tp
+    if local % lay.cp == 0:
+        return []
+    return _line(FIELD_NAMES["cp"], lay.cp,
+                 [f"does not divide the {local} key/value heads per tensor-parallel rank that "
+                  "cp_comm_type='a2a' splits"],
+                 ", ".join(map(str, divisors(local))) + ", or cp_comm_type='all_gather'")
+
+
 # --- experts ---------------------------------------------------------------------------------
 
 def _stage_ranks(job: _Job) -> int | None:
@@ -312,5 +332,5 @@ def _batch_lines(job: _Job) -> list[str]:
 
 
 _OTHER_FIELD_RULES: tuple[Callable[[_Job], list[str]], ...] = (
-    _vp_lines, _pipeline_layout_lines, _ep_lines, _etp_lines,
+    _vp_lines, _pipeline_layout_lines, _cp_comm_lines, _ep_lines, _etp_lines,
 )

@@ -90,13 +90,14 @@ def workload(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Work
         num_microbatches=req.global_batch_size // (mbs * (layout.dp or 1)),
         stage=req.stage, precision=req.precision, lora=req.lora, lora_rank=req.lora_rank,
         recompute=recompute, use_distributed_optimizer=distributed_optimizer(req, layout),
-        flash_attention=req.flash_attention)
+        flash_attention=req.flash_attention, cp_comm_type=req.cp_comm_type)
 
 
 def violations(req: PlanRequest, layout: Layout, mbs: int) -> list[str]:
     return check_layout(layout, req.world_size, req.shape, gpus_per_node=req.node_size,
                         global_batch_size=req.global_batch_size, micro_batch_size=mbs,
-                        seq_length=req.seq_length, sequence_packing=req.sequence_packing)
+                        seq_length=req.seq_length, sequence_packing=req.sequence_packing,
+                        cp_comm_type=req.cp_comm_type)
 
 
 def memory(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> MemoryEstimate:

@@ -31,6 +31,7 @@ import yaml
 
 from hpc_mca.errors import UserError
 from hpc_mca.rundir import RESOLVED_CONFIG_FILE, write_atomic
+from hpc_mca.topology.memory import CP_COMM_TYPES  # noqa: F401 - re-exported for the rules
 
 STAGES = ("pt", "sft")
 """Training stages with a data pipeline and a loss; routed by ``finetuning.stage``."""
@@ -40,9 +41,6 @@ FINETUNING_TYPES = ("full",)
 """Which parameters train: every one. (``lora`` is refused until LoRA lands: accepting it
 and training every weight would not be what was asked for.)"""
 RESERVED_FINETUNING_TYPES = ("lora",)
-MAX_CONTEXT_PARALLEL = 1
-"""The largest ``parallel.context_parallel_size`` the trainer runs: 1 until batches are
-sharded over CP ranks (the planner proposes no more, and a larger value is refused)."""
 DATASET_FORMATS = ("auto", "text", "alpaca", "sharegpt", "indexed")
 TEMPLATES = ("chat", "plain")
 ATTENTION_BACKENDS = ("auto", "te", "flash", "torch")
@@ -94,6 +92,11 @@ class DataArguments:
     sequence_packing: bool = False
     """Pack several samples per row (best-fit decreasing, cu_seqlens per row) instead of
     padding each sample to a row of its own."""
+    pack_alignment: int | None = None
+    """Packed samples start at multiples of this many slots; None = 2·CP under context
+    parallelism (which needs it), else 1. Rows hold other samples at another alignment, so a
+    packed run that may move between CP sizes sets the largest 2·CP here (e.g. 4 for CP1 and
+    CP2) and keeps it; a resume with another alignment is refused."""
     pt_chunking: str = "concat"
     """pt only: concat (join documents with eos and cut rows of ``cutoff_len``) or document
     (every document on its own, long ones split)."""
@@ -221,7 +224,12 @@ class ParallelArguments:
     ``[15, 16, 16, 16, 16, 16, 16, 15]`` for 126 layers on PP8 (the first and last stages also
     hold the embedding and the output layer); None = an even split."""
     context_parallel_size: int = 1
-    """Ranks each sequence is split over."""
+    """Ranks each sequence is split over: every sequence (each packed document) is cut into
+    2·CP chunks and rank r keeps chunks r and 2·CP−1−r."""
+    cp_comm_type: str = "all_gather"
+    """How attention sees the whole sequence under CP: all_gather (keys/values gathered over
+    the CP ranks), a2a (Ulysses: all-to-all to whole sequences on heads/CP heads; CP must
+    divide the key/value heads per TP rank) or p2p (ring exchange; the te backend only)."""
     expert_model_parallel_size: int = 1
     """Ranks the experts of MoE layers are spread over."""
     expert_tensor_parallel_size: int | None = None
@@ -289,6 +297,13 @@ class TrainConfig:
         for check in RESOLVE_STEPS:
             check(config, world_size)
         return config
+
+
+def pack_alignment(config: TrainConfig) -> int:
+    """Slots each packed sample is rounded up to (``data.pack_alignment``, by default 2·CP
+    under context parallelism, else 1)."""
+    cp = config.parallel.context_parallel_size
+    return config.data.pack_alignment or (2 * cp if cp > 1 else 1)
 
 
 _SECTION_TYPES = {"model": ModelArguments, "data": DataArguments,

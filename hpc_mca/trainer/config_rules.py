@@ -20,7 +20,7 @@ from .config import (
     ATTENTION_BACKENDS,
     DATASET_FORMATS,
     FINETUNING_TYPES,
-    MAX_CONTEXT_PARALLEL,
+    CP_COMM_TYPES,
     OPTIMIZER_FORMATS,
     OPTIMIZERS,
     REPORT_TO,
@@ -90,6 +90,7 @@ def _check_data(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"data.dataset_format={data.dataset_format!r} does not fit "
                           f"finetuning.stage={stage!r}; valid: {', '.join(fits)}")
     _at_least("data.cutoff_len", data.cutoff_len, 1)
+    _at_least("data.pack_alignment", data.pack_alignment, 1)
     _at_least("data.max_samples", data.max_samples, 1)
     _at_least("data.val_size", data.val_size, 0)
     if data.val_size and data.eval_dataset:
@@ -162,10 +163,7 @@ def _check_parallel(config: TrainConfig, world_size: int) -> None:
     if par.overlap_param_gather and not par.use_distributed_optimizer:
         raise ConfigError("parallel.overlap_param_gather=true needs "
                           "parallel.use_distributed_optimizer=true")
-    if par.context_parallel_size > MAX_CONTEXT_PARALLEL:
-        raise ConfigError(f"parallel.context_parallel_size={par.context_parallel_size} is not "
-                          "yet supported (batches are not sharded over context-parallel ranks "
-                          f"yet); valid: at most {MAX_CONTEXT_PARALLEL}")
+    _choice("parallel.cp_comm_type", par.cp_comm_type, CP_COMM_TYPES)
     if par.tensor_model_parallel_size == 1:
         par.sequence_parallel = False
     if par.expert_tensor_parallel_size is None:
@@ -175,11 +173,21 @@ def _check_parallel(config: TrainConfig, world_size: int) -> None:
         layout, world_size, _model_shape(config.model.model_name_or_path),
         global_batch_size=tr.global_batch_size, micro_batch_size=tr.per_device_train_batch_size,
         seq_length=data.seq_length, sequence_packing=data.sequence_packing,
-        sequence_parallel=par.sequence_parallel)
+        sequence_parallel=par.sequence_parallel, cp_comm_type=par.cp_comm_type)
     if lines:
         raise ConfigError("\n".join(_our_names(line) for line in lines))
+    _check_pack_alignment(config)
     par.data_parallel_size = world_size // layout.model_parallel_size
     _derive_batch(tr, par.data_parallel_size)
+
+
+def _check_pack_alignment(config: TrainConfig) -> None:
+    """Under CP every packed sample must split into 2·CP chunks."""
+    cp, align = config.parallel.context_parallel_size, config.data.pack_alignment
+    if cp > 1 and align is not None and align % (2 * cp):
+        raise ConfigError(f"data.pack_alignment={align} is not a multiple of 2·CP={2 * cp} "
+                          f"(parallel.context_parallel_size={cp}); valid: "
+                          f"{', '.join(str(2 * cp * k) for k in (1, 2, 4))}, or leave it unset")
 
 
 def _layout(par: ParallelArguments) -> Layout:

@@ -27,12 +27,17 @@ def exact_match_accuracy(model: list[torch.nn.Module], eval_rows: Any, config: A
     chunks = [unwrap(m) for m in model]  # DDP and, with bf16/fp16, Float16Module around each
     loader = eval_dataloader(eval_rows, config, data_parallel_rank=mpu.get_data_parallel_rank())
     counts = torch.zeros(2, dtype=torch.float64, device=device)
+    cp, cp_rank = mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank()
     for batch in loader:
-        logits = _logits(chunks, batch, vocab_size)
+        share = batch.cp_shard(cp, cp_rank)
+        logits = _logits(chunks, share, vocab_size)
         if logits is not None:
-            predictions = logits.argmax(dim=-1).reshape(batch.labels.shape).cpu()
-            counts += response_exact_match(predictions, batch.labels, batch.documents).to(device)
+            predictions = logits.argmax(dim=-1).reshape(share.labels.shape)
+            predictions = _whole_batch(predictions, batch, mpu.get_context_parallel_group())
+            counts += response_exact_match(predictions.cpu(), batch.labels,
+                                           batch.documents).to(device)
     if mpu.is_pipeline_last_stage(ignore_virtual=True):
+        # The CP ranks of a replica counted the same (whole) batch: reduce over DP alone.
         dist.all_reduce(counts, group=mpu.get_data_parallel_group())
     else:
         counts.zero_()
@@ -40,9 +45,27 @@ def exact_match_accuracy(model: list[torch.nn.Module], eval_rows: Any, config: A
     return {"eval/accuracy": float(counts[0] / counts[1]) if counts[1] else 0.0}
 
 
+def _whole_batch(share: torch.Tensor, batch: PackedBatch, group: Any) -> torch.Tensor:
+    """Per-slot values of every CP rank's share (``share`` is this rank's) put back in
+    ``batch``'s [B, S] order; ``share`` itself without context parallelism."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return share
+    shares = [torch.empty_like(share) for _ in range(size)]
+    dist.all_gather(shares, share.contiguous(), group=group)
+    whole = share.new_empty(batch.labels.shape)
+    for rank, part in enumerate(shares):
+        slots = batch.cp_slots(size, rank).to(share.device)
+        if batch.packed:
+            whole.view(-1)[slots] = part.reshape(-1)
+        else:
+            whole[:, slots] = part
+    return whole
+
+
 def _logits(chunks: list[torch.nn.Module], batch: PackedBatch, vocab_size: int) -> torch.Tensor | None:
     if batch.packed:
-        packed = thd_packed_seq_params(batch.cu_seqlens, batch.cu_seqlens_padded)
+        packed = thd_packed_seq_params(batch.cu_seqlens, batch.cu_seqlens_padded, batch.cp_size)
         return forward_logits(chunks, batch.input_ids.reshape(1, -1), vocab_size,
                               position_ids=batch.position_ids.reshape(1, -1), packed_seq_params=packed)
     return forward_logits(chunks, batch.input_ids, vocab_size, position_ids=batch.position_ids)

@@ -8,7 +8,7 @@ that:
 * ``forward_step``: the ``forward_step_func`` Megatron's schedule calls per micro-batch, and
   the loss function it returns;
 * ``reduce_loss``: the step's loss from the schedule's outputs, reduced over micro-batches,
-  data-parallel (and later context-parallel) ranks and the pipeline;
+  data- and context-parallel ranks and the pipeline;
 * ``eval_metric``: an extra evaluation metric, if the stage has one;
 * ``auxiliary_models``: models the objective needs beside the trained one (dpo's frozen
   reference), built by the objective, neither wrapped in DDP nor checkpointed.
@@ -57,10 +57,10 @@ class Objective:
     def reduce_loss(self, outputs: list[dict[str, torch.Tensor]], input_tokens: int = 0
                     ) -> tuple[float, int, int]:
         """(mean loss per real token, real tokens, input tokens) of a global batch, the same
-        on every rank (a collective over the DP and PP groups)."""
+        on every rank (a collective over the DP×CP and PP groups)."""
         from megatron.core import parallel_state as mpu
 
-        return reduce_step_loss(outputs, mpu.get_data_parallel_group(),
+        return reduce_step_loss(outputs, mpu.get_data_parallel_group(with_context_parallel=True),
                                 mpu.get_pipeline_model_parallel_group(),
                                 mpu.is_pipeline_last_stage(ignore_virtual=True), self.ctx.device,
                                 input_tokens)

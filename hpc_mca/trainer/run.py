@@ -167,6 +167,8 @@ def _model_overrides(config: TrainConfig) -> dict[str, Any]:
         "bf16": config.training.bf16,
         "fp16": config.training.fp16,
     }
+    if par.context_parallel_size > 1:
+        out["cp_comm_type"] = par.cp_comm_type
     if par.recompute_granularity:
         out.update(recompute_granularity=par.recompute_granularity, recompute_method=par.recompute_method,
                    recompute_num_layers=par.recompute_num_layers)

@@ -24,7 +24,8 @@ from hpc_mca.models.inference import thd_packed_seq_params
 def model_inputs(batch: PackedBatch, device: torch.device) -> dict[str, Any]:
     """Megatron GPTModel arguments for a micro-batch.
 
-    Packed rows are flattened into one THD stream ``[1, B*S]`` described by ``cu_seqlens``;
+    Packed rows are flattened into one THD stream ``[1, B*S]`` described by ``cu_seqlens``
+    (a context-parallel share holds its chunks of that stream, described by the whole one's);
     unpacked rows stay ``[B, S]`` and rely on the causal mask (padding is loss-masked and sits
     after the real tokens, so it never influences them). Labels are already shifted by the data
     pipeline; ignored positions (-100) become token 0 and carry loss weight 0.
@@ -38,7 +39,7 @@ def model_inputs(batch: PackedBatch, device: torch.device) -> dict[str, Any]:
     packed = None
     if batch.packed:
         inputs = {key: value.reshape(1, -1) for key, value in inputs.items()}
-        packed = thd_packed_seq_params(batch.cu_seqlens, batch.cu_seqlens_padded)
+        packed = thd_packed_seq_params(batch.cu_seqlens, batch.cu_seqlens_padded, batch.cp_size)
     out = {key: value.to(device, non_blocking=True) for key, value in inputs.items()}
     out["packed_seq_params"] = packed
     return out
@@ -74,7 +75,9 @@ def reduce_step_loss(outputs: list[dict[str, torch.Tensor]], dp_group: Any, pp_g
     on every rank. ``input_tokens`` is this rank's count of non-padding input tokens.
 
     The losses exist on the last pipeline stage only; they are summed over micro-batches and
-    data-parallel ranks there, then summed over the pipeline group (other stages add zeros).
+    the ``dp_group`` there (data- and context-parallel ranks: each CP rank holds its own share
+    of the tokens, so each token is counted once), then summed over the pipeline group (other
+    stages add zeros).
     """
     summed = torch.zeros(3, dtype=torch.float64, device=device)
     if last_stage:

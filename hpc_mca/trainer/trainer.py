@@ -207,11 +207,11 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        seq_length, micro_batch_size = micro_batches[0].schedule_shape
         outputs = self.forward_backward(
             forward_step_func=self.forward_step, data_iterator=self._iterators(micro_batches),
             model=self.model, num_microbatches=len(micro_batches),
-            seq_length=micro_batches[0].seq_length, micro_batch_size=micro_batches[0].rows,
-            forward_only=False,
+            seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=False,
         )
         inputs = sum(batch.input_tokens for batch in micro_batches)
         loss, tokens, inputs = self._reduce(outputs, inputs)
@@ -235,11 +235,12 @@ class Trainer:
             chunk.eval()
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         with torch.no_grad():
-            for micro in _chunks(list(loader), self._eval_microbatches()):
+            for micro in _chunks([self._cp_share(b) for b in loader], self._eval_microbatches()):
+                seq_length, micro_batch_size = micro[0].schedule_shape
                 outputs = self.forward_backward(
                     forward_step_func=self.forward_step, data_iterator=self._iterators(micro),
                     model=self.model, num_microbatches=len(micro),
-                    seq_length=micro[0].seq_length, micro_batch_size=micro[0].rows, forward_only=True)
+                    seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=True)
                 loss, tokens, _ = self._reduce(outputs)
                 loss_sum += torch.tensor([loss * tokens, tokens], dtype=torch.float64, device=self.ctx.device)
         for chunk in self.model:
@@ -257,13 +258,19 @@ class Trainer:
     # ---- helpers ----------------------------------------------------------------------------
 
     def _global_batches(self) -> Iterator[list[PackedBatch]]:
-        """This rank's micro-batches, grouped per optimizer step."""
+        """This rank's micro-batches (its context-parallel share), grouped per optimizer step."""
         loader = train_dataloader(self.data.train, self.config, consumed_samples=self.consumed_samples,
                                   data_parallel_rank=self.mpu.get_data_parallel_rank())
         per_step = self.config.training.gradient_accumulation_steps
         micro = iter(loader)
         while True:
-            yield [next(micro) for _ in range(per_step)]
+            yield [self._cp_share(next(micro)) for _ in range(per_step)]
+
+    def _cp_share(self, batch: PackedBatch) -> PackedBatch:
+        """The chunks of ``batch`` this rank's context-parallel position keeps (every CP rank
+        of a DP replica loads the same batch)."""
+        return batch.cp_shard(self.mpu.get_context_parallel_world_size(),
+                              self.mpu.get_context_parallel_rank())
 
     def _eval_microbatches(self) -> int:
         # The interleaved schedule needs at least PP micro-batches per call.
