@@ -18,12 +18,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from hpc_mca.models.attention import (
     TorchCoreAttention,
     attention_allowed,
+    check_context_parallel,
     choose_attention_backend,
     core_attention_class,
     packed_attention,
     packed_layout,
     select_attention_backend,
 )
+from hpc_mca.models.errors import ModelLoadError
 
 HEAD_DIM = 16
 
@@ -328,12 +330,26 @@ def test_causal_output_matches_megatron_dot_product_attention(
 
 
 def test_unsupported_configurations_are_refused():
-    with pytest.raises(ValueError, match="context_parallel_size=2"):
+    # Megatron's default exchange (p2p, the ring) is Transformer Engine's alone.
+    with pytest.raises(ValueError, match="cp_comm_type='p2p' needs the 'te' attention backend"):
         make_attention(make_config(context_parallel_size=2))
     with pytest.raises(ValueError, match="softmax_type='off-by-one'"):
         make_attention(make_config(softmax_type="off-by-one"))
     with pytest.raises(ValueError, match="attention_bias"):
         make_attention(make_config())(*qkv(4, 4, 4), None, attention_bias=torch.zeros(1))
+
+
+def test_context_parallel_support_by_backend():
+    check_context_parallel("torch", 1, None)
+    check_context_parallel("torch", 2, "a2a")
+    check_context_parallel("te", 4, "p2p")
+    with pytest.raises(ModelLoadError, match=r"cp_comm_type='p2p' needs the 'te' attention "
+                                             r"backend; valid with the 'torch' backend: "
+                                             r"all_gather, a2a"):
+        check_context_parallel("torch", 2, "p2p")
+    with pytest.raises(ModelLoadError, match="context_parallel_size=2 is not supported by the "
+                                             "'flash' attention backend"):
+        check_context_parallel("flash", 2, "all_gather")
 
 
 def test_auto_prefers_te_then_flash_then_torch():

@@ -5,7 +5,6 @@ gradients, for documents of odd lengths including ones shorter than 2·CP before
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

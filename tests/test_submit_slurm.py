@@ -170,6 +170,41 @@ def test_train_raw_template_with_plain_sbatch_runs_the_same_training(
     assert shown.stdout.startswith("hpc-mca | end            exit code 0"), shown.stdout
 
 
+def test_context_parallel_job_over_two_nodes_equals_one_node(
+        slurm_cluster: None, tmp_path: Path) -> None:
+    """`hpc-mca submit --nodes 2 --cp 2` (one rank a node: the CP group spans both nodes)
+    trains the demo's packed rows with the same losses as a one-node, one-rank job."""
+    if not DEMO.is_file():
+        pytest.skip(f"waiting on the trainer's demo config {DEMO.relative_to(REPO)}")
+    # The same rows and batches on both: samples aligned for CP2, 2 micro-batches of 4 a step.
+    common = ["max_steps=8", "logging_steps=4", "eval_dataset=null", "global_batch_size=8",
+              "pack_alignment=4"]
+    jobs = {}
+    for name, layout in (("cp2", ["--nodes", "2", "--cp", "2"]), ("one", ["--nodes", "1"])):
+        folder = tmp_path / name
+        folder.mkdir()
+        done = hpc_mca("submit", str(DEMO), "--gpu", "CPU", "--gpus-per-node", "1", *layout,
+                       "--job-name", f"cp-{name}", *common, cwd=folder)
+        jobs[name] = (_submitted_id(done), folder)
+    runs = {}
+    for name, (job_id, folder) in jobs.items():
+        state = slurm.wait_for_job(job_id, timeout=600)
+        status = _status(job_id, folder)
+        runs[name] = Path(status["run_dir"])
+        assert state == "COMPLETED", (folder / f"hpc-mca_{job_id}.out").read_text()[-3000:]
+    manifest = json.loads((runs["cp2"] / "manifest.json").read_text())
+    assert manifest["plan"]["layout"]["cp"] == 2 and manifest["plan"]["layout"]["dp"] == 1
+
+    def curve(run: Path) -> list[tuple[int, float]]:
+        return [(s["tokens"], s["loss"]) for s in map(
+            json.loads, (run / "steps.jsonl").read_text().splitlines())]
+
+    got, want = curve(runs["cp2"]), curve(runs["one"])
+    assert len(got) == len(want) == 8
+    for (tokens, loss), (ref_tokens, ref_loss) in zip(got, want):
+        assert tokens == ref_tokens and loss == pytest.approx(ref_loss, abs=1e-5)
+
+
 def test_train_tensorboard_serves_the_runs_scalars_on_loopback(cli_run: dict) -> None:
     proc = subprocess.Popen([HPC_MCA, "tensorboard", cli_run["job_id"]], cwd=cli_run["work"],
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

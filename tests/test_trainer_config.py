@@ -120,9 +120,12 @@ def test_layout_rule_uses_topology_and_model_shape(run: Path):
     (["stage=ppo"], "finetuning.stage='ppo' is not valid; valid: pt, sft"),
     (["finetuning_type=lora"], "finetuning.finetuning_type='lora' is not yet supported; "
                                "valid: full"),
-    (["context_parallel_size=2"], "parallel.context_parallel_size=2 is not yet supported "
-                                  "(batches are not sharded over context-parallel ranks yet); "
-                                  "valid: at most 1"),
+    (["cp_comm_type=ring"], "parallel.cp_comm_type='ring' is not valid; valid: all_gather, "
+                            "a2a, p2p"),
+    (["context_parallel_size=2", "sequence_packing=true", "pack_alignment=2"],
+     "data.pack_alignment=2 is not a multiple of 2·CP=4 (parallel.context_parallel_size=2); "
+     "valid: 4, 8, 16, or leave it unset"),
+    (["pack_alignment=0"], "data.pack_alignment=0 must be >= 1"),
     (["max_steps=-1", "num_train_epochs=0"], "set max_steps > 0 or num_train_epochs > 0"),
     (["warmup_ratio=1.5"], "training.warmup_ratio=1.5 must be in [0, 1)"),
     (["warmup_steps=2", "warmup_ratio=0.1"], "are both set; valid: one of them"),

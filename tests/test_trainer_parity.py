@@ -1,6 +1,7 @@
 """The trainer's loss curve does not depend on the layout: 10 steps of TP=2, PP=2, an uneven
 PP=2 split (1|3 layers), DP=2, interleaved PP (2 x 2 chunks), DP=2 with the distributed
-optimizer, and that with the gradient reduction overlapped, equal one process."""
+optimizer, that with the gradient reduction overlapped, and context parallelism over
+padded rows (CP2, CP4), equal one process."""
 
 from __future__ import annotations
 
@@ -53,6 +54,19 @@ def test_layout_matches_single_process(setup, name, overrides):
         assert mine["tokens"] == want["tokens"]
         assert mine["loss"] == pytest.approx(want["loss"], abs=1e-5), (name, mine, want)
         assert mine["lr"] == pytest.approx(want["lr"], rel=1e-9)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_splits_padded_rows(setup, cp):
+    """Unpacked rows of 32 slots cut into 2·CP chunks per rank (8 slots each on CP4)."""
+    root, config, ref = setup
+    proc = run_train(config, root / f"cp{cp}", cp, f"parallel.context_parallel_size={cp}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = steps(root / f"cp{cp}")
+    assert [s["step"] for s in got] == list(range(1, 11))
+    for mine, want in zip(got, ref):
+        assert mine["tokens"] == want["tokens"]
+        assert mine["loss"] == pytest.approx(want["loss"], abs=1e-5), (cp, mine, want)
 
 
 def test_an_uneven_pipeline_resumes_on_another_split(setup):

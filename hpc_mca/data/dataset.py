@@ -30,6 +30,7 @@ from .errors import DataError
 from .records import (Record, check_dataset_path, detect_sft_format, messages_of, read_records,
                       text_of)
 from .batch import collate_batch
+from .packing import pack_alignment
 from .rows import RowDataset
 from .sampler import DataSampler
 from .store import (IndexedSamples, SampleStore, Samples, cache_key, cached, check_token_ids,
@@ -173,9 +174,8 @@ def build_datasets(config: Any, tokenizer: Any = None,
     elif data.val_size:
         train, evaluation = _split_val(train, data.val_size, config.training.seed)
     seq_length = data.seq_length or data.cutoff_len
-    from hpc_mca.trainer.config import pack_alignment  # the config owns the default
-
-    align = pack_alignment(config) if data.sequence_packing else 1
+    cp = config.parallel.context_parallel_size
+    align = pack_alignment(cp, data.pack_alignment) if data.sequence_packing else 1
 
     def rows(samples: Samples) -> RowDataset:
         return RowDataset(samples, seq_length, pad_id(tokenizer),

@@ -14,6 +14,13 @@ from dataclasses import dataclass
 from .errors import DataError
 
 
+def pack_alignment(context_parallel_size: int, given: int | None = None) -> int:
+    """Slots a packed sample's span is a multiple of: ``given`` (``data.pack_alignment``), else
+    2·CP under context parallelism (each span is cut into 2·CP chunks), else 1."""
+    cp = context_parallel_size
+    return given or (2 * cp if cp > 1 else 1)
+
+
 def aligned(length: int, align: int) -> int:
     """``length`` rounded up to a multiple of ``align`` (context parallelism needs 2·CP)."""
     return -(-length // align) * align

@@ -63,6 +63,7 @@ __all__ = [
     "TorchCoreAttention",
     "attention_allowed",
     "available_attention_backends",
+    "check_context_parallel",
     "choose_attention_backend",
     "core_attention_class",
     "packed_attention",
@@ -129,6 +130,20 @@ def select_attention_backend(preference: str = "auto") -> str:
     naming what is available.
     """
     return choose_attention_backend(preference, available_attention_backends())
+
+
+def check_context_parallel(backend: str, cp: int, comm_type: Optional[str]) -> None:
+    """Raise ModelLoadError unless ``backend`` runs context parallelism of size ``cp`` with
+    ``comm_type``: TE runs any of its exchanges, the torch backend all_gather and a2a, flash
+    none."""
+    if cp == 1 or backend == "te":
+        return
+    if backend == "flash":
+        raise ModelLoadError(f"context_parallel_size={cp} is not supported by the 'flash' "
+                             "attention backend; valid: model.attention_backend 'torch' or 'te'")
+    if (comm_type or "all_gather") not in CP_COMM_TYPES:
+        raise ModelLoadError(f"cp_comm_type={comm_type!r} needs the 'te' attention backend; "
+                             f"valid with the {backend!r} backend: {', '.join(CP_COMM_TYPES)}")
 
 
 def core_attention_class(preference: str = "auto") -> type[torch.nn.Module]:

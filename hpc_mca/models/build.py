@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from hpc_mca.models.attention import core_attention_class, select_attention_backend
-from hpc_mca.models.context_parallel import CP_COMM_TYPES
+from hpc_mca.models.attention import (check_context_parallel, core_attention_class,
+                                      select_attention_backend)
 from hpc_mca.models.checkpoint import inspect_checkpoint
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_config import HFModelSpec, check_sequence_length, read_hf_config
@@ -67,7 +67,7 @@ def build_model(
     checkpoint = inspect_checkpoint(spec) if load else None
     _check_layout(spec, ctx)
     backend = select_attention_backend(attention_backend)
-    _check_context_parallel(backend, ctx.layout.cp, (config_overrides or {}).get("cp_comm_type"))
+    check_context_parallel(backend, ctx.layout.cp, (config_overrides or {}).get("cp_comm_type"))
     config = _transformer_config(spec, ctx, dtype, load, config_overrides)
     layer = layer_spec(spec, core_attention_class(backend))
     vocab = padded_vocab_size(spec.vocab_size, ctx.layout.tp, make_vocab_size_divisible_by)
@@ -88,18 +88,6 @@ def _check_layout(spec: HFModelSpec, ctx: RankContext) -> None:
     violations = check_layout(ctx.layout, ctx.env.world_size, shape, sequence_parallel=False)
     if violations:
         raise LayoutError(violations)
-
-
-def _check_context_parallel(backend: str, cp: int, comm_type: str | None) -> None:
-    """CP runs on TE (any of its exchanges) and on the torch backend (all_gather, a2a)."""
-    if cp == 1 or backend == "te":
-        return
-    if backend == "flash":
-        raise ModelLoadError(f"context_parallel_size={cp} is not supported by the 'flash' "
-                             "attention backend; valid: model.attention_backend 'torch' or 'te'")
-    if (comm_type or "all_gather") not in CP_COMM_TYPES:
-        raise ModelLoadError(f"cp_comm_type={comm_type!r} needs the 'te' attention backend; "
-                             f"valid with the {backend!r} backend: {', '.join(CP_COMM_TYPES)}")
 
 
 def _transformer_config(

@@ -126,10 +126,13 @@ def tokenizer_fits_model(config: TrainConfig, vocab_size: int) -> None:
 
 def attention_backend_available(config: TrainConfig) -> None:
     """An explicit ``model.attention_backend`` this machine lacks (``te`` without Transformer
-    Engine or CUDA) is bad input, refused before the process group like a config error."""
-    from hpc_mca.models.attention import select_attention_backend
+    Engine or CUDA), or context parallelism the backend it gets cannot run (flash; p2p without
+    TE), is bad input, refused before the process group like a config error."""
+    from hpc_mca.models.attention import check_context_parallel, select_attention_backend
 
-    select_attention_backend(config.model.attention_backend)
+    par = config.parallel
+    check_context_parallel(select_attention_backend(config.model.attention_backend),
+                           par.context_parallel_size, par.cp_comm_type)
 
 
 def _layout(config: TrainConfig) -> Layout:
