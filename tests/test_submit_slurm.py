@@ -178,7 +178,7 @@ def test_context_parallel_job_over_two_nodes_equals_one_node(
         pytest.skip(f"waiting on the trainer's demo config {DEMO.relative_to(REPO)}")
     # The same rows and batches on both: samples aligned for CP2, 2 micro-batches of 4 a step.
     common = ["max_steps=8", "logging_steps=4", "eval_dataset=null", "global_batch_size=8",
-              "pack_alignment=4"]
+              "gradient_accumulation_steps=2", "pack_alignment=4"]
     jobs = {}
     for name, layout in (("cp2", ["--nodes", "2", "--cp", "2"]), ("one", ["--nodes", "1"])):
         folder = tmp_path / name
