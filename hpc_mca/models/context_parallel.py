@@ -32,6 +32,11 @@ from .packed_attention import DEFAULT_SEGMENT_TOKENS, packed_attention, packed_l
 
 CP_COMM_TYPES = ("all_gather", "a2a")
 
+# torch 2.13 renamed the tensor-to-tensor collectives (the old names warn); older torch has
+# only the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class _GatherSequence(torch.autograd.Function):
     """[t, ...] on each rank → [cp·t, ...] in rank order; backward sums each rank's share."""
@@ -41,7 +46,7 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group = group
         size = dist.get_world_size(group)
         out = x.new_empty((size * x.size(0),) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        _all_gather_single(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
@@ -53,7 +58,7 @@ class _GatherSequence(torch.autograd.Function):
             dist.all_reduce(grad, group=group)
             return grad.chunk(size)[rank].clone(), None
         out = grad.new_empty((grad.size(0) // size,) + tuple(grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, group=group)
+        _reduce_scatter_single(out, grad, group=group)
         return out, None
 
 
