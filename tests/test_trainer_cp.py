@@ -4,8 +4,8 @@ Packed sft data with odd sample lengths, every sample padded to a multiple of 4 
 (``data.pack_alignment=4``, what CP2 needs) in the reference too, so that every run trains on
 the same rows. Dense Llama: CP2 with both attention exchanges, CP2×DP2, CP2×TP2; Qwen3-MoE:
 CP2×EP2 with both. A CP2 checkpoint resumes on one process and a one-process checkpoint on
-CP2, within 1e-5 of the uninterrupted curve; eval loss and exact-match accuracy under CP equal
-the reference's. Bad CP input stops every rank with one line before anything is built.
+CP2, within 1e-5 of the uninterrupted curve; eval loss, exact-match accuracy and the HF export
+under CP equal the reference's. Bad CP input stops every rank with one line before anything is built.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from safetensors.torch import load_file
 
 from trainer_fixtures import (assert_bad_input_on_every_rank, launch_ranks, make_model_dir,
                               make_sft_data, rewind, run_train, steps, write_config)
@@ -29,7 +30,7 @@ def _setup(root, moe: bool):
     evaluation = make_sft_data(root, 24, seed=3, name="eval")
     config = write_config(root, model, make_sft_data(root, 256, seed=1, name="train"), evaluation,
                           training={"eval_steps": 10, "save_steps": 4,
-                                    "per_device_eval_batch_size": 2})
+                                    "per_device_eval_batch_size": 2, "export_hf_dir": "hf"})
     reference = root / "reference"
     proc = run_train(config, reference, 1, *PACKED)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -74,6 +75,12 @@ def test_dense_context_parallel_matches_one_process(dense, name, nproc, override
     got, want = _progress(root / name), _progress(root / "reference")
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], abs=1e-5)
     assert got["eval_accuracy"] == want["eval_accuracy"]
+    # The HF export at the end: each tensor written once, equal to the one-process weights.
+    exported, reference = (load_file(run / "hf" / "model.safetensors")
+                           for run in (root / name, root / "reference"))
+    assert exported.keys() == reference.keys()
+    for key, tensor in exported.items():
+        assert (tensor - reference[key]).abs().max() < 1e-5, (name, key)
 
 
 @pytest.mark.parametrize("name, overrides", [("cp2_ep2", []), ("cp2_ep2_a2a", [A2A])])

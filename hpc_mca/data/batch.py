@@ -124,14 +124,26 @@ def cp_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int,
     """Slot indices of a packed stream that CP rank ``cp_rank`` keeps, in order: for each
     document's padded span, its chunks ``cp_rank`` and ``2·cp_size-1-cp_rank``. ``what``
     names a span in errors (default: the document and its slots)."""
-    bounds = cu_seqlens_padded.tolist()
-    parts = []
-    for doc, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        chunk = _chunk(end - start, cp_size, what or f"document {doc} (slots {start}..{end})")
-        for piece in (cp_rank, 2 * cp_size - 1 - cp_rank):
-            first = start + piece * chunk
-            parts.append(torch.arange(first, first + chunk))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    firsts, lengths = cp_pieces(cu_seqlens_padded, cp_size, cp_rank, what)
+    offsets = lengths.cumsum(0) - lengths  # where each piece starts among this rank's slots
+    return torch.arange(int(lengths.sum())) + (firsts - offsets).repeat_interleave(lengths)
+
+
+def cp_pieces(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int,
+              what: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first stream slot, length) of each chunk CP rank ``cp_rank`` keeps, two per document
+    (chunk ``cp_rank``, then chunk ``2·cp_size-1-cp_rank``), in the order it holds them."""
+    cu = cu_seqlens_padded.detach().cpu().long()
+    spans = cu[1:] - cu[:-1]
+    bad = (spans % (2 * cp_size)).nonzero()
+    if bad.numel():
+        doc = int(bad[0])
+        _chunk(int(spans[doc]), cp_size,
+               what or f"document {doc} (slots {int(cu[doc])}..{int(cu[doc + 1])})")
+    chunk = spans // (2 * cp_size)
+    firsts = torch.stack([cu[:-1] + cp_rank * chunk,
+                          cu[:-1] + (2 * cp_size - 1 - cp_rank) * chunk], dim=1)
+    return firsts.reshape(-1), chunk.repeat_interleave(2)
 
 
 def _chunk(length: int, cp_size: int, what: str) -> int:
