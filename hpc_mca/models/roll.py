@@ -55,40 +55,46 @@ def roll_plan(cu_seqlens: Tensor, cu_seqlens_padded: Tensor | None = None, cp_si
               cp_rank: int = 0) -> RollPlan:
     """The plan for a packed stream: ``cu_seqlens`` (real lengths) and ``cu_seqlens_padded``
     (document starts in the stream; default ``cu_seqlens``) describe the whole stream; under
-    CP this rank holds its chunks in :func:`hpc_mca.data.batch.cp_indices` order."""
+    CP this rank holds its chunks in :func:`hpc_mca.data.batch.cp_indices` order.
+
+    Per-slot work is two ``repeat_interleave`` and a comparison; the chunk-boundary logic runs
+    on the (2 per document) pieces only.
+    """
     cu = cu_seqlens.detach().cpu().long()
     cu_pad = cu if cu_seqlens_padded is None else cu_seqlens_padded.detach().cpu().long()
-    lengths = cu[1:] - cu[:-1]
-    docs = lengths.numel()
-    if docs == 0:
-        empty = torch.zeros(0, dtype=torch.long)
-        return RollPlan(empty.bool(), empty.bool(), empty, empty, cp_size)
-    if cp_size == 1:
-        # The whole stream, one piece per document.
+    docs = cu.numel() - 1
+    if cp_size == 1:  # the whole stream, one piece per document
         firsts, piece_len = cu_pad[:-1], cu_pad[1:] - cu_pad[:-1]
     else:
         firsts, piece_len = cp_pieces(cu_pad, cp_size, cp_rank)
-    pieces_per_doc = firsts.numel() // docs
-    piece = torch.arange(firsts.numel()).repeat_interleave(piece_len)
+    per_doc = firsts.numel() // max(docs, 1)
+    doc = torch.arange(docs).repeat_interleave(per_doc)  # each piece's document
+    last_real = cu_pad[:-1] + (cu[1:] - cu[:-1]) - 1  # stream slot of each document's last token
     piece_start = piece_len.cumsum(0) - piece_len  # local slot where each piece starts
-    local = torch.arange(piece.numel())
-    doc = piece // pieces_per_doc
-    pos = firsts[piece] + (local - piece_start[piece]) - cu_pad[doc]  # position in the document
-    valid = pos + 1 < lengths[doc]  # the next slot is a real token of the same document
-    last_in_piece = local == piece_start[piece] + piece_len[piece] - 1
-    next_local = valid & ~last_in_piece
-    from_head = valid & last_in_piece
-    head_index = torch.zeros_like(local)
+    slots = int(piece_len.sum())
+    # A slot's next slot is a real token of its document iff the slot is before the last one.
+    stream_slot = torch.arange(slots) + (firsts - piece_start).repeat_interleave(piece_len)
+    valid = stream_slot < last_real[doc].repeat_interleave(piece_len)
+    # The last slot of each non-empty piece takes the head of the document's next chunk.
+    filled = piece_len > 0
+    piece_end = (piece_start + piece_len - 1)[filled]
+    end_valid = valid[piece_end]
+    from_head = torch.zeros(slots, dtype=torch.bool)
+    from_head[piece_end] = end_valid
+    next_local = valid & ~from_head
+    next_local[piece_end] = False
+    head_index = torch.zeros(slots, dtype=torch.long)
     if cp_size > 1:  # (one rank: a piece is a whole document, so no boundary is inside one)
-        # The next slot starts chunk k = (pos+1)/chunk of the document; its owner holds it as
-        # its first piece (k < cp: rank k) or its second (k >= cp: rank 2·cp-1-k).
-        chunk = piece_len[piece[from_head]]
-        k = (pos[from_head] + 1) // chunk
+        # The next slot starts chunk k of the document; its owner holds it as its first piece
+        # (k < cp: rank k) or its second (k >= cp: rank 2·cp-1-k).
+        pieces = filled.nonzero().squeeze(1)[end_valid]
+        d = doc[pieces]
+        k = (firsts[pieces] + piece_len[pieces] - cu_pad[d]) // piece_len[pieces]
         second = k >= cp_size
         owner = torch.where(second, 2 * cp_size - 1 - k, k)
-        head_index[from_head] = owner * firsts.numel() + doc[from_head] * 2 + second.long()
+        head_index[piece_end[end_valid]] = owner * firsts.numel() + d * 2 + second.long()
     # An empty piece (a zero-slot document) is nobody's next slot: any index will do.
-    heads = piece_start.clamp(max=max(piece.numel() - 1, 0))
+    heads = piece_start.clamp(max=max(slots - 1, 0))
     return RollPlan(next_local, from_head, head_index, heads, cp_size)
 
 
