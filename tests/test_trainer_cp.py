@@ -2,7 +2,8 @@
 
 Packed sft data with odd sample lengths, every sample padded to a multiple of 4 slots
 (``data.pack_alignment=4``, what CP2 needs) in the reference too, so that every run trains on
-the same rows. Dense Llama: CP2 with both attention exchanges, CP2×DP2, CP2×TP2; Qwen3-MoE:
+the same rows. Dense Llama: CP2 with both attention exchanges, CP2×DP2, CP2×TP2 (and the
+packed stream over PP2 without CP); Qwen3-MoE:
 CP2×EP2 with both. A CP2 checkpoint resumes on one process and a one-process checkpoint on
 CP2, within 1e-5 of the uninterrupted curve; eval loss, exact-match accuracy and the HF export
 under CP equal the reference's. Bad CP input stops every rank with one line before anything is built.
@@ -63,8 +64,10 @@ def _progress(run) -> dict:
     ("cp2_a2a", 2, [CP2, A2A]),
     ("cp2_dp2", 4, [CP2]),
     ("cp2_tp2", 4, [CP2, "parallel.tensor_model_parallel_size=2"]),
+    # A packed stream between pipeline stages is one [B·S, 1] row (schedule_shape).
+    ("pp2", 2, ["parallel.pipeline_model_parallel_size=2"]),
 ])
-def test_dense_context_parallel_matches_one_process(dense, name, nproc, overrides):
+def test_dense_layouts_match_one_process(dense, name, nproc, overrides):
     root, config, ref = dense
     proc = run_train(config, root / name, nproc, *PACKED, *overrides)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -75,8 +75,11 @@ class PackedBatch:
 
     @property
     def schedule_shape(self) -> tuple[int, int]:
-        """(seq_length, micro_batch_size) for Megatron's schedule, which divides the sequence
-        by CP itself: the whole sequence, and one row for a packed stream."""
+        """(seq_length, micro_batch_size) for Megatron's schedule, which sizes the activations
+        pipeline stages exchange from them (dividing the sequence by CP itself): the rows'
+        length and count, or for packed rows the one ``[1, B·S]`` stream the model runs."""
+        if self.packed:
+            return self.input_ids.numel() * self.cp_size, 1
         return self.seq_length * self.cp_size, self.rows
 
     @property
