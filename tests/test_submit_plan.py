@@ -222,3 +222,13 @@ def test_an_uneven_pipeline_goes_from_the_plan_to_the_trainer_config(tmp_path, m
         bad.resolve(24)
     assert str(err.value) == ("parallel.pipeline_layout places 30 layers but num_layers=32; "
                               "valid: a sum of 32")
+
+
+def test_the_configs_mtp_depths_are_planned(tmp_path, model_dir):
+    """A config with MTP depths plans their parameters, activations and logits too."""
+    plain = make_job_plan(PlanOptions(nodes=2, tp=4, pp=2), _config(tmp_path, model_dir))
+    mtp = make_job_plan(PlanOptions(nodes=2, tp=4, pp=2),
+                        _config(tmp_path, model_dir, "mtp_num_layers: 2\n"))
+    assert (plain.plan.request.mtp_num_layers, mtp.plan.request.mtp_num_layers) == (0, 2)
+    assert mtp.plan.memory.total > plain.plan.memory.total
+    assert mtp.plan.step_time.compute > plain.plan.step_time.compute

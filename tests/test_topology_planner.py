@@ -10,6 +10,7 @@ from hpc_mca.topology import (GPU_PRESETS, Layout, LayoutError, ModelShape, Plan
                               Workload, check_layout, estimate_memory, format_plan_table,
                               get_gpu, plan)
 from hpc_mca.topology.hardware import GiB
+from hpc_mca.topology.memory import stage_counts
 
 LLAMA3_8B = ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32,
                        num_query_groups=8, ffn_hidden_size=14336, vocab_size=128256)
@@ -95,6 +96,25 @@ def test_recipe_memory_matches_hand_count():
     assert gathered.activations == 32 * (8192 * (per_token + 2 * 2 * 1024) // 4)
     a2a = estimate_memory(LLAMA3_8B, layout, replace(work, cp_comm_type="a2a"))
     assert a2a.activations == 32 * (8192 * (per_token + 2 * (2 * 4096 + 2 * 1024)) // 4)
+
+
+def test_mtp_depths_are_counted_on_the_last_stage():
+    """One MTP depth: the last pipeline stage gains a layer, a 2h→h projection and three norms
+    of parameters (TP4 PP2), and, on TP4 CP2 (one stage), a layer's activations, its 2h-wide
+    projection input and one more set of logits."""
+    h = 4096
+    layer = (4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336) // 4 + 2 * h
+    piped = Layout(tp=4, pp=2, cp=2).resolved(16)
+    params = [stage_counts(LLAMA3_8B, piped, 1, 16, mtp).dense for mtp in (0, 1)]
+    assert params[1] - params[0] == layer + 2 * h * h // 4 + 3 * h
+    assert stage_counts(LLAMA3_8B, piped, 0, 16) == stage_counts(LLAMA3_8B, piped, 0, 16, 0)
+    layout = Layout(tp=4, cp=2).resolved(16)
+    work = Workload(seq_length=16384, num_microbatches=256, cp_comm_type="p2p")
+    est = [estimate_memory(LLAMA3_8B, layout, replace(work, mtp_num_layers=k)) for k in (0, 1)]
+    tokens, per_token = 8192, 34 * 4096 + 4 * 32
+    per_layer, logits = tokens * per_token // 4, tokens * 128512 // 4 * 6
+    assert est[0].activations == 32 * per_layer + logits
+    assert est[1].activations == 33 * per_layer + tokens * 2 * 2 * h // 4 + 2 * logits
 
 
 # --- memory model directions ---------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch
 from hpc_mca.models.attention import (check_context_parallel, core_attention_class,
                                       select_attention_backend)
 from hpc_mca.models.checkpoint import inspect_checkpoint
+from hpc_mca.models import mtp
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_config import HFModelSpec, check_sequence_length, read_hf_config
 from hpc_mca.models.mapping import padded_vocab_size
@@ -72,12 +73,16 @@ def build_model(
     layer = layer_spec(spec, core_attention_class(backend))
     vocab = padded_vocab_size(spec.vocab_size, ctx.layout.tp, make_vocab_size_divisible_by)
     max_len = seq_length or spec.max_position_embeddings
+    if config.mtp_num_layers:
+        mtp.install()
     chunks = [
-        _build_chunk(spec, config, layer, vocab, max_len, stage, ctx)
+        _build_chunk(spec, config, layer, vocab, max_len, stage, ctx, backend)
         for stage in range(ctx.layout.vp or 1)
     ]
     if checkpoint is not None:
         load_hf_weights(chunks, spec, checkpoint=checkpoint)
+    if config.mtp_num_layers:
+        mtp.initialise(chunks, ctx.seed)  # HF weights hold none; the same for every layout
     return chunks
 
 
@@ -121,6 +126,7 @@ def _build_chunk(
     max_len: int,
     stage: int,
     ctx: RankContext,
+    backend: str,
 ) -> torch.nn.Module:
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -129,6 +135,7 @@ def _build_chunk(
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(layer, config, vp_stage),
+        mtp_block_spec=mtp.mtp_block_spec(config, layer, backend, vp_stage),
         vocab_size=padded_vocab,
         max_sequence_length=max_len,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

@@ -65,7 +65,7 @@ def shard_coords(chunk: torch.nn.Module) -> ShardCoords:
 def local_plans(
     chunk: torch.nn.Module, spec: HFModelSpec
 ) -> Iterator[tuple[ParamPlan, torch.nn.Parameter]]:
-    """(plan, parameter) for every parameter of one GPTModel chunk.
+    """(plan, parameter) for every parameter of one GPTModel chunk except its MTP block.
 
     Layers are numbered model-wide through ``layer_number`` (1-based, set by Megatron from the
     pipeline/virtual-pipeline offset), which also covers uneven pipeline layouts.
@@ -75,6 +75,8 @@ def local_plans(
     layers = getattr(getattr(chunk, "decoder", None), "layers", [])
     global_index = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
     for name, param in chunk.named_parameters():
+        if name.startswith("mtp."):
+            continue  # MTP layers have no HF tensors here: models.mtp.initialise fills them
         match = _LAYER_INDEX.match(name)
         layer = global_index[int(match.group(1))] if match else None
         yield plan_param(spec, coords, name, layer), param

@@ -206,6 +206,7 @@ def _from_config(config: Any, explicit: set[str], options: PlanOptions) -> dict[
         fields["overlap_grad_reduce"] = par.overlap_grad_reduce
     fields["overlap_param_gather"] = par.overlap_param_gather
     fields["cp_comm_type"] = par.cp_comm_type  # what the trainer will run under CP
+    fields["mtp_num_layers"] = config.model.mtp_num_layers
     return fields
 
 

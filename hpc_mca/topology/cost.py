@@ -41,7 +41,8 @@ from dataclasses import dataclass, fields, replace
 from .hardware import GpuSpec
 from .layout import Layout
 from .memory import (Workload, busiest_ranks, layer_bytes_per_token, layers_on_rank,
-                     microbatch_tokens, mlp_matrices, padded_vocab, stage_counts, weight_bytes)
+                     microbatch_tokens, mlp_matrices, mtp_on_rank, padded_vocab, stage_counts,
+                     weight_bytes)
 from .model import ModelShape
 
 # Share of the tensor-core peak a large bf16 GEMM sustains (cuBLAS on H100 reaches ~700 of
@@ -242,12 +243,14 @@ def _compute(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
     """(forward, backward, all compute, attention forward per layer) seconds of one
     micro-batch on pipeline rank ``rank``."""
     tokens = microbatch_tokens(work, layout)
-    layers = layers_on_rank(model, layout, rank)
+    depths = mtp_on_rank(layout, work, rank)  # each: one more layer and output-layer pass
+    layers = layers_on_rank(model, layout, rank) + depths
     gemm = _layer_gemm_seconds(model, layout, work, gpu, tokens)
     attn = _attention_seconds(model, layout, work, gpu, tokens)
     elem = _elementwise_seconds(model, layout, work, gpu, tokens)
     out_gemm, loss = (_output_layer_seconds(model, layout, work, gpu, tokens)
                       if rank == layout.pp - 1 else (0.0, 0.0))
+    out_gemm, loss = (1 + depths) * out_gemm, (1 + depths) * loss
     weight_grads = 0 if work.lora else 1  # LoRA: frozen weights need no weight gradient
     flash_bwd = FLASH_BACKWARD_FACTOR if work.flash_attention else 2.0
     forward = layers * (gemm + attn + elem) + out_gemm + loss
@@ -341,7 +344,7 @@ def _data_parallel(model: ModelShape, layout: Layout, work: Workload, net: Netwo
                    mb: _Pass, overlap_grad_reduce: bool, overlap_param_gather: bool) -> float:
     """Exposed seconds of gradient reduction (and parameter all-gather) on pipeline rank
     ``rank``: dense weights over DP·CP, experts over the expert-data-parallel ranks."""
-    counts = stage_counts(model, layout, rank, work.lora_rank)
+    counts = stage_counts(model, layout, rank, work.lora_rank, mtp_on_rank(layout, work, rank))
     dense, expert = (counts.adapters, 0) if work.lora else (counts.dense, counts.expert)
     dp = layout.dp or 1
     span = layout.tp * layout.cp * dp
@@ -367,7 +370,7 @@ def _data_parallel(model: ModelShape, layout: Layout, work: Workload, net: Netwo
 
 def _optimizer(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
                rank: int) -> float:
-    counts = stage_counts(model, layout, rank, work.lora_rank)
+    counts = stage_counts(model, layout, rank, work.lora_rank, mtp_on_rank(layout, work, rank))
     dense, expert = (counts.adapters, 0) if work.lora else (counts.dense, counts.expert)
     shard = dense + expert
     if work.use_distributed_optimizer:

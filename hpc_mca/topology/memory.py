@@ -64,6 +64,9 @@ class Workload:
     """Fused attention that never materialises the s×s score matrix."""
     cp_comm_type: str = "all_gather"
     """Context-parallel attention exchange: p2p (TE's ring), all_gather or a2a (Ulysses)."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction depths: one transformer layer, a 2h→h projection, norms and
+    one more output-layer pass each, on the last pipeline stage."""
 
 
 @dataclass(frozen=True)
@@ -132,17 +135,27 @@ def _layer_counts(model: ModelShape, layout: Layout, lora_rank: int) -> ParamCou
                    adapters=(lora_attn + lora_rank * (mats * fs + 2 * h)) // tp + lora_expert)
 
 
-def stage_counts(model: ModelShape, layout: Layout, rank: int, lora_rank: int) -> ParamCounts:
-    """Parameters on one GPU of pipeline rank ``rank``: its layers plus embedding/output."""
+def mtp_on_rank(layout: Layout, work: Workload, rank: int) -> int:
+    """MTP depths pipeline rank ``rank`` runs: all of them on the last stage."""
+    return work.mtp_num_layers if rank == layout.pp - 1 else 0
+
+
+def stage_counts(model: ModelShape, layout: Layout, rank: int, lora_rank: int,
+                 mtp_layers: int = 0) -> ParamCounts:
+    """Parameters on one GPU of pipeline rank ``rank``: its layers plus embedding/output, and
+    ``mtp_layers`` MTP depths (each a layer, a 2h→h projection and three norms)."""
     per_layer = _layer_counts(model, layout, lora_rank)
     n = layers_on_rank(model, layout, rank)
-    table = padded_vocab(model, layout.tp) * model.hidden_size // layout.tp
+    h = model.hidden_size
+    table = padded_vocab(model, layout.tp) * h // layout.tp
     first, last = rank == 0, rank == layout.pp - 1
     # The output layer is its own matrix unless tied; with PP > 1 even a tied one is copied to
     # the last stage, which is where Megatron keeps its gradient in sync with the embedding.
     tables = int(first) + int(last and (layout.pp > 1 or not model.tie_word_embeddings))
-    return ParamCounts(dense=n * per_layer.dense + tables * table + int(last) * model.hidden_size,
-                   expert=n * per_layer.expert, adapters=n * per_layer.adapters)
+    mtp = mtp_layers * (per_layer.dense + 2 * h * h // layout.tp + 3 * h)
+    return ParamCounts(dense=n * per_layer.dense + tables * table + int(last) * h + mtp,
+                       expert=(n + mtp_layers) * per_layer.expert,
+                       adapters=n * per_layer.adapters)
 
 
 def weight_bytes(precision: str) -> int:
@@ -234,8 +247,13 @@ def _activation_memory(model: ModelShape, layout: Layout, work: Workload, rank: 
     else:
         total = _inflight_layers(model, layout, work, rank) * per_layer
     if rank == layout.pp - 1:
-        # Loss: bf16 logits plus the fp32 softmax the fused vocab-parallel cross entropy keeps.
-        total += microbatch_tokens(work, layout) * padded_vocab(model, layout.tp) // layout.tp * 6
+        # Loss: bf16 logits plus the fp32 softmax the fused vocab-parallel cross entropy keeps,
+        # once for the main head and once per MTP depth; each depth also keeps a layer's
+        # activations and its 2h-wide projection input (one micro-batch: the last stage).
+        tokens = microbatch_tokens(work, layout)
+        depths = mtp_on_rank(layout, work, rank)
+        total += (1 + depths) * tokens * padded_vocab(model, layout.tp) // layout.tp * 6
+        total += depths * (per_layer + tokens * 2 * 2 * model.hidden_size // layout.tp)
     return int(total)
 
 
@@ -253,7 +271,8 @@ def estimate_memory(model: ModelShape, layout: Layout, work: Workload) -> Memory
     """Per-GPU memory of the busiest pipeline stage (first or last) for a resolved layout."""
     estimates = []
     for rank in busiest_ranks(model, layout):
-        counts = stage_counts(model, layout, rank, work.lora_rank)
+        counts = stage_counts(model, layout, rank, work.lora_rank,
+                              mtp_on_rank(layout, work, rank))
         params, grads, optimizer = _state_memory(counts, layout, work)
         estimates.append(MemoryEstimate(params, grads, optimizer,
                                         _activation_memory(model, layout, work, rank)))

@@ -69,6 +69,8 @@ class PlanRequest:
     cp_comm_type: str = "all_gather"
     """How CP attention exchanges the sequence (p2p needs TE; a2a needs CP to divide the
     key/value heads per TP rank): sized in memory and step time, checked as a rule."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction depths the run trains (on the last pipeline stage)."""
     max_context_parallel: int | None = None
     """The largest CP the trainer that runs the plan supports (None = no limit): the search
     stays below it and a forced layout above it is refused."""
@@ -154,6 +156,8 @@ def plan(request: PlanRequest | None = None, /, **fields: Any) -> Plan:
 
 def _request_violations(req: PlanRequest) -> list[str]:
     lines = []
+    if not isinstance(req.mtp_num_layers, int) or req.mtp_num_layers < 0:
+        lines.append(f"mtp_num_layers={req.mtp_num_layers!r} must be a non-negative integer")
     for name in ("nodes", "seq_length", "global_batch_size", "gpus_per_node", "lora_rank",
                  "micro_batch_size", "max_context_parallel"):
         value = getattr(req, name)

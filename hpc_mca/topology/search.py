@@ -90,7 +90,8 @@ def workload(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Work
         num_microbatches=req.global_batch_size // (mbs * (layout.dp or 1)),
         stage=req.stage, precision=req.precision, lora=req.lora, lora_rank=req.lora_rank,
         recompute=recompute, use_distributed_optimizer=distributed_optimizer(req, layout),
-        flash_attention=req.flash_attention, cp_comm_type=req.cp_comm_type)
+        flash_attention=req.flash_attention, cp_comm_type=req.cp_comm_type,
+        mtp_num_layers=req.mtp_num_layers)
 
 
 def violations(req: PlanRequest, layout: Layout, mbs: int) -> list[str]:

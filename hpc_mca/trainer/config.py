@@ -64,6 +64,11 @@ class ModelArguments:
     """Tokenizer directory; None = ``model_name_or_path``."""
     attention_backend: str = "auto"
     """Core attention: auto (te, else flash, else torch), te, flash or torch."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction depths: Megatron's MTP block after the decoder, on the last
+    pipeline stage, depth k trained on the token k+1 places further on; 0 = none."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP losses (their mean over depths) beside the main loss."""
 
 
 @dataclass

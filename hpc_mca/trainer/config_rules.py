@@ -59,6 +59,25 @@ def _check_model(config: TrainConfig, world_size: int) -> None:
     if not (Path(model.model_name_or_path) / "config.json").is_file():
         raise ConfigError(f"model.model_name_or_path={model.model_name_or_path!r} has no "
                           "config.json (models are never downloaded)")
+    _check_mtp(config)
+
+
+def _check_mtp(config: TrainConfig) -> None:
+    """MTP layers start from a fresh init (models.mtp.initialise) on top of the model's
+    weights; they are not written to HF weights (yet)."""
+    model, depths = config.model, config.model.mtp_num_layers
+    _at_least("model.mtp_num_layers", depths, 0)
+    _at_least("model.mtp_loss_scaling_factor", model.mtp_loss_scaling_factor, 0)
+    if not depths:
+        return
+    if config.training.export_hf_dir:
+        raise ConfigError(f"model.mtp_num_layers={depths} with training.export_hf_dir: "
+                          "exporting MTP layers to HF is not supported yet; valid: "
+                          "model.mtp_num_layers=0 or no export_hf_dir")
+    if config.parallel.pipeline_layout is not None:
+        raise ConfigError(f"model.mtp_num_layers={depths} with parallel.pipeline_layout: MTP "
+                          "layers go on the last stage of an even split; valid: "
+                          "parallel.pipeline_layout unset")
 
 
 def _check_finetuning(config: TrainConfig, world_size: int) -> None:

@@ -94,6 +94,8 @@ class MetricsWriter:
         parts = [f"step {step}/{self.max_steps}", f"loss {values['train/loss']:.4f}",
                  f"lr {values['train/lr']:.3e}", f"grad_norm {values['train/grad_norm']:.3f}",
                  f"tok/s {values['perf/tokens_per_s']:.0f}"]
+        parts += [f"mtp{key.rsplit('_', 1)[1]} {value:.4f}" for key, value in values.items()
+                  if key.startswith("train/mtp_loss_")]
         if "perf/mfu" in values:
             parts.append(f"mfu {100 * values['perf/mfu']:.1f}%")
         if values.get("train/skipped_iters"):

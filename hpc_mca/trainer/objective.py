@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from hpc_mca.data.batch import PackedBatch
 from hpc_mca.runtime.distributed import RankContext
@@ -64,6 +65,26 @@ class Objective:
                                 mpu.get_pipeline_model_parallel_group(),
                                 mpu.is_pipeline_last_stage(ignore_virtual=True), self.ctx.device,
                                 input_tokens)
+
+    def mtp_loss_sums(self) -> torch.Tensor:
+        """[depths, 2]: summed token loss and token count of each MTP depth over the
+        micro-batches run since the last call (the global batch), the same on every rank;
+        [0, 2] without MTP. A collective over the DP×CP and PP groups, called after every
+        forward-backward."""
+        from megatron.core import parallel_state as mpu
+
+        from hpc_mca.models.mtp import MTP_LOSSES
+
+        depths = self.config.model.mtp_num_layers
+        sums = MTP_LOSSES.take(depths, self.ctx.device)
+        if not depths:
+            return sums
+        if mpu.is_pipeline_last_stage(ignore_virtual=True):
+            dist.all_reduce(sums, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        else:
+            sums.zero_()
+        dist.all_reduce(sums, group=mpu.get_pipeline_model_parallel_group())
+        return sums
 
     def eval_metric(self) -> EvalMetric | None:
         return None

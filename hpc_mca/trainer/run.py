@@ -172,6 +172,9 @@ def _model_overrides(config: TrainConfig) -> dict[str, Any]:
     }
     if par.context_parallel_size > 1:
         out["cp_comm_type"] = par.cp_comm_type
+    if config.model.mtp_num_layers:
+        out.update(mtp_num_layers=config.model.mtp_num_layers,
+                   mtp_loss_scaling_factor=config.model.mtp_loss_scaling_factor)
     if par.recompute_granularity:
         out.update(recompute_granularity=par.recompute_granularity, recompute_method=par.recompute_method,
                    recompute_num_layers=par.recompute_num_layers)

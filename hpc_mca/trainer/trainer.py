@@ -57,6 +57,8 @@ class StepResult:
     skipped: bool
     """True when the gradients were not finite and the update was skipped."""
     moe_aux_loss: float | None = None
+    mtp_losses: list[float] = dataclasses.field(default_factory=list)
+    """Mean loss per token of each MTP depth (1, 2, ...) over the global batch."""
     seconds: float = 0.0
     """Wall time of the loop iteration (callbacks, data, forward-backward, optimizer), to the
     end of its device work (CUDA is synchronised first)."""
@@ -170,7 +172,8 @@ class Trainer:
             self.metrics.record_step(step=self.state.global_step, loss=result.loss, tokens=result.tokens,
                                      input_tokens=result.input_tokens, grad_norm=result.grad_norm,
                                      lr=self.lr_scheduler.get_last_lr()[0], skipped=result.skipped,
-                                     seconds=round(result.seconds, 6))
+                                     seconds=round(result.seconds, 6),
+                                     **{f"mtp_loss_{k}": v for k, v in enumerate(result.mtp_losses, 1)})
             self.control = self.callbacks.on_step_end(self.config.training, self.state, self.control)
             self.checkpointer.poll()  # commit an async save whose shards are all written
             decision = boundary.decide(self.state.global_step, self.control)
@@ -215,6 +218,7 @@ class Trainer:
         )
         inputs = sum(batch.input_tokens for batch in micro_batches)
         loss, tokens, inputs = self._reduce(outputs, inputs)
+        mtp_losses = _per_token(self.objective.mtp_loss_sums())
         self.control = self.callbacks.on_pre_optimizer_step(self.config.training, self.state, self.control)
         skipped = not self._grads_finite()
         grad_norm = float("nan")
@@ -226,7 +230,7 @@ class Trainer:
         self.control = self.callbacks.on_optimizer_step(self.config.training, self.state, self.control)
         self.consumed_samples += self.config.training.global_batch_size
         return StepResult(loss=loss, tokens=tokens, input_tokens=inputs, grad_norm=float(grad_norm or 0.0), skipped=skipped,
-                          moe_aux_loss=self._moe_aux_loss(len(micro_batches)))
+                          moe_aux_loss=self._moe_aux_loss(len(micro_batches)), mtp_losses=mtp_losses)
 
     def evaluate(self) -> dict[str, float]:
         """Forward-only pass over the eval rows: mean token loss (+ the task metric if given)."""
@@ -234,6 +238,8 @@ class Trainer:
         for chunk in self.model:
             chunk.eval()
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        mtp_sums = torch.zeros(self.config.model.mtp_num_layers, 2, dtype=torch.float64,
+                               device=self.ctx.device)
         with torch.no_grad():
             for micro in _chunks([self._cp_share(b) for b in loader], self._eval_microbatches()):
                 seq_length, micro_batch_size = micro[0].schedule_shape
@@ -243,9 +249,11 @@ class Trainer:
                     seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=True)
                 loss, tokens, _ = self._reduce(outputs)
                 loss_sum += torch.tensor([loss * tokens, tokens], dtype=torch.float64, device=self.ctx.device)
+                mtp_sums += self.objective.mtp_loss_sums()
         for chunk in self.model:
             chunk.train()
         metrics = {"eval/loss": float(loss_sum[0] / loss_sum[1])}
+        metrics.update({f"eval/mtp_loss_{k}": v for k, v in enumerate(_per_token(mtp_sums), 1)})
         if self.eval_metric is not None:
             metrics.update(self.eval_metric(self.model, self.data.eval))
         self.metrics.scalars(self.state.global_step, metrics)
@@ -319,6 +327,7 @@ class Trainer:
                   **self.metrics.throughput(tokens_per_s)}
         if result.moe_aux_loss is not None:
             values["train/moe_aux_loss"] = result.moe_aux_loss
+        values.update({f"train/mtp_loss_{k}": v for k, v in enumerate(result.mtp_losses, 1)})
         self.metrics.scalars(self.state.global_step, values)
         self.metrics.progress_line(self.state.global_step, values, step_time)
         logs = {k.split("/")[-1]: v for k, v in values.items()}
@@ -329,6 +338,11 @@ class Trainer:
 # Megatron router's load-balancing type -> the name it records its loss under.
 _MOE_AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
                        "global_aux_loss": "global_load_balancing_loss"}
+
+
+def _per_token(sums: torch.Tensor) -> list[float]:
+    """Mean loss per token of each row of ``[depths, (loss sum, tokens)]``."""
+    return [total / count if count else float("nan") for total, count in sums.tolist()]
 
 
 def _sync(device: torch.device) -> None:
