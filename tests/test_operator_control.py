@@ -177,7 +177,10 @@ def test_cancel_while_pending_between_requeues(setup: dict) -> None:
     wait_until("two steps", lambda: logged_steps(run_dir) >= 2)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
     wait_until("the requeue", lambda: queued(job_id) == "PENDING", timeout=120, poll=0.1)
-    assert slurm.job_restart_count(job_id) == 1
+    # squeue shows PENDING as soon as slurmctld requeues the job; the REQUEUED record reaches
+    # accounting (slurmdbd, what sacct reads) a moment later (one suite run read 0 here).
+    wait_until("the requeue in accounting", lambda: slurm.job_restart_count(job_id) == 1,
+               timeout=60)
     done = hpc_mca("cancel", job_id, cwd=work)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"cancelled job {job_id} (config, was PENDING; now CANCELLED)"
