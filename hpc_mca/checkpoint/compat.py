@@ -23,7 +23,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from hpc_mca.trainer.config import ConfigError, pack_alignment, steps_for
+from hpc_mca.data.packing import pack_alignment
+from hpc_mca.trainer.config import ConfigError, steps_for
 
 from .store import (
     CheckpointError,
@@ -83,7 +84,9 @@ def training_record(config: Any, optimizer_format: str) -> dict[str, Any]:
     return {"global_batch_size": tr.global_batch_size, "seed": tr.seed,
             "seq_length": config.data.seq_length or config.data.cutoff_len, "optim": tr.optim,
             # Packed rows depend on where samples may start.
-            "pack_alignment": pack_alignment(config) if config.data.sequence_packing else None,
+            "pack_alignment": (pack_alignment(config.parallel.context_parallel_size,
+                                              config.data.pack_alignment)
+                               if config.data.sequence_packing else None),
             "precision": "bf16" if tr.bf16 else "fp16" if tr.fp16 else "fp32",
             "use_distributed_optimizer": par.use_distributed_optimizer,
             "optimizer_format": optimizer_format,

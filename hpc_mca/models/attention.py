@@ -269,11 +269,9 @@ class TorchCoreAttention(_CoreAttentionBase):
         if cp == 1:
             return None
         comm = self.cp_comm_type or "p2p"  # Megatron's default when none is given
-        local_groups = config.num_query_groups // config.tensor_model_parallel_size
-        problems = cp_comm_violations(comm, cp, local_groups)
-        if comm == "p2p":
-            problems = [f"cp_comm_type='p2p' needs the 'te' attention backend; valid with the "
-                        f"torch backend: {', '.join(CP_COMM_TYPES)}"]
+        check_context_parallel(self.backend_name, cp, comm)
+        problems = cp_comm_violations(comm, cp,
+                                      config.num_query_groups // config.tensor_model_parallel_size)
         if problems:
             raise ValueError(problems[0])
         if self.attn_mask_type not in _CAUSAL_TYPES or self.attn_mask_type == (

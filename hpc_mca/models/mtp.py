@@ -135,8 +135,13 @@ def packed_aware_roll(tensor: Optional[Tensor], shifts: int = -1, dims: int = -1
         raise ValueError(f"packed MTP roll shifts by -1 along the last dim, got {shifts}/{dims}")
     cp_size = cp_group.size() if cp_group is not None else 1
     cp_rank = cp_group.rank() if cp_group is not None else 0
-    plan = roll_plan(packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded,
-                     cp_size, cp_rank)
+    # One micro-batch rolls labels, loss mask, input and position ids at every depth with the
+    # same params object: plan once per micro-batch, not once per roll.
+    plan = getattr(packed_seq_params, "_hpc_mca_roll_plan", None)
+    if plan is None:
+        plan = roll_plan(packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded,
+                         cp_size, cp_rank)
+        packed_seq_params._hpc_mca_roll_plan = plan
     return roll_left(tensor, plan, cp_group if cp_size > 1 else None)
 
 

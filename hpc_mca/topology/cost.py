@@ -115,7 +115,7 @@ class StepTime:
     tensor_parallel: float
     """TP/SP all-gathers and reduce-scatters (not overlapped)."""
     context_parallel: float
-    """Ring-attention KV exchange that the attention kernel does not hide."""
+    """The CP attention exchange (p2p ring, all-gather or all-to-all) left exposed."""
     expert_parallel: float
     """MoE token dispatch and combine all-to-alls."""
     pipeline_bubble: float

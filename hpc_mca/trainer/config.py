@@ -304,14 +304,6 @@ class TrainConfig:
         return config
 
 
-def pack_alignment(config: TrainConfig) -> int:
-    """Slots each packed sample is rounded up to (``data.pack_alignment``, by default 2·CP
-    under context parallelism, else 1)."""
-    from hpc_mca.data.packing import pack_alignment as alignment
-
-    return alignment(config.parallel.context_parallel_size, config.data.pack_alignment)
-
-
 _SECTION_TYPES = {"model": ModelArguments, "data": DataArguments,
                   "finetuning": FinetuningArguments, "training": TrainingArguments,
                   "parallel": ParallelArguments}
