@@ -232,6 +232,24 @@ def test_explicit_pipeline_layout_replaces_even_split(llama8b):
         "pipeline_layout places 21 layers but num_layers=32; valid: a sum of 32"]
 
 
+def test_mtp_layers_must_fit_the_last_stage(llama8b):
+    """MTP layers run on the last stage beside its even share of the decoder layers."""
+    assert check_layout(Layout(pp=8), 8, llama8b, mtp_num_layers=4) == []
+    [line] = check_layout(Layout(pp=16), 16, llama8b, mtp_num_layers=4)
+    assert line == ("pipeline_parallel_size=16 leaves 2 decoder layers on the last stage "
+                    "(num_layers=32), fewer than the mtp_num_layers=4 MTP layers that also run "
+                    "there; valid: 1, 2, 4, 8, or mtp_num_layers <= 2")
+    assert check_layout(Layout(pp=3, pipeline_layout=(10, 11, 11)), 3, llama8b,
+                        mtp_num_layers=1) == [
+        "mtp_num_layers=1 with pipeline_layout: MTP layers go on the last stage of an even "
+        "split; valid: no pipeline_layout"]
+    # The planner never proposes a split the rule refuses.
+    for depths in (1, 4, 8):
+        p = plan(model=llama8b, nodes=4, gpu="H100-80GB", seq_length=4096,
+                 global_batch_size=512, mtp_num_layers=depths)
+        assert 32 // p.layout.pp >= depths, (depths, p.layout.describe())
+
+
 def test_cp_sequence_alignment(llama8b):
     [line] = check_layout(Layout(tp=4, cp=2), 8, llama8b, seq_length=1000)
     assert line == ("seq_length=1000 is not a multiple of 2·CP·TP=16 (context_parallel_size=2, "

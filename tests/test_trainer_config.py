@@ -128,11 +128,15 @@ def test_layout_rule_uses_topology_and_model_shape(run: Path):
     (["pack_alignment=0"], "data.pack_alignment=0 must be >= 1"),
     (["mtp_num_layers=-1"], "model.mtp_num_layers=-1 must be >= 0"),
     (["mtp_num_layers=1", "export_hf_dir=hf"],
-     "model.mtp_num_layers=1 with training.export_hf_dir: exporting MTP layers to HF is not "
-     "supported yet; valid: model.mtp_num_layers=0 or no export_hf_dir"),
+     "model.mtp_num_layers=1 with training.export_hf_dir: HF llama checkpoints have no MTP "
+     "layers to write them to"),
+    (["mtp_num_layers=3", "pipeline_model_parallel_size=2"],
+     "parallel.pipeline_model_parallel_size=2 leaves 2 decoder layers on the last stage "
+     "(num_layers=4), fewer than the model.mtp_num_layers=3 MTP layers that also run there; "
+     "valid: 1, or model.mtp_num_layers <= 2"),
     (["mtp_num_layers=1", "pipeline_model_parallel_size=2", "pipeline_layout=[1,3]"],
      "model.mtp_num_layers=1 with parallel.pipeline_layout: MTP layers go on the last stage "
-     "of an even split; valid: parallel.pipeline_layout unset"),
+     "of an even split; valid: no parallel.pipeline_layout"),
     (["max_steps=-1", "num_train_epochs=0"], "set max_steps > 0 or num_train_epochs > 0"),
     (["warmup_ratio=1.5"], "training.warmup_ratio=1.5 must be in [0, 1)"),
     (["warmup_steps=2", "warmup_ratio=0.1"], "are both set; valid: one of them"),

@@ -3,9 +3,9 @@ the layout, the packing or an interruption.
 
 A Llama with weights; its MTP layers start from the layout-independent init of
 hpc_mca/models/mtp.py. Packed sft data, samples aligned to 4 slots in every run (CP2's need).
-MTP depth 2 on TP2, PP2, CP2 and DP2, and depth 1 on CP2, equal one process within 1e-5 each
-step; packed equals unpacked rows when every step holds the whole data set; a run resumed from
-its step-4 checkpoint equals the uninterrupted one.
+MTP depths 1 and 2 on TP2, PP2, CP2 and DP2, and a Qwen3-MoE's depth 2 on EP2, equal one
+process within 1e-5 each step; packed equals unpacked rows when every step holds the whole data
+set; a run resumed from its step-4 checkpoint equals the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -61,7 +61,10 @@ def test_reference_trains_every_depth(setup):
     ("pp2", 2, ["parallel.pipeline_model_parallel_size=2"]),
     ("cp2", 2, ["parallel.context_parallel_size=2"]),
     ("dp2", 2, []),
+    ("tp2_depth1", 1, ["parallel.tensor_model_parallel_size=2"]),
+    ("pp2_depth1", 1, ["parallel.pipeline_model_parallel_size=2"]),
     ("cp2_depth1", 1, ["parallel.context_parallel_size=2"]),
+    ("dp2_depth1", 1, []),
 ])
 def test_mtp_layouts_match_one_process(setup, name, depths, overrides):
     root, config, refs = setup
@@ -69,6 +72,21 @@ def test_mtp_layouts_match_one_process(setup, name, depths, overrides):
                      *overrides)
     assert proc.returncode == 0, proc.stderr[-4000:]
     _same(steps(root / name), refs[depths], name)
+
+
+def test_moe_mtp_on_expert_parallel_matches_one_process(tmp_path):
+    """Qwen3-MoE with two MTP depths (each an MoE layer): EP2 equals one process."""
+    model = make_model_dir(tmp_path, moe=True)
+    config = write_config(tmp_path, model, make_sft_data(tmp_path, 64, seed=2, name="train"),
+                          training={"max_steps": 6})
+    runs = {"one": 1, "ep2": 2}
+    for name, nproc in runs.items():
+        ep = [f"parallel.expert_model_parallel_size={nproc}"]
+        proc = run_train(config, tmp_path / name, nproc, *PACKED, "model.mtp_num_layers=2", *ep)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    ref = steps(tmp_path / "one")
+    assert len(ref) == 6 and all(ref[-1][k] < ref[0][k] for k in KEYS), ref
+    _same(steps(tmp_path / "ep2"), ref, "moe ep2")
 
 
 def test_mtp_resumes_exactly(setup):

@@ -29,6 +29,7 @@ class _Job:
     sequence_packing: bool
     sequence_parallel_given: bool | None
     cp_comm_type: str | None = None
+    mtp_num_layers: int = 0
 
     def sequence_parallel(self, tp: int) -> bool:
         """Sequence parallelism at TP size ``tp``: as given, else on whenever TP > 1."""
@@ -53,6 +54,7 @@ def check_layout(
     sequence_packing: bool = False,
     sequence_parallel: bool | None = None,
     cp_comm_type: str | None = None,
+    mtp_num_layers: int = 0,
 ) -> list[str]:
     """Return violations, one line each (empty list = valid).
 
@@ -60,7 +62,8 @@ def check_layout(
     ``"tensor_parallel_size=3 does not divide num_attention_heads=32; valid: 1, 2, 4, 8"``.
     Rules that need a fact the caller left out (model, batch sizes, sequence length, node size)
     are skipped. ``sequence_parallel`` defaults to on whenever TP > 1, as in our recipes.
-    ``cp_comm_type`` "a2a" (Ulysses) adds its head rule under CP.
+    ``cp_comm_type`` "a2a" (Ulysses) adds its head rule under CP; ``mtp_num_layers`` adds the
+    rule that the last pipeline stage has room for the MTP layers.
     """
     bad_input = _input_violations(world_size, gpus_per_node, global_batch_size,
                                   micro_batch_size, seq_length)
@@ -68,7 +71,7 @@ def check_layout(
         return bad_input
     job = _Job(layout, world_size, model, gpus_per_node, global_batch_size,
                micro_batch_size or 1, seq_length, sequence_packing, sequence_parallel,
-               cp_comm_type)
+               cp_comm_type, mtp_num_layers)
     tp_lines = _tp_lines(job)
     tp_pp_lines = tp_lines + _pp_lines(job)
     # A bad TP also breaks the sequence alignment it is part of; say so once, on the TP line.
@@ -202,6 +205,29 @@ def _pipeline_layout_lines(job: _Job) -> list[str]:
     return lines
 
 
+def _mtp_lines(job: _Job) -> list[str]:
+    """Every MTP layer runs on the last pipeline stage, after that stage's even share of the
+    decoder layers (an even split moves no decoder layer away to make room). More MTP layers
+    than that share would leave the last stage over twice as slow as every other stage."""
+    lay, model, depths = job.layout, job.model, job.mtp_num_layers
+    if depths and lay.pipeline_layout is not None:
+        return [f"mtp_num_layers={depths} with pipeline_layout: MTP layers go on the last stage "
+                "of an even split; valid: no pipeline_layout"]
+    if not depths or lay.pp == 1 or model is None or model.num_layers % lay.pp:
+        return []
+    last = model.num_layers // lay.pp
+    if depths <= last:
+        return []
+    rest = lay.tp * lay.cp
+    valid = [p for p in divisors(model.num_layers)
+             if (p == 1 or model.num_layers // p >= depths) and job.world_size % (p * rest) == 0]
+    return _line(FIELD_NAMES["pp"], lay.pp,
+                 [f"leaves {last} decoder layers on the last stage (num_layers="
+                  f"{model.num_layers}), fewer than the mtp_num_layers={depths} MTP layers "
+                  "that also run there"],
+                 ", ".join(map(str, nearest(lay.pp, valid))) + f", or mtp_num_layers <= {last}")
+
+
 # --- context parallel / sequence length ------------------------------------------------------
 
 def seq_alignment(cp: int, tp: int, sequence_parallel: bool) -> int:
@@ -332,5 +358,5 @@ def _batch_lines(job: _Job) -> list[str]:
 
 
 _OTHER_FIELD_RULES: tuple[Callable[[_Job], list[str]], ...] = (
-    _vp_lines, _pipeline_layout_lines, _cp_comm_lines, _ep_lines, _etp_lines,
+    _vp_lines, _pipeline_layout_lines, _mtp_lines, _cp_comm_lines, _ep_lines, _etp_lines,
 )

@@ -98,7 +98,7 @@ def violations(req: PlanRequest, layout: Layout, mbs: int) -> list[str]:
     return check_layout(layout, req.world_size, req.shape, gpus_per_node=req.node_size,
                         global_batch_size=req.global_batch_size, micro_batch_size=mbs,
                         seq_length=req.seq_length, sequence_packing=req.sequence_packing,
-                        cp_comm_type=req.cp_comm_type)
+                        cp_comm_type=req.cp_comm_type, mtp_num_layers=req.mtp_num_layers)
 
 
 def memory(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> MemoryEstimate:
@@ -304,7 +304,9 @@ def _nearest_workable_nodes(req: PlanRequest) -> list[int]:
             if any(not check_layout(lay, world, req.shape, gpus_per_node=req.node_size,
                                     global_batch_size=req.global_batch_size,
                                     micro_batch_size=mbs, seq_length=req.seq_length,
-                                    sequence_packing=req.sequence_packing)
+                                    sequence_packing=req.sequence_packing,
+                                    cp_comm_type=req.cp_comm_type,
+                                    mtp_num_layers=req.mtp_num_layers)
                    for lay in candidates(req, world)):
                 found.append(n)
                 break

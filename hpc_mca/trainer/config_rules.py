@@ -71,13 +71,18 @@ def _check_mtp(config: TrainConfig) -> None:
     if not depths:
         return
     if config.training.export_hf_dir:
-        raise ConfigError(f"model.mtp_num_layers={depths} with training.export_hf_dir: "
-                          "exporting MTP layers to HF is not supported yet; valid: "
-                          "model.mtp_num_layers=0 or no export_hf_dir")
-    if config.parallel.pipeline_layout is not None:
-        raise ConfigError(f"model.mtp_num_layers={depths} with parallel.pipeline_layout: MTP "
-                          "layers go on the last stage of an even split; valid: "
-                          "parallel.pipeline_layout unset")
+        family = _model_type(model.model_name_or_path)
+        raise ConfigError(f"model.mtp_num_layers={depths} with training.export_hf_dir: HF "
+                          f"{family} checkpoints have no MTP layers to write them to (no "
+                          "MTP-carrying family, e.g. MiMo or DeepSeek-V3, is supported); "
+                          "valid: model.mtp_num_layers=0 or no export_hf_dir")
+
+
+def _model_type(model_dir: str) -> str:
+    try:
+        return str(json.loads((Path(model_dir) / "config.json").read_text()).get("model_type"))
+    except (OSError, ValueError, AttributeError):
+        return "?"  # read_hf_config reports the broken config.json in its own words
 
 
 def _check_finetuning(config: TrainConfig, world_size: int) -> None:
@@ -192,7 +197,8 @@ def _check_parallel(config: TrainConfig, world_size: int) -> None:
         layout, world_size, _model_shape(config.model.model_name_or_path),
         global_batch_size=tr.global_batch_size, micro_batch_size=tr.per_device_train_batch_size,
         seq_length=data.seq_length, sequence_packing=data.sequence_packing,
-        sequence_parallel=par.sequence_parallel, cp_comm_type=par.cp_comm_type)
+        sequence_parallel=par.sequence_parallel, cp_comm_type=par.cp_comm_type,
+        mtp_num_layers=max(0, config.model.mtp_num_layers))
     if lines:
         raise ConfigError("\n".join(_our_names(line) for line in lines))
     _check_pack_alignment(config)
@@ -241,6 +247,7 @@ _TOPOLOGY_NAMES = {
     "global_batch_size": "training.global_batch_size",
     "micro_batch_size": "training.per_device_train_batch_size",
     "seq_length": "data.seq_length",
+    "mtp_num_layers": "model.mtp_num_layers",
 }
 _TOPOLOGY_RE = re.compile(r"\b(" + "|".join(_TOPOLOGY_NAMES) + r")\b")
 
