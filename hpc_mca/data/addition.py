@@ -51,6 +51,15 @@ def alpaca_record(a: int, b: int) -> dict[str, str]:
     return {"instruction": f"{a}+{b}=", "output": str(a + b)}
 
 
+def preference_record(a: int, b: int) -> dict[str, str]:
+    """The dpo pair of ``a + b``: the right sum is chosen; a near miss (one digit of the sum
+    off by one, picked from the operands) is rejected."""
+    right = str(a + b)
+    digit = (a * 7 + b * 3) % len(right)
+    wrong = right[:digit] + str((int(right[digit]) + 1 + (a + b) % 8) % 10) + right[digit + 1:]
+    return {"instruction": f"{a}+{b}=", "chosen": right, "rejected": wrong}
+
+
 def response_exact_match(predictions: torch.Tensor, labels: torch.Tensor,
                          attention_mask: torch.Tensor) -> torch.Tensor:
     """``[correct, total]`` (int64) over the samples of a batch.

@@ -108,6 +108,23 @@ class PackedBatch:
             fields = {k: v[:, index.to(v.device)] for k, v in self._token_fields().items()}
         return dataclasses.replace(self, **fields, cp_size=cp_size, cp_rank=cp_rank)
 
+    @property
+    def num_documents(self) -> int:
+        """Documents of the whole micro-batch: packed documents, or rows."""
+        return len(self.cu_seqlens_padded) - 1 if self.packed else self.rows
+
+    def document_index(self) -> torch.Tensor:
+        """int64, one per token of this batch (or share) in the model's flattened order: the
+        document it belongs to, numbered 0.. over the whole micro-batch. A padding slot
+        counts to the document whose span holds it (it carries no loss)."""
+        if not self.packed:
+            rows = torch.arange(self.rows, device=self.input_ids.device)
+            return rows.unsqueeze(1).expand(self.input_ids.shape).reshape(-1)
+        cu = self.cu_seqlens_padded.long()
+        slots = (cp_indices(cu, self.cp_size, self.cp_rank) if self.cp_size > 1
+                 else torch.arange(int(cu[-1])))
+        return (torch.searchsorted(cu, slots, right=True) - 1).to(self.input_ids.device)
+
     def cp_slots(self, cp_size: int, cp_rank: int) -> torch.Tensor:
         """Where CP rank ``cp_rank``'s share sits in this (whole) batch: indices into the
         flattened stream when packed, column indices of every row otherwise."""

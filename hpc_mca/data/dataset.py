@@ -10,7 +10,8 @@ The pipeline, one function each:
 3. :func:`train_dataloader` / :func:`eval_dataloader` - micro-batches for one data-parallel
    rank, in the seed's order, resumable from a consumed-sample count.
 
-Stages are routed through ``_STAGE_TOKENIZERS``; a new stage (dpo) adds its entry there.
+Stages are routed through ``_STAGE_TOKENIZERS``; dpo's pairs (:mod:`.preference`) also get
+their own rows and held-out split, which keep the two answers of a pair together.
 Everything happens before the first training step, so every input error surfaces first.
 Ranks may call :func:`build_datasets` concurrently: cache files are written atomically (a
 launcher can also let rank 0 go first and the others read its cache after a barrier).
@@ -31,6 +32,7 @@ from .records import (Record, check_dataset_path, detect_sft_format, messages_of
                       text_of)
 from .batch import collate_batch
 from .packing import pack_alignment
+from .preference import check_pairwise, pair_rows, split_pairs, tokenize_pairs
 from .rows import RowDataset
 from .sampler import DataSampler
 from .store import (IndexedSamples, SampleStore, Samples, cache_key, cached, check_token_ids,
@@ -89,9 +91,16 @@ def _tokenize_sft(records: list[Record], tokenizer: Any, data: Any) -> SampleSto
                                               "truncated": truncated, "dropped": dropped})
 
 
+def _tokenize_dpo(records: list[Record], tokenizer: Any, data: Any) -> SampleStore:
+    if records:
+        check_pairwise(records[0])
+    return tokenize_pairs(records, tokenizer, data)
+
+
 _STAGE_TOKENIZERS: dict[str, Callable[[list[Record], Any, Any], SampleStore]] = {
     "pt": _tokenize_pt,
     "sft": _tokenize_sft,
+    "dpo": _tokenize_dpo,
 }
 
 
@@ -171,15 +180,19 @@ def build_datasets(config: Any, tokenizer: Any = None,
     if data.eval_dataset:
         evaluation = _load_all(data.eval_dataset, tokenizer, data, stage, "data.eval_dataset",
                                vocab_size)
+    elif data.val_size and stage == "dpo":
+        kept, held = split_pairs(train, data.val_size, config.training.seed)
+        train, evaluation = subset(train, kept), subset(train, held)
     elif data.val_size:
         train, evaluation = _split_val(train, data.val_size, config.training.seed)
     seq_length = data.seq_length or data.cutoff_len
     cp = config.parallel.context_parallel_size
     align = pack_alignment(cp, data.pack_alignment) if data.sequence_packing else 1
+    make_rows = pair_rows if stage == "dpo" else RowDataset
 
     def rows(samples: Samples) -> RowDataset:
-        return RowDataset(samples, seq_length, pad_id(tokenizer),
-                          packed=data.sequence_packing, align=align)
+        return make_rows(samples, seq_length, pad_id(tokenizer),
+                         packed=data.sequence_packing, align=align)
 
     return TrainingData(rows(train), rows(evaluation) if evaluation is not None else None,
                         tokenizer)
@@ -189,7 +202,9 @@ def build_datasets(config: Any, tokenizer: Any = None,
 
 
 def _loader(dataset: RowDataset, sampler: DataSampler) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_batch)
+    # Pair rows (dpo, unpacked) are sampled a pair at a time and collate their two rows each.
+    collate = getattr(dataset, "collate", collate_batch)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
 
 
 def train_dataloader(dataset: RowDataset, config: Any, *, data_parallel_rank: int,

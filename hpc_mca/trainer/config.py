@@ -33,10 +33,12 @@ from hpc_mca.errors import UserError
 from hpc_mca.rundir import RESOLVED_CONFIG_FILE, write_atomic
 from hpc_mca.topology.memory import CP_COMM_TYPES  # noqa: F401 - re-exported for the rules
 
-STAGES = ("pt", "sft")
+STAGES = ("pt", "sft", "dpo")
 """Training stages with a data pipeline and a loss; routed by ``finetuning.stage``."""
-RESERVED_STAGES = ("dpo",)
+RESERVED_STAGES: tuple[str, ...] = ()
 """Stages the entry point will route later (their seam: add the name to STAGES and a builder)."""
+PREF_LOSSES = ("sigmoid", "ipo", "hinge")
+"""dpo's preference losses (``finetuning.pref_loss``), as LLaMA-Factory and TRL name them."""
 FINETUNING_TYPES = ("full",)
 """Which parameters train: every one. (``lora`` is refused until LoRA lands: accepting it
 and training every weight would not be what was asked for.)"""
@@ -120,7 +122,8 @@ class FinetuningArguments:
     """Which training stage runs and which parameters it updates."""
 
     stage: str = "sft"
-    """pt (next-token loss on all tokens) or sft (loss on responses); dpo is reserved."""
+    """pt (next-token loss on all tokens), sft (loss on responses) or dpo (preference pairs
+    against a frozen reference model)."""
     finetuning_type: str = "full"
     """full (every parameter); lora (adapters only) is reserved."""
     lora_rank: int = 8
@@ -131,6 +134,14 @@ class FinetuningArguments:
     """Dropout on the LoRA input."""
     lora_target: list[str] = field(default_factory=lambda: ["all"])
     """Module names that get adapters, or ``all`` (every linear layer)."""
+    pref_beta: float = 0.1
+    """dpo: β, how far the policy may move from the reference (the rewards' scale)."""
+    pref_loss: str = "sigmoid"
+    """dpo: sigmoid (DPO), ipo (on per-token mean log-ratios) or hinge."""
+    dpo_label_smoothing: float = 0.0
+    """dpo with sigmoid: the assumed rate of flipped preference labels (cDPO), in [0, 0.5)."""
+    pref_ftx: float = 0.0
+    """dpo: weight of an SFT term, the chosen answer's mean token NLL, added to each pair."""
 
 
 @dataclass

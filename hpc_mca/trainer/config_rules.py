@@ -23,6 +23,7 @@ from .config import (
     CP_COMM_TYPES,
     OPTIMIZER_FORMATS,
     OPTIMIZERS,
+    PREF_LOSSES,
     REPORT_TO,
     RESERVED_FINETUNING_TYPES,
     RESERVED_STAGES,
@@ -100,6 +101,35 @@ def _check_finetuning(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"finetuning.lora_dropout={ft.lora_dropout} must be in [0, 1)")
     if ft.lora_alpha is None:
         ft.lora_alpha = 2.0 * ft.lora_rank
+    if ft.stage == "dpo":
+        _check_dpo(config)
+
+
+def _check_dpo(config: TrainConfig) -> None:
+    ft, data = config.finetuning, config.data
+    _choice("finetuning.pref_loss", ft.pref_loss, PREF_LOSSES)
+    if not ft.pref_beta > 0:
+        raise ConfigError(f"finetuning.pref_beta={ft.pref_beta} must be > 0")
+    if not 0.0 <= ft.dpo_label_smoothing < 0.5:
+        raise ConfigError(f"finetuning.dpo_label_smoothing={ft.dpo_label_smoothing} must be in "
+                          "[0, 0.5)")
+    if ft.dpo_label_smoothing and ft.pref_loss != "sigmoid":
+        raise ConfigError(f"finetuning.dpo_label_smoothing={ft.dpo_label_smoothing} applies to "
+                          f"pref_loss='sigmoid' only, not {ft.pref_loss!r}; valid: 0")
+    _at_least("finetuning.pref_ftx", ft.pref_ftx, 0.0)
+    if config.model.mtp_num_layers:
+        raise ConfigError(f"model.mtp_num_layers={config.model.mtp_num_layers} with "
+                          "finetuning.stage='dpo': MTP losses are not part of the preference "
+                          "objective; valid: model.mtp_num_layers=0")
+    if data.train_on_prompt:
+        raise ConfigError("data.train_on_prompt=true with finetuning.stage='dpo': the "
+                          "preference compares answers only; valid: false")
+    need = 2 * data.cutoff_len
+    if data.sequence_packing and (data.seq_length or data.cutoff_len) < need:
+        raise ConfigError(f"data.seq_length={data.seq_length or data.cutoff_len} with "
+                          f"sequence_packing and finetuning.stage='dpo': a packed row must hold "
+                          f"a whole pair of up to 2 × cutoff_len={need} tokens; valid: "
+                          f"data.seq_length >= {need}")
 
 
 def _check_data(config: TrainConfig, world_size: int) -> None:
@@ -109,7 +139,8 @@ def _check_data(config: TrainConfig, world_size: int) -> None:
     _choice("data.dataset_format", data.dataset_format, DATASET_FORMATS)
     _choice("data.template", data.template, TEMPLATES)
     _choice("data.pt_chunking", data.pt_chunking, ("concat", "document"))
-    fits = {"pt": ("auto", "text", "indexed"), "sft": ("auto", "alpaca", "sharegpt")}[stage]
+    fits = {"pt": ("auto", "text", "indexed"), "sft": ("auto", "alpaca", "sharegpt"),
+            "dpo": ("auto", "alpaca", "sharegpt")}[stage]
     if data.dataset_format not in fits:
         raise ConfigError(f"data.dataset_format={data.dataset_format!r} does not fit "
                           f"finetuning.stage={stage!r}; valid: {', '.join(fits)}")

@@ -96,6 +96,9 @@ class MetricsWriter:
                  f"tok/s {values['perf/tokens_per_s']:.0f}"]
         parts += [f"mtp{key.rsplit('_', 1)[1]} {value:.4f}" for key, value in values.items()
                   if key.startswith("train/mtp_loss_")]
+        if "train/rewards/accuracies" in values:  # dpo
+            parts += [f"reward_acc {values['train/rewards/accuracies']:.3f}",
+                      f"margin {values['train/rewards/margins']:.4f}"]
         if "perf/mfu" in values:
             parts.append(f"mfu {100 * values['perf/mfu']:.1f}%")
         if values.get("train/skipped_iters"):

@@ -1,4 +1,4 @@
-"""Training objectives: what a stage (pt, sft, later dpo and the MTP loss) brings to the loop.
+"""Training objectives: what a stage (pt, sft, dpo; and the MTP loss) brings to the loop.
 
 The loop (:class:`hpc_mca.trainer.trainer.Trainer`) knows Megatron's schedules, DDP, the
 optimizer and checkpoints; it does not know what a batch means. An :class:`Objective` owns
@@ -11,7 +11,9 @@ that:
   data- and context-parallel ranks and the pipeline;
 * ``eval_metric``: an extra evaluation metric, if the stage has one;
 * ``auxiliary_models``: models the objective needs beside the trained one (dpo's frozen
-  reference), built by the objective, neither wrapped in DDP nor checkpointed.
+  reference), built by the objective in ``attach``, neither wrapped in DDP nor checkpointed;
+* ``before_forward``: work before the schedule runs a global batch (dpo's reference pass);
+* ``step_metrics``: the stage's extra metrics of a step (dpo's rewards), on every rank.
 
 The stage name selects the objective in :data:`OBJECTIVES`, one table.
 pt and sft both train next-token prediction with Megatron's per-token loss contract (see
@@ -41,6 +43,8 @@ class Objective:
     """Next-token prediction: the loss is the mean over every real token of the global batch."""
 
     name = "pt"
+    unit = "tokens"
+    """What the loss is a mean over (steps.jsonl records the count under this name)."""
 
     def __init__(self, config: TrainConfig, ctx: RankContext, vocab_size: int) -> None:
         self.config, self.ctx, self.vocab_size = config, ctx, vocab_size
@@ -89,8 +93,21 @@ class Objective:
     def eval_metric(self) -> EvalMetric | None:
         return None
 
+    def attach(self, chunks: list[torch.nn.Module], build: Callable[[], list[torch.nn.Module]]
+               ) -> None:
+        """Called once with the model chunks to train (before DDP and before any checkpoint
+        is loaded) and a builder of another copy of them."""
+
     def auxiliary_models(self) -> list[torch.nn.Module]:
         return []
+
+    def before_forward(self, micro_batches: list[PackedBatch], schedule: Any) -> None:
+        """Called on every rank before the schedule runs ``micro_batches`` (training or eval);
+        ``schedule(chunks, forward_step, micro_batches)`` runs a forward-only pass."""
+
+    def step_metrics(self, outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Extra metrics of a step from the schedule's outputs, the same on every rank."""
+        return {}
 
 
 class SftObjective(Objective):
@@ -106,7 +123,10 @@ class SftObjective(Objective):
         return lambda model, rows: exact_match_accuracy(model, rows, config, vocab, device)
 
 
-OBJECTIVES: dict[str, type[Objective]] = {"pt": Objective, "sft": SftObjective}
+from .dpo import DpoObjective  # noqa: E402 - it builds on Objective, defined above
+
+OBJECTIVES: dict[str, type[Objective]] = {"pt": Objective, "sft": SftObjective,
+                                          "dpo": DpoObjective}
 """Stage name -> objective. A new stage adds its class here and its name to
 :data:`hpc_mca.trainer.config.STAGES`."""
 

@@ -72,10 +72,12 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
     model_dir = Path(config.model.model_name_or_path)
     # A directory with only config.json (the demo's) trains from a random init.
     has_weights = any(model_dir.glob("*.safetensors"))
-    chunks = build_model(model_dir, ctx, seq_length=_seq_length(config), load_weights=has_weights,
-                         attention_backend=config.model.attention_backend,
-                         dtype=_dtype(config), config_overrides=_model_overrides(config))
-    chunks = transform_model(chunks, config)  # LoRA, freezing, casts: before DDP wraps them
+    build = functools.partial(build_model, model_dir, ctx, seq_length=_seq_length(config),
+                              load_weights=has_weights,
+                              attention_backend=config.model.attention_backend,
+                              dtype=_dtype(config), config_overrides=_model_overrides(config))
+    chunks = transform_model(build(), config)  # LoRA, freezing, casts: before DDP wraps them
+    objective.attach(chunks, build)  # dpo's reference: a frozen copy of the starting model
     shape = _shape(config)
     trainer = Trainer(config, ctx, chunks, data, objective=objective, run_dir=run_dir,
                       model_shape=shape, callbacks=callbacks)

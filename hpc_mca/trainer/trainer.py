@@ -59,6 +59,8 @@ class StepResult:
     moe_aux_loss: float | None = None
     mtp_losses: list[float] = dataclasses.field(default_factory=list)
     """Mean loss per token of each MTP depth (1, 2, ...) over the global batch."""
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The objective's extra metrics (dpo: rewards/..., logps/...)."""
     seconds: float = 0.0
     """Wall time of the loop iteration (callbacks, data, forward-backward, optimizer), to the
     end of its device work (CUDA is synchronised first)."""
@@ -169,11 +171,13 @@ class Trainer:
             self.state.global_step += 1
             self.state.epoch = self.consumed_samples / max(1, len(self.data.train))
             window_tokens, window_steps = window_tokens + result.input_tokens, window_steps + 1
-            self.metrics.record_step(step=self.state.global_step, loss=result.loss, tokens=result.tokens,
+            self.metrics.record_step(step=self.state.global_step, loss=result.loss,
+                                     **{self.objective.unit: result.tokens},
                                      input_tokens=result.input_tokens, grad_norm=result.grad_norm,
                                      lr=self.lr_scheduler.get_last_lr()[0], skipped=result.skipped,
                                      seconds=round(result.seconds, 6),
-                                     **{f"mtp_loss_{k}": v for k, v in enumerate(result.mtp_losses, 1)})
+                                     **{f"mtp_loss_{k}": v for k, v in enumerate(result.mtp_losses, 1)},
+                                     **result.metrics)
             self.control = self.callbacks.on_step_end(self.config.training, self.state, self.control)
             self.checkpointer.poll()  # commit an async save whose shards are all written
             decision = boundary.decide(self.state.global_step, self.control)
@@ -210,15 +214,12 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        seq_length, micro_batch_size = micro_batches[0].schedule_shape
-        outputs = self.forward_backward(
-            forward_step_func=self.forward_step, data_iterator=self._iterators(micro_batches),
-            model=self.model, num_microbatches=len(micro_batches),
-            seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=False,
-        )
+        self.objective.before_forward(micro_batches, self._forward_only)
+        outputs = self._schedule(self.model, self.forward_step, micro_batches, forward_only=False)
         inputs = sum(batch.input_tokens for batch in micro_batches)
         loss, tokens, inputs = self._reduce(outputs, inputs)
         mtp_losses = _per_token(self.objective.mtp_loss_sums())
+        metrics = self.objective.step_metrics(outputs)
         self.control = self.callbacks.on_pre_optimizer_step(self.config.training, self.state, self.control)
         skipped = not self._grads_finite()
         grad_norm = float("nan")
@@ -230,7 +231,8 @@ class Trainer:
         self.control = self.callbacks.on_optimizer_step(self.config.training, self.state, self.control)
         self.consumed_samples += self.config.training.global_batch_size
         return StepResult(loss=loss, tokens=tokens, input_tokens=inputs, grad_norm=float(grad_norm or 0.0), skipped=skipped,
-                          moe_aux_loss=self._moe_aux_loss(len(micro_batches)), mtp_losses=mtp_losses)
+                          moe_aux_loss=self._moe_aux_loss(len(micro_batches)), mtp_losses=mtp_losses,
+                          metrics=metrics)
 
     def evaluate(self) -> dict[str, float]:
         """Forward-only pass over the eval rows: mean token loss (+ the task metric if given)."""
@@ -240,13 +242,12 @@ class Trainer:
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         mtp_sums = torch.zeros(self.config.model.mtp_num_layers, 2, dtype=torch.float64,
                                device=self.ctx.device)
+        every: list[dict[str, torch.Tensor]] = []
         with torch.no_grad():
             for micro in _chunks([self._cp_share(b) for b in loader], self._eval_microbatches()):
-                seq_length, micro_batch_size = micro[0].schedule_shape
-                outputs = self.forward_backward(
-                    forward_step_func=self.forward_step, data_iterator=self._iterators(micro),
-                    model=self.model, num_microbatches=len(micro),
-                    seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=True)
+                self.objective.before_forward(micro, self._forward_only)
+                outputs = self._forward_only(self.model, self.forward_step, micro)
+                every += outputs
                 loss, tokens, _ = self._reduce(outputs)
                 loss_sum += torch.tensor([loss * tokens, tokens], dtype=torch.float64, device=self.ctx.device)
                 mtp_sums += self.objective.mtp_loss_sums()
@@ -254,6 +255,7 @@ class Trainer:
             chunk.train()
         metrics = {"eval/loss": float(loss_sum[0] / loss_sum[1])}
         metrics.update({f"eval/mtp_loss_{k}": v for k, v in enumerate(_per_token(mtp_sums), 1)})
+        metrics.update({f"eval/{k}": v for k, v in self.objective.step_metrics(every).items()})
         if self.eval_metric is not None:
             metrics.update(self.eval_metric(self.model, self.data.eval))
         self.metrics.scalars(self.state.global_step, metrics)
@@ -284,10 +286,21 @@ class Trainer:
         # The interleaved schedule needs at least PP micro-batches per call.
         return max(1, self.mpu.get_pipeline_model_parallel_world_size())
 
-    def _iterators(self, micro_batches: list[PackedBatch]) -> Any:
-        if len(self.model) == 1:
-            return iter(micro_batches)
-        return [iter(micro_batches) for _ in self.model]
+    def _schedule(self, model: list[torch.nn.Module], forward_step: Any,
+                  micro_batches: list[PackedBatch], *, forward_only: bool) -> list[Any]:
+        """Megatron's forward(-backward) schedule over ``micro_batches`` with ``model``'s
+        chunks; the loss functions' reports on the last pipeline stage ([] elsewhere)."""
+        seq_length, micro_batch_size = micro_batches[0].schedule_shape
+        iterators = (iter(micro_batches) if len(model) == 1
+                     else [iter(micro_batches) for _ in model])
+        return self.forward_backward(
+            forward_step_func=forward_step, data_iterator=iterators, model=model,
+            num_microbatches=len(micro_batches), seq_length=seq_length,
+            micro_batch_size=micro_batch_size, forward_only=forward_only)
+
+    def _forward_only(self, model: list[torch.nn.Module], forward_step: Any,
+                      micro_batches: list[PackedBatch]) -> list[Any]:
+        return self._schedule(model, forward_step, micro_batches, forward_only=True)
 
     def _reduce(self, outputs: list[dict[str, torch.Tensor]], input_tokens: int = 0) -> tuple[float, int, int]:
         return self.objective.reduce_loss(outputs, input_tokens)
@@ -328,6 +341,7 @@ class Trainer:
         if result.moe_aux_loss is not None:
             values["train/moe_aux_loss"] = result.moe_aux_loss
         values.update({f"train/mtp_loss_{k}": v for k, v in enumerate(result.mtp_losses, 1)})
+        values.update({f"train/{k}": v for k, v in result.metrics.items()})
         self.metrics.scalars(self.state.global_step, values)
         self.metrics.progress_line(self.state.global_step, values, step_time)
         logs = {k.split("/")[-1]: v for k, v in values.items()}

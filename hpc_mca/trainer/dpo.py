@@ -1,0 +1,210 @@
+"""Stage dpo: direct preference optimisation against a frozen reference model.
+
+Every micro-batch holds whole pairs, documents alternating chosen, rejected
+(:mod:`hpc_mca.data.preference`). For each document the objective needs the summed
+log-probability of its answer tokens, under the policy and under the reference:
+
+* **log-probabilities** come from the model's own per-token loss (Megatron's vocab-parallel
+  cross entropy, so TP never gathers the vocabulary), summed per document on the last pipeline
+  stage. Under CP each rank holds a share of every document. Its partial sums are added over
+  the CP group by :class:`_SumOverGroup`, whose backward is the identity: each rank
+  backpropagates the pair losses through its own tokens only (the CP attention's backward
+  carries the rest to the other ranks).
+* **the reference** is a second copy of the model chunks with the same layout. It is copied
+  from the policy before any checkpoint is loaded (so it is the starting model, HF weights or
+  the seeded random init alike), frozen, kept in eval mode and outside DDP and the optimizer.
+  Before each step (and each eval batch) it runs its own forward-only pass of Megatron's
+  schedule over the same micro-batches (pipeline exchanges included), and its per-document
+  sums wait, keyed by micro-batch, for the policy's loss function.
+
+Loss contract: Megatron's per-token one, with pairs as the unit. A micro-batch's loss function
+returns the summed pair losses and its pair count, and ``finalize_model_grads`` divides the
+gradients by the pairs of the global batch. So the step loss is the mean over pairs whatever
+the micro-batching or layout. Only CP rank 0 counts the pairs (its CP peers hold the same
+pairs).
+
+Losses (``finetuning.pref_loss``), with ``d = (π_c − ref_c) − (π_r − ref_r)`` in summed
+log-probabilities: sigmoid ``−(1−ε)·logσ(βd) − ε·logσ(−βd)`` (ε = ``dpo_label_smoothing``),
+hinge ``relu(1 − βd)``, ipo ``(d' − 1/(2β))²`` where d' divides each side's log-ratio by its
+answer length. ``pref_ftx`` adds the chosen answer's mean token NLL. The metrics are TRL's:
+``rewards/chosen`` and ``rewards/rejected`` = β·(π − ref), ``rewards/accuracies``,
+``rewards/margins``, ``logps/chosen``, ``logps/rejected``, each a mean over the pairs.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hpc_mca.data.batch import PackedBatch
+
+from .objective import ForwardStep, Objective
+from .step import model_inputs
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+           "logps/chosen", "logps/rejected")
+"""Per-pair means logged by dpo (TensorBoard ``train/<name>``, steps.jsonl ``<name>``)."""
+
+Schedule = Callable[[list[torch.nn.Module], ForwardStep, list[PackedBatch]], list[Any]]
+"""(model chunks, forward step, micro-batches) -> the forward-only schedule's outputs."""
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) whose backward passes the gradient through unchanged: every rank of
+    the group computes the same function of the sum, and each backpropagates it into its own
+    addend only."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: Any) -> torch.Tensor:
+        total = local.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def document_logps(batch: PackedBatch, per_token_loss: torch.Tensor, cp_group: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability of each document's labelled tokens, their count), over the
+    whole documents (CP shares summed), float32 [documents]."""
+    mask = batch.loss_mask.reshape(-1).to(per_token_loss.device).float()
+    index = batch.document_index().to(per_token_loss.device)
+    docs = batch.num_documents
+    logp = torch.zeros(docs, device=mask.device).index_add(
+        0, index, -per_token_loss.float().reshape(-1) * mask)
+    count = torch.zeros(docs, device=mask.device).index_add(0, index, mask)
+    if batch.cp_size > 1:
+        logp = _SumOverGroup.apply(logp, cp_group)
+        dist.all_reduce(count, group=cp_group)
+    return logp, count
+
+
+def preference_loss(policy: torch.Tensor, reference: torch.Tensor, lengths: torch.Tensor,
+                    ft: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss of each pair, metric sums [len(METRICS)]) from per-document values laid out
+    chosen, rejected, chosen, ... ; ``ft`` is the run's FinetuningArguments."""
+    ratios = (policy - reference).view(-1, 2)
+    beta = ft.pref_beta
+    if ft.pref_loss == "ipo":
+        mean = ratios / lengths.view(-1, 2).clamp(min=1.0)
+        losses = (mean[:, 0] - mean[:, 1] - 1.0 / (2.0 * beta)) ** 2
+    else:
+        delta = beta * (ratios[:, 0] - ratios[:, 1])
+        if ft.pref_loss == "hinge":
+            losses = torch.relu(1.0 - delta)
+        else:
+            smoothing = ft.dpo_label_smoothing
+            losses = -(1.0 - smoothing) * F.logsigmoid(delta) - smoothing * F.logsigmoid(-delta)
+    chosen_logps = policy.view(-1, 2)[:, 0]
+    if ft.pref_ftx:
+        losses = losses - ft.pref_ftx * chosen_logps / lengths.view(-1, 2)[:, 0].clamp(min=1.0)
+    rewards = beta * ratios.detach()
+    metrics = torch.stack([rewards[:, 0].sum(), rewards[:, 1].sum(),
+                           (rewards[:, 0] > rewards[:, 1]).float().sum(),
+                           (rewards[:, 0] - rewards[:, 1]).sum(),
+                           chosen_logps.detach().sum(), policy.detach().view(-1, 2)[:, 1].sum()])
+    return losses, metrics
+
+
+class DpoObjective(Objective):
+    """Preference pairs against a frozen reference (see the module docstring)."""
+
+    name = "dpo"
+    unit = "pairs"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reference: list[torch.nn.Module] = []
+        self._reference_logps: dict[int, torch.Tensor] = {}
+
+    def attach(self, chunks: list[torch.nn.Module], build: Callable[[], list[torch.nn.Module]]
+               ) -> None:
+        """Build the reference: the same layout, the policy's starting weights, frozen."""
+        self.reference = build()
+        for ref, policy in zip(self.reference, chunks):
+            ref.load_state_dict(policy.state_dict())
+            ref.eval()
+            ref.requires_grad_(False)
+
+    def auxiliary_models(self) -> list[torch.nn.Module]:
+        return self.reference
+
+    def before_forward(self, micro_batches: list[PackedBatch], schedule: Schedule) -> None:
+        """The reference's per-document log-probabilities of these micro-batches."""
+        with torch.no_grad():
+            outputs = schedule(self.reference, self._reference_step, micro_batches)
+        self._reference_logps = {}
+        if outputs:  # the last pipeline stage, where the policy's loss needs them
+            for batch, out in zip(micro_batches, outputs):
+                self._reference_logps[id(batch)] = out["reference"]
+
+    def _reference_step(self, data_iterator: Iterator[PackedBatch], model: torch.nn.Module
+                        ) -> Any:
+        batch = next(data_iterator)
+        output = _forward(model, model_inputs(batch, self.ctx.device))
+        return output, partial(self._reference_out, batch)
+
+    def _reference_out(self, batch: PackedBatch, per_token: torch.Tensor) -> Any:
+        from megatron.core import parallel_state as mpu
+
+        logps, _ = document_logps(batch, per_token, mpu.get_context_parallel_group())
+        zero = per_token.sum() * 0.0
+        return zero, torch.tensor(0, dtype=torch.int), {"reference": logps.detach()}
+
+    def forward_step(self) -> ForwardStep:
+        def forward_step(data_iterator: Iterator[PackedBatch], model: torch.nn.Module) -> Any:
+            batch = next(data_iterator)
+            output = _forward(model, model_inputs(batch, self.ctx.device))
+            return output, partial(self._pair_loss, batch)
+
+        return forward_step
+
+    def _pair_loss(self, batch: PackedBatch, per_token: torch.Tensor) -> Any:
+        from megatron.core import parallel_state as mpu
+
+        logps, lengths = document_logps(batch, per_token, mpu.get_context_parallel_group())
+        reference = self._reference_logps.pop(id(batch)).to(logps.device)
+        losses, metrics = preference_loss(logps, reference, lengths, self.config.finetuning)
+        counted = float(mpu.get_context_parallel_rank() == 0)  # CP peers hold the same pairs
+        pairs = torch.tensor(losses.numel() * int(counted), dtype=torch.int)
+        report = torch.cat([torch.stack([losses.detach().sum(), torch.tensor(
+            float(losses.numel()), device=losses.device)]), metrics]).double() * counted
+        # Every CP rank backpropagates the whole loss into its own tokens (see _SumOverGroup).
+        return losses.sum(), pairs, {"dpo": report}
+
+    def reduce_loss(self, outputs: list[dict[str, torch.Tensor]], input_tokens: int = 0
+                    ) -> tuple[float, int, int]:
+        """(mean loss per pair, pairs, input tokens) of a global batch, on every rank."""
+        sums = self._sums(outputs, input_tokens)
+        loss_sum, pairs, inputs = float(sums[0]), int(sums[1]), int(sums[-1])
+        return (loss_sum / pairs if pairs else float("nan")), pairs, inputs
+
+    def step_metrics(self, outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """TRL's reward and log-probability means over the pairs of ``outputs``, on every rank."""
+        sums = self._sums(outputs, 0)
+        pairs = float(sums[1]) or float("nan")
+        return {name: float(value) / pairs for name, value in zip(METRICS, sums[2:-1])}
+
+    def _sums(self, outputs: list[dict[str, torch.Tensor]], input_tokens: int) -> torch.Tensor:
+        """[loss, pairs, *METRICS, input tokens] summed over micro-batches, DP×CP and PP."""
+        from megatron.core import parallel_state as mpu
+
+        sums = torch.zeros(3 + len(METRICS), dtype=torch.float64, device=self.ctx.device)
+        if mpu.is_pipeline_last_stage(ignore_virtual=True):
+            if outputs:
+                sums[:-1] = torch.stack([out["dpo"] for out in outputs]).sum(dim=0).to(sums)
+            sums[-1] = input_tokens
+            dist.all_reduce(sums, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        dist.all_reduce(sums, group=mpu.get_pipeline_model_parallel_group())
+        return sums
+
+
+def _forward(model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    return model(inputs["input_ids"], inputs["position_ids"], None, labels=inputs["labels"],
+                 loss_mask=inputs["loss_mask"], packed_seq_params=inputs["packed_seq_params"])
