@@ -116,8 +116,22 @@ def test_layout_rule_uses_topology_and_model_shape(run: Path):
 
 
 @pytest.mark.parametrize("override, message", [
-    (["stage=dpo"], "finetuning.stage='dpo' is not yet supported; valid: pt, sft"),
-    (["stage=ppo"], "finetuning.stage='ppo' is not valid; valid: pt, sft"),
+    (["stage=ppo"], "finetuning.stage='ppo' is not valid; valid: pt, sft, dpo"),
+    (["stage=dpo", "pref_loss=orpo"], "finetuning.pref_loss='orpo' is not valid; valid: "
+                                      "sigmoid, ipo, hinge"),
+    (["stage=dpo", "pref_beta=0"], "finetuning.pref_beta=0.0 must be > 0"),
+    (["stage=dpo", "pref_loss=ipo", "dpo_label_smoothing=0.1"],
+     "finetuning.dpo_label_smoothing=0.1 applies to pref_loss='sigmoid' only, not 'ipo'"),
+    (["stage=dpo", "dpo_label_smoothing=0.5"],
+     "finetuning.dpo_label_smoothing=0.5 must be in [0, 0.5)"),
+    (["stage=dpo", "mtp_num_layers=1"], "model.mtp_num_layers=1 with finetuning.stage='dpo'"),
+    (["stage=dpo", "train_on_prompt=true"], "data.train_on_prompt=true with "
+                                            "finetuning.stage='dpo'"),
+    (["stage=dpo", "sequence_packing=true", "cutoff_len=32", "seq_length=48"],
+     "data.seq_length=48 with sequence_packing and finetuning.stage='dpo': a packed row must "
+     "hold a whole pair of up to 2 × cutoff_len=64 tokens; valid: data.seq_length >= 64"),
+    (["stage=dpo", "dataset_format=text"], "data.dataset_format='text' does not fit "
+                                           "finetuning.stage='dpo'; valid: auto, alpaca, sharegpt"),
     (["finetuning_type=lora"], "finetuning.finetuning_type='lora' is not yet supported; "
                                "valid: full"),
     (["cp_comm_type=ring"], "parallel.cp_comm_type='ring' is not valid; valid: all_gather, "
