@@ -10,8 +10,11 @@ Writes, without any network access:
   (``<|user|>prompt<|assistant|>answer<|end|>``).
 * ``config.json``: a tiny llama-style model whose vocabulary is the tokenizer's.
 * ``train.jsonl`` / ``eval.jsonl``: alpaca records of multi-digit additions, disjoint.
+* ``dpo_train.jsonl`` / ``dpo_eval.jsonl``: pairwise records of the first problems of each
+  (chosen: the sum; rejected: a near miss).
 
-``sft_addition.yaml`` (the run config) is written by hand and not touched here.
+``sft_addition.yaml`` and ``dpo_addition.yaml`` (the run configs) are written by hand and not
+touched here.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from hpc_mca.data.addition import alpaca_record, make_problems
+from hpc_mca.data.addition import alpaca_record, make_problems, preference_record
 
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
 CHAT_TEMPLATE = (
@@ -36,6 +39,8 @@ CHAT_TEMPLATE = (
 MAX_DIGITS = 2
 TRAIN_SIZE = 6000
 EVAL_SIZE = 512
+DPO_TRAIN_SIZE = 3000
+DPO_EVAL_SIZE = 256
 SEED = 1234
 MODEL = {
     "architectures": ["LlamaForCausalLM"],
@@ -87,10 +92,10 @@ def model_config(tokenizer: Tokenizer) -> dict:
             "eos_token_id": vocab["<|end|>"], "bos_token_id": None}
 
 
-def write_jsonl(path: Path, problems: list[tuple[int, int]]) -> None:
+def write_jsonl(path: Path, problems: list[tuple[int, int]], record=alpaca_record) -> None:
     with path.open("w") as out:
         for a, b in problems:
-            out.write(json.dumps(alpaca_record(a, b)) + "\n")
+            out.write(json.dumps(record(a, b)) + "\n")
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -108,6 +113,8 @@ def main(out: Path) -> None:
                                exclude=set(train))
     write_jsonl(out / "train.jsonl", train)
     write_jsonl(out / "eval.jsonl", evaluation)
+    write_jsonl(out / "dpo_train.jsonl", train[:DPO_TRAIN_SIZE], preference_record)
+    write_jsonl(out / "dpo_eval.jsonl", evaluation[:DPO_EVAL_SIZE], preference_record)
 
 
 if __name__ == "__main__":
