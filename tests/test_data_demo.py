@@ -14,7 +14,7 @@ from hpc_mca.topology import ModelShape
 from hpc_mca.trainer.config import load_config
 
 GENERATED = ("tokenizer.json", "tokenizer_config.json", "config.json", "train.jsonl",
-             "eval.jsonl")
+             "eval.jsonl", "dpo_train.jsonl", "dpo_eval.jsonl")
 
 
 def test_make_demo_reproduces_the_committed_assets(tmp_path: Path):
@@ -56,6 +56,17 @@ def test_demo_yaml_resolves_for_two_ranks_and_builds_packed_rows(tmp_path: Path)
     data = build_datasets(resolved)
     assert data.train.report.efficiency > 0.95
     assert len(data.eval.samples) == 512
+
+
+def test_dpo_demo_yaml_resolves_and_packs_whole_pairs(tmp_path: Path):
+    config = load_config(DEMO_DIR / "dpo_addition.yaml",
+                         [f"preprocessing_cache_dir={tmp_path}", f"output_dir={tmp_path}"])
+    resolved = config.resolve(world_size=2)
+    assert resolved.finetuning.stage == "dpo" and resolved.data.sequence_packing
+    data = build_datasets(resolved)
+    assert data.train.samples.stats["pairs"] == 3000 and data.eval.samples.stats["pairs"] == 256
+    assert all(len(row) % 2 == 0 and row[0::2] == [i - 1 for i in row[1::2]]
+               for row in data.train.rows)
 
 
 def test_exact_match_on_packed_and_padded_batches():
