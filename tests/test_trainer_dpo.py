@@ -3,7 +3,8 @@ the layout, the packing ranks or an interruption, and bad pairwise data stops ev
 
 A Llama with weights trains on addition pairs (chosen: the sum, rejected: a near miss).
 Unpacked, 4 pairs per step, on TP2, PP2 and DP2; packed (pairs as neighbouring documents) on
-CP2; each equals its one-process reference within 1e-5 at every step, eval included. A run
+CP2; a Qwen3-MoE on EP2; each equals its one-process reference within 1e-5 at every step, eval
+included. A run
 resumed from its step-4 checkpoint equals the uninterrupted one.
 """
 
@@ -101,6 +102,24 @@ def test_packed_dpo_on_context_parallel_matches_one_process(setup):
     proc = run_train(config, root / "cp2", 2, *PACKED, "parallel.context_parallel_size=2")
     assert proc.returncode == 0, proc.stderr[-4000:]
     _same(steps(root / "cp2"), refs["packed"], "cp2")
+
+
+def test_moe_dpo_on_expert_parallel_matches_one_process(setup, tmp_path):
+    """Qwen3-MoE (its load-balancing loss on, normalised per token as in sft): EP2 equals one
+    process."""
+    root, _, _ = setup
+    model = make_model_dir(tmp_path, moe=True)
+    config = write_config(tmp_path, model, root / "train.jsonl", finetuning={"stage": "dpo"},
+                          training={"max_steps": 6, "global_batch_size": 4})
+    for name, nproc in (("one", 1), ("ep2", 2)):
+        proc = run_train(config, tmp_path / name, nproc,
+                         f"parallel.expert_model_parallel_size={nproc}")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    ref, got = steps(tmp_path / "one"), steps(tmp_path / "ep2")
+    assert len(ref) == len(got) == 6 and any(s["rewards/chosen"] != 0 for s in ref)
+    for mine, want in zip(got, ref):
+        for key in KEYS:
+            assert mine[key] == pytest.approx(want[key], abs=1e-5), (key, mine, want)
 
 
 def test_dpo_resumes_exactly(setup):

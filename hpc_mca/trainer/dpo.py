@@ -17,11 +17,14 @@ log-probability of its answer tokens, under the policy and under the reference:
   schedule over the same micro-batches (pipeline exchanges included), and its per-document
   sums wait, keyed by micro-batch, for the policy's loss function.
 
-Loss contract: Megatron's per-token one, with pairs as the unit. A micro-batch's loss function
-returns the summed pair losses and its pair count, and ``finalize_model_grads`` divides the
-gradients by the pairs of the global batch. So the step loss is the mean over pairs whatever
-the micro-batching or layout. Only CP rank 0 counts the pairs (its CP peers hold the same
-pairs).
+Loss contract: Megatron's per-token one, arranged so that the gradient is that of the mean
+over the global batch's pairs. A micro-batch's loss function returns its summed pair losses
+times ``T/P`` (answer tokens over pairs of the whole global batch, counted before the step) and
+its own answer-token count; ``finalize_model_grads`` divides by the global token count ``T``.
+Counting tokens rather than pairs keeps Megatron's per-token normalisation of the MoE auxiliary
+losses, which it scales by each micro-batch's tokens. The logged loss is the plain mean over
+pairs. Pairs are counted on CP rank 0 only (its CP peers hold the same pairs); tokens on every
+CP rank (each holds its share).
 
 Losses (``finetuning.pref_loss``), with ``d = (π_c − ref_c) − (π_r − ref_r)`` in summed
 log-probabilities: sigmoid ``−(1−ε)·logσ(βd) − ε·logσ(−βd)`` (ε = ``dpo_label_smoothing``),
@@ -122,6 +125,7 @@ class DpoObjective(Objective):
         super().__init__(*args, **kwargs)
         self.reference: list[torch.nn.Module] = []
         self._reference_logps: dict[int, torch.Tensor] = {}
+        self._tokens_per_pair = 1.0
 
     def attach(self, chunks: list[torch.nn.Module], build: Callable[[], list[torch.nn.Module]]
                ) -> None:
@@ -136,7 +140,16 @@ class DpoObjective(Objective):
         return self.reference
 
     def before_forward(self, micro_batches: list[PackedBatch], schedule: Schedule) -> None:
-        """The reference's per-document log-probabilities of these micro-batches."""
+        """The reference's per-document log-probabilities of these micro-batches, and the
+        global batch's answer tokens per pair (see the module docstring)."""
+        from megatron.core import parallel_state as mpu
+
+        counts = torch.tensor([sum(float(b.loss_mask.sum()) for b in micro_batches),
+                               sum(b.num_documents // 2 for b in micro_batches)
+                               * float(mpu.get_context_parallel_rank() == 0)],
+                              dtype=torch.float64, device=self.ctx.device)
+        dist.all_reduce(counts, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        self._tokens_per_pair = float(counts[0] / counts[1]) if counts[1] else 1.0
         with torch.no_grad():
             outputs = schedule(self.reference, self._reference_step, micro_batches)
         self._reference_logps = {}
@@ -172,11 +185,11 @@ class DpoObjective(Objective):
         reference = self._reference_logps.pop(id(batch)).to(logps.device)
         losses, metrics = preference_loss(logps, reference, lengths, self.config.finetuning)
         counted = float(mpu.get_context_parallel_rank() == 0)  # CP peers hold the same pairs
-        pairs = torch.tensor(losses.numel() * int(counted), dtype=torch.int)
         report = torch.cat([torch.stack([losses.detach().sum(), torch.tensor(
             float(losses.numel()), device=losses.device)]), metrics]).double() * counted
+        tokens = batch.loss_mask.sum().to(torch.int)  # this rank's share of the answer tokens
         # Every CP rank backpropagates the whole loss into its own tokens (see _SumOverGroup).
-        return losses.sum(), pairs, {"dpo": report}
+        return losses.sum() * self._tokens_per_pair, tokens, {"dpo": report}
 
     def reduce_loss(self, outputs: list[dict[str, torch.Tensor]], input_tokens: int = 0
                     ) -> tuple[float, int, int]:
