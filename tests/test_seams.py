@@ -9,7 +9,8 @@ import torch
 
 from hpc_mca.models.transform import TRANSFORMS, transform_model
 from hpc_mca.trainer.config import FINETUNING_TYPES, STAGES, TrainConfig
-from hpc_mca.trainer.objective import OBJECTIVES, SftObjective
+from hpc_mca.trainer.objective import SftObjective
+from hpc_mca.trainer.stages import OBJECTIVES
 
 
 def test_every_accepted_stage_has_an_objective_and_every_finetuning_type_a_transform():

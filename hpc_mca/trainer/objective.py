@@ -15,7 +15,7 @@ that:
 * ``before_forward``: work before the schedule runs a global batch (dpo's reference pass);
 * ``step_metrics``: the stage's extra metrics of a step (dpo's rewards), on every rank.
 
-The stage name selects the objective in :data:`OBJECTIVES`, one table.
+The stage name selects the objective in :data:`hpc_mca.trainer.stages.OBJECTIVES`, one table.
 pt and sft both train next-token prediction with Megatron's per-token loss contract (see
 :mod:`hpc_mca.trainer.step`); they differ in the data (sft masks the prompt's labels) and in
 sft's exact-match metric.
@@ -121,15 +121,3 @@ class SftObjective(Objective):
 
         config, vocab, device = self.config, self.vocab_size, self.ctx.device
         return lambda model, rows: exact_match_accuracy(model, rows, config, vocab, device)
-
-
-from .dpo import DpoObjective  # noqa: E402 - it builds on Objective, defined above
-
-OBJECTIVES: dict[str, type[Objective]] = {"pt": Objective, "sft": SftObjective,
-                                          "dpo": DpoObjective}
-"""Stage name -> objective. A new stage adds its class here and its name to
-:data:`hpc_mca.trainer.config.STAGES`."""
-
-
-def objective_for(config: TrainConfig, ctx: RankContext, vocab_size: int) -> Objective:
-    return OBJECTIVES[config.finetuning.stage](config, ctx, vocab_size)

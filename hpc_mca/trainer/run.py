@@ -57,7 +57,7 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
 def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> list[Any]:
     from hpc_mca.models.build import build_model
     from hpc_mca.models.transform import transform_model
-    from hpc_mca.trainer.objective import objective_for
+    from hpc_mca.trainer.stages import objective_for
     from hpc_mca.trainer.trainer import Trainer
 
     run_dir = Path(config.training.output_dir)
