@@ -1,12 +1,16 @@
 """Packed (THD) vs padded attention throughput of the torch attention backend.
 
 Draws documents with long-tailed (log-normal) lengths until ``--tokens`` real tokens, then times
-the same documents two ways through hpc_mca.models.attention.TorchCoreAttention:
+the same documents several ways through hpc_mca.models.attention.TorchCoreAttention:
 
-* packed: one ``[t, heads, dim]`` stream with cu_seqlens (per-document causal attention);
+* packed/<kernel>: one ``[t, heads, dim]`` stream with cu_seqlens, for every packed kernel that
+  runs here (hpc_mca.models.packed_kernels: sdpa everywhere; varlen and flex on CUDA; flex also
+  on CPU with ``--forward-only``, where torch has no flex backward);
+* per-doc: one plain causal SDPA call per document (the reference a packed kernel must beat);
 * padded: a ``[max_len, n_docs, heads, dim]`` batch, right-padded, plain causal SDPA.
 
-Both count only real tokens, forward + backward unless ``--forward-only``.
+All count only real tokens, forward + backward unless ``--forward-only``. The ratios printed
+at the end: the automatic kernel against the fastest way measured, and against padding.
 
 Usage:
     .venv/bin/python benchmarks/attention_packed.py                    # small CPU run
@@ -64,7 +68,7 @@ def init_megatron() -> None:
         parallel_state.initialize_model_parallel()
 
 
-def build_module(args: argparse.Namespace):
+def build_module(args: argparse.Namespace, kernel: str = "sdpa"):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -84,7 +88,21 @@ def build_module(args: argparse.Namespace):
         attn_mask_type=AttnMaskType.causal,
         attention_type="self",
         segment_tokens=args.segment_tokens or DEFAULT_SEGMENT_TOKENS,
+        packed_kernel=kernel,
     )
+
+
+def packed_kernels(args: argparse.Namespace) -> list[str]:
+    """The packed kernels that can run this benchmark here."""
+    from hpc_mca.models.packed_kernels import varlen_available
+
+    cuda = args.device.startswith("cuda")
+    kernels = ["sdpa"]
+    if cuda or args.forward_only:
+        kernels.append("flex")
+    if cuda and varlen_available() and args.dtype != "float32":
+        kernels.append("varlen")
+    return kernels
 
 
 def timed(step, args: argparse.Namespace) -> float:
@@ -107,8 +125,10 @@ def main() -> None:
     args = parse_args()
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    from hpc_mca.models.packed_attention import sdpa
+    from hpc_mca.models.packed_kernels import resolve_packed_kernel, varlen_available
+
     init_megatron()
-    module = build_module(args)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     lengths = document_lengths(args)
     total = sum(lengths)
@@ -118,7 +138,6 @@ def main() -> None:
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
 
     cu = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     packed = (
         tensor(total, args.heads, args.head_dim),
         *(tensor(total, args.kv_heads, args.head_dim) for _ in range(2)),
@@ -128,24 +147,49 @@ def main() -> None:
         tensor(longest, n_docs, args.heads, args.head_dim),
         *(tensor(longest, n_docs, args.kv_heads, args.head_dim) for _ in range(2)),
     )
+    kind = "forward" if args.forward_only else "forward+backward"
+    print(
+        f"{n_docs} documents, {total} tokens (mean {total / n_docs:.0f}, max {longest}), "
+        f"heads {args.heads}/{args.kv_heads}x{args.head_dim}, {args.dtype} on {device}, {kind}",
+        flush=True,
+    )
 
-    def run(q, k, v, **kwargs) -> None:
+    def run(module, q, k, v, **kwargs) -> None:
         out = module(q, k, v, None, **kwargs)
         if grad:
             out.sum().backward()
 
-    packed_s = timed(lambda: run(*packed, packed_seq_params=params), args)
-    padded_s = timed(lambda: run(*padded), args)
-    kind = "forward" if args.forward_only else "forward+backward"
-    print(
-        f"{n_docs} documents, {total} tokens (mean {total / n_docs:.0f}, max {longest}), "
-        f"heads {args.heads}/{args.kv_heads}x{args.head_dim}, {args.dtype} on {device}, {kind}, "
-        f"segment_tokens {module.segment_tokens}"
-    )
-    print(f"{'':10}{'ms':>10}{'tokens/s':>14}")
-    for name, seconds in (("packed", packed_s), ("padded", padded_s)):
-        print(f"{name:10}{seconds * 1e3:10.1f}{total / seconds:14,.0f}")
-    print(f"packed/padded throughput ratio: {padded_s / packed_s:.2f}")
+    def per_document() -> None:
+        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        for a, b in zip(starts, starts[1:]):
+            q, k, v = (x[a:b].transpose(0, 1)[None] for x in packed)
+            out = sdpa(q, k, v, is_causal=True)
+            if grad:
+                out.sum().backward()
+
+    print(f"{'':14}{'ms':>10}{'tokens/s':>14}", flush=True)
+    seconds: dict[str, float] = {}
+
+    def report(name: str, step) -> None:
+        seconds[name] = timed(step, args)
+        print(f"{name:14}{seconds[name] * 1e3:10.2f}{total / seconds[name]:14,.0f}", flush=True)
+
+    for kernel in packed_kernels(args):
+        module = build_module(args, kernel)
+        # A new PackedSeqParams per call: each micro-batch plans its layout once, as in training.
+        report(f"packed/{kernel}", lambda m=module: run(
+            m, *packed, packed_seq_params=PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)))
+    report("per-doc", per_document)
+    report("padded", lambda: run(build_module(args), *padded))
+    auto, _ = resolve_packed_kernel(
+        "auto", cuda=device.type == "cuda", dtype=dtype, varlen=varlen_available())
+    auto = auto if f"packed/{auto}" in seconds else "sdpa"
+    best = min(seconds, key=seconds.get)
+    chosen = seconds[f"packed/{auto}"]
+    print(f"auto kernel: {auto} (segment_tokens {build_module(args).segment_tokens})")
+    print(f"packed/{auto} time vs the fastest ({best}): {chosen / seconds[best]:.2f}x")
+    print(f"packed/padded throughput ratio: {seconds['padded'] / chosen:.2f}")
 
 
 if __name__ == "__main__":

@@ -57,3 +57,17 @@ def _no_job_outlives_its_test(request: pytest.FixtureRequest,
     left = slurm.cancel_jobs(slurm.live_job_ids(dirs) - before)
     if left:
         print(f"\ncancelled job(s) {', '.join(left)} left behind by {request.node.name}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` are skipped, with the reason shown, where CUDA is not usable."""
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_tests:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: needs CUDA (none on this machine)")
+    for item in gpu_tests:
+        item.add_marker(skip)

@@ -134,6 +134,8 @@ def test_layout_rule_uses_topology_and_model_shape(run: Path):
                                            "finetuning.stage='dpo'; valid: auto, alpaca, sharegpt"),
     (["finetuning_type=lora"], "finetuning.finetuning_type='lora' is not yet supported; "
                                "valid: full"),
+    (["packed_attention=fast"], "model.packed_attention='fast' is not valid; valid: auto, "
+                                "varlen, flex, sdpa"),
     (["cp_comm_type=ring"], "parallel.cp_comm_type='ring' is not valid; valid: all_gather, "
                             "a2a, p2p"),
     (["context_parallel_size=2", "sequence_packing=true", "pack_alignment=2"],
@@ -228,3 +230,18 @@ def test_config_import_stays_light():
             "print(sorted(m for m in ('torch', 'megatron', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_packed_attention_kernel_is_checked_before_the_process_group(run: Path):
+    """What the run log says about attention, and an explicit kernel this CPU cannot train with
+    refused in one line by the pre-process-group check (exit 2 from `hpc-mca train`)."""
+    from hpc_mca.models.errors import ModelLoadError
+    from hpc_mca.trainer.run import attention_backend_available
+
+    config = load_config(run / "run.yaml").resolve(world_size=2)
+    assert attention_backend_available(config).startswith(
+        "attention: torch backend, packed kernel sdpa (auto (not varlen: needs CUDA; ")
+    config = load_config(run / "run.yaml", ["packed_attention=flex"]).resolve(world_size=2)
+    with pytest.raises(ModelLoadError) as err:
+        attention_backend_available(config)
+    assert _one_line(err).startswith("model.packed_attention='flex' cannot run here: needs CUDA")

@@ -43,6 +43,12 @@ from hpc_mca.models.context_parallel import (
     cp_comm_violations,
 )
 from hpc_mca.models.errors import ModelLoadError
+from hpc_mca.models.packed_kernels import (
+    PACKED_KERNELS,
+    flex_packed_attention,
+    packed_plan,
+    varlen_packed_attention,
+)
 from hpc_mca.models.packed_attention import (
     DEFAULT_SEGMENT_TOKENS,
     Segment,
@@ -146,8 +152,10 @@ def check_context_parallel(backend: str, cp: int, comm_type: Optional[str]) -> N
                              f"valid with the {backend!r} backend: {', '.join(CP_COMM_TYPES)}")
 
 
-def core_attention_class(preference: str = "auto") -> type[torch.nn.Module]:
-    """The Megatron layer-spec ``core_attention`` class for the selected backend."""
+def core_attention_class(preference: str = "auto", packed_kernel: str = "sdpa") -> Any:
+    """The Megatron layer-spec ``core_attention`` for the selected backend: a class, or for the
+    torch backend with a fused packed kernel (see :mod:`.packed_kernels`) a ModuleSpec that
+    hands the kernel to every layer."""
     backend = select_attention_backend(preference)
     if backend == "te":
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
@@ -155,7 +163,11 @@ def core_attention_class(preference: str = "auto") -> type[torch.nn.Module]:
         return TEDotProductAttention
     if backend == "flash":
         return FlashCoreAttention
-    return TorchCoreAttention
+    if packed_kernel == "sdpa":
+        return TorchCoreAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(module=TorchCoreAttention, params={"packed_kernel": packed_kernel})
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,9 +268,14 @@ class TorchCoreAttention(_CoreAttentionBase):
 
     backend_name = "torch"
 
-    def __init__(self, *args: Any, segment_tokens: int = DEFAULT_SEGMENT_TOKENS, **kwargs: Any):
+    def __init__(self, *args: Any, segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
+                 packed_kernel: str = "sdpa", **kwargs: Any):
         super().__init__(*args, **kwargs)
+        if packed_kernel not in PACKED_KERNELS:
+            raise ValueError(f"packed_kernel={packed_kernel!r} is not one of {PACKED_KERNELS}")
         self.segment_tokens = segment_tokens
+        self.packed_kernel = packed_kernel
+        """THD kernel (see packed_kernels); the caller resolved it with resolve_packed_kernel."""
         self.cp_group = self._context_parallel_group()
 
     def _context_parallel_group(self) -> Optional[Any]:
@@ -383,28 +400,24 @@ class TorchCoreAttention(_CoreAttentionBase):
     ) -> Tensor:
         if query.dim() == 4:  # [t, 1, h, d] from a caller that did not squeeze the batch dim
             query, key, value = (x.squeeze(1) for x in (query, key, value))
-        cu_q = _first(params.cu_seqlens_q)
-        cu_kv = _first(params.cu_seqlens_kv, cu_q)
-        # Layouts are planned on the host: one copy of a few ints per call.
-        q_layout = packed_layout(cu_q.cpu(), _cpu(params.cu_seqlens_q_padded), total=query.size(0))
-        kv_layout = packed_layout(cu_kv.cpu(), _cpu(params.cu_seqlens_kv_padded), total=key.size(0))
-        ctx = packed_attention(
-            query,
-            key,
-            value,
-            q_layout,
-            kv_layout,
-            causal=mask_type in _CAUSAL_TYPES,
-            bottom_right=mask_type == AttnMaskType.causal_bottom_right,
-            scale=self.softmax_scale,
-            dropout_p=dropout_p,
-            segment_tokens=self.segment_tokens,
-        )
+        plan = packed_plan(params, query.size(0), key.size(0))
+        fused = (self.packed_kernel != "sdpa" and plan.self_attention and dropout_p == 0.0
+                 and mask_type in _CAUSAL_TYPES and mask_type != AttnMaskType.causal_bottom_right)
+        if fused and self.packed_kernel == "varlen":
+            ctx = varlen_packed_attention(query, key, value, plan, scale=self.softmax_scale)
+        elif fused:
+            ctx = flex_packed_attention(query, key, value, plan, scale=self.softmax_scale)
+        else:
+            segments = plan.on(f"segments/{self.segment_tokens}", torch.device("cpu"),
+                               lambda: plan_segments(plan.q_layout, plan.kv_layout,
+                                                     self.segment_tokens))
+            ctx = packed_attention(
+                query, key, value, plan.q_layout, plan.kv_layout,
+                causal=mask_type in _CAUSAL_TYPES,
+                bottom_right=mask_type == AttnMaskType.causal_bottom_right,
+                scale=self.softmax_scale, dropout_p=dropout_p, segments=segments,
+            )
         return ctx.reshape(ctx.size(0), -1)
-
-
-def _cpu(tensor: Optional[Tensor]) -> Optional[Tensor]:
-    return None if tensor is None else tensor.cpu()
 
 
 def _first(*tensors: Optional[Tensor]) -> Tensor:
@@ -498,5 +511,6 @@ class FlashCoreAttention(_CoreAttentionBase):
             softmax_scale=self.softmax_scale,
             causal=causal,
         )
-        ctx[int(cu_q[-1]) :] = 0
-        return ctx.reshape(ctx.size(0), -1)
+        # Out of place: the kernel keeps its output for the backward pass.
+        after_last = torch.arange(ctx.size(0), device=ctx.device) >= int(cu_q[-1])
+        return ctx.masked_fill(after_last[:, None, None], 0.0).reshape(ctx.size(0), -1)

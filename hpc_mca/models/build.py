@@ -26,6 +26,7 @@ from hpc_mca.models import mtp
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_config import HFModelSpec, check_sequence_length, read_hf_config
 from hpc_mca.models.mapping import padded_vocab_size
+from hpc_mca.models.packed_kernels import resolve_packed_kernel
 from hpc_mca.models.megatron_config import (
     block_spec,
     layer_spec,
@@ -46,6 +47,7 @@ def build_model(
     seq_length: int | None = None,
     load_weights: bool | None = None,
     attention_backend: str = "auto",
+    packed_attention: str = "auto",
     dtype: torch.dtype = torch.float32,
     make_vocab_size_divisible_by: int = 128,
     config_overrides: Mapping[str, Any] | None = None,
@@ -69,8 +71,10 @@ def build_model(
     _check_layout(spec, ctx)
     backend = select_attention_backend(attention_backend)
     check_context_parallel(backend, ctx.layout.cp, (config_overrides or {}).get("cp_comm_type"))
+    kernel = packed_kernel(spec, backend, packed_attention, cuda=ctx.device.type == "cuda",
+                           dtype=dtype, cp=ctx.layout.cp)[0]
     config = _transformer_config(spec, ctx, dtype, load, config_overrides)
-    layer = layer_spec(spec, core_attention_class(backend))
+    layer = layer_spec(spec, core_attention_class(backend, kernel or "sdpa"))
     vocab = padded_vocab_size(spec.vocab_size, ctx.layout.tp, make_vocab_size_divisible_by)
     max_len = seq_length or spec.max_position_embeddings
     if config.mtp_num_layers:
@@ -84,6 +88,19 @@ def build_model(
     if config.mtp_num_layers:
         mtp.initialise(chunks, ctx.seed)  # HF weights hold none; the same for every layout
     return chunks
+
+
+def packed_kernel(spec: HFModelSpec, backend: str, preference: str, *, cuda: bool,
+                  dtype: torch.dtype, cp: int) -> tuple[str | None, str]:
+    """(kernel, why) of packed attention on the torch backend (None for TE/flash, which have
+    their own); an explicit kernel this machine cannot train with raises ModelLoadError."""
+    if backend != "torch":
+        if preference != "auto":
+            raise ModelLoadError(f"model.packed_attention={preference!r} applies to the 'torch' "
+                                 f"attention backend, this run uses {backend!r}; valid: auto")
+        return None, f"the {backend} backend's own"
+    return resolve_packed_kernel(preference, cuda=cuda, dtype=dtype,
+                                 dropout=spec.attention_dropout, cp=cp)
 
 
 def _check_layout(spec: HFModelSpec, ctx: RankContext) -> None:

@@ -13,10 +13,11 @@ How packed attention is computed, in three independent layers:
    segments of about ``segment_tokens`` query tokens and runs one ``scaled_dot_product_attention``
    per segment with that segment's mask (a lone, unpadded, contiguous document takes the
    unmasked ``is_causal`` path). One segment per document wins on CPU when documents are long;
-   grouping keeps the Python loop short when there are many short documents. On CPU in torch
-   2.13 ``flex_attention`` has no backward pass (compiled) or materialises the full score
-   matrix (eager), so it is not used; a single block-diagonal mask over the whole pack costs
-   O(t^2) and measured 2-5x slower than per-document calls at t = 2-4k.
+   grouping keeps the Python loop short when there are many short documents. A single
+   block-diagonal mask over the whole pack costs O(t^2) and measured 2-5x slower than
+   per-document calls at t = 2-4k on CPU. This is the ``sdpa`` kernel; the fused ones
+   (torch's ``varlen_attn``, flex attention), and which one runs, are in
+   :mod:`hpc_mca.models.packed_kernels`.
 
 Context parallelism (:mod:`hpc_mca.models.context_parallel`) fits in without touching layers
 2 and 3. With CP=2 every document is cut into 4 chunks c0..c3 and rank 0 holds [c0, c3], rank 1
@@ -224,16 +225,26 @@ def sdpa(
     scale: float | None = None,
     dropout_p: float = 0.0,
 ) -> Tensor:
-    """``scaled_dot_product_attention`` on ``[..., heads, seq, dim]`` with grouped keys/values
-    (``heads`` a multiple of the key heads) and a bool ``allowed`` mask (True = attend)."""
+    """``scaled_dot_product_attention`` on ``[batch, heads, seq, dim]`` with grouped keys/values
+    (``heads`` a multiple of the key heads) and a bool ``allowed`` mask (True = attend).
+
+    4-D inputs, because the fused CUDA kernels (flash, memory-efficient, cuDNN) refuse anything
+    else and leave 3-D calls to the math kernel. Unmasked GQA goes in as it is
+    (``enable_gqa``: the flash kernel reads shared key heads without copying them); with a mask
+    the keys/values are repeated, since the memory-efficient kernel that takes masks has no
+    GQA and would otherwise hand the call to the math kernel.
+    """
     q_heads, kv_heads = query.size(-3), key.size(-3)
     if q_heads % kv_heads:
         raise ValueError(f"{q_heads} query heads are not a multiple of {kv_heads} key/value heads")
-    if q_heads != kv_heads:
+    gqa = q_heads != kv_heads
+    if gqa and allowed is not None:
         key = key.repeat_interleave(q_heads // kv_heads, dim=-3)
         value = value.repeat_interleave(q_heads // kv_heads, dim=-3)
+        gqa = False
     return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=allowed, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+        query, key, value, attn_mask=allowed, dropout_p=dropout_p, is_causal=is_causal,
+        scale=scale, enable_gqa=gqa,
     )
 
 
@@ -249,24 +260,29 @@ def packed_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
+    segments: list[Segment] | None = None,
 ) -> Tensor:
     """Attention over packed ``[t, heads, dim]`` tensors confined to each document.
 
     Returns ``[t_q, heads, dim]`` with zeros at padding query slots. Layouts may live on any
-    device; planning reads them on the host.
+    device; planning reads them on the host. ``segments`` (default: planned here from the
+    layouts and ``segment_tokens``) lets every layer of a micro-batch reuse one plan.
     """
     out = query.new_zeros(query.shape[:-1] + value.shape[-1:])
     q_dev, kv_dev = q_layout.to(query.device), kv_layout.to(key.device)
-    for seg in plan_segments(q_layout, kv_layout, segment_tokens):
-        q = query[seg.q_start : seg.q_end].transpose(0, 1)
-        k = key[seg.kv_start : seg.kv_end].transpose(0, 1)
-        v = value[seg.kv_start : seg.kv_end].transpose(0, 1)
+    if segments is None:
+        segments = plan_segments(q_layout, kv_layout, segment_tokens)
+    for seg in segments:
+        # [1, heads, seq, dim]: 4-D, so that fused SDPA kernels accept the call (see sdpa).
+        q = query[seg.q_start : seg.q_end].transpose(0, 1)[None]
+        k = key[seg.kv_start : seg.kv_end].transpose(0, 1)[None]
+        v = value[seg.kv_start : seg.kv_end].transpose(0, 1)[None]
         if seg.plain:
             ctx = sdpa(q, k, v, is_causal=causal, scale=scale, dropout_p=dropout_p)
         else:
             qs, ks = q_dev.slice(seg.q_start, seg.q_end), kv_dev.slice(seg.kv_start, seg.kv_end)
             allowed = attention_allowed(qs, ks, causal=causal, bottom_right=bottom_right)
             ctx = sdpa(q, k, v, allowed=allowed, scale=scale, dropout_p=dropout_p)
-            ctx = ctx.masked_fill(~qs.valid[None, :, None], 0.0)
-        out[seg.q_start : seg.q_end] = ctx.transpose(0, 1)
+            ctx = ctx.masked_fill(~qs.valid[None, None, :, None], 0.0)
+        out[seg.q_start : seg.q_end] = ctx[0].transpose(0, 1)
     return out

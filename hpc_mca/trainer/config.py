@@ -46,6 +46,8 @@ RESERVED_FINETUNING_TYPES = ("lora",)
 DATASET_FORMATS = ("auto", "text", "alpaca", "sharegpt", "indexed")
 TEMPLATES = ("chat", "plain")
 ATTENTION_BACKENDS = ("auto", "te", "flash", "torch")
+PACKED_ATTENTION = ("auto", "varlen", "flex", "sdpa")
+"""model.packed_attention choices (hpc_mca.models.packed_kernels.PACKED_KERNELS and auto)."""
 OPTIMIZERS = ("adam", "sgd")
 OPTIMIZER_FORMATS = ("model_space", "fully_reshardable", "dp_reshardable")
 REPORT_TO = ("tensorboard", "none")
@@ -66,6 +68,10 @@ class ModelArguments:
     """Tokenizer directory; None = ``model_name_or_path``."""
     attention_backend: str = "auto"
     """Core attention: auto (te, else flash, else torch), te, flash or torch."""
+    packed_attention: str = "auto"
+    """Packed-sequence kernel of the torch backend: auto (varlen on CUDA with bf16/fp16, else
+    flex on CUDA, else sdpa), varlen (torch's varlen_attn), flex (flex_attention with a
+    document block mask) or sdpa (per-document SDPA; the only one that trains on CPU)."""
     mtp_num_layers: int = 0
     """Multi-token prediction depths: Megatron's MTP block after the decoder, on the last
     pipeline stage, depth k trained on the token k+1 places further on; 0 = none."""

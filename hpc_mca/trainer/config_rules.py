@@ -18,6 +18,7 @@ from hpc_mca.topology import Layout, LayoutError, ModelShape, check_layout
 
 from .config import (
     ATTENTION_BACKENDS,
+    PACKED_ATTENTION,
     DATASET_FORMATS,
     FINETUNING_TYPES,
     CP_COMM_TYPES,
@@ -54,6 +55,7 @@ def _at_least(dotted: str, value: int | float | None, low: int | float) -> None:
 def _check_model(config: TrainConfig, world_size: int) -> None:
     model = config.model
     _choice("model.attention_backend", model.attention_backend, ATTENTION_BACKENDS)
+    _choice("model.packed_attention", model.packed_attention, PACKED_ATTENTION)
     if not model.model_name_or_path:
         raise ConfigError("model.model_name_or_path is required (a local HF model or "
                           "config directory)")

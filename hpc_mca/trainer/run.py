@@ -69,12 +69,14 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
     if ctx.is_main:
         print(data.describe(), flush=True)
         print(library_line(), flush=True)
+        print(attention_backend_available(config), flush=True)
     model_dir = Path(config.model.model_name_or_path)
     # A directory with only config.json (the demo's) trains from a random init.
     has_weights = any(model_dir.glob("*.safetensors"))
     build = functools.partial(build_model, model_dir, ctx, seq_length=_seq_length(config),
                               load_weights=has_weights,
                               attention_backend=config.model.attention_backend,
+                              packed_attention=config.model.packed_attention,
                               dtype=_dtype(config), config_overrides=_model_overrides(config))
     chunks = transform_model(build(), config)  # LoRA, freezing, casts: before DDP wraps them
     objective.attach(chunks, build)  # dpo's reference: a frozen copy of the starting model
@@ -126,15 +128,23 @@ def tokenizer_fits_model(config: TrainConfig, vocab_size: int) -> None:
                              f"{vocab_size} tokens (model.tokenizer_name_or_path)")
 
 
-def attention_backend_available(config: TrainConfig) -> None:
+def attention_backend_available(config: TrainConfig) -> str:
     """An explicit ``model.attention_backend`` this machine lacks (``te`` without Transformer
-    Engine or CUDA), or context parallelism the backend it gets cannot run (flash; p2p without
-    TE), is bad input, refused before the process group like a config error."""
+    Engine or CUDA), context parallelism the backend it gets cannot run (flash; p2p without
+    TE), or a ``model.packed_attention`` kernel it cannot train with is bad input, refused
+    before the process group like a config error. Returns the line that says what runs."""
     from hpc_mca.models.attention import check_context_parallel, select_attention_backend
+    from hpc_mca.models.build import packed_kernel
+    from hpc_mca.models.hf_config import read_hf_config
 
     par = config.parallel
-    check_context_parallel(select_attention_backend(config.model.attention_backend),
-                           par.context_parallel_size, par.cp_comm_type)
+    backend = select_attention_backend(config.model.attention_backend)
+    check_context_parallel(backend, par.context_parallel_size, par.cp_comm_type)
+    kernel, why = packed_kernel(read_hf_config(config.model.model_name_or_path), backend,
+                                config.model.packed_attention, cuda=torch.cuda.is_available(),
+                                dtype=_dtype(config), cp=par.context_parallel_size)
+    packed = f"packed kernel {kernel}" if kernel else "packed sequences"
+    return f"attention: {backend} backend, {packed} ({why})"
 
 
 def _layout(config: TrainConfig) -> Layout:
