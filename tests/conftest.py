@@ -59,6 +59,19 @@ def _no_job_outlives_its_test(request: pytest.FixtureRequest,
         print(f"\ncancelled job(s) {', '.join(left)} left behind by {request.node.name}")
 
 
+def _selects_gpu_tests(config: pytest.Config) -> bool:
+    expression = (config.getoption("markexpr") or "").replace(" ", "")
+    return "gpu" in expression and "notgpu" not in expression
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Unless the run asks for GPU tests (``-m gpu``), CUDA is hidden from this session and
+    everything it starts: the CPU suite then runs the same on a GPU machine (its multi-rank
+    tests start gloo ranks on one host, and two NCCL ranks cannot share one GPU)."""
+    if not _selects_gpu_tests(config):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` are skipped, with the reason shown, where CUDA is not usable."""
     gpu_tests = [item for item in items if item.get_closest_marker("gpu") is not None]
@@ -68,6 +81,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="gpu: needs CUDA (none on this machine)")
+    reason = ("gpu: needs CUDA (none on this machine)" if _selects_gpu_tests(config)
+              else "gpu: run `pytest -m gpu` on a GPU machine")
+    skip = pytest.mark.skip(reason=reason)
     for item in gpu_tests:
         item.add_marker(skip)

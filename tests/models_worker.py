@@ -5,7 +5,7 @@ Usage (every rank, under torchrun or as a single process):
 
 ``MODELS_DIR`` holds one HF directory per model and ``inputs.pt`` (token ids); ``JOBS_JSON`` is a
 list of ``{"name", "layout": {...Layout fields}, "models": [...], "export": bool,
-"packed": bool, "opened": bool, "shard_bytes": int}``. For each job and model the rank holding the full logits
+"packed": bool, "opened": bool, "shard_bytes": int, "dtype": "float32" | "bfloat16"}``. For each job and model the rank holding the full logits
 (last pipeline stage, TP rank 0, first data-parallel replica) saves
 ``OUT_DIR/<job>/<model>.logits.pt`` (and ``.loss.pt``, Megatron's per-token loss, where one
 stage holds the whole model); with ``export`` the model is written back to
@@ -30,7 +30,7 @@ def _save_if_holder(tensor: torch.Tensor | None, path: Path) -> None:
 
     first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     if tensor is not None and first_replica and parallel_state.get_tensor_model_parallel_rank() == 0:
-        torch.save(tensor, path)
+        torch.save(tensor.cpu(), path)  # the test reads it on the host, whatever ran it
 
 
 def packed_vs_alone(chunks, vocab: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -38,6 +38,7 @@ def packed_vs_alone(chunks, vocab: int, generator: torch.Generator) -> dict[str,
     each document run alone. Padding slots hold random tokens that must not leak."""
     from hpc_mca.models.inference import forward_logits, thd_packed_seq_params
 
+    device = next(chunks[0].parameters()).device
     lengths, padded = [5, 7, 4], [8, 8, 4]
     docs = [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
     result = {"alone": torch.cat([forward_logits(chunks, d[None], vocab)[0] for d in docs])}
@@ -45,15 +46,17 @@ def packed_vs_alone(chunks, vocab: int, generator: torch.Generator) -> dict[str,
     ids = torch.cat(docs)[None]
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     result["packed"] = forward_logits(chunks, ids, vocab, position_ids=pos,
-                                      packed_seq_params=thd_packed_seq_params(cu))[0]
+                                      packed_seq_params=thd_packed_seq_params(cu.to(device)))[0]
     cu_pad = torch.tensor([0, *padded]).cumsum(0)
     slots = [torch.cat([d, torch.randint(0, vocab, (p - len(d),), generator=generator)])
              for d, p in zip(docs, padded)]
     pos = torch.cat([torch.arange(p) for p in padded])[None]
     out = forward_logits(chunks, torch.cat(slots)[None], vocab, position_ids=pos,
-                         packed_seq_params=thd_packed_seq_params(cu, cu_pad))[0]
+                         packed_seq_params=thd_packed_seq_params(cu.to(device),
+                                                                 cu_pad.to(device)))[0]
     real = torch.cat([torch.arange(start, start + n) for start, n in zip(cu_pad[:-1], lengths)])
-    result["packed_padded"] = out[real]
+    result = {key: value.cpu() for key, value in result.items()}
+    result["packed_padded"] = out.cpu()[real]
     return result
 
 
@@ -64,8 +67,9 @@ def per_token_loss(chunks, inputs: torch.Tensor) -> torch.Tensor | None:
     chunk = chunks[0]
     if len(chunks) > 1 or not (chunk.pre_process and chunk.post_process):
         return None
+    inputs = inputs.to(next(chunk.parameters()).device)
     tokens, labels = inputs[:, :-1], inputs[:, 1:]
-    positions = torch.arange(tokens.size(1)).expand_as(tokens)
+    positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
     chunk.eval()
     with torch.no_grad():
         return chunk(tokens, positions, None, labels=labels)
@@ -81,7 +85,7 @@ def run_model(job: dict, model: str, models: Path, out: Path, ctx) -> float:
     start = time.perf_counter()
     source = models / model
     vocab = read_hf_config(source).vocab_size
-    chunks = build_model(source, ctx)
+    chunks = build_model(source, ctx, dtype=getattr(torch, job.get("dtype", "float32")))
     layers = [[layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks]
     (out / f"{model}.layers.rank{dist.get_rank()}.json").write_text(json.dumps(layers))
     inputs = torch.load(models / "inputs.pt")

@@ -147,7 +147,7 @@ def ranks4(models, tmp_path_factory) -> Path:
 
 def _max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
     assert got.shape == want.shape, (got.shape, want.shape)
-    return (got - want).abs().max().item()
+    return (got.cpu().float() - want.cpu().float()).abs().max().item()
 
 
 def _read_export(directory: Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,81 @@
+"""One-GPU checks, run with ``pytest -m gpu`` on a machine with CUDA (skipped elsewhere; the
+CPU suite hides CUDA, see conftest): the Megatron model in bf16 against transformers in bf16,
+and a short bf16 training run of the bundled demo on the GPU's fast paths.
+
+The bf16 tolerance calibrates itself: against the fp32 transformers logits, our bf16 logits
+may be off by at most twice what transformers' own bf16 logits are (plus 1e-2), since two
+correct bf16 implementations differ by rounding order, not by a fixed amount.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "hpc_mca" / "assets" / "demo"
+WORKER = Path(__file__).with_name("models_worker.py")
+
+pytestmark = pytest.mark.gpu
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env.update(HPC_MCA_DIST_TIMEOUT="120", PYTHONWARNINGS="ignore")
+    return env
+
+
+@pytest.mark.parametrize("family,config_class,overrides", [
+    ("llama", "LlamaConfig", dict(vocab_size=200)),
+    ("qwen3_moe", "Qwen3MoeConfig", dict(vocab_size=160, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32)),
+])
+def test_bf16_logits_match_transformers_bf16(tmp_path, family, config_class, overrides):
+    import transformers
+
+    config = getattr(transformers, config_class)(
+        num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=256, max_position_embeddings=256, **overrides)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    hf.save_pretrained(tmp_path / family)
+    inputs = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    torch.save(inputs, tmp_path / "inputs.pt")
+    with torch.no_grad():
+        exact = hf.cuda()(inputs.cuda()).logits.float().cpu()
+        hf_bf16 = hf.to(torch.bfloat16)(inputs.cuda()).logits.float().cpu()
+    job = {"name": "cuda", "layout": {}, "models": [family], "dtype": "bfloat16"}
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(WORKER), str(tmp_path),
+                           str(tmp_path / "out"), json.dumps([job])],
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ours = torch.load(tmp_path / "out" / "cuda" / f"{family}.logits.pt").float()
+    theirs_error = (hf_bf16 - exact).abs().max().item()
+    our_error = (ours - exact).abs().max().item()
+    assert our_error <= 2 * theirs_error + 1e-2, (our_error, theirs_error)
+
+
+def test_one_gpu_bf16_demo_trains_on_the_fused_paths(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpc_mca", "train", str(DEMO / "sft_addition.yaml"),
+         f"training.output_dir={run_dir}", "max_steps=60", "logging_steps=20", "bf16=true",
+         "eval_steps=60", "save_steps=60"],
+        env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (run_dir / "finished").exists()
+    from hpc_mca.models.packed_kernels import varlen_available
+
+    expected = "varlen" if varlen_available() else "flex"
+    assert f"packed kernel {expected}" in proc.stdout, proc.stdout[-3000:]
+    records = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records]
+    assert len(losses) == 60 and all(map(torch.isfinite, torch.tensor(losses)))
+    assert sum(losses[-10:]) < sum(losses[:10])  # it learns
