@@ -218,6 +218,9 @@ class TrainingArguments:
     """Train in float16 with loss scaling."""
     optim: str = "adam"
     """adam (AdamW-style decoupled weight decay) or sgd."""
+    fused_optimizer: bool = True
+    """adam on torch's optimizer (no TE/Apex FusedAdam installed): run torch's fused AdamW
+    kernel instead of its per-tensor loop (benchmarks/optimizer_step.py)."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     adam_beta1: float = 0.9

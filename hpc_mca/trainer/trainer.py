@@ -40,6 +40,7 @@ from hpc_mca.trainer.boundary import StepBoundary
 from hpc_mca.trainer.callbacks import StepFlowCallback
 from hpc_mca.trainer.config import ParallelArguments, TrainConfig, total_training_steps
 from hpc_mca.trainer.lr_scheduler import build_lr_scheduler, resolve_warmup_steps, scheduler_spec
+from hpc_mca.trainer.fused_optimizer import use_fused_adam
 from hpc_mca.trainer.metrics import MetricsWriter, flops_per_token
 from hpc_mca.trainer.objective import Objective
 from hpc_mca.topology import ModelShape
@@ -85,6 +86,8 @@ class Trainer:
                                   resolve_warmup_steps(tr.warmup_steps, tr.warmup_ratio, self.max_steps),
                                   self.max_steps)
         self.optimizer = build_optimizer(self.model, optimizer_config(config, min_lr=schedule.min_lr))
+        if tr.fused_optimizer:
+            use_fused_adam(self.optimizer)
         self.lr_scheduler = build_lr_scheduler(schedule, self.optimizer, weight_decay=tr.weight_decay)
         self.forward_backward = get_forward_backward_func()
         self.objective = objective
