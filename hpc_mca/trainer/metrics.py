@@ -26,12 +26,15 @@ from hpc_mca.rundir import PROGRESS_FILE, STEPS_FILE, tensorboard_dir, write_ato
 from hpc_mca.topology import ModelShape
 
 # Dense bf16 peak TFLOP/s per GPU model, for the MFU estimate (vendor data sheets, no sparsity).
-_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0,
+                "B200": 2250.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+"""Dense bf16 TFLOP/s by device-name fragment, first match wins (PCIe/NVL before plain H100)."""
 
 
 def flops_per_token(model: ModelShape, seq_length: int) -> float:
-    """Training FLOPs per token: 6 per multiply-accumulate of every active weight (forward 2,
-    backward 4) plus causal attention scores (QK^T and AV, half the matrix)."""
+    """Training FLOPs per token, PaLM's MFU convention: 6 per active weight (a multiply-add
+    forward, two backward) plus 12 × layers × heads × head_dim × seq_length for the attention
+    scores (QK^T and AV over the whole sequence: causal masking is not subtracted)."""
     h, layers = model.hidden_size, model.num_layers
     head_dim = model.kv_channels
     attn = h * head_dim * (model.num_attention_heads * 2 + model.num_query_groups * 2)
@@ -40,7 +43,7 @@ def flops_per_token(model: ModelShape, seq_length: int) -> float:
     else:
         mlp = 3 * h * model.ffn_hidden_size
     weights = layers * (attn + mlp) + h * model.vocab_size
-    scores = layers * 2 * model.num_attention_heads * head_dim * seq_length  # causal: half of 4
+    scores = layers * 2 * model.num_attention_heads * head_dim * seq_length
     return 6.0 * weights + 6.0 * scores
 
 
@@ -51,9 +54,13 @@ def peak_flops_per_device() -> float | None:
         return float(override) * 1e12
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
+    return peak_flops_of(torch.cuda.get_device_name())
+
+
+def peak_flops_of(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of the device called ``device_name``; None when not in the table."""
     for key, tflops in _PEAK_TFLOPS.items():
-        if key in name:
+        if key in device_name:
             return tflops * 1e12
     return None
 

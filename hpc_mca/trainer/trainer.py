@@ -63,8 +63,10 @@ class StepResult:
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     """The objective's extra metrics (dpo: rewards/..., logps/...)."""
     seconds: float = 0.0
-    """Wall time of the loop iteration (callbacks, data, forward-backward, optimizer), to the
-    end of its device work (CUDA is synchronised first)."""
+    """Wall time from the previous step's end to this one's: callbacks, data, forward-backward,
+    optimizer, to the end of its device work (CUDA is synchronised first), and the previous
+    step's bookkeeping; evaluation, checkpoint saves and logging are not counted. Over a
+    logging window these add up to the window the logged tokens/s divides by."""
 
 
 class Trainer:
@@ -163,13 +165,14 @@ class Trainer:
         self.metrics.write_progress(step=self.state.global_step, max_steps=self.max_steps, finished=False,
                                     job_id=self.ctx.env.job_id, restart_count=self.ctx.env.restart_count)
         window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
+        step_end = window_start  # where the next step's time starts
         requeue = False
         while self.state.global_step < self.max_steps:
-            started = time.perf_counter()
             self.control = self.callbacks.on_step_begin(self.config.training, self.state, self.control)
             result = self.train_step(next(batches))
             _sync(self.ctx.device)  # a GPU step ends when its kernels do, not when they are queued
-            result.seconds = time.perf_counter() - started
+            now = time.perf_counter()
+            result.seconds, step_end = now - step_end, now
             history.append(result)
             self.state.global_step += 1
             self.state.epoch = self.consumed_samples / max(1, len(self.data.train))
@@ -188,7 +191,7 @@ class Trainer:
             # Read once: on_log/on_evaluate clear the flags they answer.
             log, evaluate = self.control.should_log, self.control.should_evaluate
             if log:
-                elapsed = time.perf_counter() - window_start
+                elapsed = step_end - window_start
                 self._log(result, window_tokens / elapsed, elapsed / window_steps)
             if evaluate:
                 self.evaluate()
@@ -198,6 +201,7 @@ class Trainer:
             if log or evaluate or decision.save:
                 # Throughput covers training steps only, not evaluation or checkpointing.
                 window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
+                step_end = window_start
             if decision.stop:
                 requeue = decision.requeue
                 break
