@@ -51,7 +51,8 @@ from typing import Any
 from hpc_mca.errors import UserError
 
 __all__ = [
-    "MegatronLRScheduler", "SCHEDULER_NAMES", "SchedulerError", "SchedulerSpec",
+    "MegatronLRScheduler",  # noqa: F822 - built on first use by the module __getattr__
+    "SCHEDULER_NAMES", "SchedulerError", "SchedulerSpec",
     "build_lr_scheduler", "get_megatron_lr_scheduler", "resolve_warmup_steps", "scheduler_spec",
 ]
 
