@@ -235,7 +235,9 @@ def _document_block_mask(plan: PackedPlan, device: torch.device) -> Any:
         return (doc[q] == doc[kv]) & valid[kv] & (doc[q] >= 0) & (pos[kv] <= pos[q])
 
     total = len(layout)
-    return create_block_mask(same_document_causal, None, None, total, total, device=device)
+    # Compiled on CUDA: the eager builder evaluates the mask on all t x t slot pairs at once.
+    return create_block_mask(same_document_causal, None, None, total, total, device=device,
+                             _compile=device.type == "cuda")
 
 
 def flex_packed_attention(query: Tensor, key: Tensor, value: Tensor, plan: PackedPlan, *,
