@@ -1,7 +1,8 @@
 """Step time of ``hpc-mca train`` against a bare Megatron-Core loop, side by side.
 
 Both run in this process on the same tiny model (same HF weights), the same micro-batches and
-the same optimizer settings. The bare loop has the shape of Megatron-Core's
+the same optimizer settings (torch's fused AdamW in both, as ``training.fused_optimizer``
+sets it; benchmarks/optimizer_step.py measures that kernel on its own). The bare loop has the shape of Megatron-Core's
 run_simple_mcore_train_loop example: DDP, get_megatron_optimizer, forward_backward_func,
 optimizer.step — no callbacks, metrics, data pipeline or skip checks. The two alternate for
 ``--rounds`` rounds so that load from other processes hits both alike; each side's best
@@ -56,6 +57,10 @@ def bare_step_times(config_path: Path, steps: int) -> list[float]:
     tr = config.training
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=tr.learning_rate, min_lr=0.0,
                                                        clip_grad=tr.max_grad_norm), model)
+    if tr.fused_optimizer:  # the same optimizer kernel as the trainer: the ratio is overhead only
+        from hpc_mca.trainer.fused_optimizer import use_fused_adam
+
+        use_fused_adam(optimizer)
     loader = iter(train_dataloader(build_datasets(config).train, config, data_parallel_rank=0))
     per_step = tr.gradient_accumulation_steps
     batches = [[next(loader) for _ in range(per_step)] for _ in range(steps)]  # prepared up front
