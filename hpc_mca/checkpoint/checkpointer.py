@@ -50,7 +50,8 @@ from .space import (
     space_message,
     tree_bytes,
 )
-from .state import Resumable, build_state, load_optimizer, loop_state, model_state, sharded_metadata, unwrap
+from .state import (Resumable, build_state, load_model, load_optimizer, loop_state, model_state,
+                    sharded_metadata, unwrap)
 from .store import (
     INFO_FILE,
     CheckpointError,
@@ -113,7 +114,7 @@ class Checkpointer:
         model = self.loop.model
         for i, chunk in enumerate(model):
             key = "model" if len(model) == 1 else f"model{i}"
-            unwrap(chunk).load_state_dict(loaded[key], strict=True)
+            load_model(unwrap(chunk), loaded[key])
         load_optimizer(self.loop.optimizer, loaded["optimizer"],
                        model_state(model, sharded_metadata(saved_format)))
         self.loop.load_state_dict(loop_state(loaded, with_rng))
@@ -353,23 +354,40 @@ class Checkpointer:
             self._async_queue = None
         if not finished:
             return
-        export = self.config.training.export_hf_dir
-        if export:
-            self._export(Path(export) if os.path.isabs(export) else self.run_dir / export)
+        for merged, export in ((False, self.config.training.export_hf_dir),
+                               (True, self.config.training.export_merged_dir)):
+            if export:
+                self._export(Path(export) if os.path.isabs(export) else self.run_dir / export,
+                             merged=merged)
         if self.ctx.is_main:
             step = self.loop.state_dict()["trainer"]["global_step"]
             mark_finished(self.run_dir, step, steps_per_epoch=steps_per_epoch)
             self._progress(finished=True)
         dist.barrier()
 
-    def _export(self, out: Path) -> None:
+    def _export(self, out: Path, *, merged: bool) -> None:
+        """The HF model (full runs), the PEFT adapter (LoRA), or with ``merged`` the base model
+        with the adapters merged in."""
         from hpc_mca.models.export import save_hf_checkpoint
 
         started = time.perf_counter()
-        save_hf_checkpoint([unwrap(chunk) for chunk in self.loop.model], out,
-                           self.config.model.model_name_or_path)
+        chunks = [unwrap(chunk) for chunk in self.loop.model]
+        source = self.config.model.model_name_or_path
+        if self.config.finetuning.finetuning_type == "lora" and not merged:
+            from hpc_mca.models.adapter_export import save_peft_adapter
+            from hpc_mca.models.hf_config import read_hf_config
+            from hpc_mca.topology.lora import resolve_lora_targets
+
+            spec = read_hf_config(source)
+            ft = self.config.finetuning
+            save_peft_adapter(chunks, out, spec, resolve_lora_targets(ft.lora_target, is_moe=spec.is_moe),
+                              ft, str(Path(source).resolve()))
+            what = "PEFT adapter"
+        else:
+            save_hf_checkpoint(chunks, out, source, merge_adapters=merged)
+            what = "HF model (LoRA merged)" if merged else "HF model"
         if self.ctx.is_main:
-            print(f"exported HF model to {out} in {time.perf_counter() - started:.1f} s", flush=True)
+            print(f"exported {what} to {out} in {time.perf_counter() - started:.1f} s", flush=True)
 
     def begin(self, step: int, max_steps: int) -> None:
         """Before training from ``step`` to ``max_steps``: a run directory whose run had

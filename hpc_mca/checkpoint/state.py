@@ -100,10 +100,33 @@ def sharded_metadata(optimizer_format: str) -> dict[str, Any]:
 
 def model_state(chunks: list[torch.nn.Module], metadata: dict[str, Any]) -> dict[str, Any]:
     models = [unwrap(chunk) for chunk in chunks]
+    states = [_trained_only(model, model.sharded_state_dict(metadata=metadata)) for model in models]
     if len(models) == 1:
-        return {"model": models[0].sharded_state_dict(metadata=metadata)}
-    return {f"model{i}": model.sharded_state_dict(metadata=metadata)
-            for i, model in enumerate(models)}
+        return {"model": states[0]}
+    return {f"model{i}": state for i, state in enumerate(states)}
+
+
+def _trained_only(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """The entries of the parameters that train. Frozen ones (the base model under LoRA) are
+    the base model's: every start loads them from its HF weights (or its seeded init), so a
+    checkpoint holds only the adapters and the run records which base they belong to."""
+    frozen = {id(p) for p in model.parameters() if not p.requires_grad}
+    if not frozen:
+        return state
+    return {key: value for key, value in state.items()
+            if id(getattr(value, "data", None)) not in frozen}
+
+
+def load_model(model: torch.nn.Module, loaded: dict[str, Any]) -> None:
+    """Put a loaded model state back; only frozen parameters may be missing from it (see
+    :func:`_trained_only`), anything else that does not fit is an error."""
+    missing, unexpected = model.load_state_dict(loaded, strict=False)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    wrong = [f"missing {key}" for key in missing if key not in frozen]
+    wrong += [f"unexpected {key}" for key in unexpected]
+    if wrong:
+        raise RuntimeError(f"the checkpoint's model state does not fit this model: "
+                           f"{', '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}")
 
 
 def build_state(loop: Resumable, *, loading: bool, with_rng: bool, config: dict[str, Any] | None,

@@ -18,10 +18,11 @@ source directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from hpc_mca.models.hf_config import HFModelSpec, read_hf_config
 from hpc_mca.models.mapping import Piece, hf_tensor_shapes
 from hpc_mca.models.weights import local_plans
 
-__all__ = ["TOKENIZER_FILES", "save_hf_checkpoint"]
+__all__ = ["TOKENIZER_FILES", "ExportItem", "export_tensors", "save_hf_checkpoint"]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -54,7 +55,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
 @dataclass(frozen=True)
-class _Item:
+class ExportItem:
     """One piece this rank exports: where it goes and the parameter it comes from."""
 
     piece: Piece
@@ -83,36 +84,62 @@ def save_hf_checkpoint(
     *,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    merge_adapters: bool = False,
 ) -> None:
     """Write this model as an HF checkpoint into ``out_dir`` (called on every rank).
 
     ``source`` is the HF model (directory or spec) the chunks were built from: its config is
     written back and its tokenizer files copied. ``dtype`` defaults to the config's declared
     dtype, else the parameters' dtype. Old ``model*.safetensors`` files in ``out_dir`` are
-    removed first; ``out_dir`` must not be the source directory.
+    removed first; ``out_dir`` must not be the source directory. ``merge_adapters``: write
+    each LoRA base weight with its adapters merged in (``W + scaling * B @ A``, computed in
+    float32 out of place: the model's own weights are not touched).
     """
     spec = source if isinstance(source, HFModelSpec) else read_hf_config(source)
     out = Path(out_dir)
     if spec.directory is not None and out.resolve() == spec.directory.resolve():
         raise ModelLoadError(f"{out}: export directory is the source model directory")
+    merged = _merged_weights(chunks) if merge_adapters else {}
+    items = [ExportItem(piece, merged.get(id(param), param)) for chunk in chunks
+             for plan, param in local_plans(chunk, spec) if plan.exported for piece in plan.pieces]
     shapes = hf_tensor_shapes(spec)
-    order = {name: i for i, name in enumerate(shapes)}
-    items = sorted(
-        (_Item(piece, param) for chunk in chunks for plan, param in local_plans(chunk, spec)
-         if plan.exported for piece in plan.pieces),
-        key=lambda item: (order[item.piece.hf_name], item.piece.hf_start),
-    )
-    plan = _gather_plan(items, shapes)
-    if _rank() != 0:
-        for item in items:
-            dist.send(item.tensor().contiguous(), dst=0)
-    else:
-        out_dtype = dtype or _declared_dtype(spec) or items[0].param.dtype
-        _write(out, shapes, plan, items, out_dtype, max_shard_bytes)
+    with _ShardWriter(out, max_shard_bytes) if _rank() == 0 else contextlib.nullcontext() as writer:
+        out_dtype = export_tensors(items, shapes, dtype or _declared_dtype(spec),
+                                   writer.add if writer is not None else None)
+    if _rank() == 0:
         _write_config(out, spec, out_dtype)
         _copy_tokenizer_files(spec, out)
     if dist.is_initialized():
         dist.barrier()
+
+
+def export_tensors(items: Sequence[ExportItem], shapes: dict[str, tuple[int, ...]],
+                   dtype: torch.dtype | None, sink: Callable[[str, torch.Tensor], None] | None
+                   ) -> torch.dtype:
+    """Assemble the HF tensors ``shapes`` (in that order) from every rank's ``items`` on rank
+    0 and hand each to ``sink`` (called on every rank; rank 0 passes the sink). Returns the
+    dtype written (``dtype``, else the parameters')."""
+    order = {name: i for i, name in enumerate(shapes)}
+    items = sorted(items, key=lambda item: (order[item.piece.hf_name], item.piece.hf_start))
+    plan = _gather_plan(items, shapes)
+    out_dtype = dtype or (items[0].param.dtype if items else torch.float32)
+    if _rank() != 0:
+        for item in items:
+            dist.send(item.tensor().contiguous(), dst=0)
+    else:
+        _assemble(shapes, plan, items, out_dtype, sink)
+    return out_dtype
+
+
+def _merged_weights(chunks: Sequence[torch.nn.Module]) -> dict[int, torch.Tensor]:
+    """id(LoRA base weight) -> that weight with its adapters merged in (its dtype)."""
+    from hpc_mca.models.lora import lora_layers
+
+    merged = {}
+    for _, layer in lora_layers(list(chunks)):
+        weight = layer.get_base_layer().weight
+        merged[id(weight)] = (weight.detach().float() + layer.delta_weight()).to(weight.dtype)
+    return merged
 
 
 def _rank() -> int:
@@ -120,7 +147,7 @@ def _rank() -> int:
 
 
 def _gather_plan(
-    items: Sequence[_Item], shapes: dict[str, tuple[int, ...]]
+    items: Sequence[ExportItem], shapes: dict[str, tuple[int, ...]]
 ) -> dict[str, list[_Meta]]:
     """Every rank's pieces per HF tensor, checked to tile each tensor exactly once."""
     mine = [
@@ -163,31 +190,29 @@ def _declared_dtype(spec: HFModelSpec) -> torch.dtype | None:
     return value if isinstance(value, torch.dtype) else None
 
 
-def _write(
-    out: Path,
+def _assemble(
     shapes: dict[str, tuple[int, ...]],
     plan: dict[str, list[_Meta]],
-    items: Sequence[_Item],
+    items: Sequence[ExportItem],
     dtype: torch.dtype,
-    max_shard_bytes: int,
+    sink: Callable[[str, torch.Tensor], None],
 ) -> None:
-    """Rank 0: assemble each tensor from local and received pieces and stream it to shards."""
+    """Rank 0: assemble each tensor from local and received pieces and hand it to ``sink``."""
     local = iter(items)
     device = items[0].param.device if items else torch.device("cpu")
-    with _ShardWriter(out, max_shard_bytes) as writer:
-        for name, shape in shapes.items():
-            full = torch.empty(shape, dtype=dtype)
-            for meta in plan[name]:
-                if meta.rank == 0:
-                    part = next(local).tensor()
-                else:
-                    part = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype.split(".")[-1]),
-                                       device=device)
-                    dist.recv(part, src=meta.rank)
-                p = meta.piece
-                target = full if p.dim is None else full.narrow(p.dim, p.hf_start, p.length)
-                target.copy_(part)
-            writer.add(name, full)
+    for name, shape in shapes.items():
+        full = torch.empty(shape, dtype=dtype)
+        for meta in plan[name]:
+            if meta.rank == 0:
+                part = next(local).tensor()
+            else:
+                part = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype.split(".")[-1]),
+                                   device=device)
+                dist.recv(part, src=meta.rank)
+            p = meta.piece
+            target = full if p.dim is None else full.narrow(p.dim, p.hf_start, p.length)
+            target.copy_(part)
+        sink(name, full)
 
 
 class _ShardWriter:

@@ -5,9 +5,9 @@ a run changes what trains and how: LoRA adapters (and freezing the base weights)
 layers, dtype casts. A transform takes this rank's chunks and returns the chunks to train;
 it runs on every rank, after the weights are loaded, so it sees the real model.
 
-``finetuning.finetuning_type`` selects the transform in :data:`TRANSFORMS`, one table. Only
-``full`` (every parameter trains: the identity) exists now; ``lora`` is refused by the config
-rules until its transform lands here.
+``finetuning.finetuning_type`` selects the transform in :data:`TRANSFORMS`, one table: ``full``
+(every parameter trains: the identity) and ``lora`` (peft adapters on Megatron's linears, the
+rest frozen: :mod:`.lora`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,14 @@ def full(chunks: list[torch.nn.Module], config: Any) -> list[torch.nn.Module]:
     return chunks
 
 
-TRANSFORMS: dict[str, ModelTransform] = {"full": full}
+def lora(chunks: list[torch.nn.Module], config: Any) -> list[torch.nn.Module]:
+    """LoRA adapters on the targeted linears; every other parameter frozen."""
+    from hpc_mca.models.lora import apply_lora
+
+    return apply_lora(chunks, config)
+
+
+TRANSFORMS: dict[str, ModelTransform] = {"full": full, "lora": lora}
 
 
 def transform_model(chunks: list[torch.nn.Module], config: Any) -> list[torch.nn.Module]:

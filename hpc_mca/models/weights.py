@@ -65,7 +65,8 @@ def shard_coords(chunk: torch.nn.Module) -> ShardCoords:
 def local_plans(
     chunk: torch.nn.Module, spec: HFModelSpec
 ) -> Iterator[tuple[ParamPlan, torch.nn.Parameter]]:
-    """(plan, parameter) for every parameter of one GPTModel chunk except its MTP block.
+    """(plan, parameter) for every base-model parameter of one GPTModel chunk (not its MTP
+    block, not LoRA adapters; a LoRA layer's base linear under its own name).
 
     Layers are numbered model-wide through ``layer_number`` (1-based, set by Megatron from the
     pipeline/virtual-pipeline offset), which also covers uneven pipeline layouts.
@@ -75,8 +76,10 @@ def local_plans(
     layers = getattr(getattr(chunk, "decoder", None), "layers", [])
     global_index = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
     for name, param in chunk.named_parameters():
-        if name.startswith("mtp."):
-            continue  # MTP layers have no HF tensors here: models.mtp.initialise fills them
+        if name.startswith("mtp.") or ".lora_" in name:
+            continue  # MTP layers have no HF tensors here: models.mtp.initialise fills them;
+            # LoRA adapters are not part of the base model (models.adapter_export writes them)
+        name = name.replace(".base_layer.", ".")  # a linear inside its LoRA layer
         match = _LAYER_INDEX.match(name)
         layer = global_index[int(match.group(1))] if match else None
         yield plan_param(spec, coords, name, layer), param

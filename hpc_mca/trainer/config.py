@@ -39,10 +39,9 @@ RESERVED_STAGES: tuple[str, ...] = ()
 """Stages the entry point will route later (their seam: add the name to STAGES and a builder)."""
 PREF_LOSSES = ("sigmoid", "ipo", "hinge")
 """dpo's preference losses (``finetuning.pref_loss``), as LLaMA-Factory and TRL name them."""
-FINETUNING_TYPES = ("full",)
-"""Which parameters train: every one. (``lora`` is refused until LoRA lands: accepting it
-and training every weight would not be what was asked for.)"""
-RESERVED_FINETUNING_TYPES = ("lora",)
+FINETUNING_TYPES = ("full", "lora")
+"""Which parameters train: every one (full), or LoRA adapters on the frozen model (lora)."""
+RESERVED_FINETUNING_TYPES: tuple[str, ...] = ()
 DATASET_FORMATS = ("auto", "text", "alpaca", "sharegpt", "indexed")
 TEMPLATES = ("chat", "plain")
 ATTENTION_BACKENDS = ("auto", "te", "flash", "torch")
@@ -131,7 +130,8 @@ class FinetuningArguments:
     """pt (next-token loss on all tokens), sft (loss on responses) or dpo (preference pairs
     against a frozen reference model)."""
     finetuning_type: str = "full"
-    """full (every parameter); lora (adapters only) is reserved."""
+    """full (every parameter) or lora (adapters on the frozen model, through peft: only they
+    train and are checkpointed)."""
     lora_rank: int = 8
     """LoRA rank r."""
     lora_alpha: float | None = None
@@ -139,7 +139,9 @@ class FinetuningArguments:
     lora_dropout: float = 0.0
     """Dropout on the LoRA input."""
     lora_target: list[str] = field(default_factory=lambda: ["all"])
-    """Module names that get adapters, or ``all`` (every linear layer)."""
+    """HF module names that get adapters (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj; MoE experts: gate_up_proj, down_proj), or ``all`` (every one the model has; the
+    MoE router is never adapted). A comma-separated string works too."""
     pref_beta: float = 0.1
     """dpo: β, how far the policy may move from the reference (the rewards' scale)."""
     pref_loss: str = "sigmoid"
@@ -205,7 +207,11 @@ class TrainingArguments:
     format the checkpoint was written in."""
     export_hf_dir: str | None = None
     """After the last step, also write the model as an HF safetensors directory here
-    (relative paths are under output_dir); None = no export."""
+    (relative paths are under output_dir); with LoRA, the adapter as a PEFT adapter directory
+    (adapter_config.json, adapter_model.safetensors); None = no export."""
+    export_merged_dir: str | None = None
+    """LoRA: after the last step, also write the base model with the adapters merged in as a
+    full HF safetensors directory here (relative paths are under output_dir)."""
     eval_steps: int | None = None
     """Evaluate every N steps; None = only after the last step (when there is an eval set)."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_mca.topology import Layout, LayoutError, ModelShape, check_layout
+from hpc_mca.topology.lora import LoraTargetError, resolve_lora_targets
 
 from .config import (
     ATTENTION_BACKENDS,
@@ -103,8 +104,37 @@ def _check_finetuning(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"finetuning.lora_dropout={ft.lora_dropout} must be in [0, 1)")
     if ft.lora_alpha is None:
         ft.lora_alpha = 2.0 * ft.lora_rank
+    if ft.finetuning_type == "lora":
+        _check_lora(config)
+    elif config.training.export_merged_dir:
+        raise ConfigError(f"training.export_merged_dir={config.training.export_merged_dir!r} "
+                          "merges LoRA adapters into the base model; valid with "
+                          "finetuning.finetuning_type='lora' (full runs: training.export_hf_dir)")
     if ft.stage == "dpo":
         _check_dpo(config)
+
+
+def _check_lora(config: TrainConfig) -> None:
+    """The targets name modules of this model (one line naming the valid ones otherwise)."""
+    ft = config.finetuning
+    if isinstance(ft.lora_target, str):
+        ft.lora_target = [ft.lora_target]
+    shape = _model_shape(config.model.model_name_or_path)
+    try:
+        targets = resolve_lora_targets(ft.lora_target, is_moe=shape.is_moe,
+                                       model_type=_model_type(config.model.model_name_or_path))
+    except LoraTargetError as err:
+        raise ConfigError(str(err)) from None
+    if config.model.mtp_num_layers:
+        raise ConfigError(f"model.mtp_num_layers={config.model.mtp_num_layers} with "
+                          "finetuning.finetuning_type='lora': MTP layers start untrained and "
+                          "LoRA freezes them; valid: model.mtp_num_layers=0 or "
+                          "finetuning_type='full'")
+    if ft.lora_dropout and (targets.expert_fc1 or targets.expert_fc2):
+        raise ConfigError(f"finetuning.lora_dropout={ft.lora_dropout} with adapters on MoE "
+                          "experts: peft's expert adapters (target_parameters) apply no dropout, "
+                          "so the exported adapter would not be the one trained; valid: 0, or "
+                          "a finetuning.lora_target without gate_up_proj/down_proj")
 
 
 def _check_dpo(config: TrainConfig) -> None:
