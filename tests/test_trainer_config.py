@@ -132,8 +132,18 @@ def test_layout_rule_uses_topology_and_model_shape(run: Path):
      "hold a whole pair of up to 2 × cutoff_len=64 tokens; valid: data.seq_length >= 64"),
     (["stage=dpo", "dataset_format=text"], "data.dataset_format='text' does not fit "
                                            "finetuning.stage='dpo'; valid: auto, alpaca, sharegpt"),
-    (["finetuning_type=lora"], "finetuning.finetuning_type='lora' is not yet supported; "
-                               "valid: full"),
+    (["finetuning_type=lora", "lora_target=[q_proj,attn]"],
+     "finetuning.lora_target=['q_proj', 'attn'] names no module of this llama: attn; valid: "
+     "all, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
+    (["finetuning_type=lora", "lora_target=gate_up_proj"],
+     "finetuning.lora_target=['gate_up_proj'] names no module of this llama: gate_up_proj"),
+    (["finetuning_type=lora", "lora_rank=0"], "finetuning.lora_rank=0 must be >= 1"),
+    (["finetuning_type=lora", "mtp_num_layers=1"],
+     "model.mtp_num_layers=1 with finetuning.finetuning_type='lora': MTP layers start untrained"),
+    (["export_merged_dir=merged"], "training.export_merged_dir='merged' merges LoRA adapters "
+                                   "into the base model; valid with finetuning.finetuning_type"),
+    (["finetuning_type=qlora"], "finetuning.finetuning_type='qlora' is not valid; valid: full, "
+                                "lora"),
     (["packed_attention=fast"], "model.packed_attention='fast' is not valid; valid: auto, "
                                 "varlen, flex, sdpa"),
     (["cp_comm_type=ring"], "parallel.cp_comm_type='ring' is not valid; valid: all_gather, "

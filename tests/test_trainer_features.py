@@ -144,7 +144,7 @@ def test_moe_expert_parallel_training_logs_aux_loss(tmp_path):
         ("data.dataset=[/nonexistent/train.jsonl]", "/nonexistent/train.jsonl"),
         ("trainnig.max_steps=3", "did you mean"),
         ("training.global_batch_size=7", "global_batch_size/parallel.data_parallel_size=7/1"),
-        ("finetuning.finetuning_type=lora", "finetuning.finetuning_type='lora' is not yet"),
+        ("finetuning.lora_rank=0", "finetuning.lora_rank=0 must be >= 1"),
         pytest.param("model.attention_backend=te",
                      "model.attention_backend='te' is not available here (needs "
                      "transformer_engine and CUDA)", marks=pytest.mark.skipif(

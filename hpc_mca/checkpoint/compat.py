@@ -20,6 +20,7 @@ optimizer (their state layouts differ), full vs. LoRA training, and — for the
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,23 @@ def training_record(config: Any, optimizer_format: str) -> dict[str, Any]:
             # Not compared: a resume on another world size keeps the global batch and
             # re-derives these (reported by describe_batch_changes).
             "micro_batch_size": tr.per_device_train_batch_size,
-            "gradient_accumulation_steps": tr.gradient_accumulation_steps}
+            "gradient_accumulation_steps": tr.gradient_accumulation_steps,
+            **_base_model(config)}
+
+
+def _base_model(config: Any) -> dict[str, Any]:
+    """LoRA: the base model the adapters belong to (a checkpoint holds only the adapters)."""
+    if config.finetuning.finetuning_type != "lora":
+        return {}
+    path = str(Path(config.model.model_name_or_path).resolve())
+    return {"base_model": {"path": path, "fingerprint": _fingerprint(path)}}
+
+
+@functools.cache
+def _fingerprint(path: str) -> str:
+    from hpc_mca.models.checkpoint import weights_fingerprint
+
+    return weights_fingerprint(path)
 
 
 def incompatibilities(info: CheckpointInfo, model: dict[str, Any], layout: dict[str, Any],
@@ -112,6 +129,7 @@ def incompatibilities(info: CheckpointInfo, model: dict[str, Any], layout: dict[
         if key in info.training and old != new:
             reasons.append(f"{dotted}={new!r} but the checkpoint at step {info.step} was saved "
                            f"with {old!r}; valid: {old!r}")
+    reasons += _base_model_changed(info, training)
     if info.training.get("optimizer_format") == "dp_reshardable":
         for key in _DP_RESHARDABLE_FIXED:
             old, new = info.layout.get(key), layout.get(key)
@@ -120,6 +138,18 @@ def incompatibilities(info: CheckpointInfo, model: dict[str, Any], layout: dict[
                                f"state (dp_reshardable) was saved with {key}={old} and can "
                                f"only change data parallelism; valid: {key}={old}")
     return reasons
+
+
+def _base_model_changed(info: CheckpointInfo, training: dict[str, Any]) -> list[str]:
+    """LoRA adapters load only onto the base model they were trained on (its weights: the
+    fingerprint, wherever the directory now is)."""
+    old, new = info.training.get("base_model"), training.get("base_model")
+    if not old or not new or old.get("fingerprint") == new.get("fingerprint"):
+        return []
+    return [f"model.model_name_or_path={new['path']!r} has other weights than the base model "
+            f"the LoRA adapters of the checkpoint at step {info.step} were trained on "
+            f"({old['path']}, fingerprint {old['fingerprint'][:12]}, now "
+            f"{new['fingerprint'][:12]}); valid: that base model"]
 
 
 def same_layout(info: CheckpointInfo, layout: dict[str, Any]) -> bool:

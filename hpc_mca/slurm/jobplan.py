@@ -169,9 +169,6 @@ def _refuse_unbuilt(fields: dict[str, Any]) -> None:
     if stage is not None and stage not in STAGES:
         why = "is not yet supported by the trainer" if stage in RESERVED_STAGES else "is not valid"
         lines.append(f"stage={stage!r} {why}; valid: {', '.join(STAGES)}")
-    if fields.get("lora"):
-        lines.append("lora=True (--lora, finetuning_type: lora) is not yet supported by the "
-                     "trainer; valid: full fine-tuning (--no-lora)")
     if lines:
         raise OpsError("\n".join(lines))
 

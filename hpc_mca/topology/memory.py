@@ -118,21 +118,29 @@ def _layer_counts(model: ModelShape, layout: Layout, lora_rank: int) -> ParamCou
     h, d, tp = model.hidden_size, model.kv_channels, layout.tp
     hq, hkv, mats = model.num_attention_heads * d, model.num_query_groups * d, mlp_matrices(model)
     attn = h * hq + 2 * h * hkv + hq * h           # QKV (GQA-narrow K and V) and output proj
-    fc1_out = (mats - 1) * model.ffn_hidden_size   # gate+up for SwiGLU, up alone otherwise
-    lora_attn = lora_rank * ((h + hq + 2 * hkv) + (hq + h))
+    # LoRA (models.lora): one (A, B) per HF module. On a column-parallel linear A is whole on
+    # every TP rank and B split; on a row-parallel one A is split and B whole.
+    r = lora_rank
+    lora_attn = r * 3 * h + r * (hq + 2 * hkv) // tp + r * hq // tp + r * h
     if not model.is_moe:
         mlp = mats * h * model.ffn_hidden_size
-        lora_mlp = lora_rank * ((h + fc1_out) + (model.ffn_hidden_size + h))
         return ParamCounts(dense=(attn + mlp) // tp + 2 * h,
-                       adapters=(lora_attn + lora_mlp) // tp)
+                           adapters=lora_attn + _lora_mlp(r, h, model.ffn_hidden_size, mats, tp))
     fe, fs = model.expert_ffn_hidden_size, model.moe_shared_expert_ffn_hidden_size
     local_experts = model.num_experts // layout.ep
     router = h * model.num_experts                 # replicated on every TP rank
     shared = mats * h * fs
     expert = local_experts * mats * h * fe // layout.etp
-    lora_expert = local_experts * lora_rank * ((h + (mats - 1) * fe) + (fe + h)) // layout.etp
+    # An expert's fused gate/up weight has one A (transformers keeps it as one parameter).
+    lora_expert = local_experts * (2 * r * h + r * ((mats - 1) * fe + fe) // layout.etp)
+    lora_shared = _lora_mlp(r, h, fs, mats, tp) if fs else 0
     return ParamCounts(dense=(attn + shared) // tp + router + 2 * h, expert=expert,
-                   adapters=(lora_attn + lora_rank * (mats * fs + 2 * h)) // tp + lora_expert)
+                       adapters=lora_attn + lora_shared + lora_expert)
+
+
+def _lora_mlp(r: int, h: int, ffn: int, mats: int, tp: int) -> int:
+    """LoRA parameters of a dense MLP on one GPU: gate and up (column) and down (row)."""
+    return (mats - 1) * r * h + r * (mats - 1) * ffn // tp + r * ffn // tp + r * h
 
 
 def mtp_on_rank(layout: Layout, work: Workload, rank: int) -> int:

@@ -13,6 +13,8 @@ log-probability of its answer tokens, under the policy and under the reference:
 * **the reference** is a second copy of the model chunks with the same layout. It is copied
   from the policy before any checkpoint is loaded (so it is the starting model, HF weights or
   the seeded random init alike), frozen, kept in eval mode and outside DDP and the optimizer.
+  With LoRA it is the policy itself with its adapters switched off (the frozen base is the
+  starting model), so there is no second copy.
   Before each step (and each eval batch) it runs its own forward-only pass of Megatron's
   schedule over the same micro-batches (pipeline exchanges included), and its per-document
   sums wait, keyed by micro-batch, for the policy's loss function.
@@ -36,6 +38,7 @@ answer length. ``pref_ftx`` adds the chosen answer's mean token NLL. The metrics
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Any, Callable, Iterator
 
@@ -129,7 +132,12 @@ class DpoObjective(Objective):
 
     def attach(self, chunks: list[torch.nn.Module], build: Callable[[], list[torch.nn.Module]]
                ) -> None:
-        """Build the reference: the same layout, the policy's starting weights, frozen."""
+        """Build the reference: the same layout, the policy's starting weights, frozen. With
+        LoRA the starting model is the policy's own frozen base: the reference is the policy
+        with its adapters switched off, no second copy."""
+        if self.config.finetuning.finetuning_type == "lora":
+            self.reference = chunks
+            return
         self.reference = build()
         for ref, policy in zip(self.reference, chunks):
             ref.load_state_dict(policy.state_dict())
@@ -150,12 +158,31 @@ class DpoObjective(Objective):
                               dtype=torch.float64, device=self.ctx.device)
         dist.all_reduce(counts, group=mpu.get_data_parallel_group(with_context_parallel=True))
         self._tokens_per_pair = float(counts[0] / counts[1]) if counts[1] else 1.0
-        with torch.no_grad():
+        with torch.no_grad(), self._reference_mode():
             outputs = schedule(self.reference, self._reference_step, micro_batches)
         self._reference_logps = {}
         if outputs:  # the last pipeline stage, where the policy's loss needs them
             for batch, out in zip(micro_batches, outputs):
                 self._reference_logps[id(batch)] = out["reference"]
+
+    @contextlib.contextmanager
+    def _reference_mode(self) -> Iterator[None]:
+        """LoRA: the shared chunks as the reference, adapters off and in eval mode (dropout
+        off), back to what they were afterwards. A separate reference is always so."""
+        if self.config.finetuning.finetuning_type != "lora":
+            yield
+            return
+        from hpc_mca.models.lora import adapters_disabled
+
+        modes = [chunk.training for chunk in self.reference]
+        for chunk in self.reference:
+            chunk.eval()
+        try:
+            with adapters_disabled(self.reference):
+                yield
+        finally:
+            for chunk, mode in zip(self.reference, modes):
+                chunk.train(mode)
 
     def _reference_step(self, data_iterator: Iterator[PackedBatch], model: torch.nn.Module
                         ) -> Any:
