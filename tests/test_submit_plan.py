@@ -230,3 +230,15 @@ def test_the_configs_mtp_depths_are_planned(tmp_path, model_dir):
     assert (plain.plan.request.mtp_num_layers, mtp.plan.request.mtp_num_layers) == (0, 2)
     assert mtp.plan.memory.total > plain.plan.memory.total
     assert mtp.plan.step_time.compute > plain.plan.step_time.compute
+
+
+def test_lora_plans_size_the_optimizer_for_adapters_only(tmp_path, model_dir):
+    """--lora is planned (and handed to the trainer): the frozen base needs no gradients or
+    optimizer state, so the same job needs far less of them."""
+    config = _config(tmp_path, model_dir)
+    full = make_job_plan(PlanOptions(nodes=1, tp=2), config)
+    lora = make_job_plan(PlanOptions(nodes=1, tp=2, lora=True), config)
+    assert _overrides(lora)["finetuning_type"] == "lora"
+    assert lora.plan.request.lora and not full.plan.request.lora
+    assert lora.plan.memory.optimizer < full.plan.memory.optimizer / 50
+    assert lora.plan.memory.grads < full.plan.memory.grads / 50

@@ -110,18 +110,22 @@ def _trained_only(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, An
     """The entries of the parameters that train. Frozen ones (the base model under LoRA) are
     the base model's: every start loads them from its HF weights (or its seeded init), so a
     checkpoint holds only the adapters and the run records which base they belong to."""
-    frozen = {id(p) for p in model.parameters() if not p.requires_grad}
-    if not frozen:
+    params = list(model.parameters())
+    if all(p.requires_grad for p in params):
         return state
+    trained = {id(p) for p in params if p.requires_grad}
+    # Frozen layers' extra states (None for Megatron's local linears) go with them.
     return {key: value for key, value in state.items()
-            if id(getattr(value, "data", None)) not in frozen}
+            if id(getattr(value, "data", None)) in trained}
 
 
 def load_model(model: torch.nn.Module, loaded: dict[str, Any]) -> None:
-    """Put a loaded model state back; only frozen parameters may be missing from it (see
-    :func:`_trained_only`), anything else that does not fit is an error."""
+    """Put a loaded model state back; only frozen parameters (and their layers' extra states)
+    may be missing from it (see :func:`_trained_only`), anything else is an error."""
     missing, unexpected = model.load_state_dict(loaded, strict=False)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    if frozen:
+        frozen |= {key for key in missing if key.endswith("._extra_state")}
     wrong = [f"missing {key}" for key in missing if key not in frozen]
     wrong += [f"unexpected {key}" for key in unexpected]
     if wrong:

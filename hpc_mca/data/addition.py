@@ -1,4 +1,5 @@
-"""The bundled demo task: multi-digit addition as SFT (``"12+345="`` -> ``"357"``).
+"""The bundled demo task: multi-digit addition as SFT (``"12+345="`` -> ``"357"``), and the
+subtraction the LoRA demo teaches the addition model (``"345-12="`` -> ``"333"``).
 
 :func:`make_problems` draws operand pairs deterministically (the number of digits of each
 operand is uniform, so short and long numbers are equally common); ``hpc_mca/assets/demo/
@@ -49,6 +50,12 @@ def _operand(rng: random.Random, max_digits: int) -> int:
 def alpaca_record(a: int, b: int) -> dict[str, str]:
     """The SFT record of ``a + b``."""
     return {"instruction": f"{a}+{b}=", "output": str(a + b)}
+
+
+def subtraction_record(a: int, b: int) -> dict[str, str]:
+    """The SFT record of the larger operand minus the smaller (the LoRA demo's new skill)."""
+    high, low = max(a, b), min(a, b)
+    return {"instruction": f"{high}-{low}=", "output": str(high - low)}
 
 
 def preference_record(a: int, b: int) -> dict[str, str]:

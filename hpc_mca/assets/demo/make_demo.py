@@ -12,9 +12,11 @@ Writes, without any network access:
 * ``train.jsonl`` / ``eval.jsonl``: alpaca records of multi-digit additions, disjoint.
 * ``dpo_train.jsonl`` / ``dpo_eval.jsonl``: pairwise records of the first problems of each
   (chosen: the sum; rejected: a near miss).
+* ``lora_train.jsonl`` / ``lora_eval.jsonl``: the same operands as subtractions (larger minus
+  smaller), which the LoRA demo teaches the trained addition model.
 
-``sft_addition.yaml`` and ``dpo_addition.yaml`` (the run configs) are written by hand and not
-touched here.
+``sft_addition.yaml``, ``dpo_addition.yaml`` and ``lora_subtraction.yaml`` (the run configs)
+are written by hand and not touched here.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from hpc_mca.data.addition import alpaca_record, make_problems, preference_record
+from hpc_mca.data.addition import (alpaca_record, make_problems, preference_record,
+                                   subtraction_record)
 
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
 CHAT_TEMPLATE = (
@@ -41,6 +44,8 @@ TRAIN_SIZE = 6000
 EVAL_SIZE = 512
 DPO_TRAIN_SIZE = 3000
 DPO_EVAL_SIZE = 256
+LORA_TRAIN_SIZE = 6000
+LORA_EVAL_SIZE = 512
 SEED = 1234
 MODEL = {
     "architectures": ["LlamaForCausalLM"],
@@ -115,6 +120,8 @@ def main(out: Path) -> None:
     write_jsonl(out / "eval.jsonl", evaluation)
     write_jsonl(out / "dpo_train.jsonl", train[:DPO_TRAIN_SIZE], preference_record)
     write_jsonl(out / "dpo_eval.jsonl", evaluation[:DPO_EVAL_SIZE], preference_record)
+    write_jsonl(out / "lora_train.jsonl", train[:LORA_TRAIN_SIZE], subtraction_record)
+    write_jsonl(out / "lora_eval.jsonl", evaluation[:LORA_EVAL_SIZE], subtraction_record)
 
 
 if __name__ == "__main__":
