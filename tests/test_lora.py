@@ -200,3 +200,27 @@ def test_dpo_reference_is_the_base_model(tmp_path):
             reference = mine[f"logps/{side}"] - mine[f"rewards/{side}"] / 0.1
             assert reference == pytest.approx(ref[f"logps/{side}"] - ref[f"rewards/{side}"] / 0.1,
                                               abs=1e-4)
+
+
+@pytest.mark.slow
+def test_bf16_keeps_float32_adapters_and_resumes_exactly(dense, tmp_path):
+    """bf16 with the distributed optimizer (the rules require it with LoRA): the adapters train
+    and are checkpointed in float32, and a resume gives the uninterrupted run's steps."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root, _, config = dense
+    extra = ["training.bf16=true", "parallel.use_distributed_optimizer=true"]
+    proc = run_train(config, tmp_path / "bf16", 1, *extra)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metadata = FileSystemReader(str(tmp_path / "bf16" / "checkpoints" / "iter_0000003")).read_metadata()
+    dtypes = {v.properties.dtype for k, v in metadata.state_dict_metadata.items()
+              if ".lora_" in k and not k.startswith("optimizer")}
+    assert dtypes == {torch.float32}
+    run = rewind(tmp_path / "bf16", tmp_path / "resumed", 3)
+    proc = run_train(config, run, 1, *extra)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    resumed, whole = steps(run), steps(tmp_path / "bf16")
+    assert [s["step"] for s in resumed] == [s["step"] for s in whole] == list(range(1, 7))
+    for mine, ref in zip(resumed[3:], whole[3:]):
+        assert (mine["loss"], mine["grad_norm"]) == (ref["loss"], ref["grad_norm"]), (mine, ref)

@@ -70,10 +70,12 @@ def planning_budget(req: PlanRequest) -> int:
 
 def distributed_optimizer(req: PlanRequest, layout: Layout) -> bool:
     """Sharding optimizer state costs nothing but a reduce-scatter, so use it whenever there is
-    more than one data-parallel rank to shard over."""
+    more than one data-parallel rank to shard over. LoRA in half precision needs it on any
+    count: its float32 adapters in a bf16/fp16 model are checkpointed only by the distributed
+    optimizer (Megatron's other mixed-precision optimizer maps half-precision parameters only)."""
     if req.use_distributed_optimizer is not None:
         return req.use_distributed_optimizer
-    return (layout.dp or 1) * layout.cp > 1
+    return (layout.dp or 1) * layout.cp > 1 or (req.lora and req.precision != "fp32")
 
 
 def overlap_grad_reduce(req: PlanRequest, layout: Layout) -> bool:

@@ -130,6 +130,13 @@ def _check_lora(config: TrainConfig) -> None:
                           "finetuning.finetuning_type='lora': MTP layers start untrained and "
                           "LoRA freezes them; valid: model.mtp_num_layers=0 or "
                           "finetuning_type='full'")
+    tr = config.training
+    if (tr.bf16 or tr.fp16) and not config.parallel.use_distributed_optimizer:
+        raise ConfigError(f"finetuning.finetuning_type='lora' with training.{'bf16' if tr.bf16 else 'fp16'}"
+                          "=true keeps the adapters in float32, which only the distributed "
+                          "optimizer checkpoints (Megatron's other mixed-precision optimizer "
+                          "maps half-precision parameters only); valid: "
+                          "parallel.use_distributed_optimizer=true")
     if ft.lora_dropout and (targets.expert_fc1 or targets.expert_fc2):
         raise ConfigError(f"finetuning.lora_dropout={ft.lora_dropout} with adapters on MoE "
                           "experts: peft's expert adapters (target_parameters) apply no dropout, "
