@@ -3,8 +3,8 @@
 A Llama with weights trains 6 SFT steps of LoRA (rank 4, every linear) on one process; its
 exported PEFT adapter, loaded by ``peft.PeftModel.from_pretrained`` onto the transformers
 model, and its merged HF export give the trained model's logits; the base weights are
-untouched; the trainable parameters are peft's. TP2 and PP2 train the same curve, and the
-TP2 export is the same adapter. A Qwen3-MoE with adapters on its experts does the same on EP2.
+untouched; the trainable parameters are peft's. TP2, PP2 and DP2 (distributed optimizer) train
+the same curve, and their exports are the same adapter. A Qwen3-MoE with adapters on its experts does the same on EP2.
 A step-3 adapter checkpoint resumes on TP2 to the uninterrupted curve, holds only the
 adapters, and refuses another base model in one line. dpo's reference under LoRA is the base
 model: the same reference log-probabilities as a full dpo run's frozen copy.
@@ -105,11 +105,14 @@ def test_exports_give_the_trained_logits_and_the_base_is_untouched(dense):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, override", [("tp2", "parallel.tensor_model_parallel_size=2"),
-                                            ("pp2", "parallel.pipeline_model_parallel_size=2")])
-def test_tensor_and_pipeline_parallel_equal_one_process(dense, name, override):
+@pytest.mark.parametrize("name, overrides", [
+    ("tp2", ["parallel.tensor_model_parallel_size=2"]),
+    ("pp2", ["parallel.pipeline_model_parallel_size=2"]),
+    ("dp2", ["training.per_device_train_batch_size=4", "parallel.use_distributed_optimizer=true"]),
+])
+def test_parallel_layouts_equal_one_process(dense, name, overrides):
     root, model, config = dense
-    _worker(config, root / name, root / f"out_{name}", 2, override)
+    _worker(config, root / name, root / f"out_{name}", 2, *overrides)
     _same_curve(steps(root / name), steps(root / "one"), name)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     ours = _ours(root / "out_one", vocab)
