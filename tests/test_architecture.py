@@ -21,7 +21,7 @@ LAYERS = {
     # 2: the run config and its rules (the login side validates configs with them too).
     "trainer.config": 2, "trainer.config_rules": 2, "trainer.lr_scheduler": 2,
     # 3-6: the rank side, bottom up.
-    "runtime": 3, "models": 4, "checkpoint": 5, "trainer": 6,
+    "runtime": 3, "models": 4, "checkpoint": 5, "trainer": 6, "standard": 6,
     # 7-8: the login side and the entry points.
     "slurm": 7, "cli": 8, "assets": 8, "__main__": 8, "__init__": 8,
 }

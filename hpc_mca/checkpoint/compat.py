@@ -28,6 +28,7 @@ from hpc_mca.data.packing import pack_alignment
 from hpc_mca.trainer.config import ConfigError, steps_for
 
 from .store import (
+    HF_FORMAT,
     CheckpointError,
     CheckpointInfo,
     latest_checkpoint,
@@ -76,7 +77,9 @@ def layout_record(config: Any, world_size: int) -> dict[str, Any]:
             "vp": par.virtual_pipeline_model_parallel_size, "cp": par.context_parallel_size,
             "ep": par.expert_model_parallel_size, "etp": par.expert_tensor_parallel_size,
             "dp": par.data_parallel_size, "world_size": world_size,
-            "pipeline_layout": list(par.pipeline_layout) if par.pipeline_layout is not None else None}
+            "pipeline_layout": list(par.pipeline_layout) if par.pipeline_layout is not None else None,
+            # Ulysses sequence parallelism of the standard backend (only recorded there).
+            **({} if config.training.use_mca else {"sp": par.sequence_parallel_size})}
 
 
 def training_record(config: Any, optimizer_format: str) -> dict[str, Any]:
@@ -96,6 +99,7 @@ def training_record(config: Any, optimizer_format: str) -> dict[str, Any]:
             # re-derives these (reported by describe_batch_changes).
             "micro_batch_size": tr.per_device_train_batch_size,
             "gradient_accumulation_steps": tr.gradient_accumulation_steps,
+            "backend": "megatron" if tr.use_mca else "standard",
             **_base_model(config)}
 
 
@@ -130,6 +134,7 @@ def incompatibilities(info: CheckpointInfo, model: dict[str, Any], layout: dict[
             reasons.append(f"{dotted}={new!r} but the checkpoint at step {info.step} was saved "
                            f"with {old!r}; valid: {old!r}")
     reasons += _base_model_changed(info, training)
+    reasons += _other_backend(info, training)
     if info.training.get("optimizer_format") == "dp_reshardable":
         for key in _DP_RESHARDABLE_FIXED:
             old, new = info.layout.get(key), layout.get(key)
@@ -138,6 +143,17 @@ def incompatibilities(info: CheckpointInfo, model: dict[str, Any], layout: dict[
                                f"state (dp_reshardable) was saved with {key}={old} and can "
                                f"only change data parallelism; valid: {key}={old}")
     return reasons
+
+
+def _other_backend(info: CheckpointInfo, training: dict[str, Any]) -> list[str]:
+    """A checkpoint is read by the backend that wrote it (their files differ)."""
+    standard = training.get("backend") == "standard"
+    if (info.format == HF_FORMAT) == standard:
+        return []
+    wrote = "the standard backend" if info.format == HF_FORMAT else "Megatron-Core"
+    return [f"training.use_mca={str(not standard).lower()} but the checkpoint at step "
+            f"{info.step} was written by {wrote}; valid: training.use_mca="
+            f"{str(standard).lower()}"]
 
 
 def _base_model_changed(info: CheckpointInfo, training: dict[str, Any]) -> list[str]:

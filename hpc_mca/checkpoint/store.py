@@ -35,7 +35,11 @@ CHECKPOINTS_DIR = "checkpoints"
 TRACKER_FILE = "latest"
 INFO_FILE = "checkpoint.json"
 FORMAT = "hpc-mca/torch_dist/1"
-"""Written into every checkpoint.json; a reader refuses formats it does not know."""
+"""Written into every checkpoint.json of the Megatron-Core backend (dist_checkpointing files);
+a reader refuses formats it does not know."""
+HF_FORMAT = "hpc-mca/hf/1"
+"""The standard backend's checkpoints (transformers Trainer files: hpc_mca.standard)."""
+FORMATS = (FORMAT, HF_FORMAT)
 _ITER_RE = re.compile(r"iter_(\d{7,})")
 
 
@@ -114,9 +118,9 @@ def read_info(ckpt_dir: Path) -> CheckpointInfo:
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{ckpt_dir / INFO_FILE}: unreadable ({err})") from None
     info = CheckpointInfo.from_dict(data)
-    if info.format != FORMAT:
+    if info.format not in FORMATS:
         raise CheckpointError(f"{ckpt_dir}: checkpoint format {info.format!r} is not known to "
-                              f"this hpc-mca; valid: {FORMAT!r}")
+                              f"this hpc-mca; valid: {', '.join(map(repr, FORMATS))}")
     return info
 
 

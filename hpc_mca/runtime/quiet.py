@@ -33,6 +33,9 @@ IGNORED_LOG_RECORDS: tuple[tuple[str, str, str], ...] = (
     ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated",
      "at a process's first save: Megatron's in-tree async writer is the one usable without "
      "nvidia-resiliency-ext (not a dependency)"),
+    ("transformers.training_args", "torch.distributed process group is initialized, but",
+     "the standard backend on one rank: hpc-mca brings the process group up whatever the rank "
+     "count (collectives of one rank); transformers' Trainer uses DDP from two ranks on"),
 )
 """(logger, message prefix, why it is silenced) for ``logging`` records."""
 

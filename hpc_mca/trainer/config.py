@@ -158,6 +158,11 @@ class TrainingArguments:
 
     output_dir: str = ""
     """Run directory: checkpoints, TensorBoard events, the resolved config."""
+    use_mca: bool = True
+    """The backend: Megatron-Core (true), or the standard backend (false): the transformers
+    model under transformers' Trainer, one whole model per rank, data parallelism and Ulysses
+    sequence parallelism (parallel.sequence_parallel_size), for small jobs and one-GPU
+    development."""
     per_device_train_batch_size: int = 1
     """Micro-batch size: rows per forward/backward on one data-parallel rank."""
     gradient_accumulation_steps: int | None = None
@@ -282,6 +287,11 @@ class ParallelArguments:
     recompute_num_layers: int | None = None
     """With full recomputation: layers per recomputed group (uniform) or recomputed layers per
     stage (block)."""
+    sequence_parallel_size: int = 1
+    """Standard backend (training.use_mca=false): Ulysses sequence parallelism, consecutive
+    ranks sharing each packed row (an all-to-all around attention); it must divide the
+    attention and key/value heads. (Megatron-Core splits sequences with
+    context_parallel_size.)"""
     calculate_per_token_loss: bool = True
     """Normalise the loss by real (non-padded) tokens over micro-batches and DP ranks."""
     optimizer_cpu_offload: bool = False

@@ -131,7 +131,7 @@ def _check_lora(config: TrainConfig) -> None:
                           "LoRA freezes them; valid: model.mtp_num_layers=0 or "
                           "finetuning_type='full'")
     tr = config.training
-    if (tr.bf16 or tr.fp16) and not config.parallel.use_distributed_optimizer:
+    if tr.use_mca and (tr.bf16 or tr.fp16) and not config.parallel.use_distributed_optimizer:
         raise ConfigError(f"finetuning.finetuning_type='lora' with training.{'bf16' if tr.bf16 else 'fp16'}"
                           "=true keeps the adapters in float32, which only the distributed "
                           "optimizer checkpoints (Megatron's other mixed-precision optimizer "
@@ -243,8 +243,59 @@ def _check_schedule(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(str(err)) from None
 
 
+# Megatron-Core settings the standard backend has no counterpart for, with the value that
+# means "not used": any other value with training.use_mca=false is refused.
+_MEGATRON_ONLY = {
+    "parallel.tensor_model_parallel_size": 1, "parallel.pipeline_model_parallel_size": 1,
+    "parallel.virtual_pipeline_model_parallel_size": None, "parallel.pipeline_layout": None,
+    "parallel.context_parallel_size": 1, "parallel.expert_model_parallel_size": 1,
+    "parallel.expert_tensor_parallel_size": None, "parallel.sequence_parallel": False,
+    "parallel.use_distributed_optimizer": False, "parallel.overlap_param_gather": False,
+    "parallel.recompute_granularity": None, "parallel.optimizer_cpu_offload": False,
+    "model.mtp_num_layers": 0, "model.attention_backend": "auto",
+    "model.packed_attention": "auto", "training.async_save": False,
+}
+
+
+def _check_standard(config: TrainConfig, world_size: int) -> None:
+    """The standard backend: a whole model per rank; data parallelism over groups of
+    ``sequence_parallel_size`` consecutive ranks that share each row (Ulysses)."""
+    par, tr, data = config.parallel, config.training, config.data
+    for dotted, unused in _MEGATRON_ONLY.items():
+        section, name = dotted.split(".")
+        value = getattr(getattr(config, section), name)
+        if value != unused:
+            raise ConfigError(f"{dotted}={value!r} with training.use_mca=false: the standard "
+                              "backend keeps a whole model on every rank (data and Ulysses "
+                              f"sequence parallelism only); valid: {unused!r}, or "
+                              "training.use_mca=true")
+    sp, shape = par.sequence_parallel_size, _model_shape(config.model.model_name_or_path)
+    valid = [n for n in range(1, world_size + 1) if world_size % n == 0
+             and shape.num_attention_heads % n == 0 and shape.num_query_groups % n == 0]
+    if world_size % sp or shape.num_attention_heads % sp or shape.num_query_groups % sp:
+        raise ConfigError(f"parallel.sequence_parallel_size={sp} must divide the world size "
+                          f"{world_size}, num_attention_heads={shape.num_attention_heads} and "
+                          f"num_key_value_heads={shape.num_query_groups} (Ulysses splits heads "
+                          f"over the ranks); valid: {', '.join(map(str, valid))}")
+    lines = check_layout(Layout(), world_size // sp, shape, global_batch_size=tr.global_batch_size,
+                         micro_batch_size=tr.per_device_train_batch_size)
+    if lines:
+        raise ConfigError("\n".join(_our_names(line) for line in lines))
+    par.data_parallel_size = world_size // sp
+    _derive_batch(tr, par.data_parallel_size)
+
+
 def _check_parallel(config: TrainConfig, world_size: int) -> None:
     par, tr, data = config.parallel, config.training, config.data
+    _at_least("parallel.sequence_parallel_size", par.sequence_parallel_size, 1)
+    if not tr.use_mca:
+        _check_standard(config, world_size)
+        return
+    if par.sequence_parallel_size != 1:
+        raise ConfigError(f"parallel.sequence_parallel_size={par.sequence_parallel_size} is the "
+                          "standard backend's Ulysses sequence parallelism; valid: 1 with "
+                          "training.use_mca=true (Megatron-Core splits sequences with "
+                          "parallel.context_parallel_size)")
     _choice("parallel.recompute_granularity", par.recompute_granularity,
             (None, "full", "selective"))
     _choice("parallel.recompute_method", par.recompute_method, (None, "uniform", "block"))

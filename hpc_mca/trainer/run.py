@@ -31,7 +31,8 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
         config = load_config(config_path, overrides).resolve(env.world_size)
         data_files_exist(config)
         tokenizer_fits_model(config, _shape(config).vocab_size)
-        attention_backend_available(config)
+        if config.training.use_mca:
+            attention_backend_available(config)
         resume_check(config, env.world_size, _shape(config))  # before any collective
     except UserError as err:
         err.on_every_rank = True  # every rank read the same inputs and stops here alike
@@ -41,6 +42,10 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
         if env.rank == 0:
             print(idle, flush=True)
         return []
+    if not config.training.use_mca:
+        from hpc_mca.standard.run import run_standard
+
+        return run_standard(config, env, _shape(config), callbacks)
     try:
         ctx = init_distributed(_layout(config), model=_shape(config), seed=config.training.seed,
                                env=env, global_batch_size=config.training.global_batch_size,

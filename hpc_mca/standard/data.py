@@ -1,0 +1,73 @@
+"""The standard backend's view of the shared data pipeline: micro-batches as one packed stream.
+
+The rows come from the same datasets and the same resumable, data-parallel sampler as the
+Megatron backend's (:mod:`hpc_mca.data.dataset`). A micro-batch of ``B`` rows of ``S`` slots
+becomes one stream ``[1, B·S]``: each row's documents restart their position ids, so the
+packed attention (:mod:`hpc_mca.models.hf_attention`) keeps every document to itself, and a
+row's padding continues its last document after the real tokens with label -100 (causal
+attention keeps it out of them). Labels are already the next token's.
+
+Under Ulysses sequence parallelism every rank of an SP group reads the same rows (the sampler
+shards over data-parallel groups, not ranks) and keeps its slice of the stream
+(:func:`hpc_mca.runtime.sequence_parallel.slice_and_pad`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from hpc_mca.data.batch import PackedBatch
+from hpc_mca.data.dataset import eval_dataloader, train_dataloader
+from hpc_mca.runtime.sequence_parallel import IGNORE_INDEX, slice_and_pad
+
+__all__ = ["StreamLoader", "eval_streams", "stream_of"]
+
+
+def stream_of(batch: PackedBatch, *, sp_rank: int = 0, sp_size: int = 1,
+              pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """This rank's part of a micro-batch as model inputs: ``input_ids``, ``position_ids`` and
+    ``labels``, each ``[1, B·S / sp]`` (the stream padded to a multiple of ``sp_size``)."""
+    ids, pos, labels = (getattr(batch, key).reshape(1, -1)
+                        for key in ("input_ids", "position_ids", "labels"))
+    if sp_size == 1:
+        return {"input_ids": ids, "position_ids": pos, "labels": labels}
+    part = slice_and_pad(ids, pos, labels, rank=sp_rank, size=sp_size, pad_token_id=pad_token_id)
+    return {"input_ids": part.input_ids, "position_ids": part.position_ids,
+            "labels": part.labels}
+
+
+class StreamLoader:
+    """Endless training streams of this rank from ``consumed_samples`` on (no ``len``: the
+    run's length is ``max_steps``). Also counts the non-padding input tokens it handed out,
+    for throughput."""
+
+    def __init__(self, rows: Any, config: Any, *, data_parallel_rank: int, consumed_samples: int,
+                 sp_rank: int, sp_size: int, pad_token_id: int) -> None:
+        self.rows, self.config = rows, config
+        self.dp_rank, self.consumed = data_parallel_rank, consumed_samples
+        self.sp_rank, self.sp_size, self.pad = sp_rank, sp_size, pad_token_id
+        self.input_tokens = 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        loader = train_dataloader(self.rows, self.config, data_parallel_rank=self.dp_rank,
+                                  consumed_samples=self.consumed)
+        for batch in loader:
+            # Counted once per SP group (its ranks read the same rows).
+            self.input_tokens += batch.input_tokens if self.sp_rank == 0 else 0
+            yield stream_of(batch, sp_rank=self.sp_rank, sp_size=self.sp_size,
+                            pad_token_id=self.pad)
+
+
+def eval_streams(rows: Any, config: Any, *, data_parallel_rank: int, sp_rank: int,
+                 sp_size: int, pad_token_id: int) -> Iterator[tuple[PackedBatch, dict]]:
+    """One pass over the eval rows: (the micro-batch, this rank's stream of it)."""
+    for batch in eval_dataloader(rows, config, data_parallel_rank=data_parallel_rank):
+        yield batch, stream_of(batch, sp_rank=sp_rank, sp_size=sp_size, pad_token_id=pad_token_id)
+
+
+def real_labels(labels: torch.Tensor) -> int:
+    """Loss-bearing slots of a stream."""
+    return int((labels != IGNORE_INDEX).sum())

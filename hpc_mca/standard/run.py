@@ -1,0 +1,223 @@
+"""``hpc-mca train`` with ``training.use_mca: false``: the standard backend on every rank.
+
+Reached from :func:`hpc_mca.trainer.run.run_training` after the checks both backends share
+(config, data files, tokenizer, the checkpoint to resume from), so bad input stops every rank
+before the process group here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from hpc_mca.checkpoint import compat
+from hpc_mca.checkpoint.requeue import StopSignal
+from hpc_mca.checkpoint.store import clear_finished, finished_step, mark_finished
+from hpc_mca.rundir import clear_bad_input
+from hpc_mca.runtime.distributed import RankContext, init_distributed, rank_zero_first, shutdown
+from hpc_mca.runtime.env import RankEnv
+from hpc_mca.runtime.sequence_parallel import new_sequence_parallel_groups
+from hpc_mca.topology import Layout, ModelShape
+from hpc_mca.trainer.boundary import StepBoundary
+from hpc_mca.trainer.config import TrainConfig, total_training_steps
+from hpc_mca.trainer.metrics import MetricsWriter, flops_per_token
+
+from .data import StreamLoader
+from .model import build_hf_model, build_optimizer, export_model
+from .trainer import StandardTrainer, checkpoint_info
+
+__all__ = ["StandardRun", "run_standard"]
+
+
+@dataclass
+class StandardRun:
+    """What the standard backend's trainer needs to know about this run and rank."""
+
+    config: TrainConfig
+    ctx: RankContext
+    data: Any
+    max_steps: int
+    records: dict[str, Any]
+    sp_group: Any = None
+    train_stream: Any = None
+    exact_match: bool = False
+    pad_token_id: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.ctx.is_main
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.config.training.output_dir)
+
+    @property
+    def eval_steps(self) -> int | None:
+        return self.config.training.eval_steps
+
+    @property
+    def sp_size(self) -> int:
+        return self.config.parallel.sequence_parallel_size
+
+    @property
+    def sp_rank(self) -> int:
+        return self.ctx.env.rank % self.sp_size
+
+    @property
+    def stream_coords(self) -> dict[str, int]:
+        """Where this rank's streams come from: its data-parallel group and SP slice."""
+        return {"data_parallel_rank": self.ctx.env.rank // self.sp_size, "sp_rank": self.sp_rank,
+                "sp_size": self.sp_size, "pad_token_id": self.pad_token_id}
+
+    def consumed_samples(self, step: int) -> int:
+        return step * self.config.training.global_batch_size
+
+    def checkpoint_info(self, step: int, samples: int, reason: str) -> Any:
+        return checkpoint_info(self.records, self.ctx.env, step, samples, reason)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def run_standard(config: TrainConfig, env: RankEnv, shape: ModelShape,
+                 callbacks: Iterable[Any] = ()) -> list[dict[str, Any]]:
+    """Train ``config`` on this rank with the standard backend; the log history (rank 0's
+    logged values, the same numbers on every rank)."""
+    sp = config.parallel.sequence_parallel_size
+    # Ulysses groups are consecutive ranks, as Megatron lays out context-parallel groups: the
+    # rank context's data-parallel size and seeds are those of the standard backend's layout.
+    ctx = init_distributed(Layout(cp=sp), model=shape, seed=config.training.seed, env=env,
+                           global_batch_size=config.training.global_batch_size,
+                           micro_batch_size=config.training.per_device_train_batch_size)
+    try:
+        return _train(config, ctx, shape, callbacks)
+    finally:
+        shutdown()
+
+
+def _train(config: TrainConfig, ctx: RankContext, shape: ModelShape,
+           callbacks: Iterable[Any]) -> list[dict[str, Any]]:
+    from hpc_mca.data.dataset import build_datasets
+    from hpc_mca.data.tokenize import load_tokenizer
+
+    run_dir = Path(config.training.output_dir)
+    if ctx.is_main:
+        config.save_resolved(run_dir)
+        clear_bad_input(run_dir)
+    data = rank_zero_first(lambda: build_datasets(config, vocab_size=shape.vocab_size), ctx.is_main)
+    if ctx.is_main:
+        print(data.describe(), flush=True)
+        print(f"backend: standard (transformers {_version()}), data parallel "
+              f"{config.parallel.data_parallel_size}, Ulysses sequence parallel "
+              f"{config.parallel.sequence_parallel_size}", flush=True)
+    tokenizer = load_tokenizer(config.model.tokenizer_name_or_path or config.model.model_name_or_path)
+    max_steps = total_training_steps(config.training, len(data.train))
+    found = compat.resume_check(config, ctx.env.world_size, shape)
+    run = StandardRun(config, ctx, data, max_steps, compat.records(config, ctx.env.world_size, shape),
+                      sp_group=new_sequence_parallel_groups(config.parallel.sequence_parallel_size),
+                      exact_match=config.finetuning.stage == "sft",
+                      pad_token_id=tokenizer.pad_token_id or 0)
+    run.train_stream = StreamLoader(data.train, config,
+                                    consumed_samples=found[1].consumed_samples if found else 0,
+                                    **run.stream_coords)
+    trainer = _trainer(run, shape, callbacks)
+    if found and ctx.is_main:
+        print(f"resumed from {found[0]} at step {found[1].step} "
+              f"({found[1].consumed_samples} samples)", flush=True)
+    _begin(run, found)
+    trainer.metrics.write_progress(step=found[1].step if found else 0, max_steps=run.max_steps,
+                                   finished=False, job_id=ctx.env.job_id,
+                                   restart_count=ctx.env.restart_count)
+    try:
+        trainer.train(resume_from_checkpoint=str(found[0]) if found else None)
+    finally:
+        trainer.boundary.signal.restore()
+        trainer.metrics.close()
+    _finish(run, trainer)
+    return trainer.state.log_history
+
+
+def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[Any]) -> StandardTrainer:
+    from transformers import TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    # save_pretrained draws a progress bar per checkpoint: run logs keep one line per save.
+    hf_logging.disable_progress_bar()
+
+    config, ctx = run.config, run.ctx
+    tr = config.training
+    model = build_hf_model(config, ctx.device)
+    optimizer, scheduler = build_optimizer(model, config, run.max_steps)
+    args = TrainingArguments(
+        output_dir=str(run.run_dir), max_steps=run.max_steps,
+        per_device_train_batch_size=tr.per_device_train_batch_size,
+        gradient_accumulation_steps=tr.gradient_accumulation_steps,
+        max_grad_norm=tr.max_grad_norm or 0.0, logging_steps=tr.logging_steps,
+        logging_strategy="no", save_strategy="no", eval_strategy="no", report_to=[],
+        seed=tr.seed, ignore_data_skip=True, disable_tqdm=True, bf16=tr.bf16, fp16=tr.fp16,
+        use_cpu=ctx.device.type == "cpu", ddp_backend=ctx.backend,
+        ddp_find_unused_parameters=False, save_only_model=False)
+    signal = StopSignal(run.run_dir, ctx.device, ctx.is_main)
+    boundary = StepBoundary(tr.save_steps, run.max_steps, signal, ctx.is_main)
+    seq = config.data.seq_length or config.data.cutoff_len
+    metrics = MetricsWriter(run.run_dir, ctx.is_main, "tensorboard" in tr.report_to, run.max_steps,
+                            flops_per_token(shape, seq), ctx.env.world_size)
+    return StandardTrainer(model=model, args=args, optimizers=(optimizer, scheduler),
+                           callbacks=list(callbacks), run=run, boundary=boundary, metrics=metrics)
+
+
+def _begin(run: StandardRun, found: Any) -> None:
+    """A fresh run starts its steps.jsonl afresh; a finished run that goes on loses its
+    finished marker (the batch script requeues it again when stopped early)."""
+    if not run.is_main:
+        return
+    if found is None:
+        (run.run_dir / "steps.jsonl").unlink(missing_ok=True)
+    else:
+        from hpc_mca.checkpoint.checkpointer import _truncate_steps
+
+        _truncate_steps(run.run_dir / "steps.jsonl", found[1].step)
+    done = finished_step(run.run_dir)
+    if done is not None:
+        clear_finished(run.run_dir)
+        print(f"extending the run that finished at step {done} to {run.max_steps} steps", flush=True)
+
+
+def _finish(run: StandardRun, trainer: StandardTrainer) -> None:
+    """A run that reached max_steps is exported (when asked) and marked finished; one stopped
+    by a signal is left for the batch script to requeue."""
+    step = trainer.state.global_step
+    if trainer.requeue or step < run.max_steps:
+        return
+    tr = run.config.training
+    for merged, target in ((False, tr.export_hf_dir), (True, tr.export_merged_dir)):
+        if target:
+            out = Path(target) if Path(target).is_absolute() else run.run_dir / target
+            if run.is_main:
+                export_model(trainer.model, out, run.config, merged=merged)
+    if dist.is_initialized():
+        dist.barrier()
+    if run.is_main:
+        steps_per_epoch = len(run.data.train) // tr.global_batch_size
+        mark_finished(run.run_dir, step, steps_per_epoch=steps_per_epoch)
+        trainer.metrics.write_progress(step=step, finished=True)
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
