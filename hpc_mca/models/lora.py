@@ -42,7 +42,7 @@ from peft.tuners.lora import LoraLayer
 
 from hpc_mca.topology.lora import LoraTargets
 
-__all__ = ["LoraSite", "MegatronLoraLinear", "adapters_disabled", "lora_layers"]
+__all__ = ["LoraSite", "MegatronLoraLinear", "adapters_disabled", "initial_a", "lora_layers"]
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -69,6 +69,15 @@ class LoraSite:
         """The HF adapter's name (experts: the fused parameter and the expert index)."""
         name = f"{self.hf_module}.{part}"
         return name if self.expert is None else f"{name}[{self.expert}]"
+
+
+def initial_a(hf_name: str, rank: int, fan_in: int, seed: int) -> torch.Tensor:
+    """The starting A ``[rank, fan_in]`` of the adapter on HF module ``hf_name``: peft's default
+    Kaiming-uniform draw from a generator seeded by the run's seed and the name (the standard
+    backend starts its peft adapters from the same values)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(hf_name.encode()))
+    bound = 1.0 / math.sqrt(fan_in)
+    return torch.empty(rank, fan_in).uniform_(-bound, bound, generator=gen)
 
 
 class _SumGradOver(torch.autograd.Function):
@@ -159,10 +168,7 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
         base = self.get_base_layer()
         for part, a in self.lora_A[adapter_name].items():
             fan_in = base.input_size
-            name = self.site.hf_name(part)
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-            bound = 1.0 / math.sqrt(fan_in)
-            full = torch.empty(a.weight.shape[0], fan_in).uniform_(-bound, bound, generator=gen)
+            full = initial_a(self.site.hf_name(part), a.weight.shape[0], fan_in, self.seed)
             if not self.column:
                 rank = self.tp_group.rank() if self.tp_group is not None else 0
                 full = full.narrow(1, rank * a.weight.shape[1], a.weight.shape[1])

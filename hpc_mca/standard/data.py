@@ -29,14 +29,23 @@ __all__ = ["StreamLoader", "eval_streams", "stream_of"]
 def stream_of(batch: PackedBatch, *, sp_rank: int = 0, sp_size: int = 1,
               pad_token_id: int = 0) -> dict[str, torch.Tensor]:
     """This rank's part of a micro-batch as model inputs: ``input_ids``, ``position_ids`` and
-    ``labels``, each ``[1, B·S / sp]`` (the stream padded to a multiple of ``sp_size``)."""
+    ``labels``, each ``[1, B·S / sp]`` (the stream padded to a multiple of ``sp_size``); for
+    the per-document sums of dpo also ``documents`` (the document of each slot, numbered 0..
+    over the micro-batch; SP padding counts to document 0 and carries no label) and
+    ``num_documents``."""
     ids, pos, labels = (getattr(batch, key).reshape(1, -1)
                         for key in ("input_ids", "position_ids", "labels"))
+    documents = batch.document_index().reshape(1, -1)
+    count = torch.tensor(batch.num_documents)
     if sp_size == 1:
-        return {"input_ids": ids, "position_ids": pos, "labels": labels}
+        return {"input_ids": ids, "position_ids": pos, "labels": labels,
+                "documents": documents, "num_documents": count}
     part = slice_and_pad(ids, pos, labels, rank=sp_rank, size=sp_size, pad_token_id=pad_token_id)
+    width = part.input_ids.size(1)
+    documents = torch.cat([documents, documents.new_zeros(1, part.pad)], dim=1)
     return {"input_ids": part.input_ids, "position_ids": part.position_ids,
-            "labels": part.labels}
+            "labels": part.labels, "documents": documents[:, sp_rank * width:(sp_rank + 1) * width],
+            "num_documents": count}
 
 
 class StreamLoader:

@@ -52,7 +52,24 @@ def _with_lora(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
     lora = LoraConfig(r=ft.lora_rank, lora_alpha=ft.lora_alpha, lora_dropout=ft.lora_dropout,
                       target_modules=targets.hf_modules() or None,
                       target_parameters=parameters or None, task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
+    model = get_peft_model(model, lora)
+    _seed_adapters(model, config.training.seed)
+    return model
+
+
+@torch.no_grad()
+def _seed_adapters(model: torch.nn.Module, seed: int) -> None:
+    """Each A from the Megatron backend's seeded draw for its HF module (B stays zero), so
+    both backends start a LoRA run from the same adapters."""
+    from peft.tuners.lora import LoraLayer
+
+    from hpc_mca.models.lora import initial_a
+
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            hf_name = name.removeprefix("base_model.model.")
+            for a in module.lora_A.values():
+                a.weight.copy_(initial_a(hf_name, *a.weight.shape, seed))
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:

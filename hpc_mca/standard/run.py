@@ -176,8 +176,14 @@ def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[Any]) -> S
     seq = config.data.seq_length or config.data.cutoff_len
     metrics = MetricsWriter(run.run_dir, ctx.is_main, "tensorboard" in tr.report_to, run.max_steps,
                             flops_per_token(shape, seq), ctx.env.world_size)
-    return StandardTrainer(model=model, args=args, optimizers=(optimizer, scheduler),
-                           callbacks=list(callbacks), run=run, boundary=boundary, metrics=metrics)
+    common = dict(model=model, args=args, optimizers=(optimizer, scheduler),
+                  callbacks=list(callbacks), run=run, boundary=boundary, metrics=metrics)
+    if config.finetuning.stage == "dpo":
+        from .dpo import StandardDpoTrainer, frozen_reference
+
+        lora = config.finetuning.finetuning_type == "lora"
+        return StandardDpoTrainer(reference=frozen_reference(model, lora), **common)
+    return StandardTrainer(**common)
 
 
 def _begin(run: StandardRun, found: Any) -> None:

@@ -41,16 +41,21 @@ __all__ = ["StandardTrainer"]
 
 class StandardTrainer(Trainer):
     """transformers' Trainer on hpc-mca's data, loss and run files (see the module docstring).
-    ``run``: the run's settings and helpers (:class:`hpc_mca.standard.run.StandardRun`)."""
+    ``run``: the run's settings and helpers (:class:`hpc_mca.standard.run.StandardRun`).
+    Stage dpo subclasses it (:class:`hpc_mca.standard.dpo.StandardDpoTrainer`): the hooks it
+    replaces are the step's count (``_local_count``), ``compute_loss``, ``_step_metrics`` and
+    the eval sums."""
 
     loss_is_scaled_for_ga = True  # compute_loss divides by the global token count itself
+    unit = "tokens"
+    """What the loss is a mean over (steps.jsonl's count field)."""
 
     def __init__(self, *, run: Any, boundary: StepBoundary, metrics: MetricsWriter,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.run, self.boundary, self.metrics = run, boundary, metrics
         self.requeue = False
-        self._sums = torch.zeros(3, dtype=torch.float64)  # loss sum, tokens, input tokens
+        self._sums = torch.zeros(3, dtype=torch.float64)  # loss sum, count, input tokens
         self._window = [time.perf_counter(), 0, 0]  # start, input tokens, steps
         self._step_end = time.perf_counter()
         self._seen_inputs = 0
@@ -62,13 +67,17 @@ class StandardTrainer(Trainer):
         return self.run.train_stream
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
-        """The global batch's real tokens (every rank's micro-batches of this step)."""
-        local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batch_samples)
-        count = torch.tensor(float(local), dtype=torch.float64, device=self.run.device)
+        """The global batch's count (real tokens; dpo: pairs) over every rank's micro-batches
+        of this step, which ``compute_loss`` divides by."""
+        count = torch.tensor(self._local_count(batch_samples), dtype=torch.float64,
+                             device=self.run.device)
         if dist.is_initialized():
             dist.all_reduce(count)
         self._sums[1] += float(count)
         return count
+
+    def _local_count(self, batch_samples: list) -> float:
+        return float(sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batch_samples))
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
                      return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
@@ -76,9 +85,13 @@ class StandardTrainer(Trainer):
         loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), inputs["labels"].flatten(),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
         self._sums[0] += float(loss_sum.detach())
-        tokens = max(float(num_items_in_batch), 1.0) if num_items_in_batch is not None else 1.0
-        loss = loss_sum * (self.run.world_size / tokens)
+        loss = loss_sum * (self.run.world_size / _count(num_items_in_batch))
         return (loss, logits) if return_outputs else loss
+
+    def _step_metrics(self, count: int) -> dict[str, float]:
+        """The objective's extra values of a step of ``count`` (dpo: rewards and
+        log-probabilities)."""
+        return {}
 
     # ---- the step end -------------------------------------------------------------------------
 
@@ -96,15 +109,18 @@ class StandardTrainer(Trainer):
         seconds, self._step_end = now - self._step_end, now
         norm = float(grad_norm) if grad_norm is not None else float("nan")
         lr = self.lr_scheduler.get_last_lr()[0]
-        self.metrics.record_step(step=step, loss=loss, tokens=tokens, input_tokens=inputs,
-                                 grad_norm=norm, lr=lr, skipped=False, seconds=round(seconds, 6))
+        extra = self._step_metrics(tokens)
+        self.metrics.record_step(step=step, loss=loss, **{self.unit: tokens}, input_tokens=inputs,
+                                 grad_norm=norm, lr=lr, skipped=False, seconds=round(seconds, 6),
+                                 **extra)
         self._window[1] += inputs
         self._window[2] += 1
         decision = self.boundary.decide(step, self.control)
         last = step >= self.run.max_steps
         logged = step % self.args.logging_steps == 0 or last
         if logged:
-            self._log(step, loss, norm, lr, now)
+            self._log(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
+                             **{f"train/{k}": v for k, v in extra.items()}}, now)
         evaluated = self.run.data.eval is not None and (
             last or (self.run.eval_steps and step % self.run.eval_steps == 0))
         if evaluated:
@@ -121,7 +137,7 @@ class StandardTrainer(Trainer):
             self.control.should_training_stop = True
 
     def _step_sums(self) -> tuple[float, int, int]:
-        """(mean token loss, real tokens, input tokens) of the step just taken, over all ranks."""
+        """(mean loss, its count, input tokens) of the step just taken, over all ranks."""
         loader = self.run.train_stream
         self._sums[2] = float(loader.input_tokens - self._seen_inputs)
         self._seen_inputs = loader.input_tokens
@@ -133,11 +149,10 @@ class StandardTrainer(Trainer):
         tokens = float(sums[1])  # already the global count
         return float(loss_and_inputs[0]) / max(tokens, 1.0), int(tokens), int(loss_and_inputs[1])
 
-    def _log(self, step: int, loss: float, norm: float, lr: float, now: float) -> None:
+    def _log(self, step: int, values: dict[str, float], now: float) -> None:
         start, inputs, steps = self._window
         elapsed = max(now - start, 1e-9)
-        values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
-                  "train/skipped_iters": 0.0, **self.metrics.throughput(inputs / elapsed)}
+        values = {**values, "train/skipped_iters": 0.0, **self.metrics.throughput(inputs / elapsed)}
         self.metrics.scalars(step, values)
         self.metrics.progress_line(step, values, elapsed / max(steps, 1))
         logs = {key.split("/")[-1]: value for key, value in values.items()}
@@ -147,30 +162,21 @@ class StandardTrainer(Trainer):
     # ---- evaluation ---------------------------------------------------------------------------
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        """Mean token loss over the eval rows (and, for sft, exact-match accuracy of the
-        answers), the same on every rank; logged like the Megatron backend's."""
+        """One pass over the eval rows, the same metrics on every rank, logged like the
+        Megatron backend's."""
         model, run = self.model, self.run
         was_training = model.training
         model.eval()
-        sums = torch.zeros(4, dtype=torch.float64, device=run.device)
+        sums = None
         with torch.no_grad():
             for batch, stream in eval_streams(run.data.eval, run.config, **run.stream_coords):
-                logits = model(input_ids=stream["input_ids"].to(run.device),
-                               position_ids=stream["position_ids"].to(run.device)).logits
-                labels = stream["labels"].to(run.device)
-                sums[0] += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                                           ignore_index=IGNORE_INDEX, reduction="sum").double()
-                sums[1] += float((labels != IGNORE_INDEX).sum())
-                if run.exact_match and run.sp_rank == 0:
-                    sums[2:] += self._exact_match(logits, batch).to(sums)
-                elif run.exact_match:
-                    self._exact_match(logits, batch)  # the SP gather is a collective
+                stream = {k: v.to(run.device) for k, v in stream.items()}
+                part = self._eval_sums(model, batch, stream)
+                sums = part if sums is None else sums + part
         model.train(was_training)
         if dist.is_initialized():
             dist.all_reduce(sums)
-        metrics = {"eval/loss": float(sums[0] / sums[1])}
-        if run.exact_match:
-            metrics["eval/accuracy"] = float(sums[2] / sums[3]) if sums[3] else 0.0
+        metrics = self._eval_metrics(sums)
         step = self.state.global_step
         self.metrics.scalars(step, metrics)
         self.metrics.write_progress(**{k.replace("/", "_"): v for k, v in metrics.items()})
@@ -178,6 +184,29 @@ class StandardTrainer(Trainer):
             print(" | ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
                                                          metrics=metrics)
+        return metrics
+
+    def _eval_sums(self, model: torch.nn.Module, batch: Any, stream: dict[str, torch.Tensor]
+                   ) -> torch.Tensor:
+        """This rank's float64 sums of one eval micro-batch: token loss, tokens, and for sft
+        the exactly matched answers and the answers."""
+        run = self.run
+        logits = model(input_ids=stream["input_ids"], position_ids=stream["position_ids"]).logits
+        labels = stream["labels"]
+        sums = torch.zeros(4, dtype=torch.float64, device=run.device)
+        sums[0] = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                  ignore_index=IGNORE_INDEX, reduction="sum").double()
+        sums[1] = float((labels != IGNORE_INDEX).sum())
+        if run.exact_match:
+            matched = self._exact_match(logits, batch)  # every SP rank: the gather is collective
+            if run.sp_rank == 0:
+                sums[2:] = matched.to(sums)
+        return sums
+
+    def _eval_metrics(self, sums: torch.Tensor) -> dict[str, float]:
+        metrics = {"eval/loss": float(sums[0] / sums[1])}
+        if self.run.exact_match:
+            metrics["eval/accuracy"] = float(sums[2] / sums[3]) if sums[3] else 0.0
         return metrics
 
     def _exact_match(self, logits: torch.Tensor, batch: Any) -> torch.Tensor:
@@ -201,3 +230,8 @@ def checkpoint_info(records: dict[str, Any], env: Any, step: int, samples: int,
 
 def run_dir_of(config: Any) -> Path:
     return Path(config.training.output_dir)
+
+
+def _count(num_items_in_batch: Any) -> float:
+    """The divisor of a micro-batch's loss: the global batch's count (at least 1)."""
+    return max(float(num_items_in_batch), 1.0) if num_items_in_batch is not None else 1.0

@@ -270,6 +270,12 @@ def _check_standard(config: TrainConfig, world_size: int) -> None:
                               f"sequence parallelism only); valid: {unused!r}, or "
                               "training.use_mca=true")
     sp, shape = par.sequence_parallel_size, _model_shape(config.model.model_name_or_path)
+    if shape.is_moe:
+        raise ConfigError(f"model.model_name_or_path={config.model.model_name_or_path!r} is a "
+                          f"mixture of experts ({_model_type(config.model.model_name_or_path)}) "
+                          "with training.use_mca=false: the standard backend trains dense models "
+                          "only (its loss has no router load-balancing term); valid: "
+                          "training.use_mca=true")
     valid = [n for n in range(1, world_size + 1) if world_size % n == 0
              and shape.num_attention_heads % n == 0 and shape.num_query_groups % n == 0]
     if world_size % sp or shape.num_attention_heads % sp or shape.num_query_groups % sp:

@@ -75,6 +75,12 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
+def sum_over_group(local: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of ``local`` over ``group``, on every rank; its gradient flows into this rank's
+    ``local`` unchanged (see :class:`_SumOverGroup`)."""
+    return _SumOverGroup.apply(local, group)
+
+
 def document_logps(batch: PackedBatch, per_token_loss: torch.Tensor, cp_group: Any
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-probability of each document's labelled tokens, their count), over the

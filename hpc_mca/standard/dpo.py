@@ -1,0 +1,158 @@
+"""Stage dpo on the standard backend: the Megatron backend's preference objective on the
+transformers model.
+
+The pairs, losses and metrics are those of :mod:`hpc_mca.trainer.dpo` (its
+:func:`~hpc_mca.trainer.dpo.preference_loss` is called here): each micro-batch holds whole
+pairs, documents alternating chosen, rejected; a document's log-probability is the sum over
+its answer tokens. What differs is where the numbers come from:
+
+* **log-probabilities** are minus the per-token cross entropy of the HF model's logits, summed
+  per document with the stream's ``documents`` index. Under Ulysses SP each rank holds a slice
+  of the stream; its partial sums are added over the SP group by
+  :func:`~hpc_mca.trainer.dpo.sum_over_group` (identity backward: each rank backpropagates the
+  pair losses into its own tokens, the attention all-to-all carries the rest), the same
+  arrangement as the Megatron backend's context parallelism.
+* **the reference** is a frozen copy of the starting model (the directory's weights, or the
+  seeded init), taken before a checkpoint is loaded, in eval mode, outside DDP and the
+  optimizer. With LoRA it is the policy itself with its adapters switched off (peft's
+  ``disable_adapter``), in eval mode: no second copy. It runs on each micro-batch just before
+  the policy does.
+* **the loss contract**: a micro-batch returns its summed pair losses times ``W/P`` (world size
+  over the global batch's pairs, counted on SP rank 0 of every group before the step); DDP's
+  gradient average divides ``W`` back out, so the gradient is that of the mean over pairs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hpc_mca.runtime.sequence_parallel import IGNORE_INDEX
+from hpc_mca.trainer.dpo import METRICS, preference_loss, sum_over_group
+
+from .trainer import StandardTrainer, _count
+
+__all__ = ["StandardDpoTrainer", "frozen_reference"]
+
+
+def frozen_reference(model: torch.nn.Module, lora: bool) -> torch.nn.Module | None:
+    """The reference model of a run starting from ``model``: a frozen copy, or None with LoRA
+    (the policy with its adapters off is the reference)."""
+    if lora:
+        return None
+    reference = copy.deepcopy(model).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+class StandardDpoTrainer(StandardTrainer):
+    """:class:`StandardTrainer` with the preference objective (see the module docstring).
+    ``reference``: from :func:`frozen_reference`."""
+
+    unit = "pairs"
+
+    def __init__(self, *, reference: torch.nn.Module | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.reference = reference
+        # Summed over the step's micro-batches: the per-pair METRICS (SP rank 0 only).
+        self._pref = torch.zeros(len(METRICS), dtype=torch.float64)
+
+    def _local_count(self, batch_samples: list) -> float:
+        """Pairs of this rank's micro-batches, counted once per SP group."""
+        if self.run.sp_rank != 0:
+            return 0.0
+        return float(sum(int(b["num_documents"]) // 2 for b in batch_samples))
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
+                     return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        reference, _ = self._document_logps(self._reference_model(model), inputs, grad=False)
+        policy, lengths = self._document_logps(model, inputs, grad=True)
+        losses, metrics = preference_loss(policy, reference, lengths,
+                                          self.run.config.finetuning)
+        if self.run.sp_rank == 0:  # SP peers hold the same pairs
+            self._sums[0] += float(losses.detach().sum())
+            self._pref += metrics.double().cpu()
+        loss = losses.sum() * (self.run.world_size / _count(num_items_in_batch))
+        return (loss, None) if return_outputs else loss
+
+    def _step_metrics(self, count: int) -> dict[str, float]:
+        """TRL's reward and log-probability means over the step's ``count`` pairs, on every
+        rank."""
+        sums = self._pref.clone().to(self.run.device)  # .to is no copy on the CPU
+        self._pref.zero_()
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        return {name: float(value) / (count or float("nan")) for name, value in zip(METRICS, sums)}
+
+    # ---- the two models -----------------------------------------------------------------------
+
+    def _reference_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self.reference if self.reference is not None else model
+
+    def _document_logps(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], *,
+                        grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed log-probability of each document's labelled tokens, their count) over the
+        whole documents (SP slices summed), float32 [documents]."""
+        with contextlib.ExitStack() as stack:
+            if not grad:
+                stack.enter_context(torch.no_grad())
+                stack.enter_context(self._reference_mode(model))
+            logits = model(input_ids=inputs["input_ids"],
+                           position_ids=inputs["position_ids"]).logits
+            labels = inputs["labels"].flatten()
+            per_token = F.cross_entropy(logits.flatten(0, 1).float(), labels,
+                                        ignore_index=IGNORE_INDEX, reduction="none")
+        mask = (labels != IGNORE_INDEX).float()
+        index = inputs["documents"].flatten()
+        docs = int(inputs["num_documents"])
+        logp = per_token.new_zeros(docs).index_add(0, index, -per_token * mask)
+        count = mask.new_zeros(docs).index_add(0, index, mask)
+        if self.run.sp_size > 1:
+            logp = sum_over_group(logp, self.run.sp_group) if grad else _summed(logp, self.run)
+            count = _summed(count, self.run)
+        return logp, count
+
+    @contextlib.contextmanager
+    def _reference_mode(self, model: torch.nn.Module) -> Iterator[None]:
+        """LoRA: the policy as the reference, adapters off and in eval mode (dropout off),
+        back to what it was afterwards. A separate reference is always so."""
+        if self.reference is not None:
+            yield
+            return
+        peft_model = getattr(model, "module", model)  # DDP
+        was_training = peft_model.training
+        peft_model.eval()
+        try:
+            with peft_model.disable_adapter():
+                yield
+        finally:
+            peft_model.train(was_training)
+
+    # ---- evaluation ---------------------------------------------------------------------------
+
+    def _eval_sums(self, model: torch.nn.Module, batch: Any, stream: dict[str, torch.Tensor]
+                   ) -> torch.Tensor:
+        """[pair losses, pairs, *METRICS] of one eval micro-batch (SP rank 0 counts)."""
+        reference, _ = self._document_logps(self._reference_model(model), stream, grad=False)
+        policy, lengths = self._document_logps(model, stream, grad=False)
+        losses, metrics = preference_loss(policy, reference, lengths,
+                                          self.run.config.finetuning)
+        sums = torch.cat([torch.stack([losses.sum(), torch.tensor(
+            float(losses.numel()), device=losses.device)]), metrics]).double()
+        return sums * float(self.run.sp_rank == 0)
+
+    def _eval_metrics(self, sums: torch.Tensor) -> dict[str, float]:
+        pairs = float(sums[1]) or float("nan")
+        return {"eval/loss": float(sums[0]) / pairs,
+                **{f"eval/{name}": float(value) / pairs for name, value in zip(METRICS, sums[2:])}}
+
+
+def _summed(x: torch.Tensor, run: Any) -> torch.Tensor:
+    total = x.clone()
+    dist.all_reduce(total, group=run.sp_group)
+    return total
