@@ -16,7 +16,10 @@ Bad input (one line each, before any process group) is checked on the config alo
 from __future__ import annotations
 
 import json
+import math
 import shutil
+import subprocess
+import sys
 
 import pytest
 from trainer_fixtures import make_model_dir, make_sft_data, rewind, run_train, steps, write_config
@@ -158,6 +161,35 @@ def test_lora_equals_the_megatron_backend_and_resumes_from_adapter_checkpoints(s
         merged = AutoModelForCausalLM.from_pretrained(standard / "merged").eval()(ids).logits
     assert (adapted - merged).abs().max() < 1e-5
     assert (adapted - plain).abs().max() > 1e-3  # the adapter changed the model
+
+
+@pytest.mark.slow
+def test_non_finite_gradients_skip_the_update(setup, tmp_path):
+    """A user callback poisons one gradient before step 2's optimizer step: that step is
+    skipped (no update, the LR schedule stays), counted, and the run goes on."""
+    script = tmp_path / "poison.py"
+    script.write_text(
+        "import sys\n"
+        "from transformers import TrainerCallback\n"
+        "from hpc_mca.trainer.run import run_training\n"
+        "class Poison(TrainerCallback):\n"
+        "    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):\n"
+        "        if state.global_step == 1:\n"
+        "            next(model.parameters()).grad[0, 0] = float('nan')\n"
+        "run_training(sys.argv[1], sys.argv[2:], callbacks=[Poison()])\n")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(script), str(setup["sft"]),
+                           f"training.output_dir={run_dir}", *STANDARD, "training.max_steps=4",
+                           "training.logging_steps=1", "data.eval_dataset=null"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = steps(run_dir)
+    assert [r["skipped"] for r in records] == [False, True, False, False]
+    assert records[1]["lr"] == records[0]["lr"] and records[2]["lr"] != records[1]["lr"]
+    assert all(math.isfinite(r["loss"]) for r in records) and math.isnan(records[1]["grad_norm"])
+    assert "skipped 1" in proc.stdout
+    info = json.loads((run_dir / "checkpoints" / "iter_0000004" / "checkpoint.json").read_text())
+    assert info["skipped_iters"] == 1
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -7,7 +7,7 @@ before the process group here too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -46,7 +46,8 @@ class StandardRun:
     train_stream: Any = None
     exact_match: bool = False
     pad_token_id: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    skipped_iters: int = 0
+    """Steps without an update (non-finite gradients) before this run started."""
 
     @property
     def device(self) -> torch.device:
@@ -85,8 +86,8 @@ class StandardRun:
     def consumed_samples(self, step: int) -> int:
         return step * self.config.training.global_batch_size
 
-    def checkpoint_info(self, step: int, samples: int, reason: str) -> Any:
-        return checkpoint_info(self.records, self.ctx.env, step, samples, reason)
+    def checkpoint_info(self, step: int, samples: int, reason: str, skipped_iters: int) -> Any:
+        return checkpoint_info(self.records, self.ctx.env, step, samples, reason, skipped_iters)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -130,7 +131,8 @@ def _train(config: TrainConfig, ctx: RankContext, shape: ModelShape,
     run = StandardRun(config, ctx, data, max_steps, compat.records(config, ctx.env.world_size, shape),
                       sp_group=new_sequence_parallel_groups(config.parallel.sequence_parallel_size),
                       exact_match=config.finetuning.stage == "sft",
-                      pad_token_id=tokenizer.pad_token_id or 0)
+                      pad_token_id=tokenizer.pad_token_id or 0,
+                      skipped_iters=found[1].skipped_iters if found else 0)
     run.train_stream = StreamLoader(data.train, config,
                                     consumed_samples=found[1].consumed_samples if found else 0,
                                     **run.stream_coords)

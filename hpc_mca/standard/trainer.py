@@ -60,6 +60,8 @@ class StandardTrainer(Trainer):
         self._step_end = time.perf_counter()
         self._seen_inputs = 0
         self._last_step = -1
+        self.skipped_iters, self._skipped = run.skipped_iters, False
+        self.optimizer.register_step_pre_hook(self._skip_non_finite)
 
     # ---- data and loss ------------------------------------------------------------------------
 
@@ -93,6 +95,23 @@ class StandardTrainer(Trainer):
         log-probabilities)."""
         return {}
 
+    def _skip_non_finite(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """Megatron's rule for a step whose gradients are not all finite (on any rank): no
+        update. Dropping the gradients makes the optimizer step a no-op; the LR schedule is
+        taken back at the step end (transformers' loop advances it regardless)."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None]
+        # A sum is non-finite iff some element is (or it overflows: not finite either).
+        bad = torch.stack([g.float().sum() for g in grads]).isfinite().all().logical_not()
+        flag = bad.to(self.run.device, torch.int32).reshape(1)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self._skipped = bool(flag.item())
+        if self._skipped:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad = None
+
     # ---- the step end -------------------------------------------------------------------------
 
     def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, *args: Any,
@@ -104,14 +123,18 @@ class StandardTrainer(Trainer):
             return
         self._last_step = step
         loss, tokens, inputs = self._step_sums()
+        skipped, self._skipped = self._skipped, False
+        if skipped:
+            self.skipped_iters += 1
+            self.lr_scheduler.step(increment=-1)  # no update, so the schedule stays put
         self.run.sync()
         now = time.perf_counter()
         seconds, self._step_end = now - self._step_end, now
-        norm = float(grad_norm) if grad_norm is not None else float("nan")
+        norm = float(grad_norm) if grad_norm is not None and not skipped else float("nan")
         lr = self.lr_scheduler.get_last_lr()[0]
         extra = self._step_metrics(tokens)
         self.metrics.record_step(step=step, loss=loss, **{self.unit: tokens}, input_tokens=inputs,
-                                 grad_norm=norm, lr=lr, skipped=False, seconds=round(seconds, 6),
+                                 grad_norm=norm, lr=lr, skipped=skipped, seconds=round(seconds, 6),
                                  **extra)
         self._window[1] += inputs
         self._window[2] += 1
@@ -126,7 +149,8 @@ class StandardTrainer(Trainer):
         if evaluated:
             self.evaluate()
         if decision.save:
-            info = self.run.checkpoint_info(step, self.run.consumed_samples(step), decision.reason)
+            info = self.run.checkpoint_info(step, self.run.consumed_samples(step),
+                                            decision.reason, self.skipped_iters)
             save_checkpoint(self, self.run.run_dir, info, self.run.config.training.save_total_limit)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
         if logged or evaluated or decision.save:
@@ -152,7 +176,8 @@ class StandardTrainer(Trainer):
     def _log(self, step: int, values: dict[str, float], now: float) -> None:
         start, inputs, steps = self._window
         elapsed = max(now - start, 1e-9)
-        values = {**values, "train/skipped_iters": 0.0, **self.metrics.throughput(inputs / elapsed)}
+        values = {**values, "train/skipped_iters": float(self.skipped_iters),
+                  **self.metrics.throughput(inputs / elapsed)}
         self.metrics.scalars(step, values)
         self.metrics.progress_line(step, values, elapsed / max(steps, 1))
         logs = {key.split("/")[-1]: value for key, value in values.items()}
@@ -219,10 +244,11 @@ class StandardTrainer(Trainer):
                                     batch.documents)
 
 
-def checkpoint_info(records: dict[str, Any], env: Any, step: int, samples: int,
-                    reason: str) -> CheckpointInfo:
+def checkpoint_info(records: dict[str, Any], env: Any, step: int, samples: int, reason: str,
+                    skipped_iters: int = 0) -> CheckpointInfo:
     """checkpoint.json of a standard-backend checkpoint."""
     return CheckpointInfo(step=step, consumed_samples=samples, saved_at=time.time(),
+                          skipped_iters=skipped_iters,
                           job_id=env.job_id, restart_count=env.restart_count, reason=reason,
                           format=HF_FORMAT,
                           **records)
