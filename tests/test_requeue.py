@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import slurm_cluster as slurm
+import yaml
 from trainer_fixtures import (
     make_model_dir,
     make_sft_data,
@@ -89,27 +90,51 @@ def training(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> d
     return {"root": root, "config": config, "reference": numbers(root / "reference")}
 
 
+@pytest.fixture(scope="module")
+def standard_training(training: dict) -> dict:
+    """The same run on the standard backend (training.use_mca=false), and its uninterrupted log."""
+    root = training["root"] / "standard"
+    root.mkdir()
+    settings = yaml.safe_load(training["config"].read_text())
+    settings["training"]["use_mca"] = False
+    config = root / "config.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    proc = run_train(config, root / "reference", 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"root": root, "config": config, "reference": numbers(root / "reference")}
+
+
 def test_time_limit_signal_saves_requeues_and_resumes_exactly(training: dict) -> None:
     """--time=1 with --signal=B:USR1@50: Slurm sends USR1 to the batch shell 10-40 s into the
     run (limits are checked every 30 s); the ranks save at the next step and the job requeues
     itself: same job id, restart count >= 1 (1 unless the resumed run is signalled too), and the
     same numbers as without the interruption."""
+    _time_limit_requeue(training, "tl")
+
+
+def test_standard_backend_time_limit_requeues_and_resumes_exactly(standard_training: dict
+                                                                  ) -> None:
+    """The same contract on the standard backend (transformers' Trainer, HF checkpoints)."""
+    _time_limit_requeue(standard_training, "tls")
+
+
+def _time_limit_requeue(training: dict, name: str) -> None:
     work = training["root"] / "timelimit"
     work.mkdir()
     env = job_env(PYTHONPATH=str(HOOKS), HPC_MCA_TEST_STEP_SLEEP=SLOW_FIRST_RUN)
     started = time.monotonic()
-    job_id, run_dir = submit(work, "tl", ["--nodes=2", "--ntasks-per-node=1", "--time=1",
+    job_id, run_dir = submit(work, name, ["--nodes=2", "--ntasks-per-node=1", "--time=1",
                                           "--signal=B:USR1@50", str(TEMPLATE),
                                           str(training["config"])], env)
     state = slurm.wait_for_job(job_id, timeout=400)
-    log = log_of(work, "tl", job_id)
+    log = log_of(work, name, job_id)
     assert state == "COMPLETED", log[-4000:]
     # The limit applies to every run of the job: a resumed run that is still going at Slurm's
     # next limit check (every 30 s) gets its own lead-time signal and requeues once more. The
     # first run always does; usually the second finishes first (restart count 1).
     restarts = slurm.job_restart_count(job_id)
     assert restarts >= 1, log[-4000:]
-    assert "hpc-mca | job            " + f"{job_id} (tl) restart 1" in log
+    assert "hpc-mca | job            " + f"{job_id} ({name}) restart 1" in log
     assert "requeue        time limit ahead (SIGUSR1): restart 1 of at most 10" in log
     stopped = [line for line in log.splitlines() if line.startswith("stop requested by")]
     saved = [line for line in log.splitlines() if "saved (signal)" in line]

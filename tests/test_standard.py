@@ -22,7 +22,8 @@ import subprocess
 import sys
 
 import pytest
-from trainer_fixtures import make_model_dir, make_sft_data, rewind, run_train, steps, write_config
+from trainer_fixtures import (make_model_dir, make_sft_data, rewind, run_train, steps, write_config,
+                              write_pairs)
 
 from hpc_mca.trainer.config import ConfigError, load_config
 
@@ -34,13 +35,6 @@ KEYS = {"sft": ("loss", "grad_norm"),
         "dpo": ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
                 "rewards/margins", "logps/chosen", "logps/rejected")}
 
-
-def _pairs(path, count: int, seed: int):
-    from hpc_mca.data.addition import make_problems, preference_record
-
-    path.write_text("".join(json.dumps(preference_record(a, b)) + "\n"
-                            for a, b in make_problems(count, seed=seed)))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +50,8 @@ def setup(tmp_path_factory):
                        make_sft_data(root, 32, seed=9, name="eval"),
                        data={"sequence_packing": True, "seq_length": 61}, **common)
     dpo = write_config(root / "dpo", model,
-                       _pairs(root / "pairs.jsonl", 128, 1), _pairs(root / "pairs_eval.jsonl", 16, 9),
+                       write_pairs(root / "pairs.jsonl", 128, 1),
+                       write_pairs(root / "pairs_eval.jsonl", 16, 9),
                        finetuning={"stage": "dpo"}, data={"sequence_packing": True, "seq_length": 67},
                        training={**common["training"], "global_batch_size": 4,
                                  "per_device_train_batch_size": 1})

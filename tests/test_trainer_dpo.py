@@ -16,7 +16,7 @@ import math
 import pytest
 
 from trainer_fixtures import (assert_bad_input_on_every_rank, launch_ranks, make_model_dir,
-                              rewind, run_train, steps, write_config)
+                              rewind, run_train, steps, write_config, write_pairs)
 
 pytestmark = pytest.mark.slow
 
@@ -26,20 +26,13 @@ PACKED = ["data.sequence_packing=true", "data.seq_length=64", "data.pack_alignme
           "training.per_device_train_batch_size=1", "training.global_batch_size=4"]
 
 
-def _pairs(path, count: int, seed: int):
-    from hpc_mca.data.addition import make_problems, preference_record
-
-    path.write_text("".join(json.dumps(preference_record(a, b)) + "\n"
-                            for a, b in make_problems(count, seed=seed)))
-    return path
-
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
     model = make_model_dir(root)
-    config = write_config(root, model, _pairs(root / "train.jsonl", 256, 1),
-                          _pairs(root / "eval.jsonl", 16, 9), finetuning={"stage": "dpo"},
+    config = write_config(root, model, write_pairs(root / "train.jsonl", 256, 1),
+                          write_pairs(root / "eval.jsonl", 16, 9), finetuning={"stage": "dpo"},
                           training={"save_steps": 4, "eval_steps": 10, "global_batch_size": 4,
                                     "per_device_eval_batch_size": 2})
     refs = {}

@@ -50,6 +50,15 @@ def make_sft_data(root: Path, count: int, seed: int, name: str) -> Path:
     return path
 
 
+def write_pairs(path: Path, count: int, seed: int) -> Path:
+    """Addition preference pairs (chosen: the sum, rejected: a near miss) as alpaca jsonl."""
+    from hpc_mca.data.addition import make_problems, preference_record
+
+    path.write_text("".join(json.dumps(preference_record(a, b)) + "\n"
+                            for a, b in make_problems(count, seed=seed)))
+    return path
+
+
 def write_config(root: Path, model_dir: Path, train: Path, evaluation: Path | None = None, **sections) -> Path:
     config = {
         "model": {"model_name_or_path": str(model_dir)},

@@ -7,6 +7,7 @@ before the process group here too.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -99,6 +100,7 @@ def run_standard(config: TrainConfig, env: RankEnv, shape: ModelShape,
     """Train ``config`` on this rank with the standard backend; the log history (rank 0's
     logged values, the same numbers on every rank)."""
     sp = config.parallel.sequence_parallel_size
+    _export_torch_env(env)
     # Ulysses groups are consecutive ranks, as Megatron lays out context-parallel groups: the
     # rank context's data-parallel size and seeds are those of the standard backend's layout.
     ctx = init_distributed(Layout(cp=sp), model=shape, seed=config.training.seed, env=env,
@@ -108,6 +110,15 @@ def run_standard(config: TrainConfig, env: RankEnv, shape: ModelShape,
         return _train(config, ctx, shape, callbacks)
     finally:
         shutdown()
+
+
+def _export_torch_env(env: RankEnv) -> None:
+    """torchrun's variables for this rank. transformers' Trainer (through accelerate) wraps the
+    model in DDP only when it finds them; a rank started by srun has Slurm's variables alone,
+    and would otherwise train on its own gradients."""
+    os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size),
+                      LOCAL_RANK=str(env.local_rank), LOCAL_WORLD_SIZE=str(env.local_world_size),
+                      MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port))
 
 
 def _train(config: TrainConfig, ctx: RankContext, shape: ModelShape,
@@ -173,6 +184,9 @@ def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[Any]) -> S
         seed=tr.seed, ignore_data_skip=True, disable_tqdm=True, bf16=tr.bf16, fp16=tr.fp16,
         use_cpu=ctx.device.type == "cpu", ddp_backend=ctx.backend,
         ddp_find_unused_parameters=False, save_only_model=False)
+    if ctx.env.world_size > 1 and args.world_size != ctx.env.world_size:
+        raise RuntimeError(f"transformers sees world size {args.world_size}, the job "
+                           f"{ctx.env.world_size}: gradients would not be synchronised")
     signal = StopSignal(run.run_dir, ctx.device, ctx.is_main)
     boundary = StepBoundary(tr.save_steps, run.max_steps, signal, ctx.is_main)
     seq = config.data.seq_length or config.data.cutoff_len

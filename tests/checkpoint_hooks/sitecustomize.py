@@ -2,7 +2,7 @@
 directory on PYTHONPATH (Python imports ``sitecustomize`` at start-up). Inactive unless one
 of these variables is set; it never changes numerics.
 
-HPC_MCA_TEST_STEP_SLEEP=S[@R]  sleep S seconds after every optimizer step, only while
+HPC_MCA_TEST_STEP_SLEEP=S[@R]  sleep S seconds after every optimizer step (either backend), only while
                                SLURM_RESTART_COUNT is R (default: always) — so a job lasts
                                until Slurm's signal arrives, then finishes fast after a requeue.
 HPC_MCA_TEST_SAVE_SLEEP=S@STEP  every rank prints "test hook: rank R saving step STEP" and
@@ -86,7 +86,17 @@ def _install_sleep(spec: str) -> None:
 
         module.Trainer.train_step = train_step
 
+    def patch_standard(module):  # the standard backend's step end, after the optimizer step
+        original = module.StandardTrainer._maybe_log_save_evaluate
+
+        def step_end(self, *args, **kwargs):
+            time.sleep(float(seconds))
+            return original(self, *args, **kwargs)
+
+        module.StandardTrainer._maybe_log_save_evaluate = step_end
+
     _patch_after_import("hpc_mca.trainer.trainer", patch)
+    _patch_after_import("hpc_mca.standard.trainer", patch_standard)
 
 
 def _install_kill(spec: str) -> None:
