@@ -25,7 +25,7 @@ def _apply(decorators: list[Callable[[F], F]], func: F) -> F:
 
 PLAN_FIELDS = ("nodes", "gpus_per_node", "gpu", "gpu_memory_gib", "model", "seq_length",
                "global_batch_size", "micro_batch_size", "stage", "precision", "lora", "tp", "pp",
-               "vp", "cp", "ep", "etp", "recompute", "distributed_optimizer")
+               "vp", "cp", "ep", "etp", "sp", "recompute", "distributed_optimizer")
 SLURM_FIELDS = ("job_name", "partition", "account", "qos", "time", "cpus_per_task",
                 "signal_lead", "sbatch_arg", "runs_root", "rank_command")
 
@@ -59,6 +59,9 @@ def plan_options(func: F) -> F:
                      help="bf16, fp16, fp8 or fp32; default: the config's (bf16 without one)."),
         click.option("--lora/--no-lora", default=None, help="Train LoRA adapters."),
         *layout,
+        click.option("--sp", type=int, default=None,
+                     help="Force the Ulysses sequence-parallel size (standard backend, "
+                          "training.use_mca=false, only; Megatron splits sequences with --cp)."),
         click.option("--recompute", default=None, help="Force none, selective or full."),
         click.option("--distributed-optimizer/--no-distributed-optimizer", default=None,
                      help="Force the distributed optimizer on or off."),

@@ -30,7 +30,7 @@ def submit(config: Path, overrides: tuple[str, ...], **options) -> None:
         done = submit_job(job, submit_options_from(options), ["hpc-mca", *sys.argv[1:]])
     req = job.plan.request
     click.echo(f"submitted job {done.job_id}: {req.nodes} node(s) × {req.node_size} "
-               f"{req.gpu_spec.name}, {job.plan.layout.describe()}")
+               f"{req.gpu_spec.name}, {job.plan.describe()}")
     click.echo(f"  run dir   {done.run_dir}")
     click.echo(f"  log       {done.log}")
     click.echo(f"  manifest  {done.manifest}")

@@ -71,7 +71,7 @@ class Continuation:
         req = self.job.plan.request
         return (f"run {self.run.run_dir} from {self.checkpoint.name} (step {self.info.step}, "
                 f"{self.info.consumed_samples} samples) on {req.nodes} node(s) × {req.node_size} "
-                f"{req.gpu_spec.name}, {self.job.plan.layout.describe()}")
+                f"{req.gpu_spec.name}, {self.job.plan.describe()}")
 
 
 def plan_continuation(job_id: str, runs_root: Path, *, nodes: int | None = None,

@@ -7,6 +7,11 @@ set on the command line or in the config is a *forced* layout (the other sizes d
 the planner then checks it instead of searching. What the planner chose is handed to the
 trainer as ``key=value`` overrides for exactly the keys the user left open, so the trainer
 runs the planned layout and nothing the user wrote is silently replaced.
+
+The config's ``training.use_mca`` picks the backend. With ``false`` (the standard backend: a
+whole model per GPU) a Megatron-only size or option given on the command line or in the config
+is refused here, in the user's own words (``--tp 2``, ``parallel.tensor_model_parallel_size=2``),
+and the overrides carry only batch keys and ``parallel.sequence_parallel_size``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_mca.topology import Layout, LayoutError, Plan, PlanRequest, plan
+from hpc_mca.topology.standard import megatron_only_line, sp_with_megatron_line
 from hpc_mca.trainer.config import RESERVED_STAGES, STAGES
 
 from .errors import OpsError
@@ -54,6 +60,8 @@ class PlanOptions:
     etp: int | None = None
     recompute: str | None = None
     distributed_optimizer: bool | None = None
+    sp: int | None = None
+    """Ulysses sequence-parallel size (standard backend only)."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +156,14 @@ def _request(options: PlanOptions, config: Any, explicit: set[str]) -> PlanReque
     if options.distributed_optimizer is not None:
         fields["use_distributed_optimizer"] = options.distributed_optimizer
     fields.setdefault("seq_length", DEFAULT_SEQ_LENGTH)
-    layout = _forced_layout(options, config, explicit)
+    standard = config is not None and not config.training.use_mca
+    _refuse_for_backend(options, config, explicit, standard)
+    fields["backend"] = "standard" if standard else "megatron"
+    sp = _given_sp(options, config, explicit)
+    if sp is not None:
+        fields["sequence_parallel_size"] = sp[0]
+    # The standard backend's sizes are all 1 once refused above; they force nothing.
+    layout = None if standard else _forced_layout(options, config, explicit)
     if layout is not None:
         fields["layout"] = layout
     if "global_batch_size" not in fields:
@@ -158,7 +173,10 @@ def _request(options: PlanOptions, config: Any, explicit: set[str]) -> PlanReque
     try:
         return PlanRequest(**fields)
     except LayoutError as err:
-        raise OpsError(str(err)) from None
+        message = str(err)
+        if sp is not None:  # the planner's SP line, in the words the user gave the size
+            message = message.replace(f"sequence_parallel_size={sp[0]} ", f"{sp[1]} ")
+        raise OpsError(message) from None
     except TypeError as err:  # a non-numeric value from a hand-made PlanOptions
         raise OpsError(str(err)) from None
 
@@ -171,6 +189,70 @@ def _refuse_unbuilt(fields: dict[str, Any]) -> None:
         lines.append(f"stage={stage!r} {why}; valid: {', '.join(STAGES)}")
     if lines:
         raise OpsError("\n".join(lines))
+
+
+def _given_sp(options: PlanOptions, config: Any, explicit: set[str]) -> tuple[int, str] | None:
+    """(Ulysses size, how the user wrote it) from --sp or the config; None when left open."""
+    if options.sp is not None:
+        return options.sp, f"--sp {options.sp}"
+    if config is not None and "sequence_parallel_size" in explicit:
+        value = config.parallel.sequence_parallel_size
+        return value, f"parallel.sequence_parallel_size={value}"
+    return None
+
+
+def _refuse_for_backend(options: PlanOptions, config: Any, explicit: set[str],
+                        standard: bool) -> None:
+    """What the chosen backend cannot run, one line each in the user's words: Ulysses SP with
+    Megatron; Megatron's layout sizes, distributed optimizer and recompute with standard."""
+    sp = _given_sp(options, config, explicit)
+    if not standard:
+        if sp is not None and sp[0] != 1:
+            raise OpsError(sp_with_megatron_line(sp[1], cp="--cp"))
+        return
+    lines = [megatron_only_line(given, "1") for given in _megatron_sizes(options, config, explicit)]
+    optimizer, recompute = _megatron_options(options, config, explicit)
+    if optimizer is not None:
+        lines.append(megatron_only_line(optimizer, "--no-distributed-optimizer",
+                                        "the distributed optimizer is Megatron-Core's (the "
+                                        "standard backend keeps Adam's state whole on every GPU)"))
+    if recompute is not None:
+        lines.append(megatron_only_line(recompute, "none", "activation recompute is "
+                                        "Megatron-Core's (the standard backend keeps every "
+                                        "activation)"))
+    if lines:
+        raise OpsError("\n".join(lines))
+
+
+def _megatron_sizes(options: PlanOptions, config: Any, explicit: set[str]) -> list[str]:
+    """Layout sizes above 1 from the command line (``--tp 2``) or the config (its key)."""
+    given = []
+    for flag, key in LAYOUT_KEYS.items():
+        value, text = getattr(options, flag), f"--{flag} {getattr(options, flag)}"
+        if value is None and config is not None and key in explicit:
+            value = getattr(config.parallel, key)
+            text = f"parallel.{key}={value}"
+        if isinstance(value, int) and value > 1:
+            given.append(text)
+    return given
+
+
+def _megatron_options(options: PlanOptions, config: Any,
+                      explicit: set[str]) -> tuple[str | None, str | None]:
+    """(distributed optimizer, recompute) as the user turned them on, else None each."""
+    par = config.parallel if config is not None else None
+    optimizer = recompute = None
+    if options.distributed_optimizer:
+        optimizer = "--distributed-optimizer"
+    elif (options.distributed_optimizer is None and par is not None
+          and "use_distributed_optimizer" in explicit and par.use_distributed_optimizer):
+        optimizer = "parallel.use_distributed_optimizer=true"
+    if options.recompute not in (None, "none"):
+        recompute = f"--recompute {options.recompute}"
+    elif (options.recompute is None and par is not None
+          and "recompute_granularity" in explicit and par.recompute_granularity):
+        recompute = f"parallel.recompute_granularity={par.recompute_granularity}"
+    return optimizer, recompute
 
 
 def _from_config(config: Any, explicit: set[str], options: PlanOptions) -> dict[str, Any]:
@@ -235,6 +317,8 @@ def _forced_layout(options: PlanOptions, config: Any, explicit: set[str]) -> Lay
 
 def _plan_overrides(result: Plan, options: PlanOptions, explicit: set[str]) -> list[str]:
     """``key=value`` for what the CLI set and what the planner chose where the user did not."""
+    if result.backend == "standard":
+        return _standard_overrides(result, options, explicit)
     lay = result.layout
     chosen: dict[str, Any] = {
         "tensor_model_parallel_size": lay.tp, "pipeline_model_parallel_size": lay.pp,
@@ -265,6 +349,24 @@ def _plan_overrides(result: Plan, options: PlanOptions, explicit: set[str]) -> l
     for key, value in chosen.items():
         if key in cli_set or key not in explicit:
             out.append(f"{key}={_yaml(value)}")
+    return out
+
+
+def _standard_overrides(result: Plan, options: PlanOptions, explicit: set[str]) -> list[str]:
+    """The standard backend's trainer refuses every Megatron key, so only the batch and the
+    Ulysses size go to it: each where the CLI set it or the config left it open (an SP of 1
+    the user never mentioned is the trainer's default and is left out)."""
+    out = _stage_precision_lora(options)
+    batch = {"per_device_train_batch_size": (result.micro_batch_size,
+                                             options.micro_batch_size is not None),
+             "global_batch_size": (result.request.global_batch_size,
+                                   options.global_batch_size is not None)}
+    for key, (value, cli_set) in batch.items():
+        if cli_set or key not in explicit:
+            out.append(f"{key}={value}")
+    sp = result.sequence_parallel_size
+    if options.sp is not None or ("sequence_parallel_size" not in explicit and sp != 1):
+        out.append(f"parallel.sequence_parallel_size={sp}")
     return out
 
 
@@ -324,7 +426,8 @@ def plan_summary(result: Plan) -> dict[str, Any]:
     req, lay, mem = result.request, result.layout, result.memory
     layout = dataclasses.asdict(lay)
     return {
-        "layout": layout, "describe": lay.describe(), "forced": result.forced,
+        "backend": result.backend, "sequence_parallel_size": result.sequence_parallel_size,
+        "layout": layout, "describe": result.describe(), "forced": result.forced,
         "micro_batch_size": result.micro_batch_size, "num_microbatches": result.num_microbatches,
         "recompute": result.recompute,
         "use_distributed_optimizer": result.use_distributed_optimizer,

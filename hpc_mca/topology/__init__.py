@@ -1,4 +1,5 @@
-"""Topology planner: parallel layout, micro-batching and per-GPU memory for Megatron-Core jobs.
+"""Topology planner: parallel layout, micro-batching and per-GPU memory for Megatron-Core jobs
+(and for the standard backend's whole-model-per-GPU jobs: data × Ulysses sequence parallelism).
 
 Pure Python on purpose: login-node commands (``hpc-mca plan``) import this package, so it must
 never import torch, megatron or transformers.

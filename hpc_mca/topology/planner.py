@@ -8,6 +8,10 @@ search's own choice for the same job, so a report can show both estimates side b
 
 A PP size that does not divide the layers gets a balanced explicit ``pipeline_layout``. Every
 plan passes check_layout, so the planner never emits a layout the rules reject.
+
+``backend="standard"`` (the trainer's ``training.use_mca: false``) plans a whole model per GPU
+instead: only the Ulysses sequence-parallel size and the micro-batch are chosen
+(topology/standard.py).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from .model import ModelShape
 from .search import (PLAN_HEADROOM, Option, distributed_optimizer, fastest, memory,
                      overlap_grad_reduce, planning_budget, recompute_options, search,
                      search_reason, tunings, violations)
+from .standard import describe as describe_standard
+from .standard import standard_options, standard_reason, standard_request_violations
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +86,12 @@ class PlanRequest:
     overlap_param_gather: bool = False
     """The run overlaps the distributed optimizer's parameter all-gather with the next
     forward (estimated as hidden); the planner does not turn it on by itself."""
+    backend: str = "megatron"
+    """megatron (Megatron-Core: TP/PP/CP/EP layouts) or standard (``training.use_mca: false``:
+    a whole transformers model per GPU, data and Ulysses sequence parallelism only)."""
+    sequence_parallel_size: int | None = None
+    """Standard backend: force the Ulysses SP size (ranks sharing each row); None = planned.
+    The Megatron backend takes only None or 1 (it splits sequences with CP)."""
     shape: ModelShape = field(init=False, repr=False, compare=False)
     """The model as a ModelShape (filled from ``model``)."""
 
@@ -133,6 +145,16 @@ class Plan:
     searched: Plan | None = None
     """For a forced layout: the search's own plan for the same job (None when nothing else
     fits), to set the two estimates side by side."""
+    backend: str = "megatron"
+    """The request's backend; with standard, ``layout`` is all ones but ``dp``."""
+    sequence_parallel_size: int = 1
+    """Standard backend: Ulysses SP ranks per row (DP·SP = world); always 1 with Megatron."""
+
+    def describe(self) -> str:
+        """Compact layout for reports: ``TP4 PP2 CP1 DP2``, or ``DP4 × SP2`` (standard)."""
+        if self.backend == "standard":
+            return describe_standard(self.sequence_parallel_size, self.layout.dp or 1)
+        return self.layout.describe()
 
     @property
     def tokens_per_second_per_gpu(self) -> float:
@@ -148,6 +170,8 @@ def plan(request: PlanRequest | None = None, /, **fields: Any) -> Plan:
     or does not fit, or when no layout fits at all.
     """
     req = PlanRequest(**fields) if request is None else replace(request, **fields)
+    if req.backend == "standard":
+        return _plan_standard(req)
     if req.layout is not None:
         return _plan_forced(req, req.layout)
     ranked = search(req)
@@ -159,9 +183,10 @@ def _request_violations(req: PlanRequest) -> list[str]:
     if not isinstance(req.mtp_num_layers, int) or req.mtp_num_layers < 0:
         lines.append(f"mtp_num_layers={req.mtp_num_layers!r} must be a non-negative integer")
     for name in ("nodes", "seq_length", "global_batch_size", "gpus_per_node", "lora_rank",
-                 "micro_batch_size", "max_context_parallel"):
+                 "micro_batch_size", "max_context_parallel", "sequence_parallel_size"):
         value = getattr(req, name)
-        optional = name in ("gpus_per_node", "micro_batch_size", "max_context_parallel")
+        optional = name in ("gpus_per_node", "micro_batch_size", "max_context_parallel",
+                            "sequence_parallel_size")
         if (value is not None or not optional) and (
                 not isinstance(value, int) or isinstance(value, bool) or value < 1):
             lines.append(f"{name}={value!r} must be a positive integer")
@@ -182,21 +207,43 @@ def _request_violations(req: PlanRequest) -> list[str]:
         fp8 = ", ".join(name for name, spec in GPU_PRESETS.items() if spec.fp8)
         lines.append(f"precision='fp8' needs an FP8 GPU ({fp8}), not {gpu.name}; "
                      "valid: bf16, fp16, fp32")
-    return lines
+    # The backend's rules need a valid world size (the SP rule divides it).
+    return lines or standard_request_violations(req)
 
 
 def _make_plan(req: PlanRequest, option: Option, reason: str, *, forced: bool,
                searched: Plan | None = None) -> Plan:
     layout = option.layout
     mbs = option.micro_batch_size
+    sp = 1
+    if req.backend == "standard":
+        # The option's layout is the Ulysses stand-in (CP = SP) that memory.py and cost.py
+        # size; the plan shows what the trainer runs: no model parallelism at all.
+        layout, sp = Layout(dp=layout.dp), layout.cp
     return Plan(layout=layout, micro_batch_size=mbs,
                 num_microbatches=req.global_batch_size // (mbs * (layout.dp or 1)),
                 recompute=option.recompute,
                 use_distributed_optimizer=distributed_optimizer(req, layout),
                 sequence_parallel=layout.tp > 1 and req.gpu_spec.sequence_parallel,
-                overlap_grad_reduce=overlap_grad_reduce(req, layout), memory=option.memory,
-                step_time=option.time, usable_bytes=req.gpu_spec.usable_bytes, reason=reason,
-                request=req, forced=forced, searched=searched)
+                overlap_grad_reduce=overlap_grad_reduce(req, option.layout),
+                memory=option.memory, step_time=option.time,
+                usable_bytes=req.gpu_spec.usable_bytes, reason=reason, request=req,
+                forced=forced, searched=searched, backend=req.backend, sequence_parallel_size=sp)
+
+
+def _plan_standard(req: PlanRequest) -> Plan:
+    """A whole model per GPU: the fastest SP and micro-batch that fit (a forced SP gets the
+    search's own choice beside it, as a forced layout does)."""
+    ranked = standard_options(req)
+    forced = req.sequence_parallel_size is not None
+    searched = None
+    if forced:
+        try:
+            searched = plan(replace(req, sequence_parallel_size=None))
+        except LayoutError:
+            searched = None
+    return _make_plan(req, ranked[0], standard_reason(req, ranked), forced=forced,
+                      searched=searched)
 
 
 def _gib(n: float) -> str:

@@ -72,7 +72,10 @@ def distributed_optimizer(req: PlanRequest, layout: Layout) -> bool:
     """Sharding optimizer state costs nothing but a reduce-scatter, so use it whenever there is
     more than one data-parallel rank to shard over. LoRA in half precision needs it on any
     count: its float32 adapters in a bf16/fp16 model are checkpointed only by the distributed
-    optimizer (Megatron's other mixed-precision optimizer maps half-precision parameters only)."""
+    optimizer (Megatron's other mixed-precision optimizer maps half-precision parameters only).
+    The standard backend has no distributed optimizer (its trainer refuses one): never."""
+    if req.backend == "standard":
+        return False
     if req.use_distributed_optimizer is not None:
         return req.use_distributed_optimizer
     return (layout.dp or 1) * layout.cp > 1 or (req.lora and req.precision != "fp32")
@@ -80,20 +83,32 @@ def distributed_optimizer(req: PlanRequest, layout: Layout) -> bool:
 
 def overlap_grad_reduce(req: PlanRequest, layout: Layout) -> bool:
     """Reduce gradients during the last backward whenever there are DP·CP ranks to reduce over
-    (Megatron's overlap_grad_reduce); off when the request says so."""
-    if req.overlap_grad_reduce is not None:
+    (Megatron's overlap_grad_reduce); off when the request says so. The standard backend's
+    DDP always reduces its buckets during the backward, whatever the config says."""
+    if req.overlap_grad_reduce is not None and req.backend != "standard":
         return req.overlap_grad_reduce
     return (layout.dp or 1) * layout.cp > 1
 
 
 def workload(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Workload:
+    """What one step computes: the step-time estimate's input (see memory_workload)."""
+    # The standard backend's SP is Ulysses: the all-to-all exchange (see topology/standard.py).
+    cp_comm_type = "a2a" if req.backend == "standard" else req.cp_comm_type
     return Workload(
         seq_length=req.seq_length, micro_batch_size=mbs,
         num_microbatches=req.global_batch_size // (mbs * (layout.dp or 1)),
         stage=req.stage, precision=req.precision, lora=req.lora, lora_rank=req.lora_rank,
         recompute=recompute, use_distributed_optimizer=distributed_optimizer(req, layout),
-        flash_attention=req.flash_attention, cp_comm_type=req.cp_comm_type,
+        flash_attention=req.flash_attention, cp_comm_type=cp_comm_type,
         mtp_num_layers=req.mtp_num_layers)
+
+
+def memory_workload(req: PlanRequest, work: Workload) -> Workload:
+    """``work`` as the memory estimate sees it. The standard backend builds its model in
+    float32 and runs bf16/fp16 under autocast, so its weights, gradients and Adam state are
+    memory.py's fp32 case (4 + 4 + 8 B per trainable parameter, no separate master copy; the
+    frozen LoRA base and a DPO reference also take 4 B); the compute stays at ``precision``."""
+    return replace(work, precision="fp32") if req.backend == "standard" else work
 
 
 def violations(req: PlanRequest, layout: Layout, mbs: int) -> list[str]:
@@ -104,7 +119,8 @@ def violations(req: PlanRequest, layout: Layout, mbs: int) -> list[str]:
 
 
 def memory(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> MemoryEstimate:
-    return estimate_memory(req.shape, layout, workload(req, layout, mbs, recompute))
+    work = memory_workload(req, workload(req, layout, mbs, recompute))
+    return estimate_memory(req.shape, layout, work)
 
 
 def evaluate(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Option:
@@ -113,7 +129,8 @@ def evaluate(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Opti
     time = estimate_step_time(req.shape, layout, work, req.gpu_spec, req.node_size,
                               overlap_grad_reduce=overlap_grad_reduce(req, layout),
                               overlap_param_gather=req.overlap_param_gather)
-    return Option(layout, mbs, recompute, estimate_memory(req.shape, layout, work), time)
+    return Option(layout, mbs, recompute,
+                  estimate_memory(req.shape, layout, memory_workload(req, work)), time)
 
 
 def recompute_options(req: PlanRequest) -> list[str]:
