@@ -1,7 +1,7 @@
 """The standard backend (training.use_mca=false): transformers' Trainer on the HF model.
 
-A Llama with weights trains 10 steps on packed SFT rows of 61 slots (odd, so a micro-batch's
-stream of 2 rows is 122 slots and a 4-way split would pad it) and on packed dpo pairs:
+A Llama with weights trains 10 steps on packed SFT rows of 61 slots and packed dpo pairs in
+rows of 67, one row per micro-batch: streams of odd length, which Ulysses SP2 pads by a slot:
 
 * the Megatron backend from the same weights gives the same losses, token counts, gradient
   norms and eval figures (sft, dpo and LoRA, whose adapters start from the same seeded draw);
@@ -48,7 +48,8 @@ def setup(tmp_path_factory):
     sft = write_config(root / "sft", model,
                        make_sft_data(root, 128, seed=1, name="train"),
                        make_sft_data(root, 32, seed=9, name="eval"),
-                       data={"sequence_packing": True, "seq_length": 61}, **common)
+                       data={"sequence_packing": True, "seq_length": 61},
+                       training={**common["training"], "per_device_train_batch_size": 1})
     dpo = write_config(root / "dpo", model,
                        write_pairs(root / "pairs.jsonl", 128, 1),
                        write_pairs(root / "pairs_eval.jsonl", 16, 9),

@@ -165,7 +165,7 @@ def _train(config: TrainConfig, ctx: RankContext, shape: ModelShape,
 
 
 def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[Any]) -> StandardTrainer:
-    from transformers import TrainingArguments
+    from transformers import PrinterCallback
     from transformers.utils import logging as hf_logging
 
     # save_pretrained draws a progress bar per checkpoint: run logs keep one line per save.
@@ -175,6 +175,32 @@ def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[Any]) -> S
     tr = config.training
     model = build_hf_model(config, ctx.device)
     optimizer, scheduler = build_optimizer(model, config, run.max_steps)
+    args = _training_args(run)
+    signal = StopSignal(run.run_dir, ctx.device, ctx.is_main)
+    boundary = StepBoundary(tr.save_steps, run.max_steps, signal, ctx.is_main)
+    seq = config.data.seq_length or config.data.cutoff_len
+    metrics = MetricsWriter(run.run_dir, ctx.is_main, "tensorboard" in tr.report_to, run.max_steps,
+                            flops_per_token(shape, seq), ctx.env.world_size)
+    common = dict(model=model, args=args, optimizers=(optimizer, scheduler),
+                  callbacks=list(callbacks), run=run, boundary=boundary, metrics=metrics)
+    if config.finetuning.stage == "dpo":
+        from .dpo import StandardDpoTrainer, frozen_reference
+
+        lora = config.finetuning.finetuning_type == "lora"
+        trainer = StandardDpoTrainer(reference=frozen_reference(model, lora), **common)
+    else:
+        trainer = StandardTrainer(**common)
+    # The run log has hpc-mca's progress line; transformers' printer would repeat it as a dict.
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+def _training_args(run: StandardRun) -> Any:
+    """transformers' arguments for the loop it runs; logging, saving and evaluation are
+    hpc-mca's (StandardTrainer's step end), so the Trainer's own strategies are off."""
+    from transformers import TrainingArguments
+
+    tr, ctx = run.config.training, run.ctx
     args = TrainingArguments(
         output_dir=str(run.run_dir), max_steps=run.max_steps,
         per_device_train_batch_size=tr.per_device_train_batch_size,
@@ -187,19 +213,7 @@ def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[Any]) -> S
     if ctx.env.world_size > 1 and args.world_size != ctx.env.world_size:
         raise RuntimeError(f"transformers sees world size {args.world_size}, the job "
                            f"{ctx.env.world_size}: gradients would not be synchronised")
-    signal = StopSignal(run.run_dir, ctx.device, ctx.is_main)
-    boundary = StepBoundary(tr.save_steps, run.max_steps, signal, ctx.is_main)
-    seq = config.data.seq_length or config.data.cutoff_len
-    metrics = MetricsWriter(run.run_dir, ctx.is_main, "tensorboard" in tr.report_to, run.max_steps,
-                            flops_per_token(shape, seq), ctx.env.world_size)
-    common = dict(model=model, args=args, optimizers=(optimizer, scheduler),
-                  callbacks=list(callbacks), run=run, boundary=boundary, metrics=metrics)
-    if config.finetuning.stage == "dpo":
-        from .dpo import StandardDpoTrainer, frozen_reference
-
-        lora = config.finetuning.finetuning_type == "lora"
-        return StandardDpoTrainer(reference=frozen_reference(model, lora), **common)
-    return StandardTrainer(**common)
+    return args
 
 
 def _begin(run: StandardRun, found: Any) -> None:
