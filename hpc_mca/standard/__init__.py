@@ -11,6 +11,7 @@ parallelism is Ulysses (:mod:`hpc_mca.runtime.sequence_parallel`).
 
 - ``run``: the entry, from :func:`hpc_mca.trainer.run.run_training`.
 - ``trainer``: the Trainer subclass (data, loss, step end, evaluation).
+- ``dpo``: stage dpo's subclass (preference loss, the reference model).
 - ``data``: micro-batches as packed streams, sliced for sequence parallelism.
 - ``model``: the transformers model (LoRA through peft), optimizer, schedule, exports.
 - ``checkpoint``: transformers' checkpoint files under hpc-mca's commit protocol.

@@ -21,7 +21,7 @@ import torch
 
 from hpc_mca.data.batch import PackedBatch
 from hpc_mca.data.dataset import eval_dataloader, train_dataloader
-from hpc_mca.runtime.sequence_parallel import IGNORE_INDEX, slice_and_pad
+from hpc_mca.runtime.sequence_parallel import slice_and_pad
 
 __all__ = ["StreamLoader", "eval_streams", "stream_of"]
 
@@ -75,8 +75,3 @@ def eval_streams(rows: Any, config: Any, *, data_parallel_rank: int, sp_rank: in
     """One pass over the eval rows: (the micro-batch, this rank's stream of it)."""
     for batch in eval_dataloader(rows, config, data_parallel_rank=data_parallel_rank):
         yield batch, stream_of(batch, sp_rank=sp_rank, sp_size=sp_size, pad_token_id=pad_token_id)
-
-
-def real_labels(labels: torch.Tensor) -> int:
-    """Loss-bearing slots of a stream."""
-    return int((labels != IGNORE_INDEX).sum())

@@ -13,13 +13,13 @@ leave the same run directory:
 * **step end** (every optimizer step, every rank): one steps.jsonl line; every
   ``logging_steps`` the progress line and TensorBoard scalars (the Megatron backend's names);
   evaluation every ``eval_steps``; the save/stop decision of :mod:`hpc_mca.trainer.boundary`
-  (intervals, the last step, an agreed stop signal), saved by :mod:`.checkpoint`.
+  (intervals, the last step, an agreed stop signal), saved by :mod:`.checkpoint`;
+* **non-finite gradients** on any rank: no update and the LR schedule stays (Megatron's rule).
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -252,10 +252,6 @@ def checkpoint_info(records: dict[str, Any], env: Any, step: int, samples: int, 
                           job_id=env.job_id, restart_count=env.restart_count, reason=reason,
                           format=HF_FORMAT,
                           **records)
-
-
-def run_dir_of(config: Any) -> Path:
-    return Path(config.training.output_dir)
 
 
 def _count(num_items_in_batch: Any) -> float:
