@@ -50,10 +50,10 @@ def test_missing_file_and_unknown_type(tmp_path: Path):
     with pytest.raises(DataError) as err:
         list(read_records(tmp_path / "nope.jsonl"))
     assert _one_line(err) == f"data.dataset: dataset file '{tmp_path / 'nope.jsonl'}' does not exist"
-    (tmp_path / "d.csv").write_text("a,b\n")
+    (tmp_path / "d.txt").write_text("a,b\n")
     with pytest.raises(DataError) as err:
-        list(read_records(tmp_path / "d.csv"))
-    assert "unknown file type '.csv'; valid: .jsonl, .json, .parquet" in _one_line(err)
+        list(read_records(tmp_path / "d.txt"))
+    assert "unknown file type '.txt'; valid: .jsonl, .json, .parquet, .arrow, .csv" in _one_line(err)
 
 
 def test_json_list_file(tmp_path: Path):

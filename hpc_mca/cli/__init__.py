@@ -16,12 +16,14 @@ _COMMANDS: dict[str, str] = {
     "cancel": "hpc_mca.cli.cancel:cancel",
     "logs": "hpc_mca.cli.logs:logs",
     "plan": "hpc_mca.cli.plan:plan",
+    "plot": "hpc_mca.cli.plot:plot",
     "resume": "hpc_mca.cli.resume:resume",
     "smoke": "hpc_mca.cli.smoke:smoke",
     "status": "hpc_mca.cli.status:status",
     "submit": "hpc_mca.cli.submit:submit",
     "tensorboard": "hpc_mca.cli.tensorboard:tensorboard",
     "train": "hpc_mca.cli.train:train",
+    "watch": "hpc_mca.cli.watch:watch",
 }
 
 

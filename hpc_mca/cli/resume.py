@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from ._options import ops_errors, runs_root_from, runs_root_option, signal_lead_option
+from .watch import follow_job, interval_option
 
 
 @click.command()
@@ -27,11 +28,15 @@ from ._options import ops_errors, runs_root_from, runs_root_option, signal_lead_
 @click.option("--partition", default=None, help="Slurm partition; default: as before.")
 @signal_lead_option
 @click.option("--dry-run", is_flag=True, help="Check and print the batch script; submit nothing.")
+@click.option("--wait", is_flag=True,
+              help="Then follow the new job like hpc-mca watch and exit with its final state.")
+@interval_option
 @runs_root_option
 def resume(job_id: str, overrides: tuple[str, ...], nodes: int | None, gpus_per_node: int | None,
            gpu: str | None, tp: int | None, pp: int | None, vp: int | None, ep: int | None,
            distributed_optimizer: bool | None, time: str | None, partition: str | None,
-           signal_lead: int | None, dry_run: bool, runs_root: Path | None) -> None:
+           signal_lead: int | None, dry_run: bool, wait: bool, interval: float,
+           runs_root: Path | None) -> None:
     """Continue the run of JOBID from its latest checkpoint in a new job (same run directory),
     optionally on another number of nodes: the layout is planned anew for the new size
     (the checkpoint reshards over TP/PP/DP) unless --tp/--pp/... force it. OVERRIDES are extra
@@ -60,3 +65,5 @@ def resume(job_id: str, overrides: tuple[str, ...], nodes: int | None, gpus_per_
     click.echo(f"submitted job {new_id}: continues {cont.describe()}")
     click.echo(f"  log       {cont.log(new_id)}")
     click.echo(f"  watch     hpc-mca status {new_id}  |  hpc-mca logs {new_id} -f")
+    if wait:
+        follow_job(new_id, runs_root_from(runs_root), interval)

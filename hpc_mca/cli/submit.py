@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from ._options import ops_errors, plan_options, plan_options_from, slurm_options, submit_options_from
+from .watch import follow_job, interval_option
 
 
 @click.command()
@@ -15,12 +16,19 @@ from ._options import ops_errors, plan_options, plan_options_from, slurm_options
 @click.argument("overrides", nargs=-1)
 @plan_options
 @slurm_options
-def submit(config: Path, overrides: tuple[str, ...], **options) -> None:
+@click.option("--wait", is_flag=True,
+              help="Then follow the job like hpc-mca watch and exit with its final state.")
+@interval_option
+def submit(config: Path, overrides: tuple[str, ...], wait: bool, interval: float,
+           **options) -> None:
     """Submit a training job: every rank runs `hpc-mca train CONFIG OVERRIDES...`.
 
     The layout is planned from the config's model and the job size (see hpc-mca plan); the
     run directory <runs root>/<job name>_<job id> gets the script, a manifest, the log and
     everything the trainer writes.
+
+    With --wait, a progress bar follows the job until it ends; the exit status is its final
+    state's (0 COMPLETED; the others as hpc-mca watch documents).
     """
     from hpc_mca.slurm.jobplan import make_job_plan
     from hpc_mca.slurm.submit import submit as submit_job
@@ -36,3 +44,5 @@ def submit(config: Path, overrides: tuple[str, ...], **options) -> None:
     click.echo(f"  manifest  {done.manifest}")
     click.echo(f"  watch     hpc-mca status {done.job_id}  |  hpc-mca logs {done.job_id} -f  |  "
                f"hpc-mca tensorboard {done.job_id}  |  hpc-mca cancel {done.job_id}")
+    if wait:
+        follow_job(done.job_id, Path(done.run_dir).parent, interval, run_dir=Path(done.run_dir))

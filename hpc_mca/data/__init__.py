@@ -2,7 +2,10 @@
 
 Modules, in pipeline order:
 
-* :mod:`.records` - jsonl/json/parquet files to records; alpaca/sharegpt to messages.
+* :mod:`.records` - dataset files to records (through :mod:`.tables`, HF datasets, local
+  only); alpaca/sharegpt to messages.
+* :mod:`.sources` - direct paths or LLaMA-Factory dataset_info.json entries (columns, tags).
+* :mod:`.mix` - several training datasets concatenated or interleaved by probability.
 * :mod:`.tokenize` - chat-template rendering, response-only labels, the one causal shift.
 * :mod:`.store` - samples in flat arrays, the tokenization cache, Megatron indexed corpora.
 * :mod:`.packing` - best-fit-decreasing packing and its efficiency (no torch).

@@ -2,10 +2,12 @@
 
 The pipeline, one function each:
 
-1. :func:`load_samples` - files to shifted samples: read records (errors as ``path:line``),
+1. :func:`load_samples` - files to shifted samples: read records through HF ``datasets``
+   (direct paths or dataset_info.json entries, :mod:`.sources`; errors as ``path:line``),
    render and tokenize them per stage (cached on disk by content key), or open a Megatron
    indexed corpus.
-2. :func:`build_datasets` - train/eval samples (``eval_dataset`` or ``val_size`` held out) into
+2. :func:`build_datasets` - train/eval samples (several training datasets mixed by
+   ``mix_strategy``, :mod:`.mix`; ``eval_dataset`` or ``val_size`` held out) into
    :class:`~hpc_mca.data.rows.RowDataset` rows, packed or padded.
 3. :func:`train_dataloader` / :func:`eval_dataloader` - micro-batches for one data-parallel
    rank, in the seed's order, resumable from a consumed-sample count.
@@ -19,6 +21,7 @@ launcher can also let rank 0 go first and the others read its cache after a barr
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +31,14 @@ import numpy as np
 import torch
 
 from .errors import DataError
-from .records import (Record, check_dataset_path, detect_sft_format, messages_of, read_records,
-                      text_of)
+from .mix import mix_order, parse_probs
+from .records import Record, check_dataset_path, detect_sft_format, messages_of, text_of
 from .batch import collate_batch
 from .packing import pack_alignment
 from .preference import check_pairwise, pair_rows, split_pairs, tokenize_pairs
 from .rows import RowDataset
 from .sampler import DataSampler
+from .sources import DatasetSource, resolve_sources, source_records
 from .store import (IndexedSamples, SampleStore, Samples, cache_key, cached, check_token_ids,
                     concat_samples, default_cache_dir, indexed_prefix, subset)
 from .tokenize import (encode_documents, encode_rendered, load_tokenizer, pad_id, pt_samples,
@@ -123,20 +127,27 @@ def _indexed_source(path: str, data: Any, stage: str, field: str) -> str | None:
 
 
 def load_samples(path: str, tokenizer: Any, data: Any, stage: str,
-                 field: str = "data.dataset", vocab_size: int | None = None) -> Samples:
-    """Shifted samples of one dataset file or indexed prefix (``data`` is a DataArguments);
+                 field: str = "data.dataset", vocab_size: int | None = None,
+                 source: DatasetSource | None = None) -> Samples:
+    """Shifted samples of one dataset file, directory or indexed prefix (``data`` is a
+    DataArguments; ``source`` a dataset_info entry for ``path``, None for a direct path);
     with ``vocab_size``, every token id is checked to be below it (see check_token_ids)."""
     if stage not in _STAGE_TOKENIZERS:
         raise DataError(f"finetuning.stage={stage!r} has no data pipeline; valid: "
                         + ", ".join(_STAGE_TOKENIZERS))
+    source = source or DatasetSource(path, path)
     prefix = _indexed_source(path, data, stage, field)
     if prefix is not None:
         return IndexedSamples(prefix, data.cutoff_len, data.pt_chunking, vocab_size)
-    key = cache_key([path], tokenizer_fingerprint(tokenizer), _settings(stage, data))
+    if source.formatting is not None:  # records come out in the parsers' own field names
+        data = dataclasses.replace(data, text_field="text", dataset_format=(
+            "text" if stage == "pt" else source.formatting))
+    key = cache_key([path], tokenizer_fingerprint(tokenizer),
+                    {**_settings(stage, data), **source.settings()})
     cache_dir = Path(data.preprocessing_cache_dir or default_cache_dir())
 
     def tokenize() -> SampleStore:
-        records = list(read_records(path, data.max_samples, field))
+        records = source_records(source, stage, data.max_samples, field, cache_dir / "datasets")
         return _STAGE_TOKENIZERS[stage](records, tokenizer, data)
 
     store, hit = cached(cache_dir / f"{stage}-{key}.npz", tokenize,
@@ -147,15 +158,33 @@ def load_samples(path: str, tokenizer: Any, data: Any, stage: str,
     return store
 
 
-def _load_all(paths: list[str], tokenizer: Any, data: Any, stage: str, field: str,
-              vocab_size: int | None) -> Samples:
-    for path in paths:  # report a bad second file before tokenizing the first
-        _indexed_source(path, data, stage, field)
-    samples = concat_samples([load_samples(p, tokenizer, data, stage, field, vocab_size)
-                              for p in paths])
+def _load_all(data: Any, field_name: str, tokenizer: Any, stage: str, vocab_size: int | None,
+              seed: int) -> Samples:
+    """The samples of ``data.dataset`` (mixed by ``data.mix_strategy``) or of
+    ``data.eval_dataset`` (concatenated)."""
+    field = f"data.{field_name}"
+    sources = resolve_sources(data, field_name)
+    for source in sources:  # report a bad second file before tokenizing the first
+        _indexed_source(source.path, data, stage, field)
+    parts = [load_samples(s.path, tokenizer, data, stage, field, vocab_size, s) for s in sources]
+    samples = concat_samples(parts)
+    strategy = getattr(data, "mix_strategy", "concat") if field_name == "dataset" else "concat"
+    if strategy != "concat":
+        samples = _mixed(samples, [len(p) for p in parts], data, stage, seed)
     if len(samples) == 0:
-        raise DataError(f"{field}={paths!r} yields no trainable samples")
+        raise DataError(f"{field}={[s.name for s in sources]!r} yields no trainable samples")
     return samples
+
+
+def _mixed(samples: Samples, sizes: list[int], data: Any, stage: str, seed: int) -> Samples:
+    # dpo mixes whole pairs (samples 2p, 2p + 1 stay neighbours); the others mix samples.
+    unit = 2 if stage == "dpo" else 1
+    source, index = mix_order([n // unit for n in sizes], data.mix_strategy,
+                              parse_probs(data.interleave_probs), seed)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    first = starts[source] + unit * index
+    order = np.stack([first + k for k in range(unit)], axis=1).reshape(-1)
+    return subset(samples, order)
 
 
 def _split_val(samples: Samples, val_size: float, seed: int) -> tuple[Samples, Samples]:
@@ -175,11 +204,15 @@ def build_datasets(config: Any, tokenizer: Any = None,
     if tokenizer is None:
         tokenizer = load_tokenizer(config.model.tokenizer_name_or_path
                                    or config.model.model_name_or_path)
-    train = _load_all(data.dataset, tokenizer, data, stage, "data.dataset", vocab_size)
+    if getattr(data, "data_path", None) is not None:  # Megatron's weighted blend (pt)
+        from .blended import blended_training_data
+
+        return blended_training_data(config, tokenizer, vocab_size)
+    seed = config.training.seed
+    train = _load_all(data, "dataset", tokenizer, stage, vocab_size, seed)
     evaluation = None
     if data.eval_dataset:
-        evaluation = _load_all(data.eval_dataset, tokenizer, data, stage, "data.eval_dataset",
-                               vocab_size)
+        evaluation = _load_all(data, "eval_dataset", tokenizer, stage, vocab_size, seed)
     elif data.val_size and stage == "dpo":
         kept, held = split_pairs(train, data.val_size, config.training.seed)
         train, evaluation = subset(train, kept), subset(train, held)

@@ -1,8 +1,11 @@
 """Dataset files to records, and records to the two shapes the stages consume.
 
-Files: ``.jsonl`` (one JSON object per line), ``.json`` (a list of objects), ``.parquet``
-(needs pyarrow, imported only for parquet). Every record keeps where it came from
-(``path:line``) so a bad one is reported as ``path:line: reason`` before training starts.
+Files and directories are read through HF ``datasets`` (:mod:`.tables`: ``.jsonl``/``.json``,
+``.parquet``, ``.arrow``, ``.csv``, ``save_to_disk`` directories, directories of data files;
+local only, memory-mapped). Every record keeps where it came from (``path:line`` for jsonl,
+``path:record N`` for json, ``path:row N`` otherwise) so a bad one is reported as
+``path:line: reason`` before training starts. A json file ``datasets`` cannot read as a table
+(invalid JSON, a line that is not an object) is read again line by line to name the bad line.
 
 Shapes:
 
@@ -23,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DataError
+from .tables import (BUILDERS, check_local, directory_files, is_saved_dataset,
+                     jsonl_line_numbers, load_table, table_rows)
 
-FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+FILE_SUFFIXES = tuple(BUILDERS)
 SFT_FORMATS = ("alpaca", "sharegpt")
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
           "model": "assistant", "system": "system"}
@@ -56,28 +61,90 @@ def check_dataset_source(path: str | os.PathLike[str], field: str = "data.datase
 
 
 def check_dataset_path(path: str | os.PathLike[str], field: str = "data.dataset") -> Path:
-    """The path if it is a readable dataset file; DataError (one line) otherwise."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"{field}: dataset file {str(path)!r} does not exist")
+    """The path if it is a readable dataset file or directory; DataError (one line) otherwise."""
+    path = check_local(path, field)
+    if path.is_dir():
+        if not is_saved_dataset(path):
+            directory_files(path, field)
+        return path
     if path.suffix not in FILE_SUFFIXES:
         raise DataError(f"{field}: {str(path)!r} has an unknown file type {path.suffix!r}; "
-                        f"valid: {', '.join(FILE_SUFFIXES)}, or a Megatron .bin/.idx prefix")
+                        f"valid: {', '.join(FILE_SUFFIXES)}, a directory of them or of "
+                        "Dataset.save_to_disk, or a Megatron .bin/.idx prefix")
     return path
 
 
 def read_records(path: str | os.PathLike[str], max_samples: int | None = None,
-                 field: str = "data.dataset") -> Iterator[Record]:
-    """The records of one file, in file order, at most ``max_samples`` of them."""
+                 field: str = "data.dataset", cache_dir: str | os.PathLike[str] | None = None
+                 ) -> Iterator[Record]:
+    """The records of one file or directory, in file order, at most ``max_samples`` of them.
+    ``cache_dir``: where ``datasets`` keeps its Arrow copies (default: under the tokenization
+    cache)."""
     path = check_dataset_path(path, field)
-    reader = {".jsonl": _jsonl, ".json": _json_list, ".parquet": _parquet}[path.suffix]
-    for count, record in enumerate(reader(path)):
+    for count, record in enumerate(_records(path, field, cache_dir)):
         if max_samples is not None and count >= max_samples:
             return
         yield record
 
 
+def columns_of(path: str | os.PathLike[str], field: str = "data.dataset",
+               cache_dir: str | os.PathLike[str] | None = None) -> list[str]:
+    """The column names of a dataset file or directory (the keys of its first record when
+    ``datasets`` cannot read it as a table)."""
+    path = check_dataset_path(path, field)
+    try:
+        return list(load_table(path, Path(cache_dir or _default_cache()), field).column_names)
+    except DataError:
+        raise
+    except Exception:  # noqa: BLE001 - read_records reports what is wrong with the file
+        return sorted(next(_records(path, field, cache_dir)).data)
+
+
+def _records(path: Path, field: str, cache_dir: str | os.PathLike[str] | None
+             ) -> Iterator[Record]:
+    if path.suffix == ".json" and path.is_file() and _first_byte(path) != b"[":
+        # A .json file holds one list of objects; datasets would also take JSON lines or a
+        # single object as rows, which the fallback reader reports as the mistake it is.
+        yield from _json_list(path)
+        return
+    try:
+        table = load_table(path, Path(cache_dir or _default_cache()), field)
+    except DataError:
+        raise
+    except Exception:  # noqa: BLE001 - datasets' parse errors: find the line ourselves
+        if path.suffix not in (".jsonl", ".json") or not path.is_file():
+            raise
+        yield from (_jsonl(path) if path.suffix == ".jsonl" else _json_list(path))
+        return
+    yield from _located(path, table)
+
+
+def _located(path: Path, table: Any) -> Iterator[Record]:
+    kind = {".jsonl": "", ".json": "record "}.get(path.suffix, "row ") if path.is_file() \
+        else "row "
+    lines = jsonl_line_numbers(path, len(table)) if kind == "" else None
+    for index, row in enumerate(table_rows(table)):
+        number = lines[index] if lines is not None else index + 1
+        yield Record(f"{path}:{kind}{number}", row)
+
+
+def _default_cache() -> Path:
+    from .store import default_cache_dir  # store imports this module
+
+    return default_cache_dir() / "datasets"
+
+
+def _first_byte(path: Path) -> bytes:
+    with path.open("rb") as handle:
+        while chunk := handle.read(4096):
+            stripped = chunk.lstrip()
+            if stripped:
+                return stripped[:1]
+    return b""
+
+
 def _jsonl(path: Path) -> Iterator[Record]:
+    # Only for files datasets cannot parse: the stdlib reader names the bad line.
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
@@ -104,17 +171,6 @@ def _json_list(path: Path) -> Iterator[Record]:
     for index, item in enumerate(data):
         where = f"{path}:record {index + 1}"
         yield Record(where, _object(where, item))
-
-
-def _parquet(path: Path) -> Iterator[Record]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{path}: reading parquet needs pyarrow, which is not installed "
-                        "(pip install pyarrow), or convert the file to .jsonl") from None
-    table = pq.read_table(path)
-    for index, row in enumerate(table.to_pylist()):
-        yield Record(f"{path}:row {index + 1}", row)
 
 
 def _object(where: str, data: Any) -> dict[str, Any]:

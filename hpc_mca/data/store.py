@@ -131,7 +131,12 @@ def default_cache_dir() -> Path:
 
 
 def file_digest(path: str | os.PathLike[str]) -> str:
-    """Content hash of a dataset file (its name and location do not matter)."""
+    """Content hash of a dataset file (its name and location do not matter); of a dataset
+    directory, the hash of its files' relative names and contents."""
+    if os.path.isdir(path):
+        files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+        parts = [f"{p.relative_to(path)}:{file_digest(p)}" for p in files]
+        return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
     with open(path, "rb") as handle:
         return hashlib.file_digest(handle, "blake2b").hexdigest()[:32]
 

@@ -406,7 +406,7 @@ def check_train_config(job: JobPlan, run_dir: str) -> None:
     checked as this machine sees them, which for a cluster's shared file system is what the
     ranks see."""
     from hpc_mca.data.errors import DataError
-    from hpc_mca.data.records import check_dataset_source
+    from hpc_mca.data.sources import check_sources
     from hpc_mca.trainer.config import ConfigError
 
     if job.config_path is None:
@@ -414,9 +414,7 @@ def check_train_config(job: JobPlan, run_dir: str) -> None:
     config = load_train_config(job.config_path, [*job.train_overrides, f"output_dir={run_dir}"])
     try:
         config.resolve(job.world_size)
-        for field in ("dataset", "eval_dataset"):
-            for path in getattr(config.data, field) or ():
-                check_dataset_source(path, f"data.{field}")
+        check_sources(config.data)
     except (ConfigError, DataError) as err:
         raise OpsError(str(err)) from None
 

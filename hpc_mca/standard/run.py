@@ -26,6 +26,7 @@ from hpc_mca.topology import Layout, ModelShape
 from hpc_mca.trainer.boundary import StepBoundary
 from hpc_mca.trainer.config import TrainConfig, total_training_steps
 from hpc_mca.trainer.metrics import MetricsWriter, flops_per_token
+from hpc_mca.trainer.trackers import job_fields, open_trackers
 
 from .data import StreamLoader
 from .model import build_hf_model, build_optimizer, export_model
@@ -179,7 +180,8 @@ def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[Any]) -> S
     signal = StopSignal(run.run_dir, ctx.device, ctx.is_main)
     boundary = StepBoundary(tr.save_steps, run.max_steps, signal, ctx.is_main)
     seq = config.data.seq_length or config.data.cutoff_len
-    metrics = MetricsWriter(run.run_dir, ctx.is_main, "tensorboard" in tr.report_to, run.max_steps,
+    trackers = open_trackers(config, run.run_dir, job_fields(ctx.env)) if ctx.is_main else []
+    metrics = MetricsWriter(run.run_dir, ctx.is_main, trackers, run.max_steps,
                             flops_per_token(shape, seq), ctx.env.world_size)
     common = dict(model=model, args=args, optimizers=(optimizer, scheduler),
                   callbacks=list(callbacks), run=run, boundary=boundary, metrics=metrics)

@@ -49,7 +49,9 @@ PACKED_ATTENTION = ("auto", "varlen", "flex", "sdpa")
 """model.packed_attention choices (hpc_mca.models.packed_kernels.PACKED_KERNELS and auto)."""
 OPTIMIZERS = ("adam", "sgd")
 OPTIMIZER_FORMATS = ("model_space", "fully_reshardable", "dp_reshardable")
-REPORT_TO = ("tensorboard", "none")
+REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+"""training.report_to name -> the package it needs."""
 
 
 class ConfigError(UserError):
@@ -83,10 +85,22 @@ class DataArguments:
     """What to train on and how samples become fixed-length rows."""
 
     dataset: list[str] = field(default_factory=list)
-    """Training files: .jsonl/.json/.parquet records, or Megatron indexed data (path prefix of a
-    .bin/.idx pair). A comma-separated string is split."""
+    """Training files or directories: .jsonl/.json/.parquet/.arrow/.csv records (read through HF
+    datasets, local only), Dataset.save_to_disk directories, or Megatron indexed data (path
+    prefix of a .bin/.idx pair); with ``dataset_dir``, dataset_info.json names. A
+    comma-separated string is split."""
     eval_dataset: list[str] | None = None
     """Evaluation files, same formats; None = none (or ``val_size`` held out of the train set)."""
+    dataset_dir: str | None = None
+    """LLaMA-Factory's dataset directory: when set, ``dataset`` and ``eval_dataset`` are names
+    of entries in ``<dataset_dir>/dataset_info.json`` (file_name, formatting, ranking, columns,
+    tags); None = they are paths."""
+    mix_strategy: str = "concat"
+    """Several training datasets: concat (one after the other), interleave_under (drawn by
+    ``interleave_probs`` until the first runs out) or interleave_over (until all are seen)."""
+    interleave_probs: list[float] | None = None
+    """Interleave strategies: the chance of drawing from each training dataset, in order (sum
+    1; a comma-separated string works too); None = in turn."""
     val_size: float = 0.0
     """Hold out this fraction (< 1) or count (>= 1) of the training samples for evaluation."""
     dataset_format: str = "auto"
@@ -120,6 +134,19 @@ class DataArguments:
     """Where tokenized datasets are cached; None = $HPC_MCA_CACHE_DIR or ~/.cache/hpc_mca."""
     overwrite_cache: bool = False
     """Tokenize again even when a cached copy exists."""
+    data_path: list[str] | None = None
+    """pt only, instead of ``dataset``: Megatron's ``--data-path``, a blend of indexed corpora
+    (.bin/.idx prefixes) as weight/prefix pairs (``[0.7, prefixA, 0.3, prefixB]`` or the string
+    ``"0.7 prefixA 0.3 prefixB"``) or prefixes alone (equal weights), built with megatron-core's
+    BlendedMegatronDatasetBuilder: ``max_steps × global_batch_size`` windows of seq_length+1
+    tokens drawn in those weights (needs ``training.max_steps``; a different max_steps, seed or
+    seq_length is a different blend). Its indices are cached under ``preprocessing_cache_dir``,
+    else the run directory (``megatron_indices/``). None = use ``dataset``."""
+    split: str | None = None
+    """With ``data_path``: Megatron's ``--split``, the train,valid,test shares of each corpus's
+    documents (e.g. ``"969,30,1"``); None = ``"100,0,0"`` (no evaluation). A validation share
+    gives eval samples drawn from the held-out documents in the same weights: ``val_size`` of
+    them (a count, or a fraction of the train samples), else one evaluation step's worth."""
 
 
 @dataclass
@@ -220,7 +247,8 @@ class TrainingArguments:
     eval_steps: int | None = None
     """Evaluate every N steps; None = only after the last step (when there is an eval set)."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
-    """Log sinks: tensorboard, or none."""
+    """Scalar sinks, several at once: tensorboard, wandb, mlflow (the last two need
+    ``pip install 'hpc-mca[trackers]'``; see hpc_mca.trainer.trackers), or none."""
     seed: int = 42
     """Seed of initialisation and data order."""
     bf16: bool = False
@@ -344,7 +372,7 @@ _SECTION_TYPES = {"model": ModelArguments, "data": DataArguments,
                   "finetuning": FinetuningArguments, "training": TrainingArguments,
                   "parallel": ParallelArguments}
 _INPUT_PATHS = {"model.model_name_or_path", "model.tokenizer_name_or_path", "data.dataset",
-                "data.eval_dataset"}
+                "data.eval_dataset", "data.dataset_dir", "data.data_path"}
 
 
 def _field_index() -> dict[str, str]:
@@ -470,6 +498,8 @@ def _coerce(dotted: str, value: Any, hint: Any) -> Any:
         if value is None and type(None) in args:
             return None
         (hint,) = [a for a in args if a is not type(None)]
+    if dotted == "data.data_path":
+        return _blend_items(value)
     origin = typing.get_origin(hint)
     if origin is list:
         (item,) = typing.get_args(hint)
@@ -480,6 +510,13 @@ def _coerce(dotted: str, value: Any, hint: Any) -> Any:
                 return [_coerce_scalar(dotted, int(v) if isinstance(v, str) else v, int) for v in value]
             except (ConfigError, ValueError):
                 raise ConfigError(f"{dotted}={value!r} must be a list of integers") from None
+        if item is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = [value]  # one number on the command line is read as a number, not a list
+        if isinstance(value, list) and item is float:
+            try:
+                return [_coerce_scalar(dotted, v, float) for v in value]
+            except ConfigError:
+                raise ConfigError(f"{dotted}={value!r} must be a list of numbers") from None
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return value
         raise ConfigError(f"{dotted}={value!r} must be a list of strings")
@@ -488,6 +525,17 @@ def _coerce(dotted: str, value: Any, hint: Any) -> Any:
             return dict(value)
         raise ConfigError(f"{dotted}={value!r} must be a mapping, e.g. {{min_lr: 1e-5}}")
     return _coerce_scalar(dotted, value, hint)
+
+
+def _blend_items(value: Any) -> list[str]:
+    """data.data_path as strings: Megatron writes it space-separated, YAML lists give numbers."""
+    if isinstance(value, str):
+        value = value.replace(",", " ").split()
+    if isinstance(value, list) and all(isinstance(v, (str, int, float)) and
+                                       not isinstance(v, bool) for v in value):
+        return [str(v) for v in value]
+    raise ConfigError(f"data.data_path={value!r} must be a list of weights and prefixes, e.g. "
+                      "[0.7, prefixA, 0.3, prefixB]")
 
 
 def _coerce_scalar(dotted: str, value: Any, hint: type) -> Any:

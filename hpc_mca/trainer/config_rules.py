@@ -8,12 +8,14 @@ value and the valid choices. Parallel-layout rules are the topology planner's
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import typing
 from pathlib import Path
 from typing import Any
 
+from hpc_mca.data.mix import MIX_STRATEGIES
 from hpc_mca.topology import Layout, LayoutError, ModelShape, check_layout
 from hpc_mca.topology.lora import LoraTargetError, resolve_lora_targets
 
@@ -27,6 +29,7 @@ from .config import (
     OPTIMIZERS,
     PREF_LOSSES,
     REPORT_TO,
+    TRACKER_PACKAGES,
     RESERVED_FINETUNING_TYPES,
     RESERVED_STAGES,
     STAGES,
@@ -171,9 +174,39 @@ def _check_dpo(config: TrainConfig) -> None:
                           f"data.seq_length >= {need}")
 
 
+def _check_blend(config: TrainConfig) -> None:
+    """data.data_path (Megatron's blend): pt only, instead of data.dataset, with a step count."""
+    from hpc_mca.data.blended import parse_blend, parse_split
+    from hpc_mca.data.errors import DataError
+
+    data, stage = config.data, config.finetuning.stage
+    if stage != "pt":
+        raise ConfigError(f"data.data_path with finetuning.stage={stage!r}: a blend of indexed "
+                          "corpora is pretraining data; valid: finetuning.stage=pt, or "
+                          "data.dataset")
+    if data.dataset:
+        raise ConfigError("data.data_path and data.dataset are both set; valid: one of them")
+    if data.eval_dataset:
+        raise ConfigError("data.data_path with data.eval_dataset; valid: data.split's validation "
+                          "share (e.g. '98,2,0') for evaluation")
+    if config.training.max_steps <= 0:
+        raise ConfigError("data.data_path needs training.max_steps > 0: the blend is drawn for "
+                          "max_steps × global_batch_size samples")
+    try:
+        parse_blend(data.data_path)
+        parse_split(data.split or "100,0,0")
+    except DataError as err:
+        raise ConfigError(str(err)) from None
+
+
 def _check_data(config: TrainConfig, world_size: int) -> None:
     data, stage = config.data, config.finetuning.stage
-    if not data.dataset:
+    if data.data_path is not None:
+        _check_blend(config)
+    elif data.split is not None:
+        raise ConfigError(f"data.split={data.split!r} without data.data_path; valid: data.split "
+                          "with data.data_path, or data.val_size for data.dataset")
+    elif not data.dataset:
         raise ConfigError("data.dataset is required (one or more dataset files)")
     _choice("data.dataset_format", data.dataset_format, DATASET_FORMATS)
     _choice("data.template", data.template, TEMPLATES)
@@ -189,10 +222,27 @@ def _check_data(config: TrainConfig, world_size: int) -> None:
     _at_least("data.val_size", data.val_size, 0)
     if data.val_size and data.eval_dataset:
         raise ConfigError("data.val_size and data.eval_dataset are both set; valid: one of them")
+    _check_mix(data)
     data.seq_length = data.seq_length or data.cutoff_len
     if data.seq_length < data.cutoff_len:
         raise ConfigError(f"data.seq_length={data.seq_length} is shorter than data.cutoff_len="
                           f"{data.cutoff_len}; valid: >= {data.cutoff_len}")
+
+
+def _check_mix(data: Any) -> None:
+    _choice("data.mix_strategy", data.mix_strategy, MIX_STRATEGIES)
+    probs = data.interleave_probs
+    if not probs:
+        return
+    if data.mix_strategy == "concat":
+        raise ConfigError("data.interleave_probs needs data.mix_strategy interleave_under or "
+                          "interleave_over (it is concat)")
+    if len(probs) != len(data.dataset):
+        raise ConfigError(f"data.interleave_probs has {len(probs)} values for "
+                          f"{len(data.dataset)} datasets in data.dataset; valid: one per dataset")
+    if min(probs) < 0 or abs(sum(probs) - 1.0) > 1e-6:
+        raise ConfigError(f"data.interleave_probs={probs} must be non-negative and sum to 1 "
+                          f"(they sum to {sum(probs):g})")
 
 
 def _check_training(config: TrainConfig, world_size: int) -> None:
@@ -203,6 +253,17 @@ def _check_training(config: TrainConfig, world_size: int) -> None:
     _choice("training.save_optimizer_format", tr.save_optimizer_format, OPTIMIZER_FORMATS)
     for name in tr.report_to:
         _choice("training.report_to", name, REPORT_TO)
+    if "none" in tr.report_to and len(tr.report_to) > 1:
+        raise ConfigError(f"training.report_to={tr.report_to!r} names none beside a tracker; "
+                          "valid: none alone, or trackers without none")
+    # The package each tracker needs, checked here so a missing one stops the run before any
+    # allocation (hpc_mca.trainer.trackers imports them only on rank 0, when the run starts).
+    missing = [name for name in tr.report_to if name in TRACKER_PACKAGES
+               and importlib.util.find_spec(TRACKER_PACKAGES[name]) is None]
+    if missing:
+        raise ConfigError(f"training.report_to={tr.report_to!r} needs {', '.join(missing)}, which "
+                          "is not installed; valid: pip install 'hpc-mca[trackers]', or "
+                          "report_to without it")
     if tr.bf16 and tr.fp16:
         raise ConfigError("training.bf16 and training.fp16 are both true; valid: at most one")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "logging_steps",

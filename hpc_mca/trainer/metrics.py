@@ -1,4 +1,5 @@
-"""What a run reports: TensorBoard scalars, a progress line per logging step, progress.json.
+"""What a run reports: scalars to its trackers (:mod:`.trackers`: TensorBoard, W&B, MLflow), a
+progress line per logging step, progress.json.
 
 Only global rank 0 writes. Values arrive already reduced over the job (see ``step.py``).
 
@@ -18,12 +19,14 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from hpc_mca.rundir import PROGRESS_FILE, STEPS_FILE, tensorboard_dir, write_atomic
+from hpc_mca.rundir import PROGRESS_FILE, STEPS_FILE, write_atomic
 from hpc_mca.topology import ModelShape
+
+from .trackers import Tracker
 
 # Dense bf16 peak TFLOP/s per GPU model, for the MFU estimate (vendor data sheets, no sparsity).
 _PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0,
@@ -68,25 +71,18 @@ def peak_flops_of(device_name: str) -> float | None:
 class MetricsWriter:
     """TensorBoard + console + progress.json on rank 0; a no-op elsewhere."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, max_steps: int,
+    def __init__(self, run_dir: Path, enabled: bool, trackers: Sequence[Tracker], max_steps: int,
                  flops_per_token: float, world_size: int) -> None:
         self.run_dir, self.enabled, self.max_steps = run_dir, enabled, max_steps
         self.flops_per_token, self.world_size = flops_per_token, world_size
         self.peak = peak_flops_per_device()
-        self.tb = None
+        self.trackers = list(trackers) if enabled else []
         self.progress: dict[str, Any] = {}
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(log_dir=str(tensorboard_dir(run_dir)))
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        if self.tb is None:
-            return
-        for name, value in values.items():
-            if value is not None and math.isfinite(value):
-                self.tb.add_scalar(name, value, step)
-        self.tb.flush()
+        """``values`` at ``step`` to every tracker (:mod:`.trackers`)."""
+        for tracker in self.trackers:
+            tracker.scalars(step, values)
 
     def throughput(self, tokens_per_s: float) -> dict[str, float]:
         out = {"perf/tokens_per_s": tokens_per_s}
@@ -132,8 +128,8 @@ class MetricsWriter:
                      json.dumps(self.progress, indent=1, default=_jsonable))
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def _jsonable(value: Any) -> Any:

@@ -109,12 +109,9 @@ def _datasets(objective: Any, ctx: RankContext) -> Any:
 
 
 def data_files_exist(config: TrainConfig) -> None:
-    from hpc_mca.data.records import check_dataset_source
+    from hpc_mca.data.sources import check_sources
 
-    for path in config.data.dataset:
-        check_dataset_source(path, "data.dataset")
-    for path in config.data.eval_dataset or ():
-        check_dataset_source(path, "data.eval_dataset")
+    check_sources(config.data)  # paths, or dataset_info.json names and their files
 
 
 def tokenizer_fits_model(config: TrainConfig, vocab_size: int) -> None:

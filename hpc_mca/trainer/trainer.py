@@ -43,6 +43,7 @@ from hpc_mca.trainer.lr_scheduler import build_lr_scheduler, resolve_warmup_step
 from hpc_mca.trainer.fused_optimizer import use_fused_adam
 from hpc_mca.trainer.metrics import MetricsWriter, flops_per_token
 from hpc_mca.trainer.objective import Objective
+from hpc_mca.trainer.trackers import job_fields, open_trackers
 from hpc_mca.topology import ModelShape
 
 
@@ -104,8 +105,9 @@ class Trainer:
         self.skipped_iters = 0
         self.consumed_samples = 0
         seq = config.data.seq_length or config.data.cutoff_len
-        self.metrics = MetricsWriter(run_dir, ctx.is_main, "tensorboard" in config.training.report_to,
-                                     self.max_steps, flops_per_token(model_shape, seq), ctx.env.world_size)
+        trackers = open_trackers(config, run_dir, job_fields(ctx.env)) if ctx.is_main else []
+        self.metrics = MetricsWriter(run_dir, ctx.is_main, trackers, self.max_steps,
+                                     flops_per_token(model_shape, seq), ctx.env.world_size)
         self.checkpointer = Checkpointer(config, ctx, run_dir, model_shape, loop=self,
                                          progress=self.metrics.write_progress)
 

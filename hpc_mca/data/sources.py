@@ -1,0 +1,188 @@
+"""Which datasets a run reads: direct paths, or names in LLaMA-Factory's ``dataset_info.json``.
+
+With ``data.dataset_dir`` set, every name in ``data.dataset``/``data.eval_dataset`` is an entry
+of ``<dataset_dir>/dataset_info.json`` in LLaMA-Factory's format::
+
+    {"my_sft": {"file_name": "sft.jsonl", "formatting": "alpaca",
+                "columns": {"prompt": "question", "response": "answer"}},
+     "my_chat": {"file_name": "chat", "formatting": "sharegpt",
+                 "columns": {"messages": "turns"}, "tags": {"role_tag": "speaker"}},
+     "my_pairs": {"file_name": "pairs.parquet", "ranking": true,
+                  "columns": {"prompt": "q", "chosen": "good", "rejected": "bad"}}}
+
+Columns and tags are mapped onto the record fields :mod:`.records` and :mod:`.preference`
+parse (alpaca: instruction, input, output, history, system, chosen, rejected; sharegpt:
+``messages`` of role/content turns, system, chosen, rejected), so the rest of the pipeline is
+the same as for a direct path. pt entries take their text from the ``prompt`` column.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import DataError
+from .records import Record, check_dataset_source, columns_of, read_records
+
+ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output",
+                  "history": "history", "system": "system", "chosen": "chosen",
+                  "rejected": "rejected"}
+"""LLaMA-Factory's alpaca column names -> the record field each maps to (also the defaults)."""
+SHAREGPT_COLUMNS = {"messages": "conversations", "system": "system", "tools": "tools",
+                    "chosen": "chosen", "rejected": "rejected"}
+"""LLaMA-Factory's sharegpt column names and their defaults."""
+SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human",
+                 "assistant_tag": "gpt", "observation_tag": "observation",
+                 "function_tag": "function_call", "system_tag": "system"}
+"""LLaMA-Factory's sharegpt tags and their defaults."""
+_TAG_ROLES = {"user_tag": "user", "assistant_tag": "assistant", "system_tag": "system",
+              "observation_tag": "observation", "function_tag": "function_call"}
+
+
+@dataclass(frozen=True)
+class DatasetSource:
+    """One dataset of a run: a direct path, or a dataset_info.json entry resolved to a path."""
+
+    name: str
+    """The name as written in the config."""
+    path: str
+    """The file, directory or indexed prefix to read."""
+    formatting: str | None = None
+    """alpaca or sharegpt for a dataset_info entry; None for a direct path."""
+    ranking: bool = False
+    """Pairwise (chosen/rejected) data, for dpo."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """Column names, LLaMA-Factory's keys -> the file's columns (defaults filled in)."""
+    given: tuple[str, ...] = ()
+    """The column keys the entry set itself (those must exist in the file)."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """sharegpt tags (defaults filled in)."""
+
+    def settings(self) -> dict[str, Any]:
+        """What the tokenization cache key must include beyond the file contents."""
+        if self.formatting is None:
+            return {}
+        return {"formatting": self.formatting, "ranking": self.ranking,
+                "columns": self.columns, "tags": self.tags}
+
+
+def resolve_sources(data: Any, field_name: str = "dataset") -> list[DatasetSource]:
+    """The datasets of ``data.dataset`` (or ``eval_dataset``) as sources; DataError (one
+    line) for a missing dataset_info.json or a name it lacks."""
+    names = list(getattr(data, field_name) or ())
+    if not getattr(data, "dataset_dir", None):
+        return [DatasetSource(name, name) for name in names]
+    info_path = Path(data.dataset_dir) / "dataset_info.json"
+    if not info_path.is_file():
+        raise DataError(f"data.dataset_dir={data.dataset_dir!r} has no dataset_info.json")
+    try:
+        info = json.loads(info_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DataError(f"{info_path}:{err.lineno}: invalid JSON ({err.msg})") from None
+    if not isinstance(info, dict):
+        raise DataError(f"{info_path}: must hold an object of dataset entries")
+    for name in names:
+        if name not in info:
+            raise DataError(f"data.{field_name}: dataset {name!r} is not in {info_path}; "
+                            f"valid: {', '.join(sorted(info)) or 'none'}")
+    return [_entry(name, info[name], Path(data.dataset_dir), info_path) for name in names]
+
+
+def _entry(name: str, entry: Any, root: Path, info_path: Path) -> DatasetSource:
+    where = f"{info_path}: dataset {name!r}"
+    if not isinstance(entry, dict) or "file_name" not in entry:
+        raise DataError(f"{where} needs a 'file_name' (local file or directory; hub, "
+                        "script and cloud entries are not read: nothing is downloaded)")
+    formatting = entry.get("formatting", "alpaca")
+    if formatting not in ("alpaca", "sharegpt"):
+        raise DataError(f"{where}: formatting={formatting!r}; valid: alpaca, sharegpt")
+    defaults = ALPACA_COLUMNS if formatting == "alpaca" else SHAREGPT_COLUMNS
+    given = dict(entry.get("columns") or {})
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise DataError(f"{where}: unknown columns key {unknown[0]!r} for {formatting}; "
+                        f"valid: {', '.join(defaults)}")
+    tags = {**SHAREGPT_TAGS, **(entry.get("tags") or {})}
+    if set(tags) - set(SHAREGPT_TAGS):
+        raise DataError(f"{where}: unknown tags key {sorted(set(tags) - set(SHAREGPT_TAGS))[0]!r}"
+                        f"; valid: {', '.join(SHAREGPT_TAGS)}")
+    columns = {key: given.get(key, default) for key, default in defaults.items()}
+    return DatasetSource(name, str(root / entry["file_name"]), formatting,
+                         bool(entry.get("ranking", False)), columns, tuple(sorted(given)), tags)
+
+
+def check_sources(data: Any) -> None:
+    """Every dataset of the config exists (read nothing): for plan/submit and rank start."""
+    for field_name in ("dataset", "eval_dataset"):
+        for source in resolve_sources(data, field_name):
+            check_dataset_source(source.path, f"data.{field_name}")
+
+
+def source_records(source: DatasetSource, stage: str, max_samples: int | None, field_name: str,
+                   cache_dir: str | os.PathLike[str] | None = None) -> list[Record]:
+    """The records of one source, mapped onto the fields the parsers expect."""
+    records = read_records(source.path, max_samples, field_name, cache_dir)
+    if source.formatting is None:
+        return list(records)
+    if source.ranking != (stage == "dpo"):
+        raise DataError(f"{field_name}: dataset {source.name!r} has ranking={source.ranking}, "
+                        f"which does not fit finetuning.stage={stage!r} (dpo needs ranking: "
+                        "true, the other stages ranking: false)")
+    present = columns_of(source.path, field_name, cache_dir)
+    for key in _needed(source, stage):
+        column = source.columns[key]
+        if column not in present:
+            raise DataError(f"{field_name}: dataset {source.name!r} column {key}={column!r} "
+                            f"is not in {source.path}; its columns: {', '.join(present)}")
+    if stage == "pt":
+        return [Record(r.where, {"text": r.data.get(source.columns["prompt"])}) for r in records]
+    convert = _alpaca if source.formatting == "alpaca" else _sharegpt
+    return [Record(r.where, convert(source, r)) for r in records]
+
+
+def _needed(source: DatasetSource, stage: str) -> list[str]:
+    """Column keys that must exist: the entry's own, and the ones a record cannot lack."""
+    if stage == "pt":
+        required = ["prompt"]
+    elif source.formatting == "alpaca":
+        required = ["prompt", *(["chosen", "rejected"] if source.ranking else ["response"])]
+    else:
+        required = ["messages", *(["chosen", "rejected"] if source.ranking else [])]
+    return sorted(set(required) | set(source.given))
+
+
+def _alpaca(source: DatasetSource, record: Record) -> dict[str, Any]:
+    fields = {"prompt": "instruction", "query": "input", "response": "output",
+              "history": "history", "system": "system", "chosen": "chosen",
+              "rejected": "rejected"}
+    return {fields[key]: record.data[column] for key, column in source.columns.items()
+            if column in record.data}
+
+
+def _sharegpt(source: DatasetSource, record: Record) -> dict[str, Any]:
+    data, cols = record.data, source.columns
+    if cols["tools"] in data and cols["tools"] in source.given:
+        raise DataError(f"{record.where}: tool definitions (columns.tools) are not supported")
+    out: dict[str, Any] = {"messages": data.get(cols["messages"])}
+    if isinstance(out["messages"], list):
+        out["messages"] = [_turn(source, record, turn) for turn in out["messages"]]
+    for key in ("system", "chosen", "rejected"):
+        if cols[key] in data:
+            value = data[cols[key]]
+            out[key] = _turn(source, record, value) if key != "system" else value
+    return out
+
+
+def _turn(source: DatasetSource, record: Record, turn: Any) -> Any:
+    role_tag, content_tag = source.tags["role_tag"], source.tags["content_tag"]
+    if not (isinstance(turn, dict) and role_tag in turn and content_tag in turn):
+        raise DataError(f"{record.where}: a turn must have {role_tag!r} and {content_tag!r} "
+                        f"(dataset_info tags); got {turn!r:.80}")
+    roles = {source.tags[tag]: role for tag, role in _TAG_ROLES.items()}
+    if turn[role_tag] not in roles:
+        raise DataError(f"{record.where}: unknown {role_tag} {turn[role_tag]!r}; valid "
+                        f"(dataset_info tags): {', '.join(roles)}")
+    return {"role": roles[turn[role_tag]], "content": turn[content_tag]}
