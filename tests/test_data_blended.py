@@ -115,20 +115,25 @@ def test_bad_blend_input_is_one_line(tmp_path, override, message):
         assert isinstance(caught.value, ConfigError) and str(tmp_path / "missing") in line
 
 
+def _blend_config(root, model_dir, a, b, **training):
+    """A pt run on the 0.7/0.3 blend of corpora ``a`` and ``b``; ``training`` adds settings."""
+    config = root / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"model_name_or_path": str(model_dir)},
+        "data": {"data_path": [0.7, str(a), 0.3, str(b)], "cutoff_len": 16},
+        "finetuning": {"stage": "pt"},
+        "training": {"per_device_train_batch_size": 2, "global_batch_size": 4,
+                     "learning_rate": 1e-3, "logging_steps": 1, "seed": 7, **training}}))
+    return config
+
+
 @pytest.mark.slow
 def test_a_blended_pt_run_resumes_with_the_same_data(tmp_path):
     """6 steps straight vs. 3 steps, a checkpoint, and a resume: same losses and token counts
     (the data order of the resumed half is that of the uninterrupted run)."""
     a, b = _corpora(tmp_path)
     model_dir = make_model_dir(tmp_path, layers=2)
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": {"model_name_or_path": str(model_dir)},
-        "data": {"data_path": [0.7, str(a), 0.3, str(b)], "cutoff_len": 16},
-        "finetuning": {"stage": "pt"},
-        "training": {"per_device_train_batch_size": 2, "global_batch_size": 4,
-                     "learning_rate": 1e-3, "max_steps": 6, "save_steps": 3,
-                     "logging_steps": 1, "seed": 7}}))
+    config = _blend_config(tmp_path, model_dir, a, b, max_steps=6, save_steps=3)
     whole = tmp_path / "whole"
     proc = run_train(config, whole, 1)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -152,14 +157,8 @@ def test_a_blended_run_on_two_ranks_equals_one(tmp_path, backend):
     losses as one process, on either backend."""
     a, b = _corpora(tmp_path)
     model_dir = make_model_dir(tmp_path, layers=2)
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": {"model_name_or_path": str(model_dir)},
-        "data": {"data_path": [0.7, str(a), 0.3, str(b)], "cutoff_len": 16},
-        "finetuning": {"stage": "pt"},
-        "training": {"per_device_train_batch_size": 2, "global_batch_size": 4,
-                     "learning_rate": 1e-3, "max_steps": 4, "logging_steps": 1, "seed": 7,
-                     "use_mca": backend == "true", "report_to": ["none"]}}))
+    config = _blend_config(tmp_path, model_dir, a, b, max_steps=4, use_mca=backend == "true",
+                           report_to=["none"])
     runs = {}
     for nproc in (1, 2):
         proc = run_train(config, tmp_path / f"np{nproc}", nproc)

@@ -96,16 +96,11 @@ def _ago(stamp: float | None, now: float) -> str:
     return "?" if stamp is None else f"{_duration(now - stamp)} ago"
 
 
-def progress_text(progress: Progress | None, now: float | None = None) -> str:
-    """``step 40/200 (20%) | loss 1.2345 | tokens/s 12,345 | ETA 3m10s | updated 5s ago``."""
+def progress_fields(progress: Progress | None) -> list[str]:
+    """``loss 1.2345``, ``eval loss ...``, ``tokens/s 12,345``, ``ETA 3m10s`` (what is known)."""
     if progress is None:
-        return "no progress reported yet"
-    now = time.time() if now is None else now
+        return []
     parts = []
-    if progress.step is not None:
-        total = f"/{progress.max_steps}" if progress.max_steps else ""
-        pct = f" ({progress.fraction:.0%})" if progress.fraction is not None else ""
-        parts.append(f"step {progress.step}{total}{pct}")
     if progress.loss is not None:
         parts.append(f"loss {progress.loss:.4f}")
     if progress.eval_loss is not None:
@@ -116,6 +111,20 @@ def progress_text(progress: Progress | None, now: float | None = None) -> str:
         parts.append("finished")
     elif progress.eta_s is not None:
         parts.append(f"ETA {_duration(progress.eta_s)}")
+    return parts
+
+
+def progress_text(progress: Progress | None, now: float | None = None) -> str:
+    """``step 40/200 (20%) | loss 1.2345 | tokens/s 12,345 | ETA 3m10s | updated 5s ago``."""
+    if progress is None:
+        return "no progress reported yet"
+    now = time.time() if now is None else now
+    parts = []
+    if progress.step is not None:
+        total = f"/{progress.max_steps}" if progress.max_steps else ""
+        pct = f" ({progress.fraction:.0%})" if progress.fraction is not None else ""
+        parts.append(f"step {progress.step}{total}{pct}")
+    parts += progress_fields(progress)
     parts.append(f"updated {_ago(progress.updated, now)}")
     return " | ".join(parts)
 

@@ -25,7 +25,7 @@ from .commands import TERMINAL_STATES, JobState
 from .errors import OpsError
 from .manifest import find_run
 from .progress import Progress, read_progress
-from .status import _duration
+from .status import progress_fields
 
 EXIT_STATUS: dict[str, int] = {
     "COMPLETED": 0,
@@ -91,24 +91,6 @@ class JobSource:
             return Snapshot(self.job_id, job, None)
         return Snapshot(self.job_id, job, read_progress(self.run_dir),
                         read_bad_input(self.run_dir))
-
-
-def progress_fields(progress: Progress | None) -> list[str]:
-    """``loss 1.2345``, ``eval loss ...``, ``tokens/s 12,345``, ``ETA 3m10s`` (what is known)."""
-    if progress is None:
-        return []
-    parts = []
-    if progress.loss is not None:
-        parts.append(f"loss {progress.loss:.4f}")
-    if progress.eval_loss is not None:
-        parts.append(f"eval loss {progress.eval_loss:.4f}")
-    if progress.tokens_per_s is not None:
-        parts.append(f"tokens/s {progress.tokens_per_s:,.0f}")
-    if progress.finished:
-        parts.append("finished")
-    elif progress.eta_s is not None:
-        parts.append(f"ETA {_duration(progress.eta_s)}")
-    return parts
 
 
 def step_text(progress: Progress | None) -> str | None:
