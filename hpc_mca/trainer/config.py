@@ -33,6 +33,8 @@ from hpc_mca.errors import UserError
 from hpc_mca.rundir import RESOLVED_CONFIG_FILE, write_atomic
 from hpc_mca.topology.memory import CP_COMM_TYPES  # noqa: F401 - re-exported for the rules
 
+from .data_arguments import DataArguments
+
 STAGES = ("pt", "sft", "dpo")
 """Training stages with a data pipeline and a loss; routed by ``finetuning.stage``."""
 RESERVED_STAGES: tuple[str, ...] = ()
@@ -78,75 +80,6 @@ class ModelArguments:
     pipeline stage, depth k trained on the token k+1 places further on; 0 = none."""
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the MTP losses (their mean over depths) beside the main loss."""
-
-
-@dataclass
-class DataArguments:
-    """What to train on and how samples become fixed-length rows."""
-
-    dataset: list[str] = field(default_factory=list)
-    """Training files or directories: .jsonl/.json/.parquet/.arrow/.csv records (read through HF
-    datasets, local only), Dataset.save_to_disk directories, or Megatron indexed data (path
-    prefix of a .bin/.idx pair); with ``dataset_dir``, dataset_info.json names. A
-    comma-separated string is split."""
-    eval_dataset: list[str] | None = None
-    """Evaluation files, same formats; None = none (or ``val_size`` held out of the train set)."""
-    dataset_dir: str | None = None
-    """LLaMA-Factory's dataset directory: when set, ``dataset`` and ``eval_dataset`` are names
-    of entries in ``<dataset_dir>/dataset_info.json`` (file_name, formatting, ranking, columns,
-    tags); None = they are paths."""
-    mix_strategy: str = "concat"
-    """Several training datasets: concat (one after the other), interleave_under (drawn by
-    ``interleave_probs`` until the first runs out) or interleave_over (until all are seen)."""
-    interleave_probs: list[float] | None = None
-    """Interleave strategies: the chance of drawing from each training dataset, in order (sum
-    1; a comma-separated string works too); None = in turn."""
-    val_size: float = 0.0
-    """Hold out this fraction (< 1) or count (>= 1) of the training samples for evaluation."""
-    dataset_format: str = "auto"
-    """auto (text for pt, alpaca or sharegpt by the first record's keys for sft), text,
-    alpaca, sharegpt or indexed."""
-    text_field: str = "text"
-    """Field holding the document of a pt record."""
-    template: str = "chat"
-    """sft rendering: chat (the tokenizer's chat_template) or plain (prompt + response + eos)."""
-    cutoff_len: int = 1024
-    """Most tokens one sample keeps (inputs after the causal shift); longer ones are truncated
-    (pt: split into pieces)."""
-    seq_length: int | None = None
-    """Tokens per training row (packed or padded); None = ``cutoff_len``."""
-    sequence_packing: bool = False
-    """Pack several samples per row (best-fit decreasing, cu_seqlens per row) instead of
-    padding each sample to a row of its own."""
-    pack_alignment: int | None = None
-    """Packed samples start at multiples of this many slots; None = 2·CP under context
-    parallelism (which needs it), else 1. Rows hold other samples at another alignment, so a
-    packed run that may move between CP sizes sets the largest 2·CP here (e.g. 4 for CP1 and
-    CP2) and keeps it; a resume with another alignment is refused."""
-    pt_chunking: str = "concat"
-    """pt only: concat (join documents with eos and cut rows of ``cutoff_len``) or document
-    (every document on its own, long ones split)."""
-    train_on_prompt: bool = False
-    """sft: also train on prompt tokens (default: loss on responses only)."""
-    max_samples: int | None = None
-    """Keep at most this many records per dataset file (for quick runs)."""
-    preprocessing_cache_dir: str | None = None
-    """Where tokenized datasets are cached; None = $HPC_MCA_CACHE_DIR or ~/.cache/hpc_mca."""
-    overwrite_cache: bool = False
-    """Tokenize again even when a cached copy exists."""
-    data_path: list[str] | None = None
-    """pt only, instead of ``dataset``: Megatron's ``--data-path``, a blend of indexed corpora
-    (.bin/.idx prefixes) as weight/prefix pairs (``[0.7, prefixA, 0.3, prefixB]`` or the string
-    ``"0.7 prefixA 0.3 prefixB"``) or prefixes alone (equal weights), built with megatron-core's
-    BlendedMegatronDatasetBuilder: ``max_steps × global_batch_size`` windows of seq_length+1
-    tokens drawn in those weights (needs ``training.max_steps``; a different max_steps, seed or
-    seq_length is a different blend). Its indices are cached under ``preprocessing_cache_dir``,
-    else the run directory (``megatron_indices/``). None = use ``dataset``."""
-    split: str | None = None
-    """With ``data_path``: Megatron's ``--split``, the train,valid,test shares of each corpus's
-    documents (e.g. ``"969,30,1"``); None = ``"100,0,0"`` (no evaluation). A validation share
-    gives eval samples drawn from the held-out documents in the same weights: ``val_size`` of
-    them (a count, or a fraction of the train samples), else one evaluation step's worth."""
 
 
 @dataclass
