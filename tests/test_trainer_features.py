@@ -216,20 +216,22 @@ def test_bad_data_found_by_rank_zero_stops_every_rank(root, tmp_path, nproc):
 
 
 @pytest.mark.slow
-def test_logged_throughput_covers_the_last_logging_window(root, tmp_path):
+@pytest.mark.parametrize("use_mca", [True, False])
+def test_logged_throughput_covers_the_last_logging_window(root, tmp_path, use_mca):
     """perf/tokens_per_s at step 10 (logging every 5) is the rate of steps 6-10 alone, checked
     against a second measurement within 2%: the input tokens and device-synchronised seconds
     those steps recorded in steps.jsonl. Steps 1-5 are slowed by a callback (0.5 s each), so a
-    figure that still averaged since step 1 would come out several times lower."""
+    figure that still averaged since step 1 would come out several times lower. Both backends
+    (the standard one measures in its own step end)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     slow_start = ("class Callback(TrainerCallback):\n"
                   "    def on_step_begin(self, args, state, control, **kw):\n"
                   "        if state.global_step < 5:\n"
                   "            time.sleep(0.5)\n")
-    run_dir = root / "throughput"
-    proc = _train_with_callback(tmp_path, slow_start,
-                                _config(root, training={"max_steps": 10, "logging_steps": 5}), run_dir)
+    run_dir = root / f"throughput_{'megatron' if use_mca else 'standard'}"
+    config = _config(root, training={"max_steps": 10, "logging_steps": 5, "use_mca": use_mca})
+    proc = _train_with_callback(tmp_path, slow_start, config, run_dir)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = steps(run_dir)
     window = records[5:10]

@@ -97,9 +97,9 @@ class StandardRun:
 
 
 def run_standard(config: TrainConfig, env: RankEnv, shape: ModelShape,
-                 callbacks: Iterable[Any] = ()) -> list[dict[str, Any]]:
-    """Train ``config`` on this rank with the standard backend; the log history (rank 0's
-    logged values, the same numbers on every rank)."""
+                 callbacks: Iterable[Any] = ()) -> list[Any]:
+    """Train ``config`` on this rank with the standard backend; the per-step results
+    (:class:`hpc_mca.trainer.trainer.StepResult`, the same on every rank)."""
     sp = config.parallel.sequence_parallel_size
     _export_torch_env(env)
     # Ulysses groups are consecutive ranks, as Megatron lays out context-parallel groups: the
@@ -123,7 +123,7 @@ def _export_torch_env(env: RankEnv) -> None:
 
 
 def _train(config: TrainConfig, ctx: RankContext, shape: ModelShape,
-           callbacks: Iterable[Any]) -> list[dict[str, Any]]:
+           callbacks: Iterable[Any]) -> list[Any]:
     from hpc_mca.data.dataset import build_datasets
     from hpc_mca.data.tokenize import load_tokenizer
 
@@ -162,7 +162,7 @@ def _train(config: TrainConfig, ctx: RankContext, shape: ModelShape,
         trainer.boundary.signal.restore()
         trainer.metrics.close()
     _finish(run, trainer)
-    return trainer.state.log_history
+    return trainer.history
 
 
 def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[Any]) -> StandardTrainer:

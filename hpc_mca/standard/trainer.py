@@ -32,6 +32,7 @@ from hpc_mca.data.addition import response_exact_match
 from hpc_mca.runtime.sequence_parallel import IGNORE_INDEX, gather_and_unpad
 from hpc_mca.trainer.boundary import StepBoundary
 from hpc_mca.trainer.metrics import MetricsWriter
+from hpc_mca.trainer.trainer import StepResult
 
 from .checkpoint import save_checkpoint
 from .data import eval_streams
@@ -61,6 +62,7 @@ class StandardTrainer(Trainer):
         self._seen_inputs = 0
         self._last_step = -1
         self.skipped_iters, self._skipped = run.skipped_iters, False
+        self.history: list[StepResult] = []  # what run_training returns, as the Megatron loop's
         self.optimizer.register_step_pre_hook(self._skip_non_finite)
 
     # ---- data and loss ------------------------------------------------------------------------
@@ -133,6 +135,9 @@ class StandardTrainer(Trainer):
         norm = float(grad_norm) if grad_norm is not None and not skipped else float("nan")
         lr = self.lr_scheduler.get_last_lr()[0]
         extra = self._step_metrics(tokens)
+        self.history.append(StepResult(loss=loss, tokens=tokens, input_tokens=inputs,
+                                       grad_norm=norm, skipped=skipped, metrics=extra,
+                                       seconds=seconds))
         self.metrics.record_step(step=step, loss=loss, **{self.unit: tokens}, input_tokens=inputs,
                                  grad_norm=norm, lr=lr, skipped=skipped, seconds=round(seconds, 6),
                                  **extra)
