@@ -146,7 +146,7 @@ class Checkpointer:
 
     def _after_resume(self, info: CheckpointInfo, path: Path, with_rng: bool, seconds: float) -> None:
         if self.ctx.is_main:
-            _truncate_steps(self.run_dir / STEPS_FILE, info.step)
+            truncate_steps(self.run_dir / STEPS_FILE, info.step)
             changes = compat.describe_changes(info, self.records["layout"])
             batch = compat.describe_batch_changes(info, self.records["training"])
             print(f"resumed from {path} at step {info.step} ({info.consumed_samples} samples) "
@@ -424,7 +424,7 @@ def _without_crc32() -> Iterator[None]:
         set_crc32_options(previous)
 
 
-def _truncate_steps(path: Path, step: int) -> None:
+def truncate_steps(path: Path, step: int) -> None:
     """Drop steps.jsonl lines after ``step``: they are about to be trained again (the run
     died after them but before their checkpoint), and the log must read as one run."""
     if not path.is_file():

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from hpc_mca.checkpoint import compat
 from hpc_mca.checkpoint.requeue import StopSignal
 from hpc_mca.checkpoint.store import clear_finished, finished_step, mark_finished
-from hpc_mca.rundir import clear_bad_input
+from hpc_mca.rundir import STEPS_FILE, clear_bad_input
 from hpc_mca.runtime.distributed import RankContext, init_distributed, rank_zero_first, shutdown
 from hpc_mca.runtime.env import RankEnv
 from hpc_mca.runtime.sequence_parallel import new_sequence_parallel_groups
@@ -224,11 +224,11 @@ def _begin(run: StandardRun, found: Any) -> None:
     if not run.is_main:
         return
     if found is None:
-        (run.run_dir / "steps.jsonl").unlink(missing_ok=True)
+        (run.run_dir / STEPS_FILE).unlink(missing_ok=True)
     else:
-        from hpc_mca.checkpoint.checkpointer import _truncate_steps
+        from hpc_mca.checkpoint.checkpointer import truncate_steps
 
-        _truncate_steps(run.run_dir / "steps.jsonl", found[1].step)
+        truncate_steps(run.run_dir / STEPS_FILE, found[1].step)
     done = finished_step(run.run_dir)
     if done is not None:
         clear_finished(run.run_dir)
