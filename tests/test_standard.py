@@ -197,6 +197,10 @@ def test_non_finite_gradients_skip_the_update(setup, tmp_path):
      "parallel.sequence_parallel_size=3 must divide the world size 4, num_attention_heads=4 and "
      "num_key_value_heads=2 (Ulysses splits heads over the ranks); valid: 1, 2"),
     (["parallel.sequence_parallel_size=4"], "num_key_value_heads=2"),
+    (["training.optim=sgd"], "training.optim='sgd' with training.use_mca=false: the standard "
+                             "backend's optimizer is torch's AdamW; valid: 'adam', or "
+                             "training.use_mca=true"),
+    (["parallel.calculate_per_token_loss=false"], "calculate_per_token_loss=False"),
 ])
 def test_bad_standard_backend_settings_are_one_line(tmp_path, overrides, message):
     model = make_model_dir(tmp_path, layers=1)

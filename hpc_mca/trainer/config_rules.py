@@ -318,18 +318,29 @@ _MEGATRON_ONLY = {
 }
 
 
+# Settings the standard backend implements one way only: the value it runs, and why.
+_STANDARD_FIXED = {
+    "training.optim": ("adam", "the standard backend's optimizer is torch's AdamW"),
+    "training.save_optimizer_format": ("model_space", "the standard backend's checkpoints hold "
+                                       "transformers' optimizer.pt, not a Megatron format"),
+    "parallel.calculate_per_token_loss": (True, "the standard backend's loss is always the "
+                                          "mean over the global batch's real tokens"),
+}
+
+
 def _check_standard(config: TrainConfig, world_size: int) -> None:
     """The standard backend: a whole model per rank; data parallelism over groups of
     ``sequence_parallel_size`` consecutive ranks that share each row (Ulysses)."""
     par, tr, data = config.parallel, config.training, config.data
-    for dotted, unused in _MEGATRON_ONLY.items():
+    whole_model = ("the standard backend keeps a whole model on every rank (data and Ulysses "
+                   "sequence parallelism only)")
+    fixed = {**{k: (v, whole_model) for k, v in _MEGATRON_ONLY.items()}, **_STANDARD_FIXED}
+    for dotted, (runs, why) in fixed.items():
         section, name = dotted.split(".")
         value = getattr(getattr(config, section), name)
-        if value != unused:
-            raise ConfigError(f"{dotted}={value!r} with training.use_mca=false: the standard "
-                              "backend keeps a whole model on every rank (data and Ulysses "
-                              f"sequence parallelism only); valid: {unused!r}, or "
-                              "training.use_mca=true")
+        if value != runs:
+            raise ConfigError(f"{dotted}={value!r} with training.use_mca=false: {why}; valid: "
+                              f"{runs!r}, or training.use_mca=true")
     sp, shape = par.sequence_parallel_size, _model_shape(config.model.model_name_or_path)
     if shape.is_moe:
         raise ConfigError(f"model.model_name_or_path={config.model.model_name_or_path!r} is a "
