@@ -15,7 +15,7 @@ Trains a random-init llama-style model (default 6 layers, hidden 512: ~25 M para
   model_space (the default: each rank writes its own slices in model space, any TP/PP/DP on
   resume), Megatron's fully_reshardable (the same tensors gathered over DP first) and
   dp_reshardable (bucket shards, DP changes only);
-* best of 3 for every figure: the machine may be shared;
+* best of 3 saves and 2 loads (``--loads``) for every figure: the machine may be shared;
 * raw: one file of the same size written sequentially (8 MiB writes, fsync) and read back
   (page cache dropped), on the same file system, and the ratios checkpoint/raw;
 * signal -> durable: a run gets the batch shell's record of the lead-time signal (the
@@ -51,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dir", type=Path, default=None, help="work directory (file system)")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--loads", type=int, default=2, help="loads per format (best of)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     return parser.parse_args()
 
@@ -161,12 +162,13 @@ def main() -> None:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
 
 
-def measure_format(root: Path, model: Path, fmt: str, loads: int = 3) -> dict:
-    """Saves (the first of a process, then steady ones: best of 3) and loads (best of
+def measure_format(root: Path, model: Path, fmt: str, loads: int = 2, saves: int = 3) -> dict:
+    """Saves (the first of a process, then steady ones: best of ``saves``) and loads (best of
     ``loads``, page cache dropped before each) of one optimizer format."""
     run_dir = root / f"run_{fmt}"
     fmt_arg = f"save_optimizer_format={fmt}"
-    saved = train(root, model, run_dir, "max_steps=4", "save_steps=1", fmt_arg).stdout
+    steps = f"max_steps={saves + 1}"
+    saved = train(root, model, run_dir, steps, "save_steps=1", fmt_arg).stdout
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     totals = seconds(r"saved \((?:interval|end)\) in ([\d.]+) s", saved)
     writes = seconds(r"saved \((?:interval|end)\) in [\d.]+ s \(state dict [\d.]+ s, write ([\d.]+) s",
@@ -174,42 +176,43 @@ def measure_format(root: Path, model: Path, fmt: str, loads: int = 3) -> dict:
     load_s = []
     for _ in range(loads):
         drop_cache(latest)
-        # Without its finished marker the run resumes (loads) at step 4 and ends there; with
-        # it, the trainer would say "nothing to train" before loading anything.
+        # Without its finished marker the run resumes (loads) at its last step and ends there;
+        # with it, the trainer would say "nothing to train" before loading anything.
         (run_dir / "finished").unlink(missing_ok=True)
-        loaded = train(root, model, run_dir, "max_steps=4", fmt_arg).stdout
+        loaded = train(root, model, run_dir, steps, fmt_arg).stdout
         load_s.append(seconds(r"resumed from .* in ([\d.]+) s", loaded)[0])
     return {"bytes": tree_bytes(latest), "save_s_first": totals[0], "save_s": min(totals[1:]),
-            "write_s": min(writes[1:]), "load_s": min(load_s), "save_s_all": totals,
-            "load_s_all": load_s}
+            "write_s": min(writes[1:]), "load_s": min(load_s, default=float("nan")),
+            "save_s_all": totals, "load_s_all": load_s}
 
 
 def run(root: Path, args: argparse.Namespace) -> dict:
+    """Every figure is printed as soon as it is measured (raw I/O right after the first
+    format, which tells the checkpoint's size: the ratios are then known at once)."""
     model = make_model(root, args.layers, args.hidden)
-    formats = {fmt: measure_format(root, model, fmt)
-               for fmt in ("model_space", "fully_reshardable", "dp_reshardable")}
-    size = formats["model_space"]["bytes"]
-    # Best of 3, like the checkpoint figures (the machine is shared).
+    first = measure_format(root, model, "model_space", loads=args.loads)
+    size = first["bytes"]
+    # Best of 3, like the checkpoint figures (the machine may be shared).
     write_s, read_s = (min(x) for x in zip(*(raw_io(root, size) for _ in range(3))))
     raw_write, raw_read = size / 1e9 / write_s, size / 1e9 / read_s
     report: dict = {"filesystem_dir": str(root), "raw_write_GBps": raw_write, "raw_read_GBps": raw_read}
-    for fmt, m in formats.items():
+    print(f"raw sequential    {size / 1e6:.0f} MB | write {raw_write:.2f} GB/s, read "
+          f"{raw_read:.2f} GB/s", file=sys.stderr, flush=True)
+    for fmt in ("model_space", "fully_reshardable", "dp_reshardable"):
+        m = first if fmt == "model_space" else measure_format(root, model, fmt, loads=args.loads)
         gb = m["bytes"] / 1e9
-        report[fmt] = {**m, "save_GBps": gb / m["save_s"], "write_GBps": gb / m["write_s"],
-                       "load_GBps": gb / m["load_s"],
-                       "save_ratio": gb / m["save_s"] / raw_write,
-                       "write_ratio": gb / m["write_s"] / raw_write,
-                       "load_ratio": gb / m["load_s"] / raw_read}
-        r = report[fmt]
+        report[fmt] = r = {**m, "save_GBps": gb / m["save_s"], "write_GBps": gb / m["write_s"],
+                           "load_GBps": gb / m["load_s"],
+                           "save_ratio": gb / m["save_s"] / raw_write,
+                           "write_ratio": gb / m["write_s"] / raw_write,
+                           "load_ratio": gb / m["load_s"] / raw_read}
         print(f"{fmt:17s} {m['bytes'] / 1e6:.0f} MB | save {r['save_GBps']:.2f} GB/s (ratio "
               f"{r['save_ratio']:.2f}; write phase alone {r['write_ratio']:.2f}; first save "
               f"{m['save_s_first']:.2f} s, then {m['save_s']:.2f} s) | load {r['load_GBps']:.2f} "
-              f"GB/s (ratio {r['load_ratio']:.2f}, {m['load_s']:.2f} s)", file=sys.stderr)
-    print(f"raw sequential    write {raw_write:.2f} GB/s, read {raw_read:.2f} GB/s", file=sys.stderr)
-    report["signal"] = signal_to_durable(root, model)
-    sig = report["signal"]
+              f"GB/s (ratio {r['load_ratio']:.2f}, {m['load_s']:.2f} s)", file=sys.stderr, flush=True)
+    report["signal"] = sig = signal_to_durable(root, model)
     print(f"signal -> durable {sig['signal_to_durable_s']:.2f} s (median step {sig['step_s']:.2f} s, "
-          f"save {sig['save_s']:.2f} s)", file=sys.stderr)
+          f"save {sig['save_s']:.2f} s)", file=sys.stderr, flush=True)
     return report
 
 

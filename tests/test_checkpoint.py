@@ -228,9 +228,11 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(reference: tuple[Pat
     from it. The fourth run finishes; its log equals the uninterrupted run's."""
     config, ref = reference
     run = tmp_path / "run"
-    kills = [("4:after_write:1", 2), ("6:before_write:1", 4), ("8:before_tracker:0", 6)]
-    for spec, previous in kills:
-        proc = train_killed(config, run, spec, *DIST_OPT)
+    # The second run saves asynchronously: its writer's helper process must die with the rank.
+    kills = [("4:after_write:1", 2, ()), ("6:before_write:1", 4, ("async_save=true",)),
+             ("8:before_tracker:0", 6, ())]
+    for spec, previous, extra in kills:
+        proc = train_killed(config, run, spec, *DIST_OPT, *extra)
         assert proc.returncode != 0 and "test hook: SIGKILL" in proc.stdout, proc.stdout[-2000:]
         assert proc.leftover == [], (spec, proc.leftover)  # nothing outlives the killed rank
         assert read_tracker(run / "checkpoints") == iter_name(previous), spec

@@ -156,3 +156,28 @@ def test_none_beside_a_tracker_is_one_line(tmp_path):
                               "tracker; valid: none alone, or trackers without none")
     with pytest.raises(ConfigError, match="training.report_to='neptune' is not valid"):
         load_config(path, ["training.report_to=neptune"]).resolve(world_size=1)
+
+
+_IMPORTS = """
+import sys, time
+from hpc_mca.trainer.trackers import skip_unused_tracker_imports
+off = skip_unused_tracker_imports(sys.argv[1].split(",") if sys.argv[1] else [])
+import megatron.core
+import importlib.util
+wandb = sys.modules.get("wandb")
+print(off, wandb is not None and hasattr(wandb, "init"), importlib.util.find_spec("wandb") is not None)
+"""
+
+
+@pytest.mark.parametrize("report_to, off, loaded", [("tensorboard", ["wandb", "mlflow"], False),
+                                                    ("wandb", ["mlflow"], True)])
+def test_megatron_imports_wandb_only_for_runs_that_report_to_it(report_to, off, loaded):
+    """megatron.core imports wandb at import time when it is installed (megatron.core.timers);
+    a run that does not report to W&B keeps it out (and transformers sees no W&B)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _IMPORTS, report_to], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[-2] == f"{off} {loaded} {loaded}", done.stdout

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from hpc_mca.rundir import STEPS_FILE, fsync_dir, write_atomic
 
 from . import compat
-from .helper import start_writer_helper, warm_writer_helper
+from .helper import keep_write_results_in_process, start_writer_helper, warm_writer_helper
 from .space import (
     MARGIN,
     CheckpointSpaceError,
@@ -95,12 +95,16 @@ class Checkpointer:
     # ---- resume -------------------------------------------------------------------------------
 
     def resume(self) -> CheckpointInfo | None:
-        """Start the checkpoint writer's helper, then load the checkpoint
+        """Set up where the writer's results go (see :mod:`.helper`: in this process, or the
+        async writer's helper, started and warmed now), then load the checkpoint
         ``training.resume_from_checkpoint`` selects into the loop (model, optimizer, and its
         state dict: LR scheduler, step, samples, RNG); None for a fresh start."""
-        start_writer_helper()
-        self._warm = threading.Thread(target=warm_writer_helper, daemon=True)
-        self._warm.start()
+        if self.async_save:
+            start_writer_helper()
+            self._warm = threading.Thread(target=warm_writer_helper, daemon=True)
+            self._warm.start()
+        else:
+            keep_write_results_in_process()
         found = compat.resume_check(self.config, self.ctx.env.world_size, self.model_shape)
         if found is None:
             return None

@@ -1,10 +1,17 @@
-"""The checkpoint writer's helper process: started early, deaf to Slurm's signals, and dead
-with the rank that started it.
+"""Where the checkpoint writer sends its write results: an in-process queue for synchronous
+saves, a helper process for async ones (started early, deaf to Slurm's signals, and dead with
+the rank that started it).
 
 ``megatron.core.dist_checkpointing`` sends every save's write results through a queue served
 by a spawned multiprocessing Manager (``filesystem_async.get_write_results_queue``, created
-on first use). Spawning also starts multiprocessing's resource tracker. Two things about
-those processes matter on a cluster:
+on first use), even when the shards are written by the rank itself. Only an async save needs
+a process-safe queue (its writer is a forked process). For synchronous saves (the default)
+:func:`keep_write_results_in_process` puts a plain ``queue.Queue`` where Megatron looks: no
+helper process per rank (its spawn and torch import cost 2-3 s of CPU at every start, and the
+first save waited for them), nothing to outlive a killed rank.
+
+For async saves, spawning the Manager also starts multiprocessing's resource tracker. Two
+things about those processes matter on a cluster:
 
 * Slurm signals every process of the job step. At a preemption, ``scancel`` or an outside
   ``scontrol requeue`` a helper with the default TERM action would die while the ranks go on
@@ -25,6 +32,7 @@ level (the helper process imports this module to run the initializer).
 from __future__ import annotations
 
 import os
+import queue
 import signal
 from typing import Any
 
@@ -46,6 +54,15 @@ def die_with_parent(parent_pid: int) -> None:
     prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent_pid:
         os._exit(0)
+
+
+def keep_write_results_in_process() -> None:
+    """Synchronous saves: the write results stay in this process (a ``queue.Queue`` where
+    Megatron looks for its results queue; idempotent)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def start_writer_helper() -> None:

@@ -22,6 +22,7 @@ from hpc_mca.runtime.env import from_environ
 from hpc_mca.runtime.quiet import library_line
 from hpc_mca.topology import Layout, ModelShape
 from hpc_mca.trainer.config import TrainConfig, load_config
+from hpc_mca.trainer.trackers import skip_unused_tracker_imports
 
 def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
                  callbacks: Iterable[Any] = ()) -> list[Any]:
@@ -37,6 +38,7 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
     except UserError as err:
         err.on_every_rank = True  # every rank read the same inputs and stops here alike
         raise
+    skip_unused_tracker_imports(config.training.report_to)  # before megatron is imported
     idle = nothing_to_train(config)  # a finished run started again: no need for any rank
     if idle is not None:
         if env.rank == 0:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,7 +36,7 @@ import yaml
 
 from hpc_mca.rundir import tensorboard_dir, write_atomic
 
-__all__ = ["Tracker", "job_fields", "open_trackers"]
+__all__ = ["Tracker", "job_fields", "open_trackers", "skip_unused_tracker_imports"]
 
 MLFLOW_RUN_FILE = "mlflow_run_id"
 
@@ -58,6 +59,24 @@ def open_trackers(config: Any, run_dir: Path, job: dict[str, Any]) -> list[Track
         elif name == "mlflow":
             opened.append(_Mlflow(run_dir, _flat_config(config), job))
     return opened
+
+
+def skip_unused_tracker_imports(report_to: list[str]) -> list[str]:
+    """Make W&B and MLflow unimportable in this process unless ``report_to`` names them;
+    returns the packages it turned off. Call before megatron is imported.
+
+    Why: ``megatron.core`` imports ``megatron.core.timers``, which tries ``import wandb`` at
+    import time whether or not anything logs to it. With W&B installed (the ``trackers``
+    extra) that is 0.5-1 s of CPU in every rank process of every job, for nothing. A
+    ``None`` entry in ``sys.modules`` makes ``import wandb`` raise ImportError (Megatron then
+    takes its no-W&B path) and ``importlib.util.find_spec`` answer None (transformers then
+    sees no W&B either). A package already imported is left alone."""
+    turned_off = []
+    for name in ("wandb", "mlflow"):
+        if name not in report_to and name not in sys.modules:
+            sys.modules[name] = None  # type: ignore[assignment]
+            turned_off.append(name)
+    return turned_off
 
 
 def job_fields(env: Any) -> dict[str, Any]:
