@@ -115,6 +115,18 @@ def setup(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict
     return {"root": root, "config": config, "reference": numbers(root / "reference")}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def two_minute_job(setup: dict) -> tuple[str, Path]:
+    """The job of test_a_two_minute_job_requeues_only_as_often_as_its_steps_need, submitted
+    when the module starts: it sleeps through its paced steps for 2-3 allocations, so it runs
+    beside the other tests here and its test finds it (nearly) done. (job id, run dir)."""
+    work = setup["root"] / "two_minutes"
+    work.mkdir()
+    job_id = slurm.submitted_job_id(hpc_mca("submit", str(setup["config"]), *CPU_2X1, "--time",
+                                            "2", cwd=work, HPC_MCA_TEST_STEP_SLEEP="2.2"))
+    return job_id, work / "runs" / f"config_{job_id}"
+
+
 def _submit(setup: dict, name: str, **hooks: str) -> tuple[str, Path, Path]:
     work = setup["root"] / name
     work.mkdir()
@@ -210,14 +222,11 @@ def test_a_lead_that_does_not_fit_the_limit_is_refused(setup: dict) -> None:
         assert f"#SBATCH --signal=B:USR1@{lead}\n" in script.stdout
 
 
-def test_a_two_minute_job_requeues_only_as_often_as_its_steps_need(setup: dict) -> None:
+def test_a_two_minute_job_requeues_only_as_often_as_its_steps_need(
+        setup: dict, two_minute_job: tuple[str, Path]) -> None:
     """--time 2 and the default lead (30 s there): each allocation trains for a good minute
     before the signal; the run of 40 × 2.2 s of steps takes 2 or 3 allocations."""
-    work = setup["root"] / "two_minutes"
-    work.mkdir()
-    job_id = slurm.submitted_job_id(hpc_mca("submit", str(setup["config"]), *CPU_2X1, "--time",
-                                            "2", cwd=work, HPC_MCA_TEST_STEP_SLEEP="2.2"))
-    run_dir = work / "runs" / f"config_{job_id}"
+    job_id, run_dir = two_minute_job
     assert slurm.wait_for_job(job_id, timeout=900) == "COMPLETED"
     log = (run_dir / f"config_{job_id}.out").read_text()
     resumed_at = [int(m) for m in re.findall(r"^resumed from \S+ at step (\d+)", log, re.M)]
