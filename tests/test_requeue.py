@@ -78,75 +78,54 @@ def log_of(work: Path, name: str, job_id: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def configs(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A run config of MAX_STEPS steps for each backend ("mca": Megatron, "standard":
-    training.use_mca=false)."""
+def training(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A run config of MAX_STEPS steps and its uninterrupted DP=2 log (torchrun, no Slurm)."""
     root = tmp_path_factory.mktemp("requeue")
     config = write_config(root, make_model_dir(root, layers=2),
                           make_sft_data(root, 256, seed=1, name="train"),
                           training={"max_steps": MAX_STEPS, "logging_steps": 50,
                                     "report_to": ["none"]})
-    (root / "standard").mkdir()
-    settings = yaml.safe_load(config.read_text())
-    settings["training"]["use_mca"] = False
-    standard = root / "standard" / "config.yaml"
-    standard.write_text(yaml.safe_dump(settings))
-    return {"mca": config, "standard": standard}
-
-
-def _reference(config: Path) -> dict:
-    """The config's uninterrupted DP=2 log (torchrun, no Slurm)."""
-    root = config.parent
     proc = run_train(config, root / "reference", 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {"root": root, "config": config, "reference": numbers(root / "reference")}
 
 
 @pytest.fixture(scope="module")
-def training(configs: dict[str, Path]) -> dict:
-    return _reference(configs["mca"])
+def standard_training(training: dict) -> dict:
+    """The same run on the standard backend (training.use_mca=false), and its uninterrupted log."""
+    root = training["root"] / "standard"
+    root.mkdir()
+    settings = yaml.safe_load(training["config"].read_text())
+    settings["training"]["use_mca"] = False
+    config = root / "config.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    proc = run_train(config, root / "reference", 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"root": root, "config": config, "reference": numbers(root / "reference")}
 
 
-@pytest.fixture(scope="module")
-def standard_training(configs: dict[str, Path]) -> dict:
-    return _reference(configs["standard"])
-
-
-@pytest.fixture(scope="module")
-def time_limit_jobs(configs: dict[str, Path]) -> dict[str, tuple[str, Path, Path, float]]:
-    """Both backends' time-limit jobs, submitted together before the references are trained:
-    each spends its minute mostly asleep (the step hook), so they run side by side and the
-    second test finds its job (nearly) done. name -> (job id, work dir, run dir, submitted)."""
-    jobs = {}
-    for name, backend in (("tl", "mca"), ("tls", "standard")):
-        work = configs[backend].parent / "timelimit"
-        work.mkdir()
-        env = job_env(PYTHONPATH=str(HOOKS), HPC_MCA_TEST_STEP_SLEEP=SLOW_FIRST_RUN)
-        job_id, run_dir = submit(work, name, ["--nodes=2", "--ntasks-per-node=1", "--time=1",
-                                              "--signal=B:USR1@50", str(TEMPLATE),
-                                              str(configs[backend])], env)
-        jobs[name] = (job_id, work, run_dir, time.monotonic())
-    return jobs
-
-
-def test_time_limit_signal_saves_requeues_and_resumes_exactly(time_limit_jobs: dict,
-                                                              training: dict) -> None:
+def test_time_limit_signal_saves_requeues_and_resumes_exactly(training: dict) -> None:
     """--time=1 with --signal=B:USR1@50: Slurm sends USR1 to the batch shell 10-40 s into the
     run (limits are checked every 30 s); the ranks save at the next step and the job requeues
     itself: same job id, restart count >= 1 (1 unless the resumed run is signalled too), and the
     same numbers as without the interruption."""
-    _time_limit_requeue(training, "tl", time_limit_jobs["tl"])
+    _time_limit_requeue(training, "tl")
 
 
-def test_standard_backend_time_limit_requeues_and_resumes_exactly(time_limit_jobs: dict,
-                                                                  standard_training: dict
+def test_standard_backend_time_limit_requeues_and_resumes_exactly(standard_training: dict
                                                                   ) -> None:
     """The same contract on the standard backend (transformers' Trainer, HF checkpoints)."""
-    _time_limit_requeue(standard_training, "tls", time_limit_jobs["tls"])
+    _time_limit_requeue(standard_training, "tls")
 
 
-def _time_limit_requeue(training: dict, name: str, job: tuple[str, Path, Path, float]) -> None:
-    job_id, work, run_dir, started = job
+def _time_limit_requeue(training: dict, name: str) -> None:
+    work = training["root"] / "timelimit"
+    work.mkdir()
+    env = job_env(PYTHONPATH=str(HOOKS), HPC_MCA_TEST_STEP_SLEEP=SLOW_FIRST_RUN)
+    started = time.monotonic()
+    job_id, run_dir = submit(work, name, ["--nodes=2", "--ntasks-per-node=1", "--time=1",
+                                          "--signal=B:USR1@50", str(TEMPLATE),
+                                          str(training["config"])], env)
     state = slurm.wait_for_job(job_id, timeout=400)
     log = log_of(work, name, job_id)
     assert state == "COMPLETED", log[-4000:]
@@ -161,8 +140,8 @@ def _time_limit_requeue(training: dict, name: str, job: tuple[str, Path, Path, f
     saved = [line for line in log.splitlines() if "saved (signal)" in line]
     assert len(stopped) == restarts and len(saved) == restarts, log[-4000:]
     assert numbers(run_dir) == training["reference"]
-    print(f"\n{stopped[0]}\n{saved[0]}\njob {job_id}: submitted -> signal -> requeue -> finished "
-          f"in {time.monotonic() - started:.0f} s")
+    print(f"\n{stopped[0]}\n{saved[0]}\njob {job_id}: signal -> requeue -> finished in "
+          f"{time.monotonic() - started:.0f} s")
 
 
 def test_outside_scontrol_requeue_resumes_exactly(training: dict) -> None:
