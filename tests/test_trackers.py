@@ -159,7 +159,7 @@ def test_none_beside_a_tracker_is_one_line(tmp_path):
 
 
 _IMPORTS = """
-import sys, time
+import sys
 from hpc_mca.trainer.trackers import skip_unused_tracker_imports
 off = skip_unused_tracker_imports(sys.argv[1].split(",") if sys.argv[1] else [])
 import megatron.core

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import yaml
 
 from hpc_mca.rundir import tensorboard_dir, write_atomic
+from hpc_mca.trainer.config import TRACKER_PACKAGES
 
 __all__ = ["Tracker", "job_fields", "open_trackers", "skip_unused_tracker_imports"]
 
@@ -72,10 +73,11 @@ def skip_unused_tracker_imports(report_to: list[str]) -> list[str]:
     takes its no-W&B path) and ``importlib.util.find_spec`` answer None (transformers then
     sees no W&B either). A package already imported is left alone."""
     turned_off = []
-    for name in ("wandb", "mlflow"):
-        if name not in report_to and name not in sys.modules:
-            sys.modules[name] = None  # type: ignore[assignment]
-            turned_off.append(name)
+    for name, package in TRACKER_PACKAGES.items():
+        # TensorBoard stays: torch.utils.tensorboard is what Megatron's timers import anyway.
+        if name != "tensorboard" and name not in report_to and package not in sys.modules:
+            sys.modules[package] = None  # type: ignore[assignment]
+            turned_off.append(package)
     return turned_off
 
 
