@@ -18,6 +18,10 @@ Trains a random-init llama-style model (default 6 layers, hidden 512: ~25 M para
 * best of 3 saves and 2 loads (``--loads``) for every figure: the machine may be shared;
 * raw: one file of the same size written sequentially (8 MiB writes, fsync) and read back
   (page cache dropped), on the same file system, and the ratios checkpoint/raw;
+* readers side by side: the model_space checkpoint loaded whole in this process by PyTorch's
+  ``FileSystemReader`` and by hpc-mca's direct reader (``hpc_mca/checkpoint/reader.py``),
+  into tensors already allocated, page cache dropped, alternating, best of ``--loads``: the
+  file-reading part of a load alone, against the raw read;
 * signal -> durable: a run gets the batch shell's record of the lead-time signal (the
   ``signal_received`` line ``hpc-mca``'s sbatch script writes) and the time until the
   ``latest`` tracker names the new checkpoint is measured from outside, by polling.
@@ -125,6 +129,31 @@ def seconds(pattern: str, text: str) -> list[float]:
     return [float(m) for m in re.findall(pattern, text)]
 
 
+def readers_side_by_side(checkpoint: Path, loads: int) -> dict[str, float]:
+    """Seconds to read the whole checkpoint in this process: PyTorch's reader vs the direct one."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from hpc_mca.checkpoint.reader import DirectFileSystemReader
+
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    metadata = FileSystemReader(str(checkpoint)).read_metadata()
+    state = {key: torch.zeros(m.size, dtype=m.properties.dtype)  # zeros: pages already touched
+             for key, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    best = {"torch_reader_s": float("inf"), "direct_reader_s": float("inf")}
+    for _ in range(loads):
+        for name, reader in (("torch_reader_s", FileSystemReader), ("direct_reader_s", DirectFileSystemReader)):
+            drop_cache(checkpoint)
+            started = time.perf_counter()
+            dcp.load(state, storage_reader=reader(str(checkpoint)), no_dist=True)
+            best[name] = min(best[name], time.perf_counter() - started)
+    return {**best, "tensor_bytes": sum(t.numel() * t.element_size() for t in state.values())}
+
+
 def signal_to_durable(root: Path, model: Path) -> dict[str, float]:
     """Start a long run, record the signal as the batch shell does after a few steps, and time
     until the tracker names the new checkpoint (polled every 5 ms from here)."""
@@ -210,6 +239,14 @@ def run(root: Path, args: argparse.Namespace) -> dict:
               f"{r['save_ratio']:.2f}; write phase alone {r['write_ratio']:.2f}; first save "
               f"{m['save_s_first']:.2f} s, then {m['save_s']:.2f} s) | load {r['load_GBps']:.2f} "
               f"GB/s (ratio {r['load_ratio']:.2f}, {m['load_s']:.2f} s)", file=sys.stderr, flush=True)
+    ms_dir = root / "run_model_space" / "checkpoints"
+    report["readers"] = rd = readers_side_by_side(ms_dir / (ms_dir / "latest").read_text().strip(),
+                                                  max(args.loads, 3))
+    gb = rd["tensor_bytes"] / 1e9
+    print(f"readers, 1 process {gb * 1e3:.0f} MB | PyTorch's {rd['torch_reader_s']:.2f} s (ratio "
+          f"{gb / rd['torch_reader_s'] / raw_read:.2f}), direct {rd['direct_reader_s']:.2f} s (ratio "
+          f"{gb / rd['direct_reader_s'] / raw_read:.2f}) | direct/PyTorch speed "
+          f"{rd['torch_reader_s'] / rd['direct_reader_s']:.2f}x", file=sys.stderr, flush=True)
     report["signal"] = sig = signal_to_durable(root, model)
     print(f"signal -> durable {sig['signal_to_durable_s']:.2f} s (median step {sig['step_s']:.2f} s, "
           f"save {sig['save_s']:.2f} s)", file=sys.stderr, flush=True)

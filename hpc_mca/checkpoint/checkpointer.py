@@ -11,7 +11,8 @@ or stop, and writes no attribute of the loop.
 
 Saves go through ``megatron.core.dist_checkpointing`` with the torch_dist backend and the
 fully-parallel save wrapper over the data-parallel group (every DP replica writes a share of
-the replicated tensors); loads use the fully-parallel load wrapper on GPUs (see ``_load``).
+the replicated tensors); loads use the fully-parallel load wrapper on GPUs (see ``_load``)
+and read each tensor straight into its destination (:mod:`.reader`).
 The commit protocol (see :mod:`.store`) makes a save durable only when every rank finished:
 ranks write into ``iter_N.tmp``; an all-reduce proves every rank got past its (fsync'ed)
 writes; rank 0 then writes checkpoint.json, renames the directory to ``iter_N``, replaces the
@@ -41,6 +42,7 @@ from hpc_mca.rundir import STEPS_FILE, fsync_dir, write_atomic
 
 from . import compat
 from .helper import keep_write_results_in_process, start_writer_helper, warm_writer_helper
+from .reader import direct_reads
 from .space import (
     MARGIN,
     CheckpointSpaceError,
@@ -146,7 +148,8 @@ class Checkpointer:
             # rank reads what it needs itself.
             strategy = FullyParallelLoadStrategyWrapper(
                 strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
-        return dist_checkpointing.load(template, str(path), strategy)
+        with direct_reads():
+            return dist_checkpointing.load(template, str(path), strategy)
 
     def _after_resume(self, info: CheckpointInfo, path: Path, with_rng: bool, seconds: float) -> None:
         if self.ctx.is_main:
