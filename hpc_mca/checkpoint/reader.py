@@ -15,9 +15,12 @@ subclass) gets the bytes in a CPU buffer first and one ``copy_``, as PyTorch's p
 Bytes records, transformed (e.g. compressed) records, archives in another byte order and
 non-contiguous slices of a stored tensor go through PyTorch's own path unchanged.
 
-Measured in one process on the 2-core VM (405 MB checkpoint, page cache dropped, destinations
-already allocated): PyTorch's reader 0.48-0.67 s, this one 0.26-0.31 s; the same bytes read
-sequentially from one file: 0.17-0.20 s.
+Measured on the 2-core VM (405 MB checkpoint, page cache dropped): read whole in one process
+into tensors already allocated, PyTorch's reader took 0.45-0.67 s and this one 0.26-0.38 s
+(``benchmarks/checkpoint_io.py`` prints both; the same bytes read sequentially from one file:
+0.15-0.20 s); the resume of a 2-rank run, alternating readers, 0.54-0.67 s vs 0.42-0.53 s.
+Prefetching each archive's head and tail mattered there: without it the ~15 small header reads
+per archive each waited for the disk, and the direct reader was no faster than PyTorch's.
 
 Megatron's ``TorchDistLoadShardedStrategy.load`` builds its reader with the module-level
 ``_get_filesystem_reader``; :func:`direct_reads` puts a factory for this reader there for
