@@ -1,4 +1,5 @@
-"""Rank bootstrap with real processes: torchrun (gloo) ranks against a single-process reference.
+"""Rank bootstrap with real processes: torchrun (gloo) ranks against a single-process reference,
+and the fork launcher (hpc_mca/runtime/forkrun.py) that the trainer tests start their ranks with.
 
 The Slurm variant of the same comparison lives in tests/test_slurm_ranks.py.
 """
@@ -10,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from trainer_fixtures import launch_ranks
+from trainer_fixtures import FORKRUN, launch_ranks
 
-SMOKE = [sys.executable, "-W", "ignore", "-m", "hpc_mca", "smoke", "--steps", "2"]
+HPC_MCA = [sys.executable, "-W", "ignore", "-m", "hpc_mca"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
@@ -24,9 +25,12 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_smoke(tmp_path: Path, name: str, nproc: int, *args: str) -> dict:
+def run_smoke(tmp_path: Path, name: str, nproc: int, *args: str, fork: bool = False) -> dict:
     out = tmp_path / f"{name}.json"
-    launcher = TORCHRUN + [f"--nproc-per-node={nproc}", "-m", "hpc_mca", "smoke", "--steps", "2"] if nproc > 1 else SMOKE
+    launcher = TORCHRUN + [f"--nproc-per-node={nproc}", "-m", "hpc_mca"] if nproc > 1 else HPC_MCA
+    if fork:
+        launcher = FORKRUN + [f"--nproc-per-node={nproc}"]
+    launcher = [*launcher, "smoke", "--steps", "2"]
     proc = subprocess.run([*launcher, *args, "--out", str(out)], env=_env(), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -50,6 +54,26 @@ def test_reference_trains(reference):
     first, second = reference["steps"]
     assert 4.0 < first["loss"] < 6.0  # ~ln(128): an untrained model on a 128-token vocabulary
     assert second["loss"] < first["loss"]  # the optimizer step happened and helped
+
+
+@pytest.mark.slow
+def test_forked_ranks_tp2_dp2_match_single_process(tmp_path, reference):
+    result = run_smoke(tmp_path, "fork_tp2dp2", 4, "--tp", "2", fork=True)
+    assert result["world_size"] == 4 and result["launcher"] == "torchrun"  # torchrun's variables
+    assert result["layout"] == {"tp": 2, "pp": 1, "vp": None, "ep": 1, "dp": 2}
+    assert_same_numbers(result, reference)
+
+
+@pytest.mark.slow
+def test_forked_ranks_exit_with_a_ranks_own_status(tmp_path):
+    """A bad input stops every rank with 2, and the launcher passes that status on (torchrun
+    says 1 for any failed rank); the one-line error is printed once."""
+    demo = Path(__file__).parents[1] / "hpc_mca" / "assets" / "demo" / "sft_addition.yaml"
+    proc = subprocess.run([*FORKRUN, "--nproc-per-node=2", "train", str(demo),
+                           f"training.output_dir={tmp_path / 'run'}", "training.max_steps=-3"],
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpc-mca train: error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "max_steps" in errors[0], proc.stderr[-3000:]
 
 
 @pytest.mark.slow

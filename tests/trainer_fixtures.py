@@ -11,6 +11,9 @@ from pathlib import Path
 import yaml
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+FORKRUN = [sys.executable, "-m", "hpc_mca.runtime.forkrun"]
+"""Local ranks forked after one import of the stack (hpc_mca/runtime/forkrun.py): a rank's
+imports cost ~10 s of CPU here, which torchrun pays once per rank."""
 
 
 def make_model_dir(root: Path, layers: int = 4, moe: bool = False, **shape: int) -> Path:
@@ -85,7 +88,9 @@ def rank_env() -> dict[str, str]:
 
 
 def run_train(config: Path, run_dir: Path, nproc: int = 1, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    command = TORCHRUN + [f"--nproc-per-node={nproc}", "-m", "hpc_mca"] if nproc > 1 else [sys.executable, "-m", "hpc_mca"]
+    """``hpc-mca train`` on ``nproc`` local ranks (forked by forkrun: test_rank_bootstrap.py
+    shows it gives torchrun's numbers), or in this interpreter's fresh process for one."""
+    command = FORKRUN + [f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable, "-m", "hpc_mca"]
     args = [*command, "train", str(config), f"training.output_dir={run_dir}", *overrides]
     return subprocess.run(args, env=rank_env(), capture_output=True, text=True, timeout=timeout)
 
