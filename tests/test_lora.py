@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_fixtures import (TORCHRUN, make_model_dir, make_sft_data, rank_env, rewind,
+from trainer_fixtures import (FORKRUN, make_model_dir, make_sft_data, rank_env, rewind,
                               run_train, steps, write_config)
 
 WORKER = Path(__file__).with_name("lora_worker.py")
@@ -30,7 +30,7 @@ IDS = [[(i + 12 * row) % 40 + 3 for i in range(12)] for row in range(2)]  # lora
 
 
 def _worker(config: Path, run: Path, out: Path, nproc: int, *overrides: str) -> None:
-    launcher = TORCHRUN + [f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
+    launcher = FORKRUN + [f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
     proc = subprocess.run([*launcher, str(WORKER), str(out), str(config),
                            f"training.output_dir={run}", *overrides],
                           env=rank_env(), capture_output=True, text=True, timeout=600)

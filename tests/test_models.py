@@ -123,7 +123,7 @@ def _env() -> dict[str, str]:
 def _launch(models: Path, out: Path, jobs: list[dict], nproc: int) -> Path:
     launcher = [sys.executable, "-W", "ignore"]
     if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        launcher += ["-m", "hpc_mca.runtime.forkrun", f"--nproc-per-node={nproc}"]
     cmd = [*launcher, str(WORKER), str(models), str(out), json.dumps(jobs)]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]

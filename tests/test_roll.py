@@ -12,7 +12,7 @@ import torch
 
 from hpc_mca.models.roll import roll_left, roll_plan
 from roll_worker import roll_cases
-from trainer_fixtures import TORCHRUN, rank_env
+from trainer_fixtures import FORKRUN, rank_env
 
 WORKER = Path(__file__).with_name("roll_worker.py")
 
@@ -30,7 +30,7 @@ def reference_roll(values: torch.Tensor, cu_seqlens: torch.Tensor,
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_roll_on_cp_ranks_equals_the_per_document_loop(tmp_path, cp):
-    proc = subprocess.run([*TORCHRUN, f"--nproc-per-node={cp}", str(WORKER), str(tmp_path)],
+    proc = subprocess.run([*FORKRUN, f"--nproc-per-node={cp}", str(WORKER), str(tmp_path)],
                           env=rank_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(cp)]

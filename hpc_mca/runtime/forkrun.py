@@ -1,7 +1,8 @@
 """Local ranks forked from one process that imported the training stack once.
 
 Usage: ``python -m hpc_mca.runtime.forkrun --nproc-per-node N train CONFIG [key=value ...]``
-(any ``hpc-mca`` command after the launcher's own option).
+(any ``hpc-mca`` command after the launcher's own option, or a Python script ``SCRIPT.py ARGS``
+as torchrun runs one).
 
 A rank's imports — torch, Megatron-Core (which pulls in torch.compile's machinery) and
 transformers' trainer utilities — cost ~11 s of CPU on the 2-core VM, more than a short run
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import runpy
 import sys
 import threading
 from typing import Sequence
@@ -66,6 +68,11 @@ def _rank(local_rank: int, nproc: int, port: int, args: list[str]) -> None:
 
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+    if args[0].endswith(".py"):  # a script, run as ``python SCRIPT ARGS`` would run it
+        sys.argv = list(args)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
+        runpy.run_path(args[0], run_name="__main__")
+        return
     from hpc_mca.cli import main
 
     main(args=args, prog_name="hpc-mca")
@@ -98,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpc_mca.runtime.forkrun",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--nproc-per-node", type=int, required=True, metavar="N")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="an hpc-mca command and its arguments")
+    parser.add_argument("args", nargs=argparse.REMAINDER,
+                        help="an hpc-mca command and its arguments, or SCRIPT.py and its arguments")
     opts = parser.parse_args(argv)
     if opts.nproc_per_node < 1:
         parser.error(f"--nproc-per-node {opts.nproc_per_node}: needs at least 1")
