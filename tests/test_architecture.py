@@ -24,6 +24,9 @@ LAYERS = {
     "runtime": 3, "models": 4, "checkpoint": 5, "trainer": 6, "standard": 6,
     # 7-8: the login side and the entry points.
     "slurm": 7, "cli": 8, "assets": 8, "__main__": 8, "__init__": 8,
+    # An entry point that lives beside the rank bootstrap: the local launcher preloads the
+    # trainer's imports and runs the CLI in each forked rank, as ``__main__`` does in one.
+    "runtime.forkrun": 8,
 }
 
 
