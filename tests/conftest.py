@@ -86,3 +86,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason=reason)
     for item in gpu_tests:
         item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How many trainer launches the warm launcher served (tests/warm_launcher.py), and why
+    any were started fresh."""
+    import sys
+
+    warm = sys.modules.get("warm_launcher")
+    if warm is None or not (warm.forked or warm.fresh):
+        return
+    line = f"warm launcher: {warm.forked} launches forked from the preloaded server"
+    if warm.fresh:
+        line += "; started fresh (environment differs in " + "; ".join(
+            f"{keys}: {count}" for keys, count in sorted(warm.fresh.items())) + ")"
+    terminalreporter.write_line(line)

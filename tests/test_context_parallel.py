@@ -4,7 +4,6 @@ gradients, for documents of odd lengths including ones shorter than 2·CP before
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 from cp_attention_worker import cp_case
 from hpc_mca.models.context_parallel import cp_comm_violations
 from hpc_mca.models.packed_attention import packed_attention, packed_layout
-from trainer_fixtures import FORKRUN, rank_env
+from trainer_fixtures import run_ranks
 
 WORKER = Path(__file__).with_name("cp_attention_worker.py")
 
@@ -30,9 +29,7 @@ def _reference(cp: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("comm_type", ["all_gather", "a2a"])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_context_parallel_attention_matches_one_process(tmp_path, comm_type, cp):
-    proc = subprocess.run([*FORKRUN, f"--nproc-per-node={cp}", str(WORKER), comm_type,
-                           str(tmp_path)], env=rank_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = run_ranks(cp, [WORKER, comm_type, tmp_path], timeout=300, launcher=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     want = _reference(cp)
     seen = torch.zeros(want["out"].size(0), dtype=torch.bool)

@@ -13,13 +13,11 @@ model: the same reference log-probabilities as a full dpo run's frozen copy.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from trainer_fixtures import (FORKRUN, make_model_dir, make_sft_data, rank_env, rewind,
+from trainer_fixtures import (make_model_dir, make_sft_data, rewind, run_ranks,
                               run_train, steps, write_config)
 
 WORKER = Path(__file__).with_name("lora_worker.py")
@@ -30,10 +28,7 @@ IDS = [[(i + 12 * row) % 40 + 3 for i in range(12)] for row in range(2)]  # lora
 
 
 def _worker(config: Path, run: Path, out: Path, nproc: int, *overrides: str) -> None:
-    launcher = FORKRUN + [f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
-    proc = subprocess.run([*launcher, str(WORKER), str(out), str(config),
-                           f"training.output_dir={run}", *overrides],
-                          env=rank_env(), capture_output=True, text=True, timeout=600)
+    proc = run_ranks(nproc, [WORKER, out, config, f"training.output_dir={run}", *overrides])
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 

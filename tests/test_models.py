@@ -12,13 +12,11 @@ then read what the ranks saved.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from trainer_fixtures import run_ranks
 
 WORKER = Path(__file__).with_name("models_worker.py")
 TOL = 1e-4
@@ -113,19 +111,8 @@ def models(tmp_path_factory) -> Path:
     return root
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env["HPC_MCA_DIST_TIMEOUT"] = "120"
-    return env
-
-
 def _launch(models: Path, out: Path, jobs: list[dict], nproc: int) -> Path:
-    launcher = [sys.executable, "-W", "ignore"]
-    if nproc > 1:
-        launcher += ["-m", "hpc_mca.runtime.forkrun", f"--nproc-per-node={nproc}"]
-    cmd = [*launcher, str(WORKER), str(models), str(out), json.dumps(jobs)]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=400)
+    proc = run_ranks(nproc, [WORKER, models, out, json.dumps(jobs)], timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 

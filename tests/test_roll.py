@@ -4,7 +4,6 @@ equals Megatron-Core's own per-document roll where that one is correct (no paddi
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 from hpc_mca.models.roll import roll_left, roll_plan
 from roll_worker import roll_cases
-from trainer_fixtures import FORKRUN, rank_env
+from trainer_fixtures import run_ranks
 
 WORKER = Path(__file__).with_name("roll_worker.py")
 
@@ -30,8 +29,7 @@ def reference_roll(values: torch.Tensor, cu_seqlens: torch.Tensor,
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_roll_on_cp_ranks_equals_the_per_document_loop(tmp_path, cp):
-    proc = subprocess.run([*FORKRUN, f"--nproc-per-node={cp}", str(WORKER), str(tmp_path)],
-                          env=rank_env(), capture_output=True, text=True, timeout=300)
+    proc = run_ranks(cp, [WORKER, tmp_path], timeout=300, launcher=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(cp)]
     for number, case in enumerate(roll_cases(cp)):

@@ -4,7 +4,6 @@ on gloo ranks against one process (logits, loss, parameter gradients)."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 from hpc_mca.models.hf_attention import document_bounds
 from hpc_mca.runtime.sequence_parallel import IGNORE_INDEX, slice_and_pad
 from sequence_parallel_worker import LENGTHS, loss_sum, sp_case
-from trainer_fixtures import FORKRUN, rank_env
+from trainer_fixtures import run_ranks
 
 WORKER = Path(__file__).with_name("sequence_parallel_worker.py")
 
@@ -75,9 +74,7 @@ def one_process():
 @pytest.mark.slow
 @pytest.mark.parametrize("sp", [2, 4])
 def test_ulysses_equals_one_process(tmp_path, one_process, sp):
-    proc = subprocess.run([*FORKRUN, f"--nproc-per-node={sp}", str(WORKER), str(sp),
-                           str(tmp_path)], env=rank_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = run_ranks(sp, [WORKER, sp, tmp_path], timeout=300, launcher=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in range(sp):
         got = torch.load(tmp_path / f"rank{rank}.pt")

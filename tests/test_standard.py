@@ -18,12 +18,10 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 
 import pytest
-from trainer_fixtures import (make_model_dir, make_sft_data, rewind, run_train, steps, write_config,
-                              write_pairs)
+from trainer_fixtures import (make_model_dir, make_sft_data, rewind, run_ranks, run_train, steps,
+                              write_config, write_pairs)
 
 from hpc_mca.trainer.config import ConfigError, load_config
 
@@ -174,10 +172,9 @@ def test_non_finite_gradients_skip_the_update(setup, tmp_path):
         "            next(model.parameters()).grad[0, 0] = float('nan')\n"
         "run_training(sys.argv[1], sys.argv[2:], callbacks=[Poison()])\n")
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(script), str(setup["sft"]),
-                           f"training.output_dir={run_dir}", *STANDARD, "training.max_steps=4",
-                           "training.logging_steps=1", "data.eval_dataset=null"],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_ranks(1, [script, setup["sft"], f"training.output_dir={run_dir}", *STANDARD,
+                         "training.max_steps=4", "training.logging_steps=1",
+                         "data.eval_dataset=null"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = steps(run_dir)
     assert [r["skipped"] for r in records] == [False, True, False, False]

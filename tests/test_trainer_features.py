@@ -15,6 +15,7 @@ from trainer_fixtures import (
     launch_ranks,
     make_model_dir,
     make_sft_data,
+    run_ranks,
     run_train,
     steps,
     write_config,
@@ -97,9 +98,8 @@ def _train_with_callback(tmp_path, callback: str, config, run_dir) -> subprocess
         "    history = run_training(sys.argv[1], sys.argv[2:], callbacks=[Callback()])\n"
         "    print('SKIPPED', [h.skipped for h in history])\n"
     )
-    return subprocess.run([sys.executable, "-W", "ignore", str(script), str(config),
-                           f"training.output_dir={run_dir}", "data.eval_dataset=null"],
-                          capture_output=True, text=True, timeout=300)
+    return run_ranks(1, [script, config, f"training.output_dir={run_dir}",
+                         "data.eval_dataset=null"], timeout=300)
 
 
 @pytest.mark.slow

@@ -87,12 +87,33 @@ def rank_env() -> dict[str, str]:
     return env
 
 
+def run_ranks(nproc: int, args: list[str], *, env: dict[str, str] | None = None,
+              timeout: float = 600, launcher: bool | None = None) -> subprocess.CompletedProcess:
+    """``hpc-mca ARGS`` (or ``python SCRIPT.py ARGS``) on ``nproc`` local ranks with ``env``
+    (default: :func:`rank_env`), forked from the session's warm launcher
+    (tests/warm_launcher.py), or started fresh where it cannot serve ``env``. The ranks get
+    torchrun's variables from forkrun's launcher (test_rank_bootstrap.py shows it gives
+    torchrun's numbers) when there are several, or ``launcher`` says so for one; a single
+    process without them is a local run, as ``python -m hpc_mca`` is."""
+    import warm_launcher
+
+    env = rank_env() if env is None else env
+    launcher = nproc > 1 if launcher is None else launcher
+    done = warm_launcher.run(args, nproc, env, rank_env(), launcher=launcher, timeout=timeout)
+    if done is not None:
+        return done
+    if launcher:
+        command = FORKRUN + [f"--nproc-per-node={nproc}"]
+    else:
+        command = [sys.executable] + ([] if str(args[0]).endswith(".py") else ["-m", "hpc_mca"])
+    return subprocess.run([*command, *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def run_train(config: Path, run_dir: Path, nproc: int = 1, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """``hpc-mca train`` on ``nproc`` local ranks (forked by forkrun: test_rank_bootstrap.py
-    shows it gives torchrun's numbers), or in this interpreter's fresh process for one."""
-    command = FORKRUN + [f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable, "-m", "hpc_mca"]
-    args = [*command, "train", str(config), f"training.output_dir={run_dir}", *overrides]
-    return subprocess.run(args, env=rank_env(), capture_output=True, text=True, timeout=timeout)
+    """``hpc-mca train CONFIG`` writing ``run_dir`` on ``nproc`` local ranks (:func:`run_ranks`)."""
+    return run_ranks(nproc, ["train", str(config), f"training.output_dir={run_dir}", *overrides],
+                     timeout=timeout)
 
 
 def launch_ranks(nproc: int, args: list[str], timeout: int = 300,
@@ -103,23 +124,33 @@ def launch_ranks(nproc: int, args: list[str], timeout: int = 300,
     rank, so a test can assert what every rank did and printed (e.g. that each rank reports a
     bad input alone). Only for runs that end without waiting on each other (errors before the
     process group), or every rank gets to a rendezvous."""
+    import warm_launcher
+
     from hpc_mca.runtime.env import free_port
 
     env = {**rank_env(), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(extra_env or {})}
-    procs = [subprocess.Popen([sys.executable, "-m", "hpc_mca", *args],
-                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(nproc)]
+    envs = [{**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(nproc)]
+    procs = [warm_launcher.start(args, 1, rank_vars, rank_env(), launcher=False) for rank_vars in envs]
+    if None in procs:  # not served warm: fresh interpreters
+        for proc in procs:
+            if proc is not None:
+                proc.kill()
+        procs = [subprocess.Popen([sys.executable, "-m", "hpc_mca", *args], env=rank_vars,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for rank_vars in envs]
     results = []
     for proc in procs:
         try:
-            out, err = proc.communicate(timeout=timeout)
+            if isinstance(proc, subprocess.Popen):
+                out, err = proc.communicate(timeout=timeout)
+                results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+            else:
+                results.append(proc.wait(timeout))
         except subprocess.TimeoutExpired:
             for other in procs:
                 other.kill()
             raise
-        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     return results
 
 

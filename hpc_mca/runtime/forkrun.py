@@ -68,7 +68,12 @@ def _rank(local_rank: int, nproc: int, port: int, args: list[str]) -> None:
 
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
-    if args[0].endswith(".py"):  # a script, run as ``python SCRIPT ARGS`` would run it
+    run_command(args)
+
+
+def run_command(args: list[str]) -> None:
+    """Run ``hpc-mca ARGS`` in this process, or ``SCRIPT.py ARGS`` as ``python`` would run it."""
+    if args[0].endswith(".py"):
         sys.argv = list(args)
         sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
         runpy.run_path(args[0], run_name="__main__")

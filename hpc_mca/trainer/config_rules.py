@@ -331,7 +331,7 @@ _STANDARD_FIXED = {
 def _check_standard(config: TrainConfig, world_size: int) -> None:
     """The standard backend: a whole model per rank; data parallelism over groups of
     ``sequence_parallel_size`` consecutive ranks that share each row (Ulysses)."""
-    par, tr, data = config.parallel, config.training, config.data
+    par, tr = config.parallel, config.training
     whole_model = ("the standard backend keeps a whole model on every rank (data and Ulysses "
                    "sequence parallelism only)")
     fixed = {**{k: (v, whole_model) for k, v in _MEGATRON_ONLY.items()}, **_STANDARD_FIXED}
