@@ -67,9 +67,15 @@ def _selects_gpu_tests(config: pytest.Config) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     """Unless the run asks for GPU tests (``-m gpu``), CUDA is hidden from this session and
     everything it starts: the CPU suite then runs the same on a GPU machine (its multi-rank
-    tests start gloo ranks on one host, and two NCCL ranks cannot share one GPU)."""
+    tests start gloo ranks on one host, and two NCCL ranks cannot share one GPU). The warm
+    launcher's server will start with the rank environment as it is now, before any test
+    sets a variable of its own."""
     if not _selects_gpu_tests(config):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import trainer_fixtures
+    import warm_launcher
+
+    warm_launcher.base_env = trainer_fixtures.rank_env()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

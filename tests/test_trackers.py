@@ -36,15 +36,17 @@ def tensorboard_scalars(run_dir: Path) -> dict[tuple[str, int], float]:
 
 def mlflow_scalars(run_dir: Path) -> tuple[dict[tuple[str, int], float], object]:
     import os
+    from unittest import mock
 
     from mlflow.tracking import MlflowClient
 
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-
-    client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
-    run = client.get_run((run_dir / "mlflow_run_id").read_text().strip())
-    found = {(key, m.step): m.value for key in run.data.metrics
-             for m in client.get_metric_history(run.info.run_id, key)}
+    # Only while reading: a variable left in this process's environment would reach (and be
+    # compared by) every later launch of the session.
+    with mock.patch.dict(os.environ, {"MLFLOW_ALLOW_FILE_STORE": "true"}):
+        client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+        run = client.get_run((run_dir / "mlflow_run_id").read_text().strip())
+        found = {(key, m.step): m.value for key in run.data.metrics
+                 for m in client.get_metric_history(run.info.run_id, key)}
     return found, run
 
 

@@ -99,7 +99,7 @@ def run_ranks(nproc: int, args: list[str], *, env: dict[str, str] | None = None,
 
     env = rank_env() if env is None else env
     launcher = nproc > 1 if launcher is None else launcher
-    done = warm_launcher.run(args, nproc, env, rank_env(), launcher=launcher, timeout=timeout)
+    done = warm_launcher.run(args, nproc, env, launcher=launcher, timeout=timeout)
     if done is not None:
         return done
     if launcher:
@@ -131,7 +131,7 @@ def launch_ranks(nproc: int, args: list[str], timeout: int = 300,
     env = {**rank_env(), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(extra_env or {})}
     envs = [{**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(nproc)]
-    procs = [warm_launcher.start(args, 1, rank_vars, rank_env(), launcher=False) for rank_vars in envs]
+    procs = [warm_launcher.start(args, 1, rank_vars, launcher=False) for rank_vars in envs]
     if None in procs:  # not served warm: fresh interpreters
         for proc in procs:
             if proc is not None:

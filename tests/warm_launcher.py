@@ -150,18 +150,29 @@ def _launch(args: list[str], nproc: int, launcher: bool) -> int:
 # --- client side -----------------------------------------------------------------------------
 
 
+base_env: dict[str, str] | None = None
+"""The environment the server starts with: set by conftest.py at the session's start (the
+tests' rank environment before any test changed ``os.environ``); else the first launch's."""
+
+
 def _start(env: dict[str, str]) -> str | None:
-    """The server's socket, starting the server on first use with ``env`` (the environment
-    the tests give their ranks); None when it is off."""
+    """The server's socket, starting the server on first use; None when it is off."""
     if os.environ.get("HPC_MCA_TEST_COLD") == "1":
         return None
     if "path" not in _server:
         tmp = tempfile.mkdtemp(prefix="hpc-mca-warm-")
         path = os.path.join(tmp, "socket")
+        env = dict(base_env if base_env is not None else env)
         proc = subprocess.Popen([sys.executable, __file__, path], env=env, stdout=subprocess.PIPE,
                                 stderr=open(os.path.join(tmp, "server.log"), "w"), text=True)
-        if proc.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"warm launcher did not start: see {tmp}/server.log")
+        printed = []
+        for line in proc.stdout:  # libraries may print while the stack is imported
+            if line.strip() == "ready":
+                break
+            printed.append(line)
+        else:
+            raise RuntimeError(f"warm launcher did not start: {''.join(printed)[-2000:]}"
+                               f"(see {tmp}/server.log)")
         _server.update(path=path, env=env, proc=proc, tmp=tmp)
         atexit.register(proc.kill)
     return str(_server["path"])
@@ -211,16 +222,16 @@ class WarmProcess:
         return subprocess.CompletedProcess(self.args, status, out, err)
 
 
-def start(args: list[str], nproc: int, env: dict[str, str], base_env: dict[str, str], *,
-          launcher: bool, cwd: str | Path | None = None) -> WarmProcess | None:
+def start(args: list[str], nproc: int, env: dict[str, str], *, launcher: bool,
+          cwd: str | Path | None = None) -> WarmProcess | None:
     """Start ``hpc-mca ARGS`` with ``env`` on ``nproc`` local ranks (forkrun's launcher, with
     torchrun's variables, when ``launcher``; else ``nproc`` is 1 and the process is started as
-    ``python -m hpc_mca ARGS`` would be), forked from the warm server (started with
-    ``base_env`` on first use); None when it cannot be served warm (server off, or ``env``
-    differs from the server's at start-up)."""
+    ``python -m hpc_mca ARGS`` would be), forked from the warm server (started on first use); None
+    when it cannot be served warm (server off, or ``env`` differs from the server's at
+    start-up)."""
     if nproc > 1 and not launcher:
         raise ValueError("several ranks need the launcher")
-    path = _start(base_env)
+    path = _start(env)
     if path is None or not _served(env):
         return None
     work = Path(tempfile.mkdtemp(dir=str(_server["tmp"])))
@@ -233,11 +244,10 @@ def start(args: list[str], nproc: int, env: dict[str, str], base_env: dict[str, 
     return WarmProcess(conn, work, ["warm-launcher", f"--nproc-per-node={nproc}", *request["args"]])
 
 
-def run(args: list[str], nproc: int, env: dict[str, str], base_env: dict[str, str], *,
-        launcher: bool, cwd: str | Path | None = None,
-        timeout: float = 600) -> subprocess.CompletedProcess | None:
+def run(args: list[str], nproc: int, env: dict[str, str], *, launcher: bool,
+        cwd: str | Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess | None:
     """:func:`start`, then wait for the end (None when it cannot be served warm)."""
-    launched = start(args, nproc, env, base_env, launcher=launcher, cwd=cwd)
+    launched = start(args, nproc, env, launcher=launcher, cwd=cwd)
     return None if launched is None else launched.wait(timeout)
 
 
