@@ -79,7 +79,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` are skipped, with the reason shown, where CUDA is not usable."""
+    """Tests marked ``time_limits`` run last (in their files' order): their jobs must get
+    through start-up inside one-minute allocations, and by then bin/test's other lane has
+    usually stopped loading the CPUs. Tests marked ``gpu`` are skipped, with the reason shown,
+    where CUDA is not usable."""
+    items.sort(key=lambda item: item.get_closest_marker("time_limits") is not None)
     gpu_tests = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_tests:
         return

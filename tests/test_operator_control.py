@@ -30,7 +30,7 @@ from trainer_fixtures import make_model_dir, make_sft_data, run_train, steps, wr
 
 from hpc_mca.checkpoint.store import read_info, read_tracker
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.time_limits]
 
 REPO = Path(__file__).resolve().parents[1]
 HPC_MCA = str(Path(sys.executable).with_name("hpc-mca"))

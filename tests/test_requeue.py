@@ -30,7 +30,7 @@ from trainer_fixtures import (
     write_config,
 )
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.time_limits]
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "sbatch" / "train.sbatch"

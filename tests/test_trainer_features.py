@@ -221,8 +221,8 @@ def test_logged_throughput_covers_the_last_logging_window(root, tmp_path, use_mc
     """perf/tokens_per_s at step 10 (logging every 5) is the rate of steps 6-10 alone, checked
     against a second measurement within 2%: the input tokens and device-synchronised seconds
     those steps recorded in steps.jsonl. Steps 1-5 are slowed by a callback (0.5 s each), so a
-    figure that still averaged since step 1 would come out several times lower. Both backends
-    (the standard one measures in its own step end)."""
+    figure that still averaged since step 1 would come out lower: the test computes that one
+    too and tells them apart. Both backends (the standard one measures in its own step end)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     slow_start = ("class Callback(TrainerCallback):\n"
@@ -243,7 +243,12 @@ def test_logged_throughput_covers_the_last_logging_window(root, tmp_path, use_mc
     assert set(logged) == {5, 10}
     assert logged[10] == pytest.approx(measured, rel=0.02), (logged, measured)
     first = sum(r["input_tokens"] for r in records[:5]) / sum(r["seconds"] for r in records[:5])
-    assert logged[5] == pytest.approx(first, rel=0.02) and logged[5] < 0.5 * logged[10], (logged, first)
+    assert logged[5] == pytest.approx(first, rel=0.02), (logged, first)
+    # Not the average since step 1: the 2.5 s slept in steps 1-5 set that one apart, however
+    # slow a loaded machine makes every step.
+    since_start = sum(r["input_tokens"] for r in records) / sum(r["seconds"] for r in records)
+    assert since_start < measured / 1.05, (since_start, measured)
+    assert logged[10] != pytest.approx(since_start, rel=0.02), (logged, since_start)
 
 
 @pytest.mark.slow
