@@ -157,6 +157,55 @@ def test_incompatibilities_are_one_line_each() -> None:
     assert compat.describe_changes(info, {"tp": 1, "pp": 2, "dp": 1}) == "tp 2->1, pp 1->2, dp 2->1"
 
 
+def test_synchronous_saves_write_views_in_place_and_only_their_bytes() -> None:
+    """A shard that is a view into a larger buffer (DDP's parameter buffer, the optimizer's
+    flat state, a factory's chunk) is written from where it is, not cloned: the tensor handed
+    to torch.save shares its memory, serializes only its own bytes, and stays valid after the
+    buffer's last other reference is gone (fully_reshardable's gathered temporaries)."""
+    import gc
+    import io
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from hpc_mca.checkpoint.checkpointer import _unclonable
+
+    buffer = torch.nn.Parameter(torch.randn(4096))
+    param = buffer[1024:2048].view(32, 32)                      # a view, like DDP's params
+    gathered = torch.arange(3000, dtype=torch.bfloat16)
+    temporary = gathered[1000:2000]                              # only the state dict keeps it
+    expected_temporary = temporary.clone()
+    fc1 = torch.randn(64, 16)                                    # split into gate and up
+
+    def split(key, data, replica_id, flattened_range):
+        gate, up = torch.chunk(data, 2)
+        return {"gate": ShardedTensor.from_rank_offsets(f"{key}.gate", gate, replica_id=replica_id),
+                "up": ShardedTensor.from_rank_offsets(f"{key}.up", up, replica_id=replica_id)}
+
+    strided = torch.randn(16, 16).t()                            # not contiguous: cloned as before
+    state = {"param": ShardedTensor.from_rank_offsets("param", param),
+             "opt": [ShardedTensor.from_rank_offsets("opt", temporary)],
+             "fc1": ShardedTensorFactory("fc1", fc1, split, lambda sub: None),
+             "strided": ShardedTensor.from_rank_offsets("strided", strided)}
+    del gathered, temporary
+    state = _unclonable(state)
+    gc.collect()
+    [torch.randn(3000) for _ in range(50)]  # reuse freed memory, if any was freed
+
+    shards = {"param": state["param"].data, "opt": state["opt"][0].data,
+              "gate": state["fc1"]["gate"].data, "up": state["fc1"]["up"].data}
+    assert shards["param"].data_ptr() == param.data_ptr()
+    assert shards["gate"].data_ptr() == fc1.data_ptr()
+    assert shards["up"].data_ptr() == fc1[32:].data_ptr()
+    assert torch.equal(shards["opt"], expected_temporary)
+    assert torch.equal(shards["param"], param) and torch.equal(shards["up"], fc1[32:])
+    for name, shard in shards.items():
+        assert shard.untyped_storage().nbytes() == shard.numel() * shard.element_size(), name
+        written = io.BytesIO()
+        torch.save(shard, written)
+        assert written.tell() < shard.numel() * shard.element_size() + 2048, name
+    assert state["strided"].data is strided
+
+
 def test_signal_file_records(tmp_path: Path) -> None:
     path = tmp_path / "signal_received"
     assert read_signal_file(path) == (0, None)

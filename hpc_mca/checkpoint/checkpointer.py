@@ -191,6 +191,8 @@ class Checkpointer:
         built = time.perf_counter()
         # async: Megatron's own background writer ("nvrx" needs nvidia-resiliency-ext).
         extra = {"async_sharded_save": True, "async_strategy": "mcore"} if self.async_save else {}
+        if not self.async_save:
+            state = _unclonable(state)
         with _without_crc32():  # the async writer is forked inside: it inherits the setting
             try:
                 request = dist_checkpointing.save(state, str(tmp), self._strategy(), **extra)
@@ -429,6 +431,44 @@ def _without_crc32() -> Iterator[None]:
         yield
     finally:
         set_crc32_options(previous)
+
+
+def _unclonable(state: dict) -> dict:
+    """Synchronous saves: give every CPU shard that is a contiguous view into a larger buffer
+    (the distributed optimizer's main weights and moments, parameters in DDP's buffers) a
+    storage of exactly its own bytes, sharing the memory.
+
+    torch.save writes a tensor's whole storage, so Megatron's writer clones every CPU view
+    whose storage is larger than the view (``prepare_write_data``): a second copy of nearly a
+    rank's whole share of the checkpoint. A synchronous save does not change the tensors before
+    they are written, so the bytes can be written from where they are. On the 2-core VM the
+    write phase of a 405 MB model_space save (2 ranks) went from a median 0.50 s to 0.43 s
+    (8 saves per run, 3 runs each, alternating). Async saves keep the clone (training goes on
+    while they write); GPU tensors never took this path (the writer copies them to the host)."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    def alias(item: Any) -> Any:
+        data = getattr(item, "data", None) if isinstance(item, ShardedTensor) else None
+        if (data is not None and data.device.type == "cpu" and data.is_contiguous()
+                and data.numel() > 0 and type(data) in (torch.Tensor, torch.nn.Parameter)
+                and data.untyped_storage().nbytes() != data.numel() * data.element_size()):
+            item.data = _exact_storage(data)
+        return item
+
+    # Factories (e.g. SwiGLU's fc1 split into gate and up) build their ShardedTensors as views
+    # inside save(); built here, their views get the alias too (save() finds none left).
+    apply_factories(state)
+    return dict_list_map_inplace(alias, state)
+
+
+def _exact_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s memory as a tensor whose storage is exactly its bytes. The bytes go
+    through numpy (as uint8: numpy has no bfloat16), whose array keeps ``tensor`` alive: some
+    shards are temporaries (fully_reshardable gathers the optimizer state over DP) that only
+    the state dict references."""
+    flat = tensor.detach().reshape(-1).view(torch.uint8)
+    return torch.from_numpy(flat.numpy()).view(tensor.dtype).view(tensor.shape)
 
 
 def truncate_steps(path: Path, step: int) -> None:
