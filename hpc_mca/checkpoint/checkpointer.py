@@ -25,6 +25,7 @@ tracker is gated exactly as for a synchronous save.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -453,7 +454,7 @@ def _unclonable(state: dict) -> dict:
         if (data is not None and data.device.type == "cpu" and data.is_contiguous()
                 and data.numel() > 0 and type(data) in (torch.Tensor, torch.nn.Parameter)
                 and data.untyped_storage().nbytes() != data.numel() * data.element_size()):
-            item.data = _exact_storage(data)
+            return dataclasses.replace(item, data=_exact_storage(data))
         return item
 
     # Factories (e.g. SwiGLU's fc1 split into gate and up) build their ShardedTensors as views
