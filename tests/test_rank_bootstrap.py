@@ -56,6 +56,22 @@ def test_reference_trains(reference):
     assert second["loss"] < first["loss"]  # the optimizer step happened and helped
 
 
+def test_a_single_process_binds_no_rendezvous_port(tmp_path, reference):
+    """A single local run meets nobody: its process group needs no TCP port, so a port taken
+    by someone else (here its own MASTER_PORT, held open) cannot fail it with EADDRINUSE."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        out = tmp_path / "held.json"
+        env = {**_env(), "MASTER_PORT": str(held.getsockname()[1])}
+        proc = subprocess.run([*HPC_MCA, "smoke", "--steps", "2", "--out", str(out)], env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_numbers(json.loads(out.read_text()), reference, tol=0)
+
+
 @pytest.mark.slow
 def test_forked_ranks_tp2_dp2_match_single_process(tmp_path, reference):
     result = run_smoke(tmp_path, "fork_tp2dp2", 4, "--tp", "2", fork=True)

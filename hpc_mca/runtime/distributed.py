@@ -8,7 +8,8 @@
    one-line message instead of some ranks waiting forever in a rendezvous;
 3. pick the device and backend: NCCL on CUDA (one GPU per local rank), gloo otherwise, in
    which case the CPU compatibility patches (``runtime.cpu_compat``) are activated;
-4. ``torch.distributed.init_process_group`` over TCP at MASTER_ADDR:MASTER_PORT;
+4. ``torch.distributed.init_process_group`` over TCP at MASTER_ADDR:MASTER_PORT (a single
+   local process uses an in-memory store instead);
 5. ``parallel_state.initialize_model_parallel`` for TP/PP/VP/CP/EP/expert-TP;
 6. seeds: Python, NumPy, torch and Megatron's model-parallel RNG tracker.
 """
@@ -79,9 +80,14 @@ def init_distributed(
     if timeout_s is None:
         timeout_s = float(os.environ.get("HPC_MCA_DIST_TIMEOUT", _DEFAULT_TIMEOUT_S))
     if not dist.is_initialized():
+        # A single local process has nobody to meet: an in-process store, no TCP port. (A port
+        # found free can be taken by another process before the store binds it: EADDRINUSE,
+        # seen in CI with two test lanes side by side.)
+        rendezvous = ({"store": dist.HashStore()} if env.launcher == "single"
+                      else {"init_method": env.init_method})
         dist.init_process_group(
             backend=backend,
-            init_method=env.init_method,
+            **rendezvous,
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
