@@ -9,7 +9,8 @@ transformers' trainer utilities — cost ~11 s of CPU on the 2-core VM, more tha
 trains. torchrun starts every rank as a fresh interpreter that pays them again; this launcher
 pays them once, then forks the ranks (``torch.multiprocessing.start_processes`` with the fork
 start method), each with torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, and OMP_NUM_THREADS=1 unless set), so the ranks run
+LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, and OMP_NUM_THREADS=1 unless set; like torchrun's agent,
+the launcher hosts the rendezvous store and the ranks join it), so the ranks run
 exactly the code they run under torchrun or srun. Forking is safe here because importing starts no Python thread and touches
 no accelerator (checked before forking: a launcher with another Python thread by then refuses
 to fork); the one native thread ``import torch`` leaves is the one every DataLoader worker
@@ -28,7 +29,7 @@ import os
 import runpy
 import sys
 import threading
-from typing import Sequence
+from typing import Any, Sequence
 
 GRACE_S = 15.0
 
@@ -58,9 +59,13 @@ def preload(args: Sequence[str]) -> bool:
     return True
 
 
-def _rank(local_rank: int, nproc: int, port: int, args: list[str]) -> None:
+def _rank(local_rank: int, nproc: int, ports: Any, args: list[str]) -> None:
+    # The launcher hosts the rendezvous store, as torchrun's agent does: every rank joins it as
+    # a client (TORCHELASTIC_USE_AGENT_STORE), on the port the launcher bound after the fork.
+    port = ports.get()
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
-                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         # torchrun's default for several ranks on a node: one intra-op thread each (torch
         # read the variable at import, before the fork, so it is set on torch too).
@@ -85,16 +90,23 @@ def run_command(args: list[str]) -> None:
 
 def launch(nproc: int, args: list[str]) -> int:
     """Run ``hpc-mca ARGS`` as ``nproc`` local ranks; the exit status described above."""
-    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException, start_processes
+    import multiprocessing
 
-    from hpc_mca.runtime.env import free_port
+    from torch.distributed import TCPStore
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException, start_processes
 
     if threading.active_count() > 1:
         raise RuntimeError("forkrun: the launcher has threads after its imports; forking it is unsafe")
     sys.stdout.flush()
     sys.stderr.flush()
-    context = start_processes(_rank, args=(nproc, free_port(), args), nprocs=nproc, join=False,
+    ports = multiprocessing.get_context("fork").SimpleQueue()
+    context = start_processes(_rank, args=(nproc, ports, args), nprocs=nproc, join=False,
                               start_method="fork")
+    # Bound here, after the fork (the store's server thread must not be forked), on a port the
+    # kernel picks: a port found free and bound later by rank 0 could be taken in between.
+    store = TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
+    for _ in range(nproc):
+        ports.put(store.port)
     try:
         while not context.join(grace_period=GRACE_S):
             pass
