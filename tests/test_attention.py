@@ -18,11 +18,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from hpc_mca.models.attention import (
     TorchCoreAttention,
     attention_allowed,
-    check_context_parallel,
-    choose_attention_backend,
     core_attention_class,
     packed_attention,
     packed_layout,
+)
+from hpc_mca.models.attention_backend import (
+    check_context_parallel,
+    choose_attention_backend,
     select_attention_backend,
 )
 from hpc_mca.models.errors import ModelLoadError

@@ -12,8 +12,8 @@ from hpc_mca.trainer.config import (
     ConfigError,
     TrainConfig,
     load_config,
-    total_training_steps,
 )
+from hpc_mca.trainer.run_length import total_training_steps
 
 LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64,
          "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128,

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from hpc_mca.data.packing import pack_alignment
-from hpc_mca.trainer.config import ConfigError, steps_for
+from hpc_mca.trainer.config import ConfigError
+from hpc_mca.trainer.run_length import steps_for
 
 from .store import (
     HF_FORMAT,

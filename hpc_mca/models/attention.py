@@ -1,9 +1,8 @@
-"""Core attention backends behind one switch: Transformer Engine, flash-attn, or plain PyTorch.
+"""Core attention modules for Megatron layer specs: Transformer Engine, flash-attn, or PyTorch.
 
-``select_attention_backend("auto")`` picks ``"te"`` when ``transformer_engine`` imports and CUDA
-is available, else ``"flash"`` when ``flash_attn`` imports and CUDA is available, else
-``"torch"``; ``core_attention_class`` turns the choice into the class a Megatron layer spec
-takes as ``SelfAttentionSubmodules.core_attention``.
+:mod:`.attention_backend` chooses the backend (``auto``: TE, else flash-attn, else torch);
+``core_attention_class`` turns the choice into what a Megatron layer spec takes as
+``SelfAttentionSubmodules.core_attention``.
 
 The torch backend, :class:`TorchCoreAttention`, takes the constructor and ``forward`` arguments
 of Megatron's local ``DotProductAttention`` (megatron-core 0.19.2) and adds what that class
@@ -22,9 +21,7 @@ which also explains how context parallelism fits in.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
@@ -37,12 +34,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
+from hpc_mca.models.attention_backend import check_context_parallel, select_attention_backend
 from hpc_mca.models.context_parallel import (
-    CP_COMM_TYPES,
     context_parallel_attention,
     cp_comm_violations,
 )
-from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.packed_kernels import (
     PACKED_KERNELS,
     flex_packed_attention,
@@ -61,118 +57,20 @@ from hpc_mca.models.packed_attention import (
 )
 
 __all__ = [
-    "ATTENTION_BACKENDS",
     "DEFAULT_SEGMENT_TOKENS",
     "FlashCoreAttention",
     "Segment",
     "TokenLayout",
     "TorchCoreAttention",
     "attention_allowed",
-    "available_attention_backends",
-    "check_context_parallel",
-    "choose_attention_backend",
     "core_attention_class",
     "packed_attention",
     "packed_layout",
     "plan_segments",
     "sdpa",
-    "select_attention_backend",
 ]
 
-ATTENTION_BACKENDS = ("te", "flash", "torch")
-"""Backends in the order ``auto`` prefers them."""
-
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
-
-
-# --------------------------------------------------------------------------------------------
-# Backend selection
-# --------------------------------------------------------------------------------------------
-
-
-def _importable(module: str) -> bool:
-    try:
-        __import__(module)
-    except Exception:  # noqa: BLE001 - GPU wheels fail with OSError/RuntimeError on CPU hosts too
-        return False
-    return True
-
-
-@functools.lru_cache(maxsize=1)
-def available_attention_backends() -> tuple[str, ...]:
-    """Backends usable in this process, in preference order; ``"torch"`` is always last."""
-    if not torch.cuda.is_available():
-        return ("torch",)
-    found = []
-    if _importable("transformer_engine.pytorch"):
-        found.append("te")
-    if _importable("flash_attn"):
-        found.append("flash")
-    return (*found, "torch")
-
-
-def choose_attention_backend(preference: str, available: Iterable[str]) -> str:
-    """Resolve ``preference`` ("auto", "te", "flash" or "torch") against ``available``."""
-    available = tuple(available)
-    if preference == "auto":
-        return next(name for name in ATTENTION_BACKENDS if name in available)
-    if preference not in ATTENTION_BACKENDS:
-        choices = ", ".join(repr(c) for c in ("auto", *ATTENTION_BACKENDS))
-        raise ModelLoadError(f"model.attention_backend={preference!r} is not one of {choices}")
-    if preference not in available:
-        # Bad input, not a crash: a requeue lands on the same kind of node.
-        needs = "transformer_engine" if preference == "te" else "flash_attn"
-        raise ModelLoadError(
-            f"model.attention_backend={preference!r} is not available here (needs {needs} and "
-            f"CUDA); available: {', '.join(available)}"
-        )
-    return preference
-
-
-def select_attention_backend(preference: str = "auto") -> str:
-    """The backend to use: "te", "flash" or "torch" (see the module docstring for ``auto``).
-
-    An explicit choice that this machine cannot run raises ModelLoadError (bad input: exit 2)
-    naming what is available.
-    """
-    return choose_attention_backend(preference, available_attention_backends())
-
-
-def check_context_parallel(backend: str, cp: int, comm_type: Optional[str]) -> None:
-    """Raise ModelLoadError unless ``backend`` runs context parallelism of size ``cp`` with
-    ``comm_type``: TE runs any of its exchanges, the torch backend all_gather and a2a, flash
-    none."""
-    if cp == 1 or backend == "te":
-        return
-    if backend == "flash":
-        raise ModelLoadError(f"context_parallel_size={cp} is not supported by the 'flash' "
-                             "attention backend; valid: model.attention_backend 'torch' or 'te'")
-    if (comm_type or "all_gather") not in CP_COMM_TYPES:
-        raise ModelLoadError(f"cp_comm_type={comm_type!r} needs the 'te' attention backend; "
-                             f"valid with the {backend!r} backend: {', '.join(CP_COMM_TYPES)}")
-
-
-def core_attention_class(preference: str = "auto", packed_kernel: str = "sdpa") -> Any:
-    """The Megatron layer-spec ``core_attention`` for the selected backend: a class, or for the
-    torch backend with a fused packed kernel (see :mod:`.packed_kernels`) a ModuleSpec that
-    hands the kernel to every layer."""
-    backend = select_attention_backend(preference)
-    if backend == "te":
-        from megatron.core.extensions.transformer_engine import TEDotProductAttention
-
-        return TEDotProductAttention
-    if backend == "flash":
-        return FlashCoreAttention
-    if packed_kernel == "sdpa":
-        return TorchCoreAttention
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    return ModuleSpec(module=TorchCoreAttention, params={"packed_kernel": packed_kernel})
-
-
-# --------------------------------------------------------------------------------------------
-# Megatron core-attention modules
-# --------------------------------------------------------------------------------------------
 
 
 class _CoreAttentionBase(MegatronModule):
@@ -514,3 +412,21 @@ class FlashCoreAttention(_CoreAttentionBase):
         # Out of place: the kernel keeps its output for the backward pass.
         after_last = torch.arange(ctx.size(0), device=ctx.device) >= int(cu_q[-1])
         return ctx.masked_fill(after_last[:, None, None], 0.0).reshape(ctx.size(0), -1)
+
+
+def core_attention_class(preference: str = "auto", packed_kernel: str = "sdpa") -> Any:
+    """The Megatron layer-spec ``core_attention`` for the selected backend: a class, or for the
+    torch backend with a fused packed kernel (see :mod:`.packed_kernels`) a ModuleSpec that
+    hands the kernel to every layer."""
+    backend = select_attention_backend(preference)
+    if backend == "te":
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+        return TEDotProductAttention
+    if backend == "flash":
+        return FlashCoreAttention
+    if packed_kernel == "sdpa":
+        return TorchCoreAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(module=TorchCoreAttention, params={"packed_kernel": packed_kernel})

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from hpc_mca.models.attention import (check_context_parallel, core_attention_class,
-                                      select_attention_backend)
+from hpc_mca.models.attention import core_attention_class
+from hpc_mca.models.attention_backend import check_context_parallel, select_attention_backend
 from hpc_mca.models.checkpoint import inspect_checkpoint
 from hpc_mca.models import mtp
 from hpc_mca.models.errors import ModelLoadError

@@ -24,7 +24,8 @@ from hpc_mca.runtime.env import RankEnv
 from hpc_mca.runtime.sequence_parallel import new_sequence_parallel_groups
 from hpc_mca.topology import Layout, ModelShape
 from hpc_mca.trainer.boundary import StepBoundary
-from hpc_mca.trainer.config import TrainConfig, total_training_steps
+from hpc_mca.trainer.config import TrainConfig
+from hpc_mca.trainer.run_length import total_training_steps
 from hpc_mca.trainer.metrics import MetricsWriter, flops_per_token
 from hpc_mca.trainer.trackers import job_fields, open_trackers
 

@@ -137,7 +137,7 @@ def attention_backend_available(config: TrainConfig) -> str:
     Engine or CUDA), context parallelism the backend it gets cannot run (flash; p2p without
     TE), or a ``model.packed_attention`` kernel it cannot train with is bad input, refused
     before the process group like a config error. Returns the line that says what runs."""
-    from hpc_mca.models.attention import check_context_parallel, select_attention_backend
+    from hpc_mca.models.attention_backend import check_context_parallel, select_attention_backend
     from hpc_mca.models.build import packed_kernel
     from hpc_mca.models.hf_config import read_hf_config
 

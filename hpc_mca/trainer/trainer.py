@@ -38,7 +38,8 @@ from hpc_mca.runtime.distributed import RankContext
 from hpc_mca.runtime.rng import collect_rng, restore_rng
 from hpc_mca.trainer.boundary import StepBoundary
 from hpc_mca.trainer.callbacks import StepFlowCallback
-from hpc_mca.trainer.config import ParallelArguments, TrainConfig, total_training_steps
+from hpc_mca.trainer.config import ParallelArguments, TrainConfig
+from hpc_mca.trainer.run_length import total_training_steps
 from hpc_mca.trainer.lr_scheduler import build_lr_scheduler, resolve_warmup_steps, scheduler_spec
 from hpc_mca.trainer.fused_optimizer import use_fused_adam
 from hpc_mca.trainer.metrics import MetricsWriter, flops_per_token
