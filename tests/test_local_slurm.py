@@ -126,9 +126,9 @@ def test_start_after_a_crash_cancels_recovered_jobs(slurm_cluster: None, tmp_pat
 
 
 def _shell_scripts() -> list[str]:
-    """Files in bin/ and sbatch/ whose #! line names a shell (not e.g. a Python entry point)."""
+    """Files in bin/, sbatch/ and benchmarks/ whose #! line names a shell (not e.g. a Python entry point)."""
     names = []
-    for folder in ("bin", "sbatch"):
+    for folder in ("bin", "sbatch", "benchmarks"):
         for path in sorted((slurm.REPO / folder).glob("*")):
             if path.is_file():
                 with path.open("rb") as f:

@@ -26,6 +26,8 @@ worker (in a session of its own, so a timeout kills its ranks too), replies
 from __future__ import annotations
 
 import atexit
+import contextlib
+import importlib
 import json
 import os
 import signal
@@ -58,10 +60,11 @@ def _serve(path: str) -> None:
     from hpc_mca.runtime.forkrun import preload
 
     preload(["train"])
-    import datasets  # noqa: F401
-    import peft  # noqa: F401
-
-    import hpc_mca.standard.run  # noqa: F401
+    # Warmed too when installed, to save their import in each forked rank; a machine without
+    # them (a borrowed GPU box) still serves every launch that does not need them.
+    for optional in ("datasets", "peft", "hpc_mca.standard.run"):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(optional)
     import torch
 
     threads = torch.get_num_threads()

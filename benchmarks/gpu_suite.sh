@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The one-GPU checks in one go, for a borrowed GPU machine with little time on it: the GPU
+# tests, the packed-attention kernels, 1B-shape throughput against a transformers loop, the
+# ranks-per-GPU check, the CUDA-visible model tests and checkpoint I/O. Each step has its own
+# time limit and a failure does not stop the next one; every step's output is also written to
+# $OUT (default /tmp/gpu-suite), one file per step, and a summary line per step at the end.
+#
+#   benchmarks/gpu_suite.sh [STEP ...]     # steps: gpu-tests attention throughput ranks
+#                                          #        model-tests checkpoint
+#
+# The default (every step but checkpoint) took ~5.5 min on an H200 (2026-11-26: gpu-tests
+# 115 s, attention 49, throughput 97, ranks 16, model-tests 63): one device call. checkpoint
+# (the 2-rank CPU benchmark on the box's disk, 216 s there) goes in a second call.
+#
+# Runs from the repository root with the python3 that has torch+CUDA; megatron-core and
+# submitit may come from PYTHONPATH (wheels installed with pip --target).
+set -uo pipefail
+
+out="${OUT:-/tmp/gpu-suite}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+export PYTHONPATH="${PWD}${PYTHONPATH:+:${PYTHONPATH}}"
+py="${PYTHON:-python3}"
+# Training runs write their end-of-run checkpoint (~18 GB for the 1B shape) to memory when
+# /dev/shm has room; checkpoint I/O measures the disk, so it always writes under /tmp.
+shm_free="$(df -Pm /dev/shm 2>/dev/null | awk 'NR == 2 {print $4}')"
+if [[ "${shm_free:-0}" -gt 40000 ]]; then work="$(mktemp -d /dev/shm/gpu-suite.XXXXXX)"; else work="$(mktemp -d)"; fi
+disk="$(mktemp -d /tmp/gpu-suite-disk.XXXXXX)"
+summary=()
+
+step() {  # step NAME SECONDS FUNCTION: run it, keep its output, note its exit status
+  local name="$1" limit="$2" function="$3" start rc
+  start="$(date +%s)"
+  echo "=== ${name} (limit ${limit} s)"
+  timeout "${limit}" bash -c "${function}" 2>&1 | tee "${out}/${name}.txt"
+  rc="${PIPESTATUS[0]}"
+  summary+=("${name}: rc ${rc} in $(( $(date +%s) - start )) s")
+}
+
+gpu_tests() {
+  "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_packed_kernels.py
+}
+
+attention() {  # the long-tailed SFT mix of packing_efficiency.py (log-normal 6 +- 1, <= 4096)
+  "$py" benchmarks/attention_packed.py --device cuda --dtype bfloat16 --tokens 65536 \
+    --heads 32 --kv-heads 8 --head-dim 64 --log-mean 6 --log-std 1 --max-len 4096
+}
+
+throughput() {
+  "$py" benchmarks/gpu_throughput.py --dir "$work"
+}
+
+ranks() {  # two ranks on one GPU: one line and exit 2, not an NCCL crash
+  local rc=0
+  CUDA_VISIBLE_DEVICES=0 "$py" -m hpc_mca.runtime.forkrun --nproc-per-node 2 train \
+    hpc_mca/assets/demo/sft_addition.yaml "training.output_dir=${work}/ranks" || rc=$?
+  echo "exit status ${rc} (expected 2)"
+  [[ "$rc" == 2 ]]
+}
+
+model_tests() {  # the CPU suite's model tests with CUDA visible: they must be device-agnostic
+  "$py" -m pytest -m "gpu or not slow" -q -p no:cacheprovider tests/test_models.py
+}
+
+checkpoint() {  # 2 CPU ranks (two NCCL ranks cannot share one GPU); the disk is what is measured
+  CUDA_VISIBLE_DEVICES='' "$py" benchmarks/checkpoint_io.py --dir "$disk"
+}
+
+export py work disk
+export -f gpu_tests attention throughput ranks model_tests checkpoint
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$py" -c 'import torch, transformers, megatron.core as m; print("torch", torch.__version__,
+"transformers", transformers.__version__, "megatron-core", m.__version__)'
+
+steps=("$@")
+[[ ${#steps[@]} -gt 0 ]] || steps=(gpu-tests attention throughput ranks model-tests)
+for name in "${steps[@]}"; do
+  case "$name" in
+    gpu-tests) step gpu-tests 120 gpu_tests ;;
+    attention) step attention 60 attention ;;
+    throughput) step throughput 160 throughput ;;
+    ranks) step ranks 40 ranks ;;
+    model-tests) step model-tests 120 model_tests ;;
+    checkpoint) step checkpoint 300 checkpoint ;;
+    *) echo "unknown step ${name} (valid: gpu-tests attention throughput ranks model-tests checkpoint)" >&2
+       exit 2 ;;
+  esac
+done
+rm -rf "$work" "$disk"
+printf '%s\n' "${summary[@]}" | tee "${out}/summary.txt"
