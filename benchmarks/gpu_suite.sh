@@ -5,12 +5,13 @@
 # time limit and a failure does not stop the next one; every step's output is also written to
 # $OUT (default /tmp/gpu-suite), one file per step, and a summary line per step at the end.
 #
-#   benchmarks/gpu_suite.sh [STEP ...]     # steps: gpu-tests attention throughput ranks
-#                                          #        model-tests checkpoint
+#   benchmarks/gpu_suite.sh [STEP ...]     # steps: gpu-tests attention throughput fusions
+#                                          #        ranks model-tests checkpoint
 #
-# The default (every step but checkpoint) took ~5.5 min on an H200 (2026-11-26: gpu-tests
-# 115 s, attention 49, throughput 97, ranks 16, model-tests 63): one device call. checkpoint
-# (the 2-rank CPU benchmark on the box's disk, 216 s there) goes in a second call.
+# The default (every step but fusions and checkpoint) took ~5.5 min on an H200 (2026-11-26:
+# gpu-tests 115 s, attention 49, throughput 97, ranks 16, model-tests 63): one device call.
+# fusions (hpc-mca train's throughput with each model.fusions setting, not measured yet) and
+# checkpoint (the 2-rank CPU benchmark on the box's disk, 216 s there) go in other calls.
 #
 # Runs from the repository root with the python3 that has torch+CUDA; megatron-core and
 # submitit may come from PYTHONPATH (wheels installed with pip --target).
@@ -50,6 +51,15 @@ throughput() {
   "$py" benchmarks/gpu_throughput.py --dir "$work"
 }
 
+fusions() {  # hpc-mca train alone with each model.fusions setting, none first
+  local variant
+  for variant in "[]" "[swiglu]" "[cross_entropy]" "[swiglu,cross_entropy]"; do
+    echo "--- model.fusions=${variant}"
+    "$py" benchmarks/gpu_throughput.py --dir "$work" --sides hpc-mca \
+      --train-arg "model.fusions=${variant}" | grep -E '^(hpc-mca|last progress)'
+  done
+}
+
 ranks() {  # two ranks on one GPU: one line and exit 2, not an NCCL crash
   local rc=0
   CUDA_VISIBLE_DEVICES=0 "$py" -m hpc_mca.runtime.forkrun --nproc-per-node 2 train \
@@ -67,7 +77,7 @@ checkpoint() {  # 2 CPU ranks (two NCCL ranks cannot share one GPU); the disk is
 }
 
 export py work disk
-export -f gpu_tests attention throughput ranks model_tests checkpoint
+export -f gpu_tests attention throughput fusions ranks model_tests checkpoint
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$py" -c 'import torch, transformers, megatron.core as m; print("torch", torch.__version__,
@@ -80,10 +90,11 @@ for name in "${steps[@]}"; do
     gpu-tests) step gpu-tests 120 gpu_tests ;;
     attention) step attention 60 attention ;;
     throughput) step throughput 160 throughput ;;
+    fusions) step fusions 240 fusions ;;
     ranks) step ranks 40 ranks ;;
     model-tests) step model-tests 120 model_tests ;;
     checkpoint) step checkpoint 300 checkpoint ;;
-    *) echo "unknown step ${name} (valid: gpu-tests attention throughput ranks model-tests checkpoint)" >&2
+    *) echo "unknown step ${name} (valid: gpu-tests attention throughput fusions ranks model-tests checkpoint)" >&2
        exit 2 ;;
   esac
 done

@@ -151,6 +151,12 @@ def test_layout_rule_uses_topology_and_model_shape(run: Path):
                                 "varlen, flex, sdpa"),
     (["cp_comm_type=ring"], "parallel.cp_comm_type='ring' is not valid; valid: all_gather, "
                             "a2a, p2p"),
+    (["fusions=[swiglu,rope]"], "model.fusions: 'rope' is not a fusion; valid: swiglu, "
+                                "cross_entropy"),
+    (["fusions=swiglu", "use_mca=false", "tensor_model_parallel_size=1"],
+     "model.fusions=['swiglu'] with training.use_mca=false"),
+    (["fusions=cross_entropy"], "model.fusions: 'cross_entropy' hands back the logits' "
+                                "gradient in bf16; valid with training.bf16=true only"),
     (["context_parallel_size=2", "sequence_packing=true", "pack_alignment=2"],
      "data.pack_alignment=2 is not a multiple of 2·CP=4 (parallel.context_parallel_size=2); "
      "valid: 4, 8, 16, or leave it unset"),

@@ -290,3 +290,25 @@ def test_fused_adam_trains_like_torchs_loop(root):
         assert fused["loss"] == pytest.approx(loop["loss"], abs=1e-6)
         assert fused["grad_norm"] == pytest.approx(loop["grad_norm"], rel=1e-5)
     assert curves[True][-1]["loss"] != curves[True][0]["loss"]  # the weights did move
+
+
+@pytest.mark.slow
+def test_kernel_fusions_train_like_the_unfused_paths(root):
+    """model.fusions turns on Megatron's compiled SwiGLU and cross-entropy, here with TP=2
+    (the cross-entropy reduces over the TP group) in bf16 (the only precision its backward
+    keeps): the loss and gradient-norm curve equal the unfused run's within bf16 rounding
+    (measured: 1e-5 relative on the loss, 5e-4 on the gradient norm; TP=1 against TP=2
+    unfused differs as much)."""
+    config = _config(root, training={"max_steps": 4, "logging_steps": 1, "bf16": True},
+                     parallel={"tensor_model_parallel_size": 2})
+    curves = {}
+    for name, fusions in (("unfused", "[]"), ("fused", "[swiglu,cross_entropy]")):
+        run_dir = root / f"fusions_{name}"
+        proc = run_train(config, run_dir, 2, f"model.fusions={fusions}", "data.eval_dataset=null")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        curves[name] = steps(run_dir)
+    assert len(curves["fused"]) == 4
+    for fused, plain in zip(curves["fused"], curves["unfused"]):
+        assert fused["loss"] == pytest.approx(plain["loss"], rel=1e-4)
+        assert fused["grad_norm"] == pytest.approx(plain["grad_norm"], rel=3e-3)
+    assert curves["fused"][-1]["loss"] != curves["fused"][0]["loss"]  # the weights did move

@@ -48,6 +48,8 @@ TEMPLATES = ("chat", "plain")
 ATTENTION_BACKENDS = ("auto", "te", "flash", "torch")
 PACKED_ATTENTION = ("auto", "varlen", "flex", "sdpa")
 """model.packed_attention choices (hpc_mca.models.packed_kernels.PACKED_KERNELS and auto)."""
+KERNEL_FUSIONS = ("swiglu", "cross_entropy")
+"""model.fusions choices: Megatron-Core's fusions that run without Transformer Engine or Apex."""
 OPTIMIZERS = ("adam", "sgd")
 OPTIMIZER_FORMATS = ("model_space", "fully_reshardable", "dp_reshardable")
 REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
@@ -79,6 +81,11 @@ class ModelArguments:
     pipeline stage, depth k trained on the token k+1 places further on; 0 = none."""
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the MTP losses (their mean over depths) beside the main loss."""
+    fusions: list[str] = field(default_factory=list)
+    """Megatron-Core kernel fusions to turn on, compiled by torch.compile: swiglu (the MLP's
+    gated activation in one kernel, recomputed in backward) and cross_entropy (the
+    vocabulary cross-entropy in fused pieces; bf16 runs only, as its backward writes the
+    logits' gradient in bf16). Empty = Megatron's unfused paths."""
 
 
 @dataclass

@@ -186,6 +186,10 @@ def _model_overrides(config: TrainConfig) -> dict[str, Any]:
         "bf16": config.training.bf16,
         "fp16": config.training.fp16,
     }
+    if "swiglu" in config.model.fusions:
+        out["bias_activation_fusion"] = True
+    if "cross_entropy" in config.model.fusions:
+        out.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
     if par.context_parallel_size > 1:
         out["cp_comm_type"] = par.cp_comm_type
     if config.model.mtp_num_layers:
