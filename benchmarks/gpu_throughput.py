@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -37,6 +36,9 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from trainer_fixtures import rank_env, write_indexed  # noqa: E402
 LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                    tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072,
@@ -91,15 +93,10 @@ def make_model_dir(root: Path, config: dict) -> Path:
 def make_corpus(root: Path, args: argparse.Namespace, vocab: int) -> Path:
     """A Megatron .bin/.idx corpus of random ids: enough whole rows for every step."""
     import numpy as np
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     prefix = root / "corpus"
-    rng = np.random.default_rng(0)
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
-    for _ in range(args.steps * args.global_batch + 4):
-        builder.add_item(torch.from_numpy(rng.integers(3, vocab, args.seq_length + 1, dtype=np.int32)))
-        builder.end_document()
-    builder.finalize(f"{prefix}.idx")
+    rows = args.steps * args.global_batch + 4
+    write_indexed(prefix, np.random.default_rng(0).integers(3, vocab, (rows, args.seq_length + 1)).tolist())
     return prefix
 
 
@@ -119,13 +116,8 @@ def run_hpc_mca(root: Path, args: argparse.Namespace, model_dir: Path, corpus: P
 
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
-    env["PYTHONWARNINGS"] = "ignore"
-    start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "hpc_mca", "train", str(path), *args.train_arg],
-                          env=env, capture_output=True, text=True, cwd=REPO)
-    wall = time.perf_counter() - start
+                          env=rank_env(), capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         sys.exit(f"hpc-mca train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
@@ -134,8 +126,7 @@ def run_hpc_mca(root: Path, args: argparse.Namespace, model_dir: Path, corpus: P
     seconds = [r["seconds"] for r in window]
     kernel = re.findall(r"packed kernel \S+", proc.stdout)
     return {"tokens_per_s": tokens / sum(seconds), "step_s": statistics.median(seconds),
-            "logged": logged_window(proc.stdout, records), "wall_s": wall,
-            "note": kernel[0] if kernel else ""}
+            "logged": logged_window(proc.stdout, records), "note": kernel[0] if kernel else ""}
 
 
 def logged_window(stdout: str, records: list[dict]) -> tuple[float, float] | None:

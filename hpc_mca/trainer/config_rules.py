@@ -61,8 +61,6 @@ def _check_model(config: TrainConfig, world_size: int) -> None:
     model = config.model
     _choice("model.attention_backend", model.attention_backend, ATTENTION_BACKENDS)
     _choice("model.packed_attention", model.packed_attention, PACKED_ATTENTION)
-    if isinstance(model.fusions, str):
-        model.fusions = [model.fusions]
     for fusion in model.fusions:
         if fusion not in KERNEL_FUSIONS:
             raise ConfigError(f"model.fusions: {fusion!r} is not a fusion; valid: "
