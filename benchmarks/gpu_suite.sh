@@ -5,13 +5,15 @@
 # time limit and a failure does not stop the next one; every step's output is also written to
 # $OUT (default /tmp/gpu-suite), one file per step, and a summary line per step at the end.
 #
-#   benchmarks/gpu_suite.sh [STEP ...]     # steps: gpu-tests attention throughput fusions
-#                                          #        ranks model-tests checkpoint
+#   benchmarks/gpu_suite.sh [STEP ...]     # steps: gpu-tests attention rope throughput
+#                                          #        fusions ranks model-tests checkpoint
 #
-# The default (every step but fusions and checkpoint) took ~5.5 min on an H200 (2026-11-26:
-# gpu-tests 115 s, attention 49, throughput 97, ranks 16, model-tests 63): one device call.
-# fusions (hpc-mca train's throughput with each model.fusions setting, not measured yet) and
-# checkpoint (the 2-rank CPU benchmark on the box's disk, 216 s there) go in other calls.
+# The default (gpu-tests attention throughput ranks model-tests) took ~5.5 min on an H200
+# (2026-11-26: gpu-tests 115 s, attention 49, throughput 97, ranks 16, model-tests 63): one
+# device call. rope (Megatron's per-document RoPE against hpc-mca's one pass; new), fusions
+# (hpc-mca train's throughput with each model.fusions setting and with micro-batch 4; not
+# measured yet, ~6 runs of ~45 s) and checkpoint (the 2-rank CPU benchmark on the box's disk,
+# 216 s there) go in other calls.
 #
 # Runs from the repository root with the python3 that has torch+CUDA; megatron-core and
 # submitit may come from PYTHONPATH (wheels installed with pip --target).
@@ -51,12 +53,20 @@ throughput() {
   "$py" benchmarks/gpu_throughput.py --dir "$work"
 }
 
-fusions() {  # hpc-mca train alone with each model.fusions setting, none first
-  local variant
-  for variant in "[]" "[swiglu]" "[cross_entropy]" "[swiglu,cross_entropy]"; do
+rope() {  # the same SFT mix, one query-shaped tensor of the 1B shape (32 heads x 64)
+  "$py" benchmarks/rope_packed.py --device cuda --dtype bfloat16 --tokens 65536 --heads 32 \
+    --head-dim 64 --log-mean 6 --log-std 1 --max-len 4096 --compiled
+}
+
+fusions() {  # hpc-mca train alone with each model.fusions setting, none first; then all of
+  local variant  # them with micro-batch 4 (the same 8 rows per step)
+  for variant in "[]" "[swiglu]" "[cross_entropy]" "[rope]" "[swiglu,cross_entropy,rope]" \
+                 "[swiglu,cross_entropy,rope] --micro-batch 4"; do
     echo "--- model.fusions=${variant}"
+    # shellcheck disable=SC2086  # the last variant's extra option is meant to split
     "$py" benchmarks/gpu_throughput.py --dir "$work" --sides hpc-mca \
-      --train-arg "model.fusions=${variant}" | grep -E '^(hpc-mca|last progress)'
+      --train-arg "model.fusions=${variant%% *}" ${variant#"${variant%% *}"} \
+      | grep -E '^(hpc-mca|last progress)'
   done
 }
 
@@ -77,7 +87,7 @@ checkpoint() {  # 2 CPU ranks (two NCCL ranks cannot share one GPU); the disk is
 }
 
 export py work disk
-export -f gpu_tests attention throughput fusions ranks model_tests checkpoint
+export -f gpu_tests attention rope throughput fusions ranks model_tests checkpoint
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$py" -c 'import torch, transformers, megatron.core as m; print("torch", torch.__version__,
@@ -89,12 +99,13 @@ for name in "${steps[@]}"; do
   case "$name" in
     gpu-tests) step gpu-tests 120 gpu_tests ;;
     attention) step attention 60 attention ;;
+    rope) step rope 90 rope ;;
     throughput) step throughput 160 throughput ;;
-    fusions) step fusions 240 fusions ;;
+    fusions) step fusions 360 fusions ;;
     ranks) step ranks 40 ranks ;;
     model-tests) step model-tests 120 model_tests ;;
     checkpoint) step checkpoint 300 checkpoint ;;
-    *) echo "unknown step ${name} (valid: gpu-tests attention throughput fusions ranks model-tests checkpoint)" >&2
+    *) echo "unknown step ${name} (valid: gpu-tests attention rope throughput fusions ranks model-tests checkpoint)" >&2
        exit 2 ;;
   esac
 done

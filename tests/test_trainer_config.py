@@ -151,7 +151,7 @@ def test_layout_rule_uses_topology_and_model_shape(run: Path):
                                 "varlen, flex, sdpa"),
     (["cp_comm_type=ring"], "parallel.cp_comm_type='ring' is not valid; valid: all_gather, "
                             "a2a, p2p"),
-    (["fusions=[swiglu,rope]"], "model.fusions: 'rope' is not a fusion; valid: swiglu, "
+    (["fusions=[swiglu,rmsnorm]"], "model.fusions: 'rmsnorm' is not a fusion; valid: swiglu, "
                                 "cross_entropy"),
     (["fusions=swiglu", "use_mca=false", "tensor_model_parallel_size=1"],
      "model.fusions=['swiglu'] with training.use_mca=false"),

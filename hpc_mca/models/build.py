@@ -22,7 +22,7 @@ import torch
 from hpc_mca.models.attention import core_attention_class
 from hpc_mca.models.attention_backend import check_context_parallel, select_attention_backend
 from hpc_mca.models.checkpoint import inspect_checkpoint
-from hpc_mca.models import mtp
+from hpc_mca.models import mtp, rope
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_config import HFModelSpec, check_sequence_length, read_hf_config
 from hpc_mca.models.mapping import padded_vocab_size
@@ -73,7 +73,7 @@ def build_model(
     check_context_parallel(backend, ctx.layout.cp, (config_overrides or {}).get("cp_comm_type"))
     kernel = packed_kernel(spec, backend, packed_attention, cuda=ctx.device.type == "cuda",
                            dtype=dtype, cp=ctx.layout.cp)[0]
-    config = _transformer_config(spec, ctx, dtype, load, config_overrides)
+    config = _transformer_config(spec, ctx, dtype, load, rope.configure(config_overrides))
     layer = layer_spec(spec, core_attention_class(backend, kernel or "sdpa"))
     vocab = padded_vocab_size(spec.vocab_size, ctx.layout.tp, make_vocab_size_divisible_by)
     max_len = seq_length or spec.max_position_embeddings

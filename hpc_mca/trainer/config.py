@@ -48,7 +48,7 @@ TEMPLATES = ("chat", "plain")
 ATTENTION_BACKENDS = ("auto", "te", "flash", "torch")
 PACKED_ATTENTION = ("auto", "varlen", "flex", "sdpa")
 """model.packed_attention choices (hpc_mca.models.packed_kernels.PACKED_KERNELS and auto)."""
-KERNEL_FUSIONS = ("swiglu", "cross_entropy")
+KERNEL_FUSIONS = ("swiglu", "cross_entropy", "rope")
 """model.fusions choices: Megatron-Core's fusions that run without Transformer Engine or Apex."""
 OPTIMIZERS = ("adam", "sgd")
 OPTIMIZER_FORMATS = ("model_space", "fully_reshardable", "dp_reshardable")
@@ -85,7 +85,9 @@ class ModelArguments:
     """Megatron-Core kernel fusions to turn on, compiled by torch.compile: swiglu (the MLP's
     gated activation in one kernel, recomputed in backward) and cross_entropy (the
     vocabulary cross-entropy in fused pieces; bf16 runs only, as its backward writes the
-    logits' gradient in bf16). Empty = Megatron's unfused paths."""
+    logits' gradient in bf16) and rope (the rotary embedding in one kernel: TE's when
+    installed, else hpc_mca.models.rope's rotation compiled). Empty = Megatron's unfused
+    paths, except that RoPE on packed sequences always runs in one pass over the stream."""
 
 
 @dataclass

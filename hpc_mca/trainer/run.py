@@ -140,6 +140,7 @@ def attention_backend_available(config: TrainConfig) -> str:
     from hpc_mca.models.attention_backend import check_context_parallel, select_attention_backend
     from hpc_mca.models.build import packed_kernel
     from hpc_mca.models.hf_config import read_hf_config
+    from hpc_mca.models.rope import describe
 
     par = config.parallel
     backend = select_attention_backend(config.model.attention_backend)
@@ -148,7 +149,8 @@ def attention_backend_available(config: TrainConfig) -> str:
                                 config.model.packed_attention, cuda=torch.cuda.is_available(),
                                 dtype=_dtype(config), cp=par.context_parallel_size)
     packed = f"packed kernel {kernel}" if kernel else "packed sequences"
-    return f"attention: {backend} backend, {packed} ({why})"
+    return (f"attention: {backend} backend, {packed} ({why}); "
+            f"RoPE: {describe('rope' in config.model.fusions)}")
 
 
 def _layout(config: TrainConfig) -> Layout:
@@ -190,6 +192,8 @@ def _model_overrides(config: TrainConfig) -> dict[str, Any]:
         out["bias_activation_fusion"] = True
     if "cross_entropy" in config.model.fusions:
         out.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
+    if "rope" in config.model.fusions:
+        out["apply_rope_fusion"] = True  # TE's kernel, or ours compiled (hpc_mca.models.rope)
     if par.context_parallel_size > 1:
         out["cp_comm_type"] = par.cp_comm_type
     if config.model.mtp_num_layers:
