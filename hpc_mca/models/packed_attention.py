@@ -268,10 +268,13 @@ def packed_attention(
     device; planning reads them on the host. ``segments`` (default: planned here from the
     layouts and ``segment_tokens``) lets every layer of a micro-batch reuse one plan.
     """
-    out = query.new_zeros(query.shape[:-1] + value.shape[-1:])
     q_dev, kv_dev = q_layout.to(query.device), kv_layout.to(key.device)
     if segments is None:
         segments = plan_segments(q_layout, kv_layout, segment_tokens)
+    # The output is assembled by one cat, with zeros for slots no segment covers: writing each
+    # segment into a preallocated output would make autograd clone the whole gradient once
+    # per segment in backward (segments x tokens).
+    pieces, done = [], 0
     for seg in segments:
         # [1, heads, seq, dim]: 4-D, so that fused SDPA kernels accept the call (see sdpa).
         q = query[seg.q_start : seg.q_end].transpose(0, 1)[None]
@@ -284,5 +287,11 @@ def packed_attention(
             allowed = attention_allowed(qs, ks, causal=causal, bottom_right=bottom_right)
             ctx = sdpa(q, k, v, allowed=allowed, scale=scale, dropout_p=dropout_p)
             ctx = ctx.masked_fill(~qs.valid[None, None, :, None], 0.0)
-        out[seg.q_start : seg.q_end] = ctx[0].transpose(0, 1)
-    return out
+        pieces += [_zeros(query, value, seg.q_start - done), ctx[0].transpose(0, 1)]
+        done = seg.q_end
+    pieces.append(_zeros(query, value, query.size(0) - done))
+    return torch.cat(pieces)
+
+
+def _zeros(query: Tensor, value: Tensor, slots: int) -> Tensor:
+    return query.new_zeros((slots,) + query.shape[1:-1] + value.shape[-1:])
