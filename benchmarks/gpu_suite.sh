@@ -6,13 +6,14 @@
 # $OUT (default /tmp/gpu-suite), one file per step, and a summary line per step at the end.
 #
 #   benchmarks/gpu_suite.sh [STEP ...]     # steps: gpu-tests attention rope throughput
-#                                          #        fusions ranks model-tests checkpoint
+#                                          #        fusions profile ranks model-tests checkpoint
 #
 # The default (gpu-tests attention throughput ranks model-tests) took ~5.5 min on an H200
 # (2026-11-26: gpu-tests 115 s, attention 49, throughput 97, ranks 16, model-tests 63): one
 # device call. rope (Megatron's per-document RoPE against hpc-mca's one pass; new), fusions
 # (hpc-mca train's throughput with each model.fusions setting and with micro-batch 4; not
-# measured yet, ~6 runs of ~45 s) and checkpoint (the 2-rank CPU benchmark on the box's disk,
+# measured yet, ~6 runs of ~45 s), profile (the throughput comparison with two profiled steps
+# per side and their operator tables) and checkpoint (the 2-rank CPU benchmark on the box's disk,
 # 216 s there) go in other calls.
 #
 # Runs from the repository root with the python3 that has torch+CUDA; megatron-core and
@@ -70,6 +71,10 @@ fusions() {  # hpc-mca train alone with each model.fusions setting, none first; 
   done
 }
 
+profile() {  # where each side's step time goes
+  "$py" benchmarks/gpu_throughput.py --dir "$work" --sides hpc-mca,bf16 --profile
+}
+
 ranks() {  # two ranks on one GPU: one line and exit 2, not an NCCL crash
   local rc=0
   CUDA_VISIBLE_DEVICES=0 "$py" -m hpc_mca.runtime.forkrun --nproc-per-node 2 train \
@@ -87,7 +92,7 @@ checkpoint() {  # 2 CPU ranks (two NCCL ranks cannot share one GPU); the disk is
 }
 
 export py work disk
-export -f gpu_tests attention rope throughput fusions ranks model_tests checkpoint
+export -f gpu_tests attention rope throughput fusions profile ranks model_tests checkpoint
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$py" -c 'import torch, transformers, megatron.core as m; print("torch", torch.__version__,
@@ -102,10 +107,11 @@ for name in "${steps[@]}"; do
     rope) step rope 90 rope ;;
     throughput) step throughput 160 throughput ;;
     fusions) step fusions 360 fusions ;;
+    profile) step profile 200 profile ;;
     ranks) step ranks 40 ranks ;;
     model-tests) step model-tests 120 model_tests ;;
     checkpoint) step checkpoint 300 checkpoint ;;
-    *) echo "unknown step ${name} (valid: gpu-tests attention rope throughput fusions ranks model-tests checkpoint)" >&2
+    *) echo "unknown step ${name} (valid: gpu-tests attention rope throughput fusions profile ranks model-tests checkpoint)" >&2
        exit 2 ;;
   esac
 done

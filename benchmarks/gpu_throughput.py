@@ -13,6 +13,10 @@ Both train the same model shape on the same number of tokens per optimizer step:
   variants: all-bf16 weights and optimizer ("bf16"), and fp32 weights under bf16 autocast
   ("fp32 master", what Megatron's mixed precision keeps).
 
+With ``--profile``, each side then runs two more steps under torch.profiler (left out of the
+figures; hpc-mca through ``training.profile_steps``) and the operator tables by self device
+time are printed after the figures: where each side's step time goes.
+
 MFU uses the trainer's own formula (hpc_mca.trainer.metrics.flops_per_token: 6 per weight,
 output layer included, plus causal-unmasked attention scores) and the device's dense bf16
 peak (HPC_MCA_PEAK_TFLOPS overrides). Default shape: Llama-3.2-1B (random weights).
@@ -44,6 +48,7 @@ LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=1
                    tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072,
                    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+PROFILED = 2  # the extra steps of --profile, after the timed ones
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)
 
@@ -62,6 +67,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dir", type=Path, default=None, help="work directory")
     parser.add_argument("--train-arg", action="append", default=[],
                         help="extra key=value override for hpc-mca train (repeatable)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile two extra steps per side and print the operator tables")
     args = parser.parse_args()
     if args.global_batch % args.micro_batch:
         parser.error(f"--global-batch {args.global_batch} is not a multiple of --micro-batch "
@@ -95,7 +102,7 @@ def make_corpus(root: Path, args: argparse.Namespace, vocab: int) -> Path:
     import numpy as np
 
     prefix = root / "corpus"
-    rows = args.steps * args.global_batch + 4
+    rows = (args.steps + PROFILED) * args.global_batch + 4
     write_indexed(prefix, np.random.default_rng(0).integers(3, vocab, (rows, args.seq_length + 1)).tolist())
     return prefix
 
@@ -109,9 +116,12 @@ def run_hpc_mca(root: Path, args: argparse.Namespace, model_dir: Path, corpus: P
         "finetuning": {"stage": "pt"},
         "training": {"output_dir": str(run_dir), "per_device_train_batch_size": args.micro_batch,
                      "global_batch_size": args.global_batch, "learning_rate": 1e-4,
-                     "max_steps": args.steps, "logging_steps": args.steps - args.warmup,
+                     "max_steps": args.steps + (PROFILED if args.profile else 0),
+                     "logging_steps": args.steps - args.warmup,
                      "bf16": args.device != "cpu", "report_to": []},
     }
+    if args.profile:
+        config["training"]["profile_steps"] = [args.steps + 1, args.steps + PROFILED]
     import yaml
 
     path = root / "config.yaml"
@@ -121,19 +131,21 @@ def run_hpc_mca(root: Path, args: argparse.Namespace, model_dir: Path, corpus: P
     if proc.returncode != 0:
         sys.exit(f"hpc-mca train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
-    window = records[args.warmup:]
+    window = records[args.warmup:args.steps]
     tokens = sum(r["tokens"] for r in window)
     seconds = [r["seconds"] for r in window]
     kernel = re.findall(r"packed kernel \S+", proc.stdout)
+    tables = sorted((run_dir / "profile").glob("*.txt")) if args.profile else []
     return {"tokens_per_s": tokens / sum(seconds), "step_s": statistics.median(seconds),
-            "logged": logged_window(proc.stdout, records), "note": kernel[0] if kernel else ""}
+            "logged": logged_window(proc.stdout, records, args.steps),
+            "note": kernel[0] if kernel else "", "profile": tables[0].read_text() if tables else ""}
 
 
-def logged_window(stdout: str, records: list[dict]) -> tuple[float, float] | None:
-    """The last progress line's tok/s and steps.jsonl's figure over the same window (the
-    steps after the previous progress line, up to and including its own)."""
+def logged_window(stdout: str, records: list[dict], upto: int) -> tuple[float, float] | None:
+    """The tok/s of the last progress line up to step ``upto`` and steps.jsonl's figure over
+    the same window (the steps after the previous progress line, up to and including its own)."""
     logged = [(int(step), float(rate)) for step, rate in
-              re.findall(r"step (\d+)/\d+ \|.*?tok/s (\d+)", stdout)]
+              re.findall(r"step (\d+)/\d+ \|.*?tok/s (\d+)", stdout) if int(step) <= upto]
     if not logged:
         return None
     first = logged[-2][0] if len(logged) > 1 else 0
@@ -179,10 +191,25 @@ def run_transformers(args: argparse.Namespace, config: dict, fp32_master: bool) 
     window = times[args.warmup:]
     # The trainer counts label tokens (seq per row); count the same here.
     tokens = args.global_batch * args.seq_length * len(window)
+    table = profile_steps(step, device) if args.profile else ""
     del model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"tokens_per_s": tokens / sum(window), "step_s": statistics.median(window), "note": ""}
+    return {"tokens_per_s": tokens / sum(window), "step_s": statistics.median(window), "note": "",
+            "profile": table}
+
+
+def profile_steps(step, device: torch.device) -> str:
+    """The operator table of PROFILED more steps, by self device time (the trainer's format)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(PROFILED):
+            step()
+        sync(device)
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=30)
 
 
 def sync(device: torch.device) -> None:
@@ -231,6 +258,10 @@ def main() -> None:
             if ours and other in results:
                 print(f"hpc-mca / transformers {other}: "
                       f"{ours['tokens_per_s'] / results[other]['tokens_per_s']:.2f}x", flush=True)
+        for side, result in results.items():
+            if result.get("profile"):
+                print(f"\n=== {side}: {PROFILED} profiled steps, operators by self time\n"
+                      f"{result['profile']}", flush=True)
 
 
 if __name__ == "__main__":

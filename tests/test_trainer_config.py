@@ -147,6 +147,9 @@ def test_layout_rule_uses_topology_and_model_shape(run: Path):
                                    "into the base model; valid with finetuning.finetuning_type"),
     (["finetuning_type=qlora"], "finetuning.finetuning_type='qlora' is not valid; valid: full, "
                                 "lora"),
+    (["profile_steps=[3,2]"], "training.profile_steps=[3, 2]; valid: [first, last] with "
+                              "1 <= first <= last <= max_steps"),
+    (["profile_steps=[0,1]"], "training.profile_steps=[0, 1]; valid: [first, last]"),
     (["packed_attention=fast"], "model.packed_attention='fast' is not valid; valid: auto, "
                                 "varlen, flex, sdpa"),
     (["cp_comm_type=ring"], "parallel.cp_comm_type='ring' is not valid; valid: all_gather, "

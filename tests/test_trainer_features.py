@@ -3,6 +3,7 @@ scalars, non-finite steps are skipped and counted, bad inputs stop before traini
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -314,3 +315,25 @@ def test_kernel_fusions_train_like_the_unfused_paths(root):
         assert fused["loss"] == pytest.approx(plain["loss"], rel=1e-4)
         assert fused["grad_norm"] == pytest.approx(plain["grad_norm"], rel=3e-3)
     assert curves["fused"][-1]["loss"] != curves["fused"][0]["loss"]  # the weights did move
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_mca", [True, False], ids=["megatron", "standard"])
+def test_profile_steps_write_a_trace_and_an_operator_table(root, use_mca):
+    """training.profile_steps=[2,3]: rank 0 writes the window's Chrome trace and operator table
+    to output_dir/profile/, on both backends, and the run trains as an unprofiled one does."""
+    config = _config(root, training={"max_steps": 4, "logging_steps": 2})
+    curves = {}
+    for name, extra in (("plain", []), ("profiled", ["training.profile_steps=[2,3]"])):
+        run_dir = root / f"profile_{use_mca}_{name}"
+        proc = run_train(config, run_dir, 2, f"training.use_mca={str(use_mca).lower()}",
+                         "data.eval_dataset=null", *extra)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        curves[name] = [(r["loss"], r["grad_norm"]) for r in steps(run_dir)]
+    profile = root / f"profile_{use_mca}_profiled" / "profile"
+    assert sorted(p.name for p in profile.iterdir()) == ["steps-2-3.json.gz", "steps-2-3.txt"]
+    events = json.loads(gzip.decompress((profile / "steps-2-3.json.gz").read_bytes()))["traceEvents"]
+    assert {"aten::mm", "aten::addmm"} & {e.get("name") for e in events}
+    table = (profile / "steps-2-3.txt").read_text()
+    assert "Self CPU" in table and ("aten::mm" in table or "aten::addmm" in table)
+    assert curves["profiled"] == curves["plain"]

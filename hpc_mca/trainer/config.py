@@ -162,6 +162,9 @@ class TrainingArguments:
     """Passes over the training rows when ``max_steps`` is -1."""
     logging_steps: int = 10
     """Log every N optimizer steps."""
+    profile_steps: list[int] | None = None
+    """``[first, last]``: run torch.profiler over these optimizer steps on rank 0 and write a
+    trace and an operator table to output_dir/profile/ (hpc_mca.trainer.profiling); None = no."""
     save_steps: int | None = None
     """Checkpoint every N steps; None = only at the end (and when a stop signal arrives)."""
     save_total_limit: int | None = None

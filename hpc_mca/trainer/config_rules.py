@@ -255,6 +255,17 @@ def _check_mix(data: Any) -> None:
                           f"(they sum to {sum(probs):g})")
 
 
+def _check_profile_steps(window: list[int] | None, max_steps: int) -> None:
+    if window is None:
+        return
+    last = max_steps if max_steps > 0 else None
+    if (len(window) != 2 or not 1 <= window[0] <= window[1]
+            or (last is not None and window[1] > last)):
+        bound = f" <= max_steps ({last})" if last is not None else ""
+        raise ConfigError(f"training.profile_steps={window!r}; valid: [first, last] with "
+                          f"1 <= first <= last{bound}")
+
+
 def _check_training(config: TrainConfig, world_size: int) -> None:
     tr = config.training
     if not tr.output_dir:
@@ -280,6 +291,7 @@ def _check_training(config: TrainConfig, world_size: int) -> None:
                  "save_steps", "eval_steps", "gradient_accumulation_steps", "global_batch_size",
                  "save_total_limit"):
         _at_least(f"training.{name}", getattr(tr, name), 1)
+    _check_profile_steps(tr.profile_steps, tr.max_steps)
     for name in ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon"):
         _at_least(f"training.{name}", getattr(tr, name), 0.0)
     for name in ("adam_beta1", "adam_beta2"):

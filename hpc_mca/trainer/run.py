@@ -39,6 +39,10 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
         err.on_every_rank = True  # every rank read the same inputs and stops here alike
         raise
     skip_unused_tracker_imports(config.training.report_to)  # before megatron is imported
+    if config.training.profile_steps:
+        from hpc_mca.trainer.profiling import ProfilerCallback
+
+        callbacks = [*callbacks, ProfilerCallback(*config.training.profile_steps)]
     idle = nothing_to_train(config)  # a finished run started again: no need for any rank
     if idle is not None:
         if env.rank == 0:
