@@ -17,11 +17,13 @@ layer is handed the same ``cu_seqlens`` tensor.
 
 Megatron calls it when ``TransformerConfig.apply_rope_fusion`` is set, through
 ``rope_utils.fused_apply_rotary_pos_emb_thd`` (and ``fused_apply_rotary_pos_emb`` for unpacked
-batches), the module attributes that hold TE's fused kernels when TE is installed.
-:func:`configure` fills them when TE is absent; with TE they stay TE's. With
-``model.fusions: [rope]`` the rotation itself is compiled by torch.compile (its elementwise
-steps fused); without, it runs eagerly with Megatron's unfused arithmetic. The slots are
-process-wide: the last model built in a process decides compiled or eager for all of them.
+batches), the module attributes that hold TE's fused kernels when TE is installed;
+:func:`configure` puts these two there, with or without TE (TE's THD kernel wants
+``cu_seqlens`` on the GPU, where this trainer keeps them on the host, and it was never
+measured here). With ``model.fusions: [rope]`` the rotation itself is compiled by
+torch.compile (its elementwise steps fused); without, it runs eagerly with Megatron's unfused
+arithmetic. The slots are process-wide: the last model built in a process decides compiled or
+eager for all of them.
 Megatron's fused THD call passes no attention scale (``mscale``), which only YaRN RoPE sets;
 hf_config refuses YaRN, so nothing is lost.
 """
@@ -108,33 +110,24 @@ def unpacked_rope(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor
 
 def describe(fused: bool) -> str:
     """What RoPE runs as, for the start-up line; ``fused`` is ``model.fusions: [rope]``."""
-    if not _slots_free():
-        return "Transformer Engine's fused kernel" if fused else "Megatron's unfused path"
     return "one compiled pass per stream" if fused else "one pass per stream"
 
 
 def configure(overrides: Mapping[str, Any] | None) -> dict[str, Any]:
     """The config overrides of a model about to be built, with RoPE's slots filled.
 
-    ``overrides["apply_rope_fusion"]`` is the user's ``model.fusions: [rope]``. With TE
-    installed that is TE's fused kernel and nothing changes here. Without TE, Megatron's
-    fused-RoPE slots get :func:`packed_rope`/:func:`unpacked_rope` and ``apply_rope_fusion`` is
-    set so that Megatron calls them; the request decides whether the rotation is compiled.
+    ``overrides["apply_rope_fusion"]`` is the user's ``model.fusions: [rope]``: it decides
+    whether the rotation is compiled. Either way Megatron's fused-RoPE slots get
+    :func:`packed_rope`/:func:`unpacked_rope` and ``apply_rope_fusion`` is set, so that
+    Megatron calls them.
     """
     global _rotate
     out = dict(overrides or {})
-    if not _slots_free():
-        return out
     _rotate = _compiled_rotate() if out.get("apply_rope_fusion") else _rotate_eager
     rope_utils.fused_apply_rotary_pos_emb_thd = packed_rope
     rope_utils.fused_apply_rotary_pos_emb = unpacked_rope
     out["apply_rope_fusion"] = True
     return out
-
-
-def _slots_free() -> bool:
-    """No TE kernel in Megatron's fused-RoPE slots (empty, or already ours)."""
-    return rope_utils.fused_apply_rotary_pos_emb_thd in (None, packed_rope)
 
 
 _COMPILED: Callable[[Tensor, Tensor, bool], Tensor] | None = None

@@ -85,9 +85,9 @@ class ModelArguments:
     """Megatron-Core kernel fusions to turn on, compiled by torch.compile: swiglu (the MLP's
     gated activation in one kernel, recomputed in backward) and cross_entropy (the
     vocabulary cross-entropy in fused pieces; bf16 runs only, as its backward writes the
-    logits' gradient in bf16) and rope (the rotary embedding in one kernel: TE's when
-    installed, else hpc_mca.models.rope's rotation compiled). Empty = Megatron's unfused
-    paths, except that RoPE on packed sequences always runs in one pass over the stream."""
+    logits' gradient in bf16) and rope (the rotary embedding's one pass over a packed stream,
+    hpc_mca.models.rope, compiled). Empty = Megatron's unfused paths, except that RoPE on
+    packed sequences always runs in one pass."""
 
 
 @dataclass

@@ -197,7 +197,7 @@ def _model_overrides(config: TrainConfig) -> dict[str, Any]:
     if "cross_entropy" in config.model.fusions:
         out.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
     if "rope" in config.model.fusions:
-        out["apply_rope_fusion"] = True  # TE's kernel, or ours compiled (hpc_mca.models.rope)
+        out["apply_rope_fusion"] = True  # the rotation compiled (hpc_mca.models.rope)
     if par.context_parallel_size > 1:
         out["cp_comm_type"] = par.cp_comm_type
     if config.model.mtp_num_layers:
