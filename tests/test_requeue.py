@@ -105,10 +105,11 @@ def standard_training(training: dict) -> dict:
 
 
 def test_time_limit_signal_saves_requeues_and_resumes_exactly(training: dict) -> None:
-    """--time=1 with --signal=B:USR1@50: Slurm sends USR1 to the batch shell 10-40 s into the
-    run (limits are checked every 30 s); the ranks save at the next step and the job requeues
-    itself: same job id, restart count >= 1 (1 unless the resumed run is signalled too), and the
-    same numbers as without the interruption."""
+    """--time=1 with --signal=B:USR1@50: Slurm sends USR1 to the batch shell at its first limit
+    check, 0-30 s into the run (checks come every 30 s and less than lead + 30 s is left), even
+    before the shell's handler exists (it holds the signal till then); the ranks save at the
+    next step and the job requeues itself: same job id, restart count >= 1 (1 unless the
+    resumed run is signalled too), and the same numbers as without the interruption."""
     _time_limit_requeue(training, "tl")
 
 

@@ -301,6 +301,30 @@ def test_lead_time_signal_is_recorded_and_forwarded(tmp_path: Path, forward: str
     assert "signal         SIGUSR1" in out
 
 
+def test_a_lead_time_signal_during_start_up_is_held_not_fatal(tmp_path: Path) -> None:
+    """Slurm checks limits every 30 s, so a job whose limit is under lead + 30 s can get its
+    USR1 the moment it starts (seen on the local cluster 47 ms after the start, which killed
+    the batch shell): here it comes from inside the banner, before the handlers exist. The
+    shell holds it, records it once the handler exists, and the job goes on."""
+    env = _fake_slurm(tmp_path)
+    env.update(SLURM_JOB_NAME="j", HPC_MCA_HOME=str(REPO), HPC_MCA_RANK_CMD="smoke",
+               FAKE_SRUN_EXIT="0")
+    fake, pid_file = Path(env["FAKE_DIR"]), tmp_path / "script.pid"
+    (fake / "hostname").write_text(  # the banner calls it before the handlers are installed
+        f'#!/bin/bash\nkill -USR1 "$(cat {pid_file})"\nsleep 0.3\necho node1\n')
+    (fake / "hostname").chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_script())
+    proc = subprocess.Popen(["bash", "-c", f'echo "$$" >{pid_file}; exec bash {script}'],
+                            env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out  # killed by the USR1 (-10) without the hold
+    lines = (tmp_path / "runs" / "j_4242" / "signal_received").read_text().splitlines()
+    assert [line.split()[0] for line in lines] == ["USR1"]
+    assert "signal         SIGUSR1" in out and (fake / "srun.args").exists()
+
+
 # --- the requeue decision (contract: hpc_mca/checkpoint/requeue.py), with stand-ins --------
 
 VERDICTS = {

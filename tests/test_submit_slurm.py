@@ -355,9 +355,12 @@ def test_hostile_strings_reach_slurm_and_ranks_intact(slurm_cluster: None,
 
 def test_lead_time_signal_reaches_the_batch_shell_is_recorded_and_forwarded(
         slurm_cluster: None, tmp_path: Path) -> None:
-    """--signal=B:USR1@30 with a 1-minute limit: the batch shell records the request in the
+    """--signal=B:USR1@60 with a 2-minute limit: the batch shell records the request in the
     run dir (the hook issue 5's requeue protocol builds on), forwards it to the ranks because
-    HPC_MCA_FORWARD_SIGNAL=USR1, and keeps waiting for them."""
+    HPC_MCA_FORWARD_SIGNAL=USR1, and keeps waiting for them. Slurm sends the signal at its
+    first 30-s limit check with at most lead + 30 s left, here 30-60 s after the start: the
+    ranks are up by then. (A 1-minute limit with a 30-s lead got it at the start, before
+    there was any rank to forward it to.)"""
     config = _tiny_config(tmp_path)
     got = tmp_path / "rank-got-usr1"
     fake = tmp_path / "sleepy-python"
@@ -366,15 +369,15 @@ def test_lead_time_signal_reaches_the_batch_shell_is_recorded_and_forwarded(
                     "while true; do sleep 0.2; done\n")
     fake.chmod(0o755)
     done = hpc_mca("submit", str(config), "--gpu", "CPU", "--nodes", "1", "--job-name", "sig",
-                   "--time", "1", "--signal-lead", "30", cwd=tmp_path,
+                   "--time", "2", "--signal-lead", "60", cwd=tmp_path,
                    env=_env(HPC_MCA_PYTHON=str(fake), HPC_MCA_FORWARD_SIGNAL="USR1"))
     job_id = _submitted_id(done)
     run_dir = tmp_path / "runs" / f"sig_{job_id}"
     signal_file = run_dir / "signal_received"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 150
         while not (signal_file.exists() and got.exists()):
-            assert time.monotonic() < deadline, "no USR1 within 120 s"
+            assert time.monotonic() < deadline, "no USR1 within 150 s"
             time.sleep(1)
         line = signal_file.read_text().splitlines()[0]
         assert line.startswith("USR1 ") and line.endswith(f"job={job_id} restart=0"), line

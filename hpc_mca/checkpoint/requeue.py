@@ -4,7 +4,9 @@ This docstring is the contract between the batch script (``sbatch/train.sbatch``
 ``hpc_mca/slurm/script.py``) and the ranks. Files live in the run directory ($HPC_MCA_RUN_DIR).
 
 1. Submission: ``--requeue`` and ``--signal=B:USR1@<lead>``: Slurm sends USR1 to the batch
-   shell ``lead`` seconds (Slurm checks every 30 s: up to ~60 s more) before the time limit.
+   shell ``lead`` seconds (Slurm checks every 30 s: up to ~60 s more) before the time limit;
+   with a limit under lead + 30 s that can be the moment the job starts, so the shell holds a
+   USR1 that comes before its handler exists and handles it once it does.
    Only the batch shell gets it, and torchrun would not forward it anyway.
 2. Batch shell, on USR1 or TERM: appends ``<SIG> <unix time> job=<id> restart=<n>`` to
    ``signal_received`` ($HPC_MCA_SIGNAL_FILE, removed when the job (re)starts), for a TERM

@@ -238,6 +238,11 @@ _USAGE_TAIL = """\
 
 _BODY_START = """\
 set -euo pipefail
+# Slurm checks limits every 30 s, so the lead-time USR1 can come while this script is still
+# starting (a job whose limit is under lead + 30 s gets it at once), where bash's default
+# action would kill the job: hold it until its handler exists below.
+held_usr1=0
+trap 'held_usr1=1' USR1
 
 if [[ -z "${SLURM_JOB_ID:-}" ]]; then
     echo "hpc-mca: run this script with sbatch (SLURM_JOB_ID is not set)" >&2
@@ -334,6 +339,7 @@ on_signal() {  # the hook for a requeue protocol: record the request, optionally
 }
 trap 'on_signal USR1' USR1
 trap 'on_signal TERM' TERM
+((held_usr1 == 0)) || on_signal USR1  # it came before the handler
 
 # srun runs in the background so the traps fire at once; wait again after each signal.
 srun --unbuffered --kill-on-bad-exit=1 "${launcher}" "${rank_args[@]}" &
