@@ -49,7 +49,7 @@ ATTENTION_BACKENDS = ("auto", "te", "flash", "torch")
 PACKED_ATTENTION = ("auto", "varlen", "flex", "sdpa")
 """model.packed_attention choices (hpc_mca.models.packed_kernels.PACKED_KERNELS and auto)."""
 KERNEL_FUSIONS = ("swiglu", "cross_entropy", "rope")
-"""model.fusions choices: Megatron-Core's fusions that run without Transformer Engine or Apex."""
+"""model.fusions choices: kernel fusions that run without Transformer Engine or Apex."""
 OPTIMIZERS = ("adam", "sgd")
 OPTIMIZER_FORMATS = ("model_space", "fully_reshardable", "dp_reshardable")
 REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
@@ -82,11 +82,11 @@ class ModelArguments:
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the MTP losses (their mean over depths) beside the main loss."""
     fusions: list[str] = field(default_factory=list)
-    """Megatron-Core kernel fusions to turn on, compiled by torch.compile: swiglu (the MLP's
-    gated activation in one kernel, recomputed in backward) and cross_entropy (the
-    vocabulary cross-entropy in fused pieces; bf16 runs only, as its backward writes the
-    logits' gradient in bf16) and rope (the rotary embedding's one pass over a packed stream,
-    hpc_mca.models.rope, compiled). Empty = Megatron's unfused paths, except that RoPE on
+    """Kernel fusions to turn on, each compiled by torch.compile: swiglu (Megatron's MLP gated
+    activation in one kernel, recomputed in backward), cross_entropy (Megatron's vocabulary
+    cross-entropy in fused pieces; bf16 runs only, as its backward writes the logits' gradient
+    in bf16) and rope (the rotary embedding's one pass over a packed stream,
+    hpc_mca.models.rope). Empty = Megatron's unfused paths, except that RoPE on
     packed sequences always runs in one pass."""
 
 
