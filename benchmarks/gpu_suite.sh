@@ -11,10 +11,11 @@
 # The default (gpu-tests attention throughput ranks model-tests) took ~5.5 min on an H200
 # (2026-11-26: gpu-tests 115 s, attention 49, throughput 97, ranks 16, model-tests 63): one
 # device call. rope (Megatron's per-document RoPE against hpc-mca's one pass; new), fusions
-# (hpc-mca train's throughput with each model.fusions setting and with micro-batch 4; not
-# measured yet, ~6 runs of ~45 s), profile (the throughput comparison with two profiled steps
-# per side and their operator tables) and checkpoint (the 2-rank CPU benchmark on the box's disk,
-# 216 s there) go in other calls.
+# (hpc-mca train's throughput with model.fusions settings and micro-batch 4; not measured yet:
+# 5 runs of ~45 s, the compiled-layer ones plus their compilation), profile (the throughput
+# comparison with two profiled steps per side and their operator tables) and checkpoint (the
+# 2-rank CPU benchmark on the box's disk, 216 s there) go in other calls: "rope fusions" in
+# one, "profile" in the next.
 #
 # Runs from the repository root with the python3 that has torch+CUDA; megatron-core and
 # submitit may come from PYTHONPATH (wheels installed with pip --target).
@@ -59,10 +60,10 @@ rope() {  # the same SFT mix, one query-shaped tensor of the 1B shape (32 heads 
     --head-dim 64 --log-mean 6 --log-std 1 --max-len 4096 --compiled
 }
 
-fusions() {  # hpc-mca train alone with each model.fusions setting, none first; then all of
-  local variant  # them with micro-batch 4 (the same 8 rows per step)
-  for variant in "[]" "[swiglu]" "[cross_entropy]" "[rope]" "[swiglu,cross_entropy,rope]" \
-                 "[swiglu,cross_entropy,rope] --micro-batch 4"; do
+fusions() {  # hpc-mca train alone: no fusion, Megatron's three, compiled layers (alone and
+  local variant  # with the fused cross-entropy), then that with micro-batch 4 (same 8 rows/step)
+  for variant in "[]" "[swiglu,cross_entropy,rope]" "[layer]" "[layer,cross_entropy]" \
+                 "[layer,cross_entropy] --micro-batch 4"; do
     echo "--- model.fusions=${variant}"
     # shellcheck disable=SC2086  # the last variant's extra option is meant to split
     "$py" benchmarks/gpu_throughput.py --dir "$work" --sides hpc-mca \
@@ -106,7 +107,7 @@ for name in "${steps[@]}"; do
     attention) step attention 60 attention ;;
     rope) step rope 90 rope ;;
     throughput) step throughput 160 throughput ;;
-    fusions) step fusions 360 fusions ;;
+    fusions) step fusions 420 fusions ;;
     profile) step profile 200 profile ;;
     ranks) step ranks 40 ranks ;;
     model-tests) step model-tests 120 model_tests ;;

@@ -15,6 +15,7 @@ from trainer_fixtures import (
     assert_bad_input_on_every_rank,
     launch_ranks,
     make_model_dir,
+    rank_env,
     make_sft_data,
     run_ranks,
     run_train,
@@ -296,25 +297,36 @@ def test_fused_adam_trains_like_torchs_loop(root):
 @pytest.mark.slow
 def test_kernel_fusions_train_like_the_unfused_paths(root):
     """model.fusions turns on Megatron's compiled SwiGLU and cross-entropy and the compiled
-    RoPE rotation, here with TP=2 (the cross-entropy reduces over the TP group) in bf16 (the
-    only precision its backward keeps) on packed rows (RoPE on THD streams): the loss and
-    gradient-norm curve equal the unfused run's within bf16 rounding (measured: up to 3e-5
-    relative on the loss, 2e-4 on the gradient norm)."""
+    RoPE rotation, or compiles each decoder layer whole; here with TP=2 (the cross-entropy
+    reduces over the TP group; a compiled layer holds TP collectives) in bf16 (the only
+    precision the cross-entropy's backward keeps) on packed rows (RoPE on THD streams): the
+    loss and gradient-norm curve equal the unfused run's within bf16 rounding (measured: up to
+    3e-5 relative on the loss, 2e-4 on the gradient norm, both ways: the compiled SwiGLU's
+    single rounding). Only the compiled layers give inductor the RMSNorm to fuse: their
+    generated kernels hold the norm's rsqrt, the other runs' none."""
     config = _config(root, training={"max_steps": 4, "logging_steps": 1, "bf16": True,
                                      "global_batch_size": 4},
                      parallel={"tensor_model_parallel_size": 2},
                      data={"seq_length": 64, "sequence_packing": True})
-    curves = {}
-    for name, fusions in (("unfused", "[]"), ("fused", "[swiglu,cross_entropy,rope]")):
+    curves, kernels = {}, {}
+    for name, fusions in (("unfused", "[]"), ("fused", "[swiglu,cross_entropy,rope]"),
+                          ("layer", "[layer]")):
         run_dir = root / f"fusions_{name}"
-        proc = run_train(config, run_dir, 2, f"model.fusions={fusions}", "data.eval_dataset=null")
+        cache = root / f"inductor_{name}"  # a cold cache per run: its files are this run's
+        proc = run_ranks(2, ["train", str(config), f"training.output_dir={run_dir}",
+                             f"model.fusions={fusions}", "data.eval_dataset=null"],
+                         env={**rank_env(), "TORCHINDUCTOR_CACHE_DIR": str(cache)})
         assert proc.returncode == 0, proc.stderr[-4000:]
         curves[name] = steps(run_dir)
-    assert len(curves["fused"]) == 4
-    for fused, plain in zip(curves["fused"], curves["unfused"]):
-        assert fused["loss"] == pytest.approx(plain["loss"], rel=1e-4)
-        assert fused["grad_norm"] == pytest.approx(plain["grad_norm"], rel=3e-3)
-    assert curves["fused"][-1]["loss"] != curves["fused"][0]["loss"]  # the weights did move
+        kernels[name] = [f for f in cache.rglob("*") if f.is_file() and "rsqrt" in f.read_text(errors="ignore")]
+    assert "decoder layers: torch.compile" in proc.stdout
+    assert kernels["layer"] and not kernels["fused"] and not kernels["unfused"]
+    for name in ("fused", "layer"):
+        assert len(curves[name]) == 4
+        for fused, plain in zip(curves[name], curves["unfused"]):
+            assert fused["loss"] == pytest.approx(plain["loss"], rel=1e-4)
+            assert fused["grad_norm"] == pytest.approx(plain["grad_norm"], rel=3e-3)
+        assert curves[name][-1]["loss"] != curves[name][0]["loss"]  # the weights did move
 
 
 @pytest.mark.slow

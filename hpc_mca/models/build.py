@@ -22,7 +22,7 @@ import torch
 from hpc_mca.models.attention import core_attention_class
 from hpc_mca.models.attention_backend import check_context_parallel, select_attention_backend
 from hpc_mca.models.checkpoint import inspect_checkpoint
-from hpc_mca.models import mtp, rope
+from hpc_mca.models import layer_compile, mtp, rope
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_config import HFModelSpec, check_sequence_length, read_hf_config
 from hpc_mca.models.mapping import padded_vocab_size
@@ -51,6 +51,7 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     make_vocab_size_divisible_by: int = 128,
     config_overrides: Mapping[str, Any] | None = None,
+    compile_layers: bool = False,
 ) -> list[torch.nn.Module]:
     """This rank's GPTModel chunks (one per virtual pipeline stage) for an HF model.
 
@@ -59,6 +60,7 @@ def build_model(
     path; otherwise parameters are randomly initialised (identically for every TP size).
     ``seq_length`` (default: the config's max_position_embeddings) is the longest sequence the
     model will see; it only matters for refusing sliding windows shorter than that.
+    ``compile_layers`` puts each decoder layer under torch.compile (:mod:`.layer_compile`).
 
     Raises ModelLoadError / LayoutError (one line) before allocating anything.
     """
@@ -87,6 +89,8 @@ def build_model(
         load_hf_weights(chunks, spec, checkpoint=checkpoint)
     if config.mtp_num_layers:
         mtp.initialise(chunks, ctx.seed)  # HF weights hold none; the same for every layout
+    if compile_layers:
+        layer_compile.compile_layers(chunks)
     return chunks
 
 

@@ -75,6 +75,10 @@ class _PositionCache:
         self.layout: tuple[int, int, int, torch.device] | None = None
         self.positions: Tensor | None = None
 
+    # Host work once per micro-batch: a compiled layer (model.fusions: [layer]) runs it eagerly,
+    # as dynamo cannot key a cache on a tensor's identity, and inductor (torch 2.13) fails to
+    # lower repeat_interleave with a data-dependent output_size.
+    @torch.compiler.disable
     def get(self, cu_seqlens: Tensor, tokens: int, cp_size: int, cp_rank: int,
             device: torch.device) -> Tensor:
         layout = (tokens, cp_size, cp_rank, device)

@@ -48,7 +48,7 @@ TEMPLATES = ("chat", "plain")
 ATTENTION_BACKENDS = ("auto", "te", "flash", "torch")
 PACKED_ATTENTION = ("auto", "varlen", "flex", "sdpa")
 """model.packed_attention choices (hpc_mca.models.packed_kernels.PACKED_KERNELS and auto)."""
-KERNEL_FUSIONS = ("swiglu", "cross_entropy", "rope")
+KERNEL_FUSIONS = ("swiglu", "cross_entropy", "rope", "layer")
 """model.fusions choices: kernel fusions that run without Transformer Engine or Apex."""
 OPTIMIZERS = ("adam", "sgd")
 OPTIMIZER_FORMATS = ("model_space", "fully_reshardable", "dp_reshardable")
@@ -85,9 +85,9 @@ class ModelArguments:
     """Kernel fusions to turn on, each compiled by torch.compile: swiglu (Megatron's MLP gated
     activation in one kernel, recomputed in backward), cross_entropy (Megatron's vocabulary
     cross-entropy in fused pieces; bf16 runs only, as its backward writes the logits' gradient
-    in bf16) and rope (the rotary embedding's one pass over a packed stream,
-    hpc_mca.models.rope). Empty = Megatron's unfused paths, except that RoPE on
-    packed sequences always runs in one pass."""
+    in bf16), rope (RoPE's one pass over a packed stream, hpc_mca.models.rope) and layer (each
+    decoder layer compiled whole, core attention left eager: hpc_mca.models.layer_compile).
+    Empty = Megatron's unfused paths, except that packed RoPE always runs in one pass."""
 
 
 @dataclass

@@ -88,7 +88,8 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
                               load_weights=has_weights,
                               attention_backend=config.model.attention_backend,
                               packed_attention=config.model.packed_attention,
-                              dtype=_dtype(config), config_overrides=_model_overrides(config))
+                              dtype=_dtype(config), config_overrides=_model_overrides(config),
+                              compile_layers="layer" in config.model.fusions)
     chunks = transform_model(build(), config)  # LoRA, freezing, casts: before DDP wraps them
     objective.attach(chunks, build)  # dpo's reference: a frozen copy of the starting model
     shape = _shape(config)
@@ -153,8 +154,9 @@ def attention_backend_available(config: TrainConfig) -> str:
                                 config.model.packed_attention, cuda=torch.cuda.is_available(),
                                 dtype=_dtype(config), cp=par.context_parallel_size)
     packed = f"packed kernel {kernel}" if kernel else "packed sequences"
+    layers = "; decoder layers: torch.compile" if "layer" in config.model.fusions else ""
     return (f"attention: {backend} backend, {packed} ({why}); "
-            f"RoPE: {describe('rope' in config.model.fusions)}")
+            f"RoPE: {describe('rope' in config.model.fusions)}{layers}")
 
 
 def _layout(config: TrainConfig) -> Layout:
