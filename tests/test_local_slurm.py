@@ -154,3 +154,51 @@ def test_shellcheck_clean(script: str) -> None:
     args = [shellcheck, "--external-sources", str(slurm.REPO / script)]
     done = subprocess.run(args, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout
+
+
+def _local_slurm_functions(*names: str) -> str:
+    """The bash source of these functions of bin/local-slurm (each ``name() {`` to its ``}``)."""
+    lines, keep = [], False
+    for line in (slurm.REPO / "bin" / "local-slurm").read_text().splitlines():
+        if any(line.startswith(f"{name}() {{") for name in names):
+            lines.append(line)
+            keep = not line.endswith("}")  # else a one-line function
+        elif keep:
+            lines.append(line)
+            keep = line != "}"
+    return "\n".join(lines)
+
+
+# Not marked slurm: a fake mariadbd, no cluster.
+def test_a_mariadb_slow_to_write_its_pid_file_is_waited_for_and_stoppable(tmp_path: Path) -> None:
+    """mariadbd writes its pid file only once its engines are up; on a loaded 2-core machine
+    that took over start's 3-s grace, and start declared it dead (then left it running, as
+    stop went by the pid file). A mariadbd started with our --pid-file counts as alive before
+    the file exists; start waits for it, and stop finds it without the file."""
+    pid_file = tmp_path / "mariadb.pid"
+    fake = tmp_path / "mariadbd"  # a script's process is named after the script
+    fake.write_text("#!/bin/bash\n# args: --pid-file=FILE\nsleep 4\necho $$ > \"${1#--pid-file=}\"\n"
+                    "sleep 60 &\ntrap 'kill $!; exit 0' TERM\nwait\n")
+    fake.chmod(0o755)
+    functions = _local_slurm_functions("log", "err", "pid_alive", "pidfile_pid", "pids_named",
+                                       "mariadb_pid", "mariadb_alive", "stop_pid", "wait_ready")
+    script = f"""set -euo pipefail
+{functions}
+DB_PIDFILE={pid_file}
+TIMEOUT=20
+{fake} --pid-file={pid_file} >/dev/null 2>&1 &
+fake=$!
+sleep 0.5
+[[ "$(mariadb_pid)" == "$fake" ]] || {{ echo "not found before its pid file"; exit 1; }}
+wait_ready mariadb_alive test -s {pid_file} || {{ echo "declared dead while starting"; exit 1; }}
+echo "ready after $SECONDS s"
+[[ "$(mariadb_pid)" == "$fake" ]] || {{ echo "not found by its pid file"; exit 1; }}
+rm {pid_file}
+stop_pid "$(mariadb_pid)" mariadbd MariaDB
+wait "$fake" || true
+[[ -z "$(mariadb_pid)" ]] || {{ echo "still found after stop"; exit 1; }}
+"""
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "stopped MariaDB (pid" in done.stdout
