@@ -200,16 +200,15 @@ def run_transformers(args: argparse.Namespace, config: dict, fp32_master: bool) 
 
 
 def profile_steps(step, device: torch.device) -> str:
-    """The operator table of PROFILED more steps, by self device time (the trainer's format)."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    """The operator table of PROFILED more steps, in the trainer's format."""
+    from hpc_mca.trainer.profiling import activities, operator_table
+
+    cuda = device.type == "cuda"
+    with torch.profiler.profile(activities=activities(cuda)) as prof:
         for _ in range(PROFILED):
             step()
         sync(device)
-    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=sort, row_limit=30)
+    return operator_table(prof, cuda)
 
 
 def sync(device: torch.device) -> None:

@@ -30,10 +30,9 @@ import torch
 __all__ = ["compile_layers"]
 
 
-def compile_layers(chunks: list[torch.nn.Module]) -> int:
+def compile_layers(chunks: list[torch.nn.Module]) -> None:
     """Compile every decoder layer of ``chunks`` (Megatron GPTModels, before DDP wraps them)
-    with its core attention left eager; returns how many layers were compiled."""
-    count = 0
+    with its core attention left eager."""
     for chunk in chunks:
         for layer in chunk.decoder.layers:
             attention = getattr(getattr(layer, "self_attention", None), "core_attention", None)
@@ -43,5 +42,3 @@ def compile_layers(chunks: list[torch.nn.Module]) -> int:
                 eager = torch.compiler.disable(type(attention).forward)
                 attention.forward = types.MethodType(eager, attention)
             layer.compile()
-            count += 1
-    return count

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers.trainer_callback import TrainerCallback, TrainerControl, TrainerState
 
-__all__ = ["ProfilerCallback"]
+__all__ = ["ProfilerCallback", "activities", "operator_table"]
 
 _TABLE_ROWS = 30
 
@@ -42,7 +42,7 @@ class ProfilerCallback(TrainerCallback):
             print(f"profiling steps {self.first}-{self.last}: their step times and the next "
                   "step's (or the window's last, by backend) include the profiler's overhead "
                   "and the trace export", flush=True)
-            self.profiler = torch.profiler.profile(activities=_activities())
+            self.profiler = torch.profiler.profile(activities=activities(torch.cuda.is_available()))
             self.profiler.start()
         return control
 
@@ -61,24 +61,29 @@ class ProfilerCallback(TrainerCallback):
     def _finish(self, output_dir: Path, step: int) -> None:
         profiler, self.profiler = self.profiler, None
         assert profiler is not None
-        if torch.cuda.is_available():
+        cuda = torch.cuda.is_available()
+        if cuda:
             torch.cuda.synchronize()  # the window's kernels end inside the window
         profiler.stop()
         out = output_dir / "profile"
         out.mkdir(parents=True, exist_ok=True)
         stem = f"steps-{self.first}-{step}"
         profiler.export_chrome_trace(str(out / f"{stem}.json.gz"))
-        device = torch.cuda.is_available()
-        sort = "self_device_time_total" if device else "self_cpu_time_total"
-        (out / f"{stem}.txt").write_text(profiler.key_averages().table(sort_by=sort,
-                                                                       row_limit=_TABLE_ROWS) + "\n")
+        (out / f"{stem}.txt").write_text(operator_table(profiler, cuda) + "\n")
         print(f"profile of steps {self.first}-{step}: {out / stem}.json.gz (trace), "
-              f"{out / stem}.txt (operators by self {'device' if device else 'CPU'} time)",
+              f"{out / stem}.txt (operators by self {'device' if cuda else 'CPU'} time)",
               flush=True)
 
 
-def _activities() -> list[torch.profiler.ProfilerActivity]:
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return activities
+def activities(cuda: bool) -> list[torch.profiler.ProfilerActivity]:
+    """What to record: host ops, and the device's kernels when ``cuda``."""
+    out = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        out.append(torch.profiler.ProfilerActivity.CUDA)
+    return out
+
+
+def operator_table(profiler: torch.profiler.profile, cuda: bool) -> str:
+    """torch's operator table, by self device time with ``cuda`` (else self CPU time)."""
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return profiler.key_averages().table(sort_by=sort, row_limit=_TABLE_ROWS)
