@@ -54,6 +54,50 @@ def test_pairs_share_the_prompt_and_label_only_the_answer(tokenizer):
     assert _decoded(tokenizer, store, 1) == ("<|user|>12+34=<|assistant|>461", "461<|end|>")
 
 
+HISTORY_PROMPT = ("<|system|>Add.<|user|>1+2=<|assistant|>3<|end|><|user|>3+4=<|assistant|>7"
+                  "<|end|><|user|>12+34=<|assistant|>")
+
+
+@pytest.mark.parametrize("record", [
+    {"system": "Add.", "history": [["1+2=", "3"], ["3+4=", "7"]], "instruction": "12+34=",
+     "chosen": "46", "rejected": ""},
+    {"system": "Add.", "conversations": [
+        {"from": "human", "value": "1+2="}, {"from": "gpt", "value": "3"},
+        {"role": "user", "content": "3+4="}, {"role": "assistant", "content": "7"},
+        {"from": "human", "value": "12+34="}],
+     "chosen": {"from": "gpt", "value": "46"}, "rejected": {"from": "gpt", "value": ""}},
+], ids=["alpaca", "sharegpt"])
+def test_history_is_prompt_and_only_the_final_answer_is_trained(tokenizer, record):
+    """Earlier assistant turns are history (TRL's and LLaMA-Factory's prompt), never labels; an
+    empty rejected answer is scored on its end-of-turn token alone, as TRL does."""
+    store = tokenize_pairs([Record("x:1", record)], tokenizer, _data(cutoff_len=64))
+    prompt = len(tokenizer(HISTORY_PROMPT, add_special_tokens=False)["input_ids"])
+    assert prompt == 29
+    assert _decoded(tokenizer, store, 0) == (HISTORY_PROMPT + "46", "46<|end|>")
+    assert _decoded(tokenizer, store, 1) == (HISTORY_PROMPT, "<|end|>")
+    # labels[t] is token t + 1: the answer's tokens are 29..31 (chosen), 29 (rejected).
+    assert np.flatnonzero(store.sample(0)[1] != IGNORE_INDEX).tolist() == [28, 29, 30]
+    assert np.flatnonzero(store.sample(1)[1] != IGNORE_INDEX).tolist() == [28]
+
+
+def test_an_answer_without_tokens_is_refused_in_one_line():
+    """A template that ends no turn with a token leaves an empty answer nothing to score (TRL
+    would count it as log-probability 0)."""
+    bare = load_tokenizer(DEMO)
+    bare.chat_template = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}"
+                          "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}"
+                          "{% endif %}")
+    record = Record("x:7", {"instruction": "1+1=", "chosen": "2", "rejected": ""})
+    with pytest.raises(DataError) as err:
+        tokenize_pairs([record], bare, _data())
+    assert str(err.value) == (
+        "x:7: the rejected answer has no token of its own to score (empty, and the template "
+        "adds no end-of-turn token after it); valid: a non-empty answer, or a template that "
+        "ends turns with eos")
+    ok = tokenize_pairs([Record("x:8", {**record.data, "rejected": "3"})], bare, _data())
+    assert _decoded(bare, ok, 1) == ("<|user|>1+1=<|assistant|>", "3")
+
+
 def test_truncation_cuts_one_prompt_for_both_answers(tokenizer):
     record = Record("x:1", {"instruction": "1234567+7654321=", "chosen": "8888888",
                             "rejected": "88888"})

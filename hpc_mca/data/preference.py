@@ -10,9 +10,13 @@ Records use LLaMA-Factory's pairwise formats:
   optional ``system``.
 
 A pair becomes two shifted samples, chosen at index ``2p`` and rejected at ``2p + 1``. Both
-start with the same prompt tokens, and only the response carries labels. When prompt plus the
-longer response exceed ``cutoff_len``, the prompt (kept from its start) and both responses are
-cut with one split, so the two samples still share their prompt (see :func:`split_budget`).
+start with the same prompt tokens, and only the final answer carries labels: the prompt is
+everything before it (system prompt, earlier turns of the history, assistant ones included,
+and the last user turn), as TRL's DPOTrainer and LLaMA-Factory score a pair. An empty answer
+is scored on what the template renders for it (its end-of-turn token), as TRL does; an answer
+with no token of its own is refused. When prompt plus the longer response exceed
+``cutoff_len``, the prompt (kept from its start) and both responses are cut with one split, so
+the two samples still share their prompt (see :func:`split_budget`).
 
 Rows keep pairs whole. Unpacked, each sample is a row, and a sampling unit is a pair: a
 micro-batch of ``per_device_train_batch_size`` pairs holds rows ``[c1, r1, c2, r2, ...]``.
@@ -94,8 +98,13 @@ def pair_samples(chosen: tuple[np.ndarray, np.ndarray], rejected: tuple[np.ndarr
     """The two shifted samples of one pair from their ``(tokens, trained)``, cut to
     ``cutoff_len`` inputs each; None when an answer has nothing trainable left. Also whether
     anything was cut."""
-    starts = [int(np.argmax(trained)) if trained.any() else len(trained)
-              for _, trained in (chosen, rejected)]
+    for side, (_, trained) in zip(("chosen", "rejected"), (chosen, rejected)):
+        if not trained.any():
+            # TRL would score it as log-probability 0 (no tokens), which compares nothing.
+            raise DataError(f"{where}: the {side} answer has no token of its own to score "
+                            "(empty, and the template adds no end-of-turn token after it); "
+                            "valid: a non-empty answer, or a template that ends turns with eos")
+    starts = [int(np.argmax(trained)) for _, trained in (chosen, rejected)]
     prompt_len = starts[0]
     if starts[0] != starts[1] or not np.array_equal(chosen[0][:prompt_len],
                                                     rejected[0][:prompt_len]):
@@ -122,8 +131,11 @@ def tokenize_pairs(records: list[Record], tokenizer: Any, data: Any) -> SampleSt
     for record in records:
         prompt, chosen, rejected = preference_of(record, fmt)
         for answer in (chosen, rejected):
-            rendered.append(render(tokenizer, [*prompt, {"role": "assistant", "content": answer}],
-                                   data.template, False, record.where))
+            text, spans = render(tokenizer, [*prompt, {"role": "assistant", "content": answer}],
+                                 data.template, False, record.where)
+            # render marks every assistant turn; the earlier ones are history, part of the
+            # prompt the two answers share, which TRL and LLaMA-Factory never score.
+            rendered.append((text, spans[-1:]))
     encoded = list(encode_rendered(tokenizer, rendered))
     samples: list[tuple[np.ndarray, np.ndarray]] = []
     truncated = dropped = 0

@@ -23,8 +23,9 @@ from .errors import DataError
 from .records import indexed_prefix
 from .tokenize import windows
 
-CACHE_VERSION = 1
-"""Bump when the meaning of cached arrays changes."""
+CACHE_VERSION = 2
+"""Bump when the meaning of cached arrays changes (2: dpo pairs label only the final answer,
+not earlier assistant turns of the history)."""
 
 
 class Samples(Protocol):
