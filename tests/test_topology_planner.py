@@ -62,14 +62,19 @@ def test_planner_own_plan_for_recipe_fits_and_is_valid():
     assert "\n" not in p.reason and p.layout.describe() in p.reason
 
 
-def test_sequence_parallel_only_where_the_hardware_has_it():
+def test_sequence_parallel_with_tp_on_every_gpu_and_for_moe_on_cpu():
     small = ModelShape(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=4,
                        ffn_hidden_size=512, vocab_size=128)
-    common = dict(model=small, nodes=1, gpus_per_node=2, seq_length=64, global_batch_size=8,
-                  layout=Layout(tp=2))
-    assert plan(**common, gpu="H100-80GB").sequence_parallel
-    # Megatron's torch LayerNorm (no Transformer Engine on CPU) refuses sequence parallelism.
-    assert not plan(**common, gpu="CPU").sequence_parallel
+    moe = replace(small, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128)
+    common = dict(nodes=1, gpus_per_node=2, seq_length=64, global_batch_size=8)
+    for gpu in (name for name in GPU_PRESETS if name != "CPU"):
+        assert plan(model=small, **common, gpu=gpu, layout=Layout(tp=2)).sequence_parallel
+        assert not plan(model=small, **common, gpu=gpu, layout=Layout(tp=1)).sequence_parallel
+    # Dense on CPU: gloo makes its extra collectives slower than the memory is worth.
+    assert not plan(model=small, **common, gpu="CPU", layout=Layout(tp=2)).sequence_parallel
+    # MoE under TP: Megatron's MoE layer refuses to train without it, on any hardware.
+    assert plan(model=moe, **common, gpu="CPU", layout=Layout(tp=2)).sequence_parallel
+    assert not plan(model=moe, **common, gpu="CPU", layout=Layout(tp=1, ep=2)).sequence_parallel
 
 
 def test_recipe_memory_matches_hand_count():

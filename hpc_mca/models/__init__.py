@@ -7,6 +7,7 @@ used for cheap pre-checks); the heavy modules import torch and megatron.core whe
   qwen2, qwen3, qwen3_moe, mixtral) and refuses what it cannot reproduce.
 - ``megatron_config``: ``transformer_config_kwargs``, ``layer_spec`` (local spec with a
   selectable core attention), ``rope_inv_freq``.
+- ``norm``: ``TorchNorm``, the layer spec's torch norm that runs under TP sequence parallelism.
 - ``mapping``: which slices of which HF tensors each Megatron parameter of a rank holds.
 - ``checkpoint``: safetensors index/header pre-checks and per-slice reading.
 - ``build``: ``build_model(source, ctx)`` -> this rank's GPTModel chunks, weights loaded.

@@ -31,7 +31,7 @@ from hpc_mca.models.megatron_config import (
     block_spec,
     layer_spec,
     rope_inv_freq,
-    transformer_config_kwargs,
+    transformer_config,
 )
 from hpc_mca.models.weights import load_hf_weights
 from hpc_mca.runtime.distributed import RankContext
@@ -70,12 +70,13 @@ def build_model(
     if load and spec.directory is None:
         raise ModelLoadError("load_weights=True needs an HF model directory, not a config dict")
     checkpoint = inspect_checkpoint(spec) if load else None
-    _check_layout(spec, ctx)
+    _check_layout(spec, ctx, bool((config_overrides or {}).get("sequence_parallel")))
     backend = select_attention_backend(attention_backend)
     check_context_parallel(backend, ctx.layout.cp, (config_overrides or {}).get("cp_comm_type"))
     kernel = packed_kernel(spec, backend, packed_attention, cuda=ctx.device.type == "cuda",
                            dtype=dtype, cp=ctx.layout.cp)[0]
-    config = _transformer_config(spec, ctx, dtype, load, rope.configure(config_overrides))
+    config = transformer_config(spec, ctx.layout, dtype=dtype, gloo=ctx.backend == "gloo",
+                                loading=load, overrides=rope.configure(config_overrides))
     layer = layer_spec(spec, core_attention_class(backend, kernel or "sdpa"))
     vocab = padded_vocab_size(spec.vocab_size, ctx.layout.tp, make_vocab_size_divisible_by)
     max_len = seq_length or spec.max_position_embeddings
@@ -107,36 +108,14 @@ def packed_kernel(spec: HFModelSpec, backend: str, preference: str, *, cuda: boo
                                  dropout=spec.attention_dropout, cp=cp)
 
 
-def _check_layout(spec: HFModelSpec, ctx: RankContext) -> None:
+def _check_layout(spec: HFModelSpec, ctx: RankContext, sequence_parallel: bool) -> None:
     """The layout rules of the planner, for this model (TP divides heads and groups, EP
-    divides experts, PP fits the layers, ...); sequence parallel is off with the local spec."""
+    divides experts, PP fits the layers, ...)."""
     shape = ModelShape.from_hf_config(spec.raw)
-    violations = check_layout(ctx.layout, ctx.env.world_size, shape, sequence_parallel=False)
+    violations = check_layout(ctx.layout, ctx.env.world_size, shape,
+                              sequence_parallel=sequence_parallel and ctx.layout.tp > 1)
     if violations:
         raise LayoutError(violations)
-
-
-def _transformer_config(
-    spec: HFModelSpec,
-    ctx: RankContext,
-    dtype: torch.dtype,
-    loading: bool,
-    overrides: Mapping[str, Any] | None,
-) -> Any:
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    init = {
-        # Loading overwrites every parameter: skip the random init and allocate only the local
-        # shard. Random init builds each full weight on CPU and slices it, which makes initial
-        # weights identical for every TP size (tests/test_rank_bootstrap.py: TP2xDP2 = TP1).
-        "use_cpu_initialization": not loading,
-        "perform_initialization": not loading,
-    }
-    kwargs = transformer_config_kwargs(
-        spec, ctx.layout, dtype=dtype, gloo=ctx.backend == "gloo",
-        overrides={**init, **(overrides or {})},
-    )
-    return TransformerConfig(**kwargs)
 
 
 def _build_chunk(

@@ -16,6 +16,12 @@ trainable parameters and their values are exactly those of peft on the transform
   over the TP ranks' rows, as Megatron's own column linear does for its input.
 * row-parallel base (``linear_proj``, ``linear_fc2``): A holds this rank's input columns, its
   output is all-reduced over TP (identity backward), B is whole.
+* under TP sequence parallelism the base column linear gathers its input over the sequence
+  and the base row linear reduce-scatters its output: A's output does the same (gathered after
+  a column A, r wide, so cheaper than gathering the input again; reduce-scattered after a row
+  A). The replicated factor (A of a column base, B of a row base) then sees only this rank's
+  tokens, so it is marked ``sequence_parallel`` like Megatron's norms: ``finalize_model_grads``
+  sums its gradient over TP.
 * experts under expert-TP > 1 talk through the token dispatcher instead (it gathers their
   input and reduce-scatters their output): the activations cross no collective here, and the
   gradients of the replicated factor (A of fc1, B of fc2) are summed over the expert-TP group.
@@ -126,6 +132,14 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
         return group.size() if group is not None else 1
 
     @property
+    def sequence_parallel(self) -> bool:
+        """The base linear moves the sequence over TP (gathers the input of a column linear,
+        reduce-scatters the output of a row linear); experts' linears never do."""
+        base = self.get_base_layer()
+        return (bool(getattr(base, "sequence_parallel", False)) and self.tp_size > 1
+                and not getattr(base, "explicit_expert_comm", False))
+
+    @property
     def through_dispatcher(self) -> bool:
         """Expert linears under expert-TP > 1: the token dispatcher does the TP communication."""
         return bool(getattr(self.get_base_layer(), "explicit_expert_comm", False)) and self.tp_size > 1
@@ -187,6 +201,9 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
             for linear in modules.values():
                 if split:
                     set_tensor_model_parallel_attributes(linear.weight, True, 0 if self.column else 1, 1)
+                elif self.sequence_parallel:
+                    # Replicated, fed this rank's tokens only: summed over TP by Megatron.
+                    linear.weight.sequence_parallel = True
                 if expert:
                     linear.weight.allreduce = False
 
@@ -213,11 +230,6 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
         return result, bias
 
     def _delta(self, adapter: str, x: torch.Tensor) -> torch.Tensor:
-        from megatron.core.tensor_parallel.mappings import (
-            copy_to_tensor_model_parallel_region,
-            reduce_from_tensor_model_parallel_region,
-        )
-
         tp, group = self.tp_size, self.tp_group
         out = {}
         for part, a in self.lora_A[adapter].items():
@@ -229,11 +241,25 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
                 out[part] = torch.nn.functional.linear(torch.nn.functional.linear(x, a_w), b_w)
                 continue
             u = a(x)
-            if tp > 1:
-                u = (copy_to_tensor_model_parallel_region(u, group) if self.column
-                     else reduce_from_tensor_model_parallel_region(u, group))
-            out[part] = b(u)
-        return self._assemble(out, x.shape[:-1]) * self.scaling[adapter]
+            out[part] = b(self._across_tp(u, group) if tp > 1 else u)
+        # Under sequence parallelism the output's sequence length is not the input's.
+        return self._assemble(out, next(iter(out.values())).shape[:-1]) * self.scaling[adapter]
+
+    def _across_tp(self, u: torch.Tensor, group: Any) -> torch.Tensor:
+        """A's output ``u`` as B needs it: the TP communication of the base linear, on r
+        columns (see the module docstring)."""
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+            reduce_scatter_to_sequence_parallel_region,
+        )
+
+        if self.column:
+            return (gather_from_sequence_parallel_region(u, True, group) if self.sequence_parallel
+                    else copy_to_tensor_model_parallel_region(u, group))
+        return (reduce_scatter_to_sequence_parallel_region(u, group) if self.sequence_parallel
+                else reduce_from_tensor_model_parallel_region(u, group))
 
     def _assemble(self, parts: dict[str, torch.Tensor], lead: torch.Size) -> torch.Tensor:
         """The parts' outputs (last dim) laid out as the base linear's local output."""

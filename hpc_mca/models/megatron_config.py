@@ -1,9 +1,11 @@
 """HFModelSpec -> Megatron-Core ``TransformerConfig``, layer spec and RoPE frequencies.
 
 The layer spec is Megatron's local one (``get_gpt_layer_local_spec``: ColumnParallelLinear,
-RowParallelLinear, torch RMSNorm, SequentialMLP experts) with only ``core_attention`` swapped
-for the backend :mod:`hpc_mca.models.attention` selects, so packed (THD) sequences work without
-Transformer Engine. qk-norm goes through the spec's ``q_layernorm``/``k_layernorm``.
+RowParallelLinear, torch RMSNorm, SequentialMLP experts) with ``core_attention`` swapped for the
+backend :mod:`hpc_mca.models.attention` selects, so packed (THD) sequences work without
+Transformer Engine, and its norms for :class:`hpc_mca.models.norm.TorchNorm` (the same torch
+modules, sequence parallelism allowed). qk-norm goes through the spec's
+``q_layernorm``/``k_layernorm``.
 
 RoPE: Megatron's RotaryEmbedding hard-codes llama3's low/high frequency factors and original
 context (1, 4, 8192), so the inverse frequencies are computed here from the config with the
@@ -20,9 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from hpc_mca.models.hf_config import HFModelSpec, RopeSpec
+from hpc_mca.models.norm import TorchNorm
 from hpc_mca.topology import Layout, megatron_pipeline_layout
 
-__all__ = ["block_spec", "layer_spec", "rope_inv_freq", "transformer_config_kwargs"]
+__all__ = ["block_spec", "layer_spec", "rope_inv_freq", "transformer_config",
+           "transformer_config_kwargs"]
 
 _DTYPE_FLAGS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -76,6 +80,29 @@ def transformer_config_kwargs(
     return kwargs
 
 
+def transformer_config(
+    spec: HFModelSpec,
+    layout: Layout,
+    *,
+    dtype: torch.dtype,
+    gloo: bool,
+    loading: bool,
+    overrides: Mapping[str, Any] | None = None,
+) -> Any:
+    """Megatron's ``TransformerConfig`` for ``spec`` under ``layout``, as the ranks build it
+    (its ``__post_init__`` validates the settings: ValueError/AssertionError when it refuses).
+
+    ``loading``: weights are loaded over the parameters, so the random init is skipped and only
+    the local shard is allocated. Random init builds each full weight on CPU and slices it,
+    which makes initial weights identical for every TP size (tests/test_rank_bootstrap.py)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    init = {"use_cpu_initialization": not loading, "perform_initialization": not loading}
+    kwargs = transformer_config_kwargs(spec, layout, dtype=dtype, gloo=gloo,
+                                       overrides={**init, **(overrides or {})})
+    return TransformerConfig(**kwargs)
+
+
 def _parallel_kwargs(layout: Layout, gloo: bool) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "tensor_model_parallel_size": layout.tp,
@@ -84,7 +111,7 @@ def _parallel_kwargs(layout: Layout, gloo: bool) -> dict[str, Any]:
         "context_parallel_size": layout.cp,
         "expert_model_parallel_size": layout.ep,
         "expert_tensor_parallel_size": layout.etp,
-        # The torch LayerNorm of the local spec refuses sequence parallelism (it raises).
+        # Off unless the run asks (parallel.sequence_parallel, through ``overrides``).
         "sequence_parallel": False,
         # Over gloo, batched isend/irecv silently trains interleaved pipelines on wrong data
         # (measured with PP2 x VP2); unbatched p2p is correct.
@@ -121,7 +148,8 @@ def _moe_kwargs(spec: HFModelSpec) -> dict[str, Any]:
 
 
 def layer_spec(spec: HFModelSpec, core_attention: type) -> Any:
-    """Megatron's local GPT layer spec for ``spec`` with ``core_attention`` swapped in."""
+    """Megatron's local GPT layer spec for ``spec`` with ``core_attention`` and the norms
+    (:class:`TorchNorm`, which runs under sequence parallelism) swapped in."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     layer = get_gpt_layer_local_spec(
@@ -130,7 +158,14 @@ def layer_spec(spec: HFModelSpec, core_attention: type) -> Any:
         qk_layernorm=spec.qk_norm,
         normalization="RMSNorm",
     )
-    layer.submodules.self_attention.submodules.core_attention = core_attention
+    layer.submodules.input_layernorm = TorchNorm
+    layer.submodules.pre_mlp_layernorm = TorchNorm
+    attention = layer.submodules.self_attention.submodules
+    attention.core_attention = core_attention
+    if spec.qk_norm:
+        # Head-split, not sequence-split, under TP: finalize_model_grads sums their gradients
+        # over TP by name (q_layernorm/k_layernorm) whatever the mark; one sum either way.
+        attention.q_layernorm = attention.k_layernorm = TorchNorm
     return layer
 
 

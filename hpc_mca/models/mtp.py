@@ -29,6 +29,7 @@ import zlib
 import torch
 from torch import Tensor
 
+from hpc_mca.models.norm import TorchNorm
 from hpc_mca.models.roll import roll_left, roll_plan
 
 __all__ = ["MTP_LOSSES", "MtpLosses", "initialise", "install", "mtp_block_spec"]
@@ -62,13 +63,21 @@ MTP_LOSSES = MtpLosses()
 
 
 def mtp_block_spec(config: Any, layer: Any, backend: str, vp_stage: int | None) -> Any:
-    """Megatron's MTP block spec for this chunk (None where it holds no MTP layer)."""
+    """Megatron's MTP block spec for this chunk (None where it holds no MTP layer). Off the
+    TE backend its three norms per layer are the decoder's :class:`TorchNorm` (Megatron's
+    local provider gives its torch norm, which refuses sequence parallelism); TE's norms
+    handle it themselves."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     if not config.mtp_num_layers:
         return None
-    return get_gpt_mtp_block_spec(config, layer, use_transformer_engine=backend == "te",
-                                  vp_stage=vp_stage)
+    block = get_gpt_mtp_block_spec(config, layer, use_transformer_engine=backend == "te",
+                                   vp_stage=vp_stage)
+    if block is not None and backend != "te":
+        for mtp_layer in block.layer_specs:
+            parts = mtp_layer.submodules
+            parts.enorm = parts.hnorm = parts.layer_norm = TorchNorm
+    return block
 
 
 _LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")

@@ -20,6 +20,10 @@ IGNORED_WARNINGS: tuple[tuple[str, str], ...] = (
     (r"Apex is not installed\. Falling back to Torch Norm",
      "megatron.core.models.backends and gpt_layer_specs, per model chunk: the local spec's "
      "norm is torch's; said once in library_line()"),
+    (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+     "torch.distributed, once per rank at Megatron-Core's first sequence-parallel gather or "
+     "reduce-scatter (and the distributed optimizer's): torch 2.13 renamed the collectives "
+     "Megatron-Core 0.19 calls; they work as they are"),
     (r"MimoModelConfig is experimental",
      "megatron.core.models.mimo, at import (reached through megatron.core.models): a model "
      "family hpc-mca does not build"),

@@ -23,8 +23,11 @@ class GpuSpec:
     fp8: bool = False
     """Hopper-class FP8 tensor cores (TransformerEngine fp8 recipes)."""
     sequence_parallel: bool = True
-    """Megatron sequence parallelism is available. It needs Transformer Engine's (or Apex's)
-    LayerNorm; Megatron's torch LayerNorm refuses it, so CPU runs go without."""
+    """Plans with TP > 1 turn on Megatron sequence parallelism (it runs with every norm the
+    trainer builds: Transformer Engine's, or torch's through hpc_mca.models.norm). Off for the
+    CPU preset: over gloo its extra collectives cost more time than its activation memory is
+    worth (demo model at TP2: 84 ms a step against 58). MoE models get it whatever this says:
+    Megatron's MoE layer refuses to train under TP without it."""
     usable_fraction: float = 0.88
     """Share of memory the estimate may fill. The rest is for what the estimate does not model:
     the CUDA context (~0.5 GiB), NCCL buffers (~1-2 GiB), allocator fragmentation and

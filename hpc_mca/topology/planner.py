@@ -127,7 +127,8 @@ class Plan:
     """none, selective or full."""
     use_distributed_optimizer: bool
     sequence_parallel: bool
-    """On whenever TP > 1 (required for MoE with TP, and what the activation estimate assumes)."""
+    """On whenever TP > 1 (required for MoE with TP, and what the activation estimate
+    assumes), except for dense models on the CPU preset (see GpuSpec.sequence_parallel)."""
     overlap_grad_reduce: bool
     """Reduce gradients during the last micro-batch's backward (Megatron DDP)."""
     memory: MemoryEstimate
@@ -224,11 +225,17 @@ def _make_plan(req: PlanRequest, option: Option, reason: str, *, forced: bool,
                 num_microbatches=req.global_batch_size // (mbs * (layout.dp or 1)),
                 recompute=option.recompute,
                 use_distributed_optimizer=distributed_optimizer(req, layout),
-                sequence_parallel=layout.tp > 1 and req.gpu_spec.sequence_parallel,
+                sequence_parallel=_sequence_parallel(req, layout),
                 overlap_grad_reduce=overlap_grad_reduce(req, option.layout),
                 memory=option.memory, step_time=option.time,
                 usable_bytes=req.gpu_spec.usable_bytes, reason=reason, request=req,
                 forced=forced, searched=searched, backend=req.backend, sequence_parallel_size=sp)
+
+
+def _sequence_parallel(req: PlanRequest, layout: Layout) -> bool:
+    """Megatron sequence parallelism for ``layout``: with TP > 1 where the hardware preset
+    wants it, and always for MoE models (Megatron's MoE layer refuses TP without it)."""
+    return layout.tp > 1 and (req.gpu_spec.sequence_parallel or req.shape.is_moe)
 
 
 def _plan_standard(req: PlanRequest) -> Plan:
