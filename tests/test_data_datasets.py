@@ -151,6 +151,57 @@ def test_unknown_dataset_name_is_one_line(tmp_path, lf_dir, overrides, message):
     assert message.format(info=lf_dir / "dataset_info.json") in _one_line(err)
 
 
+def test_an_unknown_name_among_many_gets_its_closest_not_the_list(tmp_path, lf_dir):
+    info = json.loads((lf_dir / "dataset_info.json").read_text())
+    info.update({f"corpus_{i:03d}": {"file_name": "alpaca.jsonl"} for i in range(120)})
+    (lf_dir / "dataset_info.json").write_text(json.dumps(info))
+    with pytest.raises(DataError) as err:
+        build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", "dataset=my_alpacca"))
+    assert _one_line(err).endswith("; did you mean 'my_alpaca'?")
+    with pytest.raises(DataError) as err:
+        build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", "dataset=identity"))
+    assert _one_line(err).endswith("; valid: one of its 123 names (none is close to this one)")
+
+
+def _with_entry(lf_dir: Path, **keys) -> None:
+    info = json.loads((lf_dir / "dataset_info.json").read_text())
+    info["my_alpaca"].update(keys)
+    (lf_dir / "dataset_info.json").write_text(json.dumps(info))
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"formating": "sharegpt"}, "unknown key 'formating'; did you mean 'formatting'?"),
+    ({"split": "test"}, "split='test'; a local file has one split; valid: train"),
+    ({"num_samples": 0}, "num_samples=0 must be a positive integer"),
+    ({"hf_hub_url": "org/data"}, "has hf_hub_url: hub, script and cloud entries are not read"),
+])
+def test_entry_keys_are_read_or_refused(tmp_path, lf_dir, keys, message):
+    _with_entry(lf_dir, **keys)
+    with pytest.raises(DataError) as err:
+        build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", "dataset=my_alpaca"))
+    assert message in _one_line(err)
+
+
+def test_num_samples_draws_that_many_records_with_the_seed(tmp_path, lf_dir):
+    everything = _samples(build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}",
+                                                 "dataset=my_alpaca")))
+    _with_entry(lf_dir, num_samples=5, split="train")
+    five = _samples(build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}",
+                                           "dataset=my_alpaca")))
+    order = np.random.RandomState(42).permutation(N)[:5]  # training.seed's default
+    assert five == [everything[i] for i in order]
+    again = _samples(build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}",
+                                            "dataset=my_alpaca", "seed=8")))
+    assert len(again) == 5 and again != five
+    _with_entry(lf_dir, num_samples=N + 3)  # more than the file has: all once, then repeats
+    more = _samples(build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}",
+                                           "dataset=my_alpaca")))
+    assert len(more) == N + 3 and sorted(set(map(str, more))) == sorted(map(str, everything))
+    cut = _samples(build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}",
+                                          "dataset=my_alpaca", "max_samples=2")))
+    assert cut == more[:2]  # max_samples cuts what num_samples drew
+
+
 def test_missing_column_and_missing_info_are_one_line(tmp_path, lf_dir):
     info = json.loads((lf_dir / "dataset_info.json").read_text())
     info["my_alpaca"]["columns"]["response"] = "answer"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hpc_mca.data.addition import DEMO_DIR
-from hpc_mca.data.dataset import build_datasets, eval_dataloader, train_dataloader
+from hpc_mca.data.dataset import build_datasets, check_eval_rows, eval_dataloader, train_dataloader
 from hpc_mca.data.errors import DataError
 from hpc_mca.data.store import IndexedSamples
 from trainer_fixtures import write_indexed
@@ -52,9 +52,27 @@ def test_sft_rows_and_rank_loaders(tmp_path: Path, sft_file: Path, packing: bool
     for a, b in zip(fresh[1:], resumed):  # 4 = one micro-step of 2 rows on each of 2 ranks
         assert torch.equal(a.input_ids, b.input_ids)
     evaluation = list(eval_dataloader(data.eval, _config(
-        tmp_path, f"dataset={sft_file}", "per_device_eval_batch_size=1"), data_parallel_rank=1))
+        tmp_path, f"dataset={sft_file}", "val_size=0.1", "per_device_eval_batch_size=1"),
+        data_parallel_rank=1))
     assert len(evaluation) == len(data.eval) // 2
     assert "train: 36 samples" in data.describe()
+
+
+def test_eval_rows_short_of_one_evaluation_step_are_one_line(tmp_path: Path, sft_file: Path):
+    """4 eval rows, 2 data-parallel ranks of 4: the line says which batch size would do."""
+    config = _config(tmp_path, f"dataset={sft_file}", "val_size=0.1",
+                     "per_device_eval_batch_size=4")
+    data = build_datasets(config)  # both backends check the rows once built (tests/test_standard.py)
+    with pytest.raises(DataError) as err:
+        check_eval_rows(data.eval, config)
+    assert str(err.value) == (
+        "the eval data has 4 rows, fewer than one evaluation step of "
+        "training.per_device_eval_batch_size=4 × data-parallel size 2 = 8 rows; valid: "
+        "training.per_device_eval_batch_size at most 2, or more eval data")
+    with pytest.raises(DataError, match="the eval data has 4 rows"):
+        eval_dataloader(data.eval, config, data_parallel_rank=0)
+    check_eval_rows(data.eval, _config(tmp_path, f"dataset={sft_file}", "val_size=0.1",
+                                       "per_device_eval_batch_size=2"))  # 4 rows: one step
 
 
 def test_missing_dataset_file_fails_before_training(tmp_path: Path, sft_file: Path):

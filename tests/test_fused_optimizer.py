@@ -51,3 +51,16 @@ def test_step_counters_are_put_where_the_fused_kernel_wants_them():
     _train(inner, params)
     assert all(inner.state[p]["step"].dtype == torch.float32 for p in params)
     assert all(float(inner.state[p]["step"]) == 8 for p in params)
+
+
+def test_a_bare_torch_adamw_is_switched_too():
+    """The standard backend hands its torch AdamW over unwrapped; it steps like the loop."""
+    loop_params, fused_params = _params(), _params()
+    loop = torch.optim.AdamW(loop_params, lr=1e-2, weight_decay=0.1)
+    bare = torch.optim.AdamW(fused_params, lr=1e-2, weight_decay=0.1)
+    assert use_fused_adam(bare) == 1
+    assert all(group["fused"] and not group["foreach"] for group in bare.param_groups)
+    _train(loop, loop_params)
+    _train(bare, fused_params)
+    for a, b in zip(loop_params, fused_params):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)

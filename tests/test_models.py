@@ -253,6 +253,34 @@ def test_transformers_loads_the_export_with_the_same_logits(models, ranks2, job,
     assert tokenizer("t1 t2")["input_ids"] == [1, 2]
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_exports_carry_the_tokenizer_and_generation_config(models, family, tmp_path):
+    """What every export of both backends holds beside its weights: the source's tokenizer
+    files and generation_config.json byte for byte; a source without a generation config gets
+    the one transformers writes for the model it loads from there (from config.json)."""
+    import shutil
+
+    import transformers
+
+    from hpc_mca.models.export import write_companion_files
+
+    source, copied, derived = tmp_path / "source", tmp_path / "copied", tmp_path / "derived"
+    shutil.copytree(models / family, source)
+    (source / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6}\n')
+    copied.mkdir()
+    write_companion_files(copied, source)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (copied / name).read_bytes() == (source / name).read_bytes(), name
+
+    (source / "generation_config.json").unlink()
+    derived.mkdir()
+    write_companion_files(derived, source)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source)
+    hf.save_pretrained(tmp_path / "reference")
+    assert (derived / "generation_config.json").read_text() == \
+        (tmp_path / "reference" / "generation_config.json").read_text()
+
+
 def test_small_export_is_one_file(single):
     export = single / "tp1" / "llama_sharded.export"
     assert [p.name for p in export.glob("*.safetensors")] == ["model.safetensors"]

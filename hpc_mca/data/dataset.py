@@ -163,7 +163,7 @@ def _load_all(data: Any, field_name: str, tokenizer: Any, stage: str, vocab_size
     """The samples of ``data.dataset`` (mixed by ``data.mix_strategy``) or of
     ``data.eval_dataset`` (concatenated)."""
     field = f"data.{field_name}"
-    sources = resolve_sources(data, field_name)
+    sources = resolve_sources(data, field_name, seed)
     for source in sources:  # report a bad second file before tokenizing the first
         _indexed_source(source.path, data, stage, field)
     parts = [load_samples(s.path, tokenizer, data, stage, field, vocab_size, s) for s in sources]
@@ -253,18 +253,33 @@ def train_dataloader(dataset: RowDataset, config: Any, *, data_parallel_rank: in
     return _loader(dataset, sampler)
 
 
+def check_eval_rows(rows: RowDataset | None, config: Any) -> None:
+    """Eval rows that fill no evaluation step (the tail that does not fill one on every rank
+    is left out) are bad input. Both backends call it once the rows are built, before step 1:
+    found at the first evaluation instead (the last step at the latest), a run lost its final
+    checkpoint and exports after training every step."""
+    if rows is None:
+        return
+    batch, dp = config.training.per_device_eval_batch_size, config.parallel.data_parallel_size
+    if len(rows) >= batch * dp:
+        return
+    packed = f" ({len(rows.samples)} samples packed into rows)" if rows.packed else ""
+    valid = (f"training.per_device_eval_batch_size at most {len(rows) // dp}, or more eval data"
+             if len(rows) >= dp else f"at least {dp} eval rows (more eval data)")
+    raise DataError(f"the eval data has {len(rows)} rows{packed}, fewer than one evaluation step "
+                    f"of training.per_device_eval_batch_size={batch} × data-parallel size {dp} "
+                    f"= {batch * dp} rows; valid: {valid}")
+
+
 def eval_dataloader(dataset: RowDataset, config: Any, *,
                     data_parallel_rank: int) -> torch.utils.data.DataLoader:
     """One pass over the eval rows in file order; the tail that does not fill a micro-batch on
     every rank is left out (so all ranks run the same number of steps)."""
     tr, par = config.training, config.parallel
+    check_eval_rows(dataset, config)  # the runs checked it before step 1; other callers here
     step = tr.per_device_eval_batch_size * par.data_parallel_size
-    usable = len(dataset) // step * step
-    if usable == 0:
-        raise DataError(f"the eval data has {len(dataset)} rows, fewer than one evaluation step "
-                        f"of training.per_device_eval_batch_size × data-parallel size={step}")
     sampler = DataSampler(len(dataset), micro_batch_size=tr.per_device_eval_batch_size,
                           data_parallel_rank=data_parallel_rank,
                           data_parallel_size=par.data_parallel_size, shuffle=False,
-                          total_samples=usable)
+                          total_samples=len(dataset) // step * step)
     return _loader(dataset, sampler)

@@ -14,15 +14,25 @@ Columns and tags are mapped onto the record fields :mod:`.records` and :mod:`.pr
 parse (alpaca: instruction, input, output, history, system, chosen, rejected; sharegpt:
 ``messages`` of role/content turns, system, chosen, rejected), so the rest of the pipeline is
 the same as for a direct path. pt entries take their text from the ``prompt`` column.
+
+``num_samples`` draws that many records from the file as LLaMA-Factory does (a permutation,
+then random repeats when it asks for more than the file has) with a generator seeded by
+``training.seed`` (LLaMA-Factory seeds NumPy's global generator with it before loading, so a
+run's first such dataset gets the same records there), before ``data.max_samples`` cuts.
+``split`` may only name ``train``, the one split a local file has. Any other key, and the
+remote-source keys (hub, script and cloud entries: nothing is downloaded), are refused.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from .errors import DataError
 from .records import Record, check_dataset_source, columns_of, read_records
@@ -38,6 +48,11 @@ SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human"
                  "assistant_tag": "gpt", "observation_tag": "observation",
                  "function_tag": "function_call", "system_tag": "system"}
 """LLaMA-Factory's sharegpt tags and their defaults."""
+ENTRY_KEYS = ("file_name", "formatting", "ranking", "columns", "tags", "num_samples", "split")
+"""The dataset_info.json entry keys read here."""
+_REMOTE_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name",
+                "subset", "folder")
+"""LLaMA-Factory's keys of entries fetched from a hub, a script or the cloud."""
 _TAG_ROLES = {"user_tag": "user", "assistant_tag": "assistant", "system_tag": "system",
               "observation_tag": "observation", "function_tag": "function_call"}
 
@@ -60,18 +75,25 @@ class DatasetSource:
     """The column keys the entry set itself (those must exist in the file)."""
     tags: dict[str, str] = field(default_factory=dict)
     """sharegpt tags (defaults filled in)."""
+    num_samples: int | None = None
+    """Records drawn from the file (the entry's ``num_samples``); None = all, in file order."""
+    seed: int = 0
+    """Seed of the ``num_samples`` draw (``training.seed``)."""
 
     def settings(self) -> dict[str, Any]:
         """What the tokenization cache key must include beyond the file contents."""
         if self.formatting is None:
             return {}
+        drawn = {} if self.num_samples is None else {"num_samples": self.num_samples,
+                                                     "seed": self.seed}
         return {"formatting": self.formatting, "ranking": self.ranking,
-                "columns": self.columns, "tags": self.tags}
+                "columns": self.columns, "tags": self.tags, **drawn}
 
 
-def resolve_sources(data: Any, field_name: str = "dataset") -> list[DatasetSource]:
+def resolve_sources(data: Any, field_name: str = "dataset", seed: int = 0) -> list[DatasetSource]:
     """The datasets of ``data.dataset`` (or ``eval_dataset``) as sources; DataError (one
-    line) for a missing dataset_info.json or a name it lacks."""
+    line) for a missing dataset_info.json, a name it lacks or an entry it cannot read.
+    ``seed`` seeds the draw of entries with ``num_samples``."""
     names = list(getattr(data, field_name) or ())
     if not getattr(data, "dataset_dir", None):
         return [DatasetSource(name, name) for name in names]
@@ -86,13 +108,42 @@ def resolve_sources(data: Any, field_name: str = "dataset") -> list[DatasetSourc
         raise DataError(f"{info_path}: must hold an object of dataset entries")
     for name in names:
         if name not in info:
-            raise DataError(f"data.{field_name}: dataset {name!r} is not in {info_path}; "
-                            f"valid: {', '.join(sorted(info)) or 'none'}")
-    return [_entry(name, info[name], Path(data.dataset_dir), info_path) for name in names]
+            raise DataError(f"data.{field_name}: dataset {name!r} is not in {info_path}"
+                            + _closest(name, list(info)))
+    return [_entry(name, info[name], Path(data.dataset_dir), info_path, seed) for name in names]
 
 
-def _entry(name: str, entry: Any, root: Path, info_path: Path) -> DatasetSource:
+def _closest(name: str, known: list[str], n: int = 3, cutoff: float = 0.6) -> str:
+    """"; did you mean ..." with up to ``n`` close names, else the names (when few)."""
+    close = difflib.get_close_matches(name, known, n=n, cutoff=cutoff)
+    if close:
+        return f"; did you mean {' or '.join(map(repr, close))}?"
+    if len(known) <= 10:
+        return f"; valid: {', '.join(sorted(known)) or 'none'}"
+    return f"; valid: one of its {len(known)} names (none is close to this one)"
+
+
+def _check_entry_keys(entry: dict[str, Any], where: str) -> None:
+    remote = [key for key in _REMOTE_KEYS if key in entry]
+    if remote:
+        raise DataError(f"{where} has {', '.join(remote)}: hub, script and cloud entries are "
+                        "not read (nothing is downloaded); valid: a local 'file_name' entry")
+    for key in entry:
+        if key not in ENTRY_KEYS:
+            raise DataError(f"{where}: unknown key {key!r}"
+                            + _closest(key, list(ENTRY_KEYS), n=1, cutoff=0.8))
+    split = entry.get("split", "train")
+    if split != "train":
+        raise DataError(f"{where}: split={split!r}; a local file has one split; valid: train")
+    count = entry.get("num_samples")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise DataError(f"{where}: num_samples={count!r} must be a positive integer")
+
+
+def _entry(name: str, entry: Any, root: Path, info_path: Path, seed: int) -> DatasetSource:
     where = f"{info_path}: dataset {name!r}"
+    if isinstance(entry, dict):
+        _check_entry_keys(entry, where)
     if not isinstance(entry, dict) or "file_name" not in entry:
         raise DataError(f"{where} needs a 'file_name' (local file or directory; hub, "
                         "script and cloud entries are not read: nothing is downloaded)")
@@ -111,7 +162,8 @@ def _entry(name: str, entry: Any, root: Path, info_path: Path) -> DatasetSource:
                         f"; valid: {', '.join(SHAREGPT_TAGS)}")
     columns = {key: given.get(key, default) for key, default in defaults.items()}
     return DatasetSource(name, str(root / entry["file_name"]), formatting,
-                         bool(entry.get("ranking", False)), columns, tuple(sorted(given)), tags)
+                         bool(entry.get("ranking", False)), columns, tuple(sorted(given)), tags,
+                         entry.get("num_samples"), seed)
 
 
 def check_sources(data: Any) -> None:
@@ -123,10 +175,15 @@ def check_sources(data: Any) -> None:
 
 def source_records(source: DatasetSource, stage: str, max_samples: int | None, field_name: str,
                    cache_dir: str | os.PathLike[str] | None = None) -> list[Record]:
-    """The records of one source, mapped onto the fields the parsers expect."""
-    records = read_records(source.path, max_samples, field_name, cache_dir)
+    """The records of one source, mapped onto the fields the parsers expect: the entry's
+    ``num_samples`` drawn first, then the first ``max_samples`` kept."""
+    if source.num_samples is None:
+        records = list(read_records(source.path, max_samples, field_name, cache_dir))
+    else:
+        records = _drawn(list(read_records(source.path, None, field_name, cache_dir)),
+                         source.num_samples, source.seed)[:max_samples]
     if source.formatting is None:
-        return list(records)
+        return records
     if source.ranking != (stage == "dpo"):
         raise DataError(f"{field_name}: dataset {source.name!r} has ranking={source.ranking}, "
                         f"which does not fit finetuning.stage={stage!r} (dpo needs ranking: "
@@ -141,6 +198,16 @@ def source_records(source: DatasetSource, stage: str, max_samples: int | None, f
         return [Record(r.where, {"text": r.data.get(source.columns["prompt"])}) for r in records]
     convert = _alpaca if source.formatting == "alpaca" else _sharegpt
     return [Record(r.where, convert(source, r)) for r in records]
+
+
+def _drawn(records: list[Record], count: int, seed: int) -> list[Record]:
+    """``count`` records: every record once in a random order, cut to ``count``, then random
+    repeats for the rest (LLaMA-Factory's draw for an entry's num_samples)."""
+    rng = np.random.RandomState(seed)
+    order = rng.permutation(len(records))[:count]
+    if count > len(order):
+        order = np.concatenate([order, rng.choice(len(records), count - len(order))])
+    return [records[int(i)] for i in order]
 
 
 def _needed(source: DatasetSource, stage: str) -> list[str]:

@@ -4,7 +4,9 @@ The directory holds what ``peft.PeftModel.from_pretrained`` reads onto the trans
 ``adapter_config.json`` (peft's own ``LoraConfig``: rank, alpha, dropout, the HF target
 modules and, for MoE experts, target parameters, the base model's path) and
 ``adapter_model.safetensors`` with peft's tensor names
-(``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``).
+(``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``), and the base model's
+tokenizer files and generation config, as every export has them
+(:func:`~hpc_mca.models.export.write_companion_files`).
 
 Every rank runs :func:`save_peft_adapter`. Each adapter tensor is a set of pieces of an HF
 adapter tensor, as for the base weights (:mod:`.mapping`), assembled on rank 0 by
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from hpc_mca.models.export import ExportItem, export_tensors
+from hpc_mca.models.export import ExportItem, export_tensors, write_companion_files
 from hpc_mca.models.hf_config import HFModelSpec
 from hpc_mca.models.lora import MegatronLoraLinear, lora_layers
 from hpc_mca.models.mapping import Piece, ShardCoords
@@ -70,6 +72,8 @@ def save_peft_adapter(chunks: Sequence[torch.nn.Module], out_dir: str | Path, sp
 
         save_file(_peft_tensors(tensors, targets, spec), str(out / ADAPTER_FILE),
                   metadata={"format": "pt"})
+        if spec.directory is not None:
+            write_companion_files(out, spec.directory)
     if dist.is_initialized():
         dist.barrier()
 

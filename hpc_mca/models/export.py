@@ -12,8 +12,8 @@ holds at most one output shard plus one tensor, no rank ever materialises the wh
 The directory gets ``config.json`` (the source config, with the dtype updated), safetensors
 files (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` plus
 ``model.safetensors.index.json`` beyond ``max_shard_bytes``) in transformers' own naming, so
-``AutoModelForCausalLM.from_pretrained`` loads it, and the tokenizer/generation files of the
-source directory.
+``AutoModelForCausalLM.from_pretrained`` loads it, and the files every export of either
+backend has beside its weights (:func:`write_companion_files`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from hpc_mca.models.hf_config import HFModelSpec, read_hf_config
 from hpc_mca.models.mapping import Piece, hf_tensor_shapes
 from hpc_mca.models.weights import local_plans
 
-__all__ = ["TOKENIZER_FILES", "ExportItem", "export_tensors", "save_hf_checkpoint"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "GENERATION_CONFIG", "TOKENIZER_FILES", "ExportItem",
+           "export_tensors", "save_hf_checkpoint", "write_companion_files"]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -47,9 +48,10 @@ TOKENIZER_FILES = (
     "merges.txt",
     "chat_template.jinja",
     "chat_template.json",
-    "generation_config.json",
 )
 """Files copied from the source model directory when present."""
+
+GENERATION_CONFIG = "generation_config.json"
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
@@ -108,7 +110,8 @@ def save_hf_checkpoint(
                                    writer.add if writer is not None else None)
     if _rank() == 0:
         _write_config(out, spec, out_dtype)
-        _copy_tokenizer_files(spec, out)
+        if spec.directory is not None:
+            write_companion_files(out, spec.directory)
     if dist.is_initialized():
         dist.barrier()
 
@@ -274,11 +277,23 @@ def _write_config(out: Path, spec: HFModelSpec, dtype: torch.dtype) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _copy_tokenizer_files(spec: HFModelSpec, out: Path) -> None:
-    if spec.directory is None:
-        return
-    for name in TOKENIZER_FILES:
-        path = spec.directory / name
-        if path.is_file():
-            shutil.copyfile(path, out / name)
+def write_companion_files(out: Path, source: Path) -> None:
+    """What every export (full, PEFT adapter, merged) of either backend holds beside its
+    weights and config: the tokenizer files of the ``source`` model directory, and its
+    generation config. That is the source's ``generation_config.json`` when it has one, else
+    the one transformers derives from its ``config.json`` when it loads the model (what
+    ``save_pretrained`` of ``AutoModelForCausalLM.from_pretrained(source)`` writes): training
+    changes neither, and an adapter gets them too, so whoever loads any export to generate
+    text finds the same tokenizer and generation settings (rank 0 only)."""
+    from transformers import GenerationConfig
 
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+    if (source / GENERATION_CONFIG).is_file():
+        shutil.copyfile(source / GENERATION_CONFIG, out / GENERATION_CONFIG)
+        return
+    # transformers' own fallback for a directory without one, from the config as written
+    # (a dict: a config object would add its class defaults, e.g. output_attentions).
+    raw = json.loads((source / "config.json").read_text())
+    GenerationConfig.from_model_config(raw).save_pretrained(str(out))

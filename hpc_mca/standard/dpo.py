@@ -70,7 +70,7 @@ class StandardDpoTrainer(StandardTrainer):
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
                      return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
-        reference, _ = self._document_logps(self._reference_model(model), inputs, grad=False)
+        reference = self._reference_logps(model, inputs)
         policy, lengths = self._document_logps(model, inputs, grad=True)
         losses, metrics = preference_loss(policy, reference, lengths,
                                           self.run.config.finetuning)
@@ -91,17 +91,21 @@ class StandardDpoTrainer(StandardTrainer):
 
     # ---- the two models -----------------------------------------------------------------------
 
-    def _reference_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return self.reference if self.reference is not None else model
+    def _reference_logps(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]
+                         ) -> torch.Tensor:
+        """The reference's summed log-probability of each document, for the policy ``model``."""
+        reference = self.reference if self.reference is not None else model
+        with self._reference_mode(reference):
+            return self._document_logps(reference, inputs, grad=False)[0]
 
     def _document_logps(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], *,
                         grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed log-probability of each document's labelled tokens, their count) over the
-        whole documents (SP slices summed), float32 [documents]."""
-        with contextlib.ExitStack() as stack:
-            if not grad:
-                stack.enter_context(torch.no_grad())
-                stack.enter_context(self._reference_mode(model))
+        whole documents (SP slices summed), float32 [documents]. Without ``grad`` the model
+        runs as it is: the reference's adapters are switched off by the caller
+        (:meth:`_reference_logps`), not here, or an eval pass of a LoRA policy would be the
+        reference's."""
+        with torch.no_grad() if not grad else contextlib.nullcontext():
             logits = model(input_ids=inputs["input_ids"],
                            position_ids=inputs["position_ids"]).logits
             labels = inputs["labels"].flatten()
@@ -138,7 +142,7 @@ class StandardDpoTrainer(StandardTrainer):
     def _eval_sums(self, model: torch.nn.Module, batch: Any, stream: dict[str, torch.Tensor]
                    ) -> torch.Tensor:
         """[pair losses, pairs, *METRICS] of one eval micro-batch (SP rank 0 counts)."""
-        reference, _ = self._document_logps(self._reference_model(model), stream, grad=False)
+        reference = self._reference_logps(model, stream)
         policy, lengths = self._document_logps(model, stream, grad=False)
         losses, metrics = preference_loss(policy, reference, lengths,
                                           self.run.config.finetuning)

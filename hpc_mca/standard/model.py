@@ -5,6 +5,7 @@ the optimizer and LR schedule of the Megatron backend, and the exports.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from hpc_mca.models import hf_attention
 from hpc_mca.trainer.config import TrainConfig
 from hpc_mca.trainer.fused_optimizer import use_fused_adam
 from hpc_mca.trainer.lr_scheduler import build_lr_scheduler, resolve_warmup_steps, scheduler_spec
+from hpc_mca.trainer.trainer import optimizer_config
 
 __all__ = ["build_hf_model", "build_optimizer", "export_model"]
 
@@ -72,41 +74,97 @@ def _seed_adapters(model: torch.nn.Module, seed: int) -> None:
                 a.weight.copy_(initial_a(hf_name, *a.weight.shape, seed))
 
 
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Megatron's default: no weight decay on biases and 1-D parameters (norms)."""
+def _param_groups(model: torch.nn.Module, opt_config: Any) -> list[dict[str, Any]]:
+    """The Megatron backend's param groups for the HF model's trainable parameters: decay, and
+    no decay (Megatron's rule: biases and 1-D parameters, i.e. the norms; LoRA's A and B are
+    matrices and decay).
+
+    Megatron's scheduler sets each group's ``weight_decay`` to the run's rate × ``wd_mult`` (1
+    when absent) at construction and every step, so the no-decay group says so through
+    ``wd_mult``, as Megatron's groups do: a bare ``weight_decay: 0`` would be overwritten. The
+    rate needs no per-group key: with no ``max_lr`` a group follows the scheduler's, which is
+    the ``learning_rate`` Megatron writes into each of its groups. Two groups even when one is
+    empty (LoRA), so a checkpoint's optimizer state keeps its shape.
+    """
+    skips_decay = _megatron_no_decay_rule(opt_config)
     decay, plain = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
-            (plain if param.ndim < 2 or name.endswith(".bias") else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": plain, "weight_decay": 0.0}]
+            (plain if skips_decay(param, name) else decay).append(param)
+    return [{"params": decay, "wd_mult": 1.0, "weight_decay": opt_config.weight_decay},
+            {"params": plain, "wd_mult": 0.0, "weight_decay": 0.0}]
+
+
+def _megatron_no_decay_rule(opt_config: Any) -> Callable[[torch.nn.Parameter, str], bool]:
+    """Whether a parameter skips weight decay, by the keys Megatron's optimizer builds its
+    groups from for the same OptimizerConfig (``*.bias`` or 1-D; HF's names end the same), so
+    the backends stay together if Megatron refines the rule."""
+    from megatron.core.optimizer import get_standard_config_overrides
+
+    keys = [key for key, override in get_standard_config_overrides(opt_config).items()
+            if override.get("wd_mult") == 0.0]
+    return lambda param, name: any(key.matches(param, name) for key in keys)
+
+
+def _keep_wd_mult(optimizer: torch.optim.Optimizer) -> None:
+    """Loading a checkpoint replaces the groups' keys with the saved ones, and a checkpoint
+    from before the groups had ``wd_mult`` would decay the norms again: this run's rule is
+    put back after every load."""
+    wd_mults = [group["wd_mult"] for group in optimizer.param_groups]
+
+    def restore(loaded: torch.optim.Optimizer) -> None:
+        for group, wd_mult in zip(loaded.param_groups, wd_mults):
+            group["wd_mult"] = wd_mult
+
+    optimizer.register_load_state_dict_post_hook(restore)
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig, max_steps: int) -> tuple[Any, Any]:
-    """AdamW (the Megatron backend's settings and fused kernel) and the run's LR schedule."""
+    """AdamW (the Megatron backend's settings, param groups and fused kernel) and the run's LR
+    schedule."""
     tr = config.training
-    optimizer = torch.optim.AdamW(_param_groups(model, tr.weight_decay), lr=tr.learning_rate,
-                                  betas=(tr.adam_beta1, tr.adam_beta2), eps=tr.adam_epsilon)
-    if tr.fused_optimizer:
-        use_fused_adam(optimizer)
     spec = scheduler_spec(tr.lr_scheduler_type, tr.lr_scheduler_kwargs, tr.learning_rate,
                           resolve_warmup_steps(tr.warmup_steps, tr.warmup_ratio, max_steps),
                           max_steps)
+    opt_config = optimizer_config(config, min_lr=spec.min_lr)
+    optimizer = torch.optim.AdamW(_param_groups(model, opt_config), lr=tr.learning_rate,
+                                  betas=(tr.adam_beta1, tr.adam_beta2), eps=tr.adam_epsilon)
+    _keep_wd_mult(optimizer)
+    if tr.fused_optimizer:
+        use_fused_adam(optimizer)
     return optimizer, build_lr_scheduler(spec, optimizer, weight_decay=tr.weight_decay)
 
 
 def export_model(model: torch.nn.Module, out: Path, config: TrainConfig, *, merged: bool) -> None:
     """The trained model as an HF directory (LoRA: the PEFT adapter; ``merged``: the base with
-    the adapters merged in), with the source directory's tokenizer files (rank 0)."""
-    from hpc_mca.models.export import TOKENIZER_FILES
+    the adapters merged in), with the same files beside the weights as the Megatron backend's
+    exports (:func:`hpc_mca.models.export.write_companion_files`; rank 0)."""
+    from hpc_mca.models.export import DEFAULT_MAX_SHARD_BYTES, write_companion_files
+    from hpc_mca.models.hf_config import read_hf_config
 
     model = getattr(model, "module", model)  # DDP
+    adapter = config.finetuning.finetuning_type == "lora" and not merged
     if merged:
         model = copy.deepcopy(model).merge_and_unload()
     out.mkdir(parents=True, exist_ok=True)
+    if adapter:
+        _save_adapter(model, out)
+    else:
+        # Shards of at most the Megatron backend's size, not transformers' 50 GB.
+        model.save_pretrained(str(out), max_shard_size=DEFAULT_MAX_SHARD_BYTES)
+    source = read_hf_config(config.model.model_name_or_path).directory
+    if source is not None:
+        write_companion_files(out, source)
+    what = "PEFT adapter" if adapter else "HF model (LoRA merged)" if merged else "HF model"
+    print(f"exported {what} to {out}", flush=True)
+
+
+def _save_adapter(model: torch.nn.Module, out: Path) -> None:
+    """peft's adapter files, without the model card peft adds: a template of placeholders,
+    which the Megatron backend's adapter export does not write (a card already there stays,
+    as peft updated it)."""
+    card = out / "README.md"
+    had_card = card.exists()
     model.save_pretrained(str(out))
-    source = Path(config.model.model_name_or_path)
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            (out / name).write_bytes((source / name).read_bytes())
-    print(f"exported {'HF model (LoRA merged)' if merged else 'model'} to {out}", flush=True)
+    if not had_card:
+        card.unlink(missing_ok=True)

@@ -125,14 +125,13 @@ def _export_torch_env(env: RankEnv) -> None:
 
 def _train(config: TrainConfig, ctx: RankContext, shape: ModelShape,
            callbacks: Iterable[Any]) -> list[Any]:
-    from hpc_mca.data.dataset import build_datasets
     from hpc_mca.data.tokenize import load_tokenizer
 
     run_dir = Path(config.training.output_dir)
     if ctx.is_main:
         config.save_resolved(run_dir)
         clear_bad_input(run_dir)
-    data = rank_zero_first(lambda: build_datasets(config, vocab_size=shape.vocab_size), ctx.is_main)
+    data = rank_zero_first(lambda: _datasets(config, shape), ctx.is_main)
     if ctx.is_main:
         print(data.describe(), flush=True)
         print(f"backend: standard (transformers {_version()}), data parallel "
@@ -164,6 +163,16 @@ def _train(config: TrainConfig, ctx: RankContext, shape: ModelShape,
         trainer.metrics.close()
     _finish(run, trainer)
     return trainer.history
+
+
+def _datasets(config: TrainConfig, shape: ModelShape) -> Any:
+    """The train/eval rows, with as many eval rows as one evaluation step needs (checked
+    before step 1, as the Megatron backend does)."""
+    from hpc_mca.data.dataset import build_datasets, check_eval_rows
+
+    data = build_datasets(config, vocab_size=shape.vocab_size)
+    check_eval_rows(data.eval, config)
+    return data
 
 
 def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[Any]) -> StandardTrainer:

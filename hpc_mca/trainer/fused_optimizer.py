@@ -25,11 +25,13 @@ _ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def use_fused_adam(optimizer: Any) -> int:
-    """Switch every torch Adam/AdamW inside Megatron's ``optimizer`` (chained or not) to the
-    fused kernel where torch has one for its parameters; returns how many were switched."""
+    """Switch every torch Adam/AdamW inside Megatron's ``optimizer`` (chained or not), or
+    ``optimizer`` itself when it is torch's (the standard backend's), to the fused kernel where
+    torch has one for its parameters; returns how many were switched."""
     switched = 0
     for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        inner = getattr(sub, "optimizer", None)
+        # Megatron's optimizers wrap torch's (they are not torch.optim.Optimizer themselves).
+        inner = sub if isinstance(sub, torch.optim.Optimizer) else getattr(sub, "optimizer", None)
         if not isinstance(inner, _ADAM) or not _fusable(inner):
             continue
         inner.defaults.update(fused=True, foreach=False)
