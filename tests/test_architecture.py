@@ -19,7 +19,9 @@ LAYERS = {
     # 1: pure planning and data: no torch at import, no knowledge of the trainer.
     "topology": 1, "data": 1,
     # 2: the run config and its rules (the login side validates configs with them too).
-    "trainer.config": 2, "trainer.data_arguments": 2, "trainer.config_rules": 2, "trainer.lr_scheduler": 2,
+    "trainer.config": 2, "trainer.config_input": 2, "trainer.data_arguments": 2,
+    "trainer.config_rules": 2, "trainer.config_scope": 2, "trainer.config_layout": 2,
+    "trainer.lr_scheduler": 2,
     "trainer.run_length": 2,
     # 3-6: the rank side, bottom up.
     "runtime": 3, "models": 4, "checkpoint": 5, "trainer": 6, "standard": 6,

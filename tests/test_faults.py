@@ -75,6 +75,10 @@ BAD_INPUTS = {
     "missing": "data.dataset: dataset file",
     "empty": "yields no trainable samples",
     "backend": "model.attention_backend='te' is not available here",
+    # Megatron-Core's own config check, run before the process group (it used to raise after
+    # tokenizing: a traceback, exit 1, requeued)
+    "megatron": "Megatron-Core refuses these settings: Using parallel.recompute_granularity: "
+                "full so parallel.recompute_method must be",
 }
 
 
@@ -95,7 +99,9 @@ def _bad_config(root: Path, kind: str) -> tuple[Path, str]:
     model = make_model_dir(work, layers=2, **({"vocab_size": 16} if kind == "vocab" else {}))
     if kind == "missing":
         data = work / "gone.jsonl"
-    extra = {"model": {"attention_backend": "te"}} if kind == "backend" else {}
+    extra = {"backend": {"model": {"attention_backend": "te"}},
+             "megatron": {"parallel": {"recompute_granularity": "full",
+                                       "recompute_num_layers": 1}}}.get(kind, {})
     return write_config(work, model, data, training={"max_steps": 4}, **extra), expected
 
 

@@ -374,7 +374,9 @@ def _recompute(recompute: str) -> dict[str, Any]:
     if recompute == "full":
         return {"recompute_granularity": "full", "recompute_method": "uniform",
                 "recompute_num_layers": 1}
-    return {"recompute_granularity": None if recompute == "none" else recompute}
+    # The method and layer count belong to full recomputation only (refused otherwise)
+    return {"recompute_granularity": None if recompute == "none" else recompute,
+            "recompute_method": None, "recompute_num_layers": None}
 
 
 def _stage_precision_lora(options: PlanOptions) -> list[str]:

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +26,10 @@ from typing import Any
 
 import yaml
 
-from hpc_mca.errors import UserError
 from hpc_mca.rundir import RESOLVED_CONFIG_FILE, write_atomic
 from hpc_mca.topology.memory import CP_COMM_TYPES  # noqa: F401 - re-exported for the rules
 
+from .config_input import ConfigError, coerce, unknown_key_message
 from .data_arguments import DataArguments
 
 STAGES = ("pt", "sft", "dpo")
@@ -55,10 +53,6 @@ OPTIMIZER_FORMATS = ("model_space", "fully_reshardable", "dp_reshardable")
 REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 """training.report_to name -> the package it needs."""
-
-
-class ConfigError(UserError):
-    """Bad configuration; the message names the dotted field, its value and the valid choices."""
 
 
 @dataclass
@@ -245,7 +239,9 @@ class ParallelArguments:
     data_parallel_size: int | None = None
     """Derived: world / (TP·PP·CP). Giving it only checks it."""
     sequence_parallel: bool = False
-    """Split LayerNorm/dropout activations over TP ranks (turned off when TP is 1)."""
+    """Split the norm and residual activations along the sequence over the TP ranks (turned
+    off when TP is 1; needed by MoE models under TP; data.seq_length must then be a multiple
+    of TP)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks."""
     overlap_grad_reduce: bool = False
@@ -307,8 +303,18 @@ class TrainConfig:
         from .config_rules import RESOLVE_STEPS  # the rules need the dataclasses above
 
         config = copy.deepcopy(self)
-        for check in RESOLVE_STEPS:
-            check(config, world_size)
+        problems: list[str] = []
+        failed: set[Any] = set()
+        for check, needs in RESOLVE_STEPS:
+            if failed.intersection(needs):
+                continue
+            try:
+                check(config, world_size)
+            except ConfigError as err:
+                problems.append(str(err))
+                failed.add(check)
+        if problems:
+            raise ConfigError("\n".join(problems))
         return config
 
 
@@ -338,18 +344,38 @@ _FLAT = _field_index()
 
 def load_config(path: str | os.PathLike[str] | None = None,
                 overrides: typing.Iterable[str] = ()) -> TrainConfig:
-    """Defaults, then the YAML file at ``path``, then ``key=value`` overrides, in that order."""
+    """Defaults, then the YAML file at ``path``, then ``key=value`` overrides, in that order.
+
+    Every unknown key and every value of the wrong type is reported at once, one line each
+    (a key set again later, e.g. by an override, counts by its last value)."""
     config = TrainConfig()
+    items: list[tuple[str, Any, Path | None]] = []
     if path is not None:
         base = Path(path).resolve().parent
-        for key, value in _flatten(_read_yaml(Path(path))):
-            set_value(config, key, value, base_dir=base)
+        items += [(key, value, base) for key, value in _flatten(_read_yaml(Path(path)))]
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not key=value")
-        set_value(config, key.strip(), _parse_value(key, text))
+        items.append((key.strip(), _parse_value(key, text), None))
+    problems: dict[str, str] = {}  # by the field a key names (flat and dotted are one)
+    for key, value, base in items:
+        try:
+            set_value(config, key, value, base_dir=base)
+            problems.pop(_field_of(key), None)
+        except ConfigError as err:
+            problems[_field_of(key)] = str(err)
+    if problems:
+        raise ConfigError("\n".join(problems.values()))
     return config
+
+
+def _field_of(key: str) -> str:
+    try:
+        dotted, subkey = _lookup(key)
+    except ConfigError:
+        return key
+    return dotted if subkey is None else f"{dotted}.{subkey}"
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -393,7 +419,7 @@ def set_value(config: TrainConfig, key: str, value: Any,
         getattr(getattr(config, section), name)[subkey] = value
         return
     hint = typing.get_type_hints(_SECTION_TYPES[section])[name]
-    value = _coerce(dotted, value, hint)
+    value = coerce(dotted, value, hint)
     if base_dir is not None and dotted in _INPUT_PATHS and value is not None:
         value = _relative_to(base_dir, value)
     setattr(getattr(config, section), name, value)
@@ -417,12 +443,7 @@ def _lookup(key: str) -> tuple[str, str | None]:
 
 
 def _unknown_key_message(key: str) -> str:
-    names = list(_FLAT) + list(_FLAT.values())
-    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-    if not close and "." in key:
-        close = difflib.get_close_matches(key.rsplit(".", 1)[-1], names, n=1, cutoff=0.5)
-    hint = f"; did you mean {_FLAT.get(close[0], close[0])!r}?" if close else ""
-    return f"unknown config key {key!r}{hint}"
+    return unknown_key_message(key, _FLAT)
 
 
 def _relative_to(base: Path, value: Any) -> Any:
@@ -433,68 +454,3 @@ def _relative_to(base: Path, value: Any) -> Any:
     candidate = base / value
     exists = candidate.exists() or Path(f"{candidate}.idx").exists()
     return str(candidate) if exists else value
-
-
-def _coerce(dotted: str, value: Any, hint: Any) -> Any:
-    """Check ``value`` against the field's annotation; numbers written as strings are parsed."""
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (hint,) = [a for a in args if a is not type(None)]
-    if dotted == "data.data_path":
-        return _blend_items(value)
-    origin = typing.get_origin(hint)
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if isinstance(value, list) and item is int:
-            try:
-                return [_coerce_scalar(dotted, int(v) if isinstance(v, str) else v, int) for v in value]
-            except (ConfigError, ValueError):
-                raise ConfigError(f"{dotted}={value!r} must be a list of integers") from None
-        if item is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = [value]  # one number on the command line is read as a number, not a list
-        if isinstance(value, list) and item is float:
-            try:
-                return [_coerce_scalar(dotted, v, float) for v in value]
-            except ConfigError:
-                raise ConfigError(f"{dotted}={value!r} must be a list of numbers") from None
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return value
-        raise ConfigError(f"{dotted}={value!r} must be a list of strings")
-    if origin is dict:
-        if isinstance(value, dict):
-            return dict(value)
-        raise ConfigError(f"{dotted}={value!r} must be a mapping, e.g. {{min_lr: 1e-5}}")
-    return _coerce_scalar(dotted, value, hint)
-
-
-def _blend_items(value: Any) -> list[str]:
-    """data.data_path as strings: Megatron writes it space-separated, YAML lists give numbers."""
-    if isinstance(value, str):
-        value = value.replace(",", " ").split()
-    if isinstance(value, list) and all(isinstance(v, (str, int, float)) and
-                                       not isinstance(v, bool) for v in value):
-        return [str(v) for v in value]
-    raise ConfigError(f"data.data_path={value!r} must be a list of weights and prefixes, e.g. "
-                      "[0.7, prefixA, 0.3, prefixB]")
-
-
-def _coerce_scalar(dotted: str, value: Any, hint: type) -> Any:
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{dotted}={value!r} must be true or false")
-    if hint is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if hint is float and not isinstance(value, bool):
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            pass
-    if hint is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
-        return str(value)
-    kind = {int: "an integer", float: "a number", str: "a string"}[hint]
-    raise ConfigError(f"{dotted}={value!r} must be {kind}")

@@ -9,14 +9,13 @@ value and the valid choices. Parallel-layout rules are the topology planner's
 from __future__ import annotations
 
 import importlib.util
-import json
-import re
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hpc_mca.data.mix import MIX_STRATEGIES
-from hpc_mca.topology import Layout, LayoutError, ModelShape, check_layout
+from hpc_mca.topology import Layout, check_layout
 from hpc_mca.topology.lora import LoraTargetError, resolve_lora_targets
 
 from .config import (
@@ -36,10 +35,11 @@ from .config import (
     STAGES,
     TEMPLATES,
     ConfigError,
-    ParallelArguments,
     TrainConfig,
     TrainingArguments,
 )
+from .config_layout import layout_of, model_shape, model_type, our_names
+from .config_scope import check_scopes
 from .lr_scheduler import SchedulerError, resolve_warmup_steps, scheduler_spec
 
 # --- resolve: cross-field rules ------------------------------------------------------------
@@ -88,21 +88,15 @@ def _check_mtp(config: TrainConfig) -> None:
     if not depths:
         return
     if config.training.export_hf_dir:
-        family = _model_type(model.model_name_or_path)
+        family = model_type(model.model_name_or_path)
         raise ConfigError(f"model.mtp_num_layers={depths} with training.export_hf_dir: HF "
                           f"{family} checkpoints have no MTP layers to write them to (no "
                           "MTP-carrying family, e.g. MiMo or DeepSeek-V3, is supported); "
                           "valid: model.mtp_num_layers=0 or no export_hf_dir")
 
 
-def _model_type(model_dir: str) -> str:
-    try:
-        return str(json.loads((Path(model_dir) / "config.json").read_text()).get("model_type"))
-    except (OSError, ValueError, AttributeError):
-        return "?"  # read_hf_config reports the broken config.json in its own words
-
-
-def _check_finetuning(config: TrainConfig, world_size: int) -> None:
+def _check_stage(config: TrainConfig, world_size: int) -> None:
+    """The stage and fine-tuning type, which the data and finetuning rules depend on."""
     ft = config.finetuning
     if ft.stage in RESERVED_STAGES:
         raise ConfigError(f"finetuning.stage={ft.stage!r} is not yet supported; valid: "
@@ -112,12 +106,16 @@ def _check_finetuning(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"finetuning.finetuning_type={ft.finetuning_type!r} is not yet "
                           f"supported; valid: {', '.join(FINETUNING_TYPES)}")
     _choice("finetuning.finetuning_type", ft.finetuning_type, FINETUNING_TYPES)
+
+
+def _check_finetuning(config: TrainConfig, world_size: int) -> None:
+    ft = config.finetuning
     _at_least("finetuning.lora_rank", ft.lora_rank, 1)
     if not 0.0 <= ft.lora_dropout < 1.0:
         raise ConfigError(f"finetuning.lora_dropout={ft.lora_dropout} must be in [0, 1)")
-    if ft.lora_alpha is None:
-        ft.lora_alpha = 2.0 * ft.lora_rank
     if ft.finetuning_type == "lora":
+        if ft.lora_alpha is None:
+            ft.lora_alpha = 2.0 * ft.lora_rank
         _check_lora(config)
     elif config.training.export_merged_dir:
         raise ConfigError(f"training.export_merged_dir={config.training.export_merged_dir!r} "
@@ -132,10 +130,10 @@ def _check_lora(config: TrainConfig) -> None:
     ft = config.finetuning
     if isinstance(ft.lora_target, str):
         ft.lora_target = [ft.lora_target]
-    shape = _model_shape(config.model.model_name_or_path)
+    shape = model_shape(config.model.model_name_or_path)
     try:
         targets = resolve_lora_targets(ft.lora_target, is_moe=shape.is_moe,
-                                       model_type=_model_type(config.model.model_name_or_path))
+                                       model_type=model_type(config.model.model_name_or_path))
     except LoraTargetError as err:
         raise ConfigError(str(err)) from None
     if config.model.mtp_num_layers:
@@ -211,6 +209,7 @@ def _check_blend(config: TrainConfig) -> None:
 
 def _check_data(config: TrainConfig, world_size: int) -> None:
     data, stage = config.data, config.finetuning.stage
+    data.seq_length = data.seq_length or data.cutoff_len  # first: the layout rules read it
     if data.data_path is not None:
         _check_blend(config)
     elif data.split is not None:
@@ -233,7 +232,6 @@ def _check_data(config: TrainConfig, world_size: int) -> None:
     if data.val_size and data.eval_dataset:
         raise ConfigError("data.val_size and data.eval_dataset are both set; valid: one of them")
     _check_mix(data)
-    data.seq_length = data.seq_length or data.cutoff_len
     if data.seq_length < data.cutoff_len:
         raise ConfigError(f"data.seq_length={data.seq_length} is shorter than data.cutoff_len="
                           f"{data.cutoff_len}; valid: >= {data.cutoff_len}")
@@ -313,9 +311,7 @@ def _check_schedule(config: TrainConfig, world_size: int) -> None:
     if not 0.0 <= tr.warmup_ratio < 1.0:
         raise ConfigError(f"training.warmup_ratio={tr.warmup_ratio} must be in [0, 1)")
     _at_least("training.warmup_steps", tr.warmup_steps, 0)
-    if tr.warmup_steps > 0 and tr.warmup_ratio > 0:
-        raise ConfigError(f"training.warmup_steps={tr.warmup_steps} and training.warmup_ratio="
-                          f"{tr.warmup_ratio} are both set; valid: one of them")
+    # Both set: warmup_steps wins, as in transformers (resolve_warmup_steps).
     # Without max_steps the run length depends on the data; check with a stand-in length
     # that the ratio-based warmup always fits.
     total = tr.max_steps if tr.max_steps > 0 else max(tr.warmup_steps + 1, 1000)
@@ -337,6 +333,8 @@ _MEGATRON_ONLY = {
     "parallel.recompute_granularity": None, "parallel.optimizer_cpu_offload": False,
     "model.mtp_num_layers": 0, "model.attention_backend": "auto",
     "model.packed_attention": "auto", "model.fusions": [], "training.async_save": False,
+    "parallel.overlap_grad_reduce": False, "parallel.recompute_method": None,
+    "parallel.recompute_num_layers": None,
 }
 
 
@@ -363,10 +361,10 @@ def _check_standard(config: TrainConfig, world_size: int) -> None:
         if value != runs:
             raise ConfigError(f"{dotted}={value!r} with training.use_mca=false: {why}; valid: "
                               f"{runs!r}, or training.use_mca=true")
-    sp, shape = par.sequence_parallel_size, _model_shape(config.model.model_name_or_path)
+    sp, shape = par.sequence_parallel_size, model_shape(config.model.model_name_or_path)
     if shape.is_moe:
         raise ConfigError(f"model.model_name_or_path={config.model.model_name_or_path!r} is a "
-                          f"mixture of experts ({_model_type(config.model.model_name_or_path)}) "
+                          f"mixture of experts ({model_type(config.model.model_name_or_path)}) "
                           "with training.use_mca=false: the standard backend trains dense models "
                           "only (its loss has no router load-balancing term); valid: "
                           "training.use_mca=true")
@@ -380,7 +378,7 @@ def _check_standard(config: TrainConfig, world_size: int) -> None:
     lines = check_layout(Layout(), world_size // sp, shape, global_batch_size=tr.global_batch_size,
                          micro_batch_size=tr.per_device_train_batch_size)
     if lines:
-        raise ConfigError("\n".join(_our_names(line) for line in lines))
+        raise ConfigError("\n".join(our_names(line) for line in lines))
     par.data_parallel_size = world_size // sp
     _derive_batch(tr, par.data_parallel_size)
 
@@ -405,23 +403,42 @@ def _check_parallel(config: TrainConfig, world_size: int) -> None:
     if par.recompute_granularity == "full" and (par.recompute_num_layers or 0) < 1:
         raise ConfigError(f"parallel.recompute_num_layers={par.recompute_num_layers!r} must be "
                           ">= 1 with parallel.recompute_granularity='full'")
-    if par.overlap_param_gather and not par.use_distributed_optimizer:
-        raise ConfigError("parallel.overlap_param_gather=true needs "
-                          "parallel.use_distributed_optimizer=true")
+    for name in ("overlap_param_gather", "optimizer_cpu_offload"):
+        if getattr(par, name) and not par.use_distributed_optimizer:
+            # Megatron-LM refuses the offload alike; built anyway, its optimizer fails
+            raise ConfigError(f"parallel.{name}=true needs parallel.use_distributed_optimizer"
+                              "=true")
+    if not par.calculate_per_token_loss:
+        raise ConfigError("parallel.calculate_per_token_loss=false: the loss functions return "
+                          "token sums that the step divides by the global batch's real tokens "
+                          "(hpc_mca.trainer.step); valid: true")
     _choice("parallel.cp_comm_type", par.cp_comm_type, CP_COMM_TYPES)
     if par.tensor_model_parallel_size == 1:
         par.sequence_parallel = False
+    elif not par.sequence_parallel and model_shape(config.model.model_name_or_path).is_moe:
+        # Megatron's MoE layer raises this at the first forward (a traceback after tokenizing)
+        raise ConfigError(f"parallel.sequence_parallel=false with parallel.tensor_model_parallel_"
+                          f"size={par.tensor_model_parallel_size} on a mixture of experts "
+                          f"({model_type(config.model.model_name_or_path)}): Megatron-Core's MoE "
+                          "layer does not train under tensor parallelism without sequence "
+                          "parallelism; valid: parallel.sequence_parallel=true, or "
+                          "parallel.tensor_model_parallel_size=1")
     if par.expert_tensor_parallel_size is None:
         par.expert_tensor_parallel_size = par.tensor_model_parallel_size
-    layout = _layout(par)
+    elif par.expert_tensor_parallel_size not in (1, par.tensor_model_parallel_size) and not \
+            model_shape(config.model.model_name_or_path).is_moe:  # (1: "no split", as planned)
+        raise ConfigError(f"parallel.expert_tensor_parallel_size="
+                          f"{par.expert_tensor_parallel_size} splits MoE experts, and "
+                          f"{config.model.model_name_or_path!r} has none; valid: leave it unset")
+    layout = layout_of(par)
     lines = check_layout(
-        layout, world_size, _model_shape(config.model.model_name_or_path),
+        layout, world_size, model_shape(config.model.model_name_or_path),
         global_batch_size=tr.global_batch_size, micro_batch_size=tr.per_device_train_batch_size,
         seq_length=data.seq_length, sequence_packing=data.sequence_packing,
         sequence_parallel=par.sequence_parallel, cp_comm_type=par.cp_comm_type,
         mtp_num_layers=max(0, config.model.mtp_num_layers))
     if lines:
-        raise ConfigError("\n".join(_our_names(line) for line in lines))
+        raise ConfigError("\n".join(our_names(line) for line in lines))
     _check_pack_alignment(config)
     par.data_parallel_size = world_size // layout.model_parallel_size
     _derive_batch(tr, par.data_parallel_size)
@@ -434,48 +451,6 @@ def _check_pack_alignment(config: TrainConfig) -> None:
         raise ConfigError(f"data.pack_alignment={align} is not a multiple of 2·CP={2 * cp} "
                           f"(parallel.context_parallel_size={cp}); valid: "
                           f"{', '.join(str(2 * cp * k) for k in (1, 2, 4))}, or leave it unset")
-
-
-def _layout(par: ParallelArguments) -> Layout:
-    try:
-        return Layout(
-            tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
-            cp=par.context_parallel_size, ep=par.expert_model_parallel_size,
-            etp=par.expert_tensor_parallel_size, vp=par.virtual_pipeline_model_parallel_size,
-            dp=par.data_parallel_size,
-            pipeline_layout=tuple(par.pipeline_layout) if par.pipeline_layout is not None else None)
-    except LayoutError as err:
-        raise ConfigError("\n".join(_our_names(line) for line in err.violations)) from None
-
-
-def _model_shape(model_dir: str) -> ModelShape:
-    try:
-        return ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
-    except (LayoutError, ValueError) as err:
-        raise ConfigError(f"model.model_name_or_path={model_dir!r}: config.json: "
-                          f"{str(err).splitlines()[0]}") from None
-
-
-_TOPOLOGY_NAMES = {
-    "tensor_parallel_size": "parallel.tensor_model_parallel_size",
-    "pipeline_parallel_size": "parallel.pipeline_model_parallel_size",
-    "virtual_pipeline_parallel_size": "parallel.virtual_pipeline_model_parallel_size",
-    "pipeline_layout": "parallel.pipeline_layout",
-    "context_parallel_size": "parallel.context_parallel_size",
-    "expert_parallel_size": "parallel.expert_model_parallel_size",
-    "expert_tensor_parallel_size": "parallel.expert_tensor_parallel_size",
-    "data_parallel_size": "parallel.data_parallel_size",
-    "global_batch_size": "training.global_batch_size",
-    "micro_batch_size": "training.per_device_train_batch_size",
-    "seq_length": "data.seq_length",
-    "mtp_num_layers": "model.mtp_num_layers",
-}
-_TOPOLOGY_RE = re.compile(r"\b(" + "|".join(_TOPOLOGY_NAMES) + r")\b")
-
-
-def _our_names(line: str) -> str:
-    """The planner's Megatron field names, rewritten as this config's dotted names."""
-    return _TOPOLOGY_RE.sub(lambda m: _TOPOLOGY_NAMES[m.group(1)], line)
 
 
 def _derive_batch(tr: TrainingArguments, dp: int) -> None:
@@ -493,5 +468,16 @@ def _derive_batch(tr: TrainingArguments, dp: int) -> None:
     tr.gradient_accumulation_steps = derived
 
 
-RESOLVE_STEPS = (_check_model, _check_finetuning, _check_data, _check_training,
-                  _check_schedule, _check_parallel)
+_Rule = Callable[[TrainConfig, int], None]
+RESOLVE_STEPS: tuple[tuple[_Rule, tuple[_Rule, ...]], ...] = (
+    (_check_stage, ()),
+    (check_scopes, ()),
+    (_check_model, ()),
+    (_check_finetuning, (_check_stage, _check_model)),
+    (_check_data, (_check_stage,)),
+    (_check_training, ()),
+    (_check_schedule, ()),
+    (_check_parallel, (_check_model,)),
+)
+"""The rules in order, each with the steps whose derived values (or model) it needs: a step
+runs unless one of those failed, so one message reports the problems of every section."""

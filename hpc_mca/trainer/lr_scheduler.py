@@ -161,12 +161,9 @@ def _number(spec: SchedulerSpec, key: str, low: float, high: float = math.inf) -
 
 
 def _check_decay(spec: SchedulerSpec) -> SchedulerSpec:
-    """Schedules that decay over T - w steps: the warmup must leave some."""
-    if spec.name not in ("constant", "constant_with_warmup", "inverse_sqrt") \
-            and spec.warmup_steps >= spec.total_steps:
-        raise SchedulerError(f"warmup of {spec.warmup_steps} steps leaves no decay for {_TYPE}="
-                             f"{spec.name!r} in a run of {spec.total_steps} steps; valid: "
-                             f"warmup_steps < {spec.total_steps}")
+    """Schedules that decay over T - w steps. A warmup as long as the run (or longer) is
+    allowed, as in transformers: the whole run is then warmup (``warmup_ratio: 0.1`` of a
+    1-step run rounds up to one warmup step, which runs at rate 0)."""
     if "num_cycles" in spec.kwargs:
         _number(spec, "num_cycles", 0.0)
     return spec
@@ -261,7 +258,7 @@ def _restarts(spec: SchedulerSpec, step: int) -> float:
 
 def _polynomial(spec: SchedulerSpec, step: int) -> float:
     lr_end, peak = spec.kwargs["lr_end"], spec.max_lr
-    if step > spec.total_steps:
+    if step >= spec.total_steps:  # also keeps a warmup of the whole run off a 0/0
         return lr_end / peak
     remaining = 1 - (step - spec.warmup_steps) / (spec.total_steps - spec.warmup_steps)
     return ((peak - lr_end) * remaining ** spec.kwargs["power"] + lr_end) / peak
@@ -337,7 +334,10 @@ def build_lr_scheduler(spec: SchedulerSpec, optimizer: Any, weight_decay: float 
     """A :class:`MegatronLRScheduler` for ``spec`` on ``optimizer``.
 
     ``optimizer`` is a Megatron optimizer or anything with a ``param_groups`` list of dicts (all
-    the scheduler touches). Weight decay stays constant at ``weight_decay``.
+    the scheduler touches). Weight decay stays constant: at construction and every step the
+    scheduler sets each group's ``weight_decay`` to ``weight_decay`` × the group's ``wd_mult``
+    (Megatron's key, 1 when absent), so a group that must not decay says so with ``wd_mult: 0``
+    (a ``weight_decay`` of its own is overwritten).
     """
     # Megatron's own decay arguments only describe the run for its state dict and checks; the
     # rate itself comes from spec.factor (see MegatronLRScheduler.get_lr).

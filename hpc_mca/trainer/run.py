@@ -22,6 +22,7 @@ from hpc_mca.runtime.env import from_environ
 from hpc_mca.runtime.quiet import library_line
 from hpc_mca.topology import Layout, ModelShape
 from hpc_mca.trainer.config import TrainConfig, load_config
+from hpc_mca.trainer.megatron_settings import check_megatron_settings, model_overrides, torch_dtype
 from hpc_mca.trainer.trackers import skip_unused_tracker_imports
 
 def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
@@ -34,6 +35,7 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
         tokenizer_fits_model(config, _shape(config).vocab_size)
         if config.training.use_mca:
             attention_backend_available(config)
+            check_megatron_settings(config, _layout(config))
         resume_check(config, env.world_size, _shape(config))  # before any collective
     except UserError as err:
         err.on_every_rank = True  # every rank read the same inputs and stops here alike
@@ -88,7 +90,7 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
                               load_weights=has_weights,
                               attention_backend=config.model.attention_backend,
                               packed_attention=config.model.packed_attention,
-                              dtype=_dtype(config), config_overrides=_model_overrides(config),
+                              dtype=torch_dtype(config), config_overrides=model_overrides(config),
                               compile_layers="layer" in config.model.fusions)
     chunks = transform_model(build(), config)  # LoRA, freezing, casts: before DDP wraps them
     objective.attach(chunks, build)  # dpo's reference: a frozen copy of the starting model
@@ -111,8 +113,16 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
 
 def _datasets(objective: Any, ctx: RankContext) -> Any:
     """Rank 0 tokenizes and fills the cache; the others wait and read it (bad data stops
-    every rank: see rank_zero_first)."""
-    return rank_zero_first(objective.build_data, ctx.is_main)
+    every rank: see rank_zero_first). Eval rows too few for one evaluation step are bad data
+    too, found here rather than at the first evaluation."""
+    from hpc_mca.data.dataset import check_eval_rows
+
+    def build() -> Any:
+        data = objective.build_data()
+        check_eval_rows(data.eval, objective.config)
+        return data
+
+    return rank_zero_first(build, ctx.is_main)
 
 
 def data_files_exist(config: TrainConfig) -> None:
@@ -152,7 +162,7 @@ def attention_backend_available(config: TrainConfig) -> str:
     check_context_parallel(backend, par.context_parallel_size, par.cp_comm_type)
     kernel, why = packed_kernel(read_hf_config(config.model.model_name_or_path), backend,
                                 config.model.packed_attention, cuda=torch.cuda.is_available(),
-                                dtype=_dtype(config), cp=par.context_parallel_size)
+                                dtype=torch_dtype(config), cp=par.context_parallel_size)
     packed = f"packed kernel {kernel}" if kernel else "packed sequences"
     layers = "; decoder layers: torch.compile" if "layer" in config.model.fusions else ""
     return (f"attention: {backend} backend, {packed} ({why}); "
@@ -178,34 +188,3 @@ def _shape(config: TrainConfig) -> ModelShape:
 
 def _seq_length(config: TrainConfig) -> int:
     return config.data.seq_length or config.data.cutoff_len
-
-
-def _dtype(config: TrainConfig) -> torch.dtype:
-    if config.training.bf16:
-        return torch.bfloat16
-    return torch.float16 if config.training.fp16 else torch.float32
-
-
-def _model_overrides(config: TrainConfig) -> dict[str, Any]:
-    par = config.parallel
-    out: dict[str, Any] = {
-        "calculate_per_token_loss": par.calculate_per_token_loss,
-        "sequence_parallel": par.sequence_parallel,
-        "bf16": config.training.bf16,
-        "fp16": config.training.fp16,
-    }
-    if "swiglu" in config.model.fusions:
-        out["bias_activation_fusion"] = True
-    if "cross_entropy" in config.model.fusions:
-        out.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
-    if "rope" in config.model.fusions:
-        out["apply_rope_fusion"] = True  # the rotation compiled (hpc_mca.models.rope)
-    if par.context_parallel_size > 1:
-        out["cp_comm_type"] = par.cp_comm_type
-    if config.model.mtp_num_layers:
-        out.update(mtp_num_layers=config.model.mtp_num_layers,
-                   mtp_loss_scaling_factor=config.model.mtp_loss_scaling_factor)
-    if par.recompute_granularity:
-        out.update(recompute_granularity=par.recompute_granularity, recompute_method=par.recompute_method,
-                   recompute_num_layers=par.recompute_num_layers)
-    return out

@@ -90,6 +90,10 @@ class Trainer:
                                   resolve_warmup_steps(tr.warmup_steps, tr.warmup_ratio, self.max_steps),
                                   self.max_steps)
         self.optimizer = build_optimizer(self.model, optimizer_config(config, min_lr=schedule.min_lr))
+        # The schedule multiplies each loss by the optimizer's loss scale before backward (as
+        # Megatron-LM's loop sets up); without it the fp16 optimizer unscales gradients that
+        # were never scaled, and trains on 2^-32 of them. (Scale 1 in bf16 and fp32.)
+        chunks[0].config.grad_scale_func = self.optimizer.scale_loss
         if tr.fused_optimizer:
             use_fused_adam(self.optimizer)
         self.lr_scheduler = build_lr_scheduler(schedule, self.optimizer, weight_decay=tr.weight_decay)
@@ -151,6 +155,7 @@ class Trainer:
                 self.checkpointer.begin(self.state.global_step, self.max_steps)
                 boundary = StepBoundary(self.config.training.save_steps, self.max_steps, signal, self.ctx.is_main)
                 history, requeue = self._loop(boundary)
+            self._gather_params()
             self.checkpointer.finalize(finished=not requeue,
                                        steps_per_epoch=len(self.data.train) // self.config.training.global_batch_size)
         finally:
@@ -199,6 +204,7 @@ class Trainer:
             if evaluate:
                 self.evaluate()
             if decision.save:
+                self._gather_params()
                 self.checkpointer.save(decision.reason, stop_time=decision.stop_time)
                 self.control = self.callbacks.on_save(self.config.training, self.state, self.control)
             if log or evaluate or decision.save:
@@ -219,6 +225,17 @@ class Trainer:
             print("LR schedule re-derived for this config: "
                   + ", ".join(f"{k} {old}->{new}" for k, (old, new) in rederived.items()), flush=True)
 
+    def _gather_params(self) -> None:
+        """Under ``overlap_param_gather`` the distributed optimizer's updated shards reach the
+        other ranks only in the next forward's pre-hooks; a checkpoint or export before that
+        would write the previous step's values of every shard this rank does not own (seen:
+        half the weights of a DP2 export stale, a resume not exact). Gather them now, as
+        Megatron-LM does before it saves."""
+        if self.config.parallel.overlap_param_gather:
+            for chunk in self.model:
+                chunk.disable_forward_pre_hook(param_sync=True)
+                chunk.enable_forward_pre_hook()
+
     def train_step(self, micro_batches: list[PackedBatch]) -> StepResult:
         """One optimizer step over a global batch (this rank's micro-batches)."""
         for chunk in self.model:
@@ -231,12 +248,20 @@ class Trainer:
         mtp_losses = _per_token(self.objective.mtp_loss_sums())
         metrics = self.objective.step_metrics(outputs)
         self.control = self.callbacks.on_pre_optimizer_step(self.config.training, self.state, self.control)
-        skipped = not self._grads_finite()
-        grad_norm = float("nan")
+        grad_norm: float | None = float("nan")
+        if self.config.training.fp16:
+            # Megatron's fp16 optimizer finds an overflow itself and backs its loss scale off,
+            # so every step must reach it; it reports whether it updated
+            updated, grad_norm, _ = self.optimizer.step()
+            skipped = not updated
+        else:
+            skipped = not self._grads_finite()
+            if not skipped:
+                _, grad_norm, _ = self.optimizer.step()
         if skipped:
             self.skipped_iters += 1
+            grad_norm = float("nan")
         else:
-            _, grad_norm, _ = self.optimizer.step()
             self.lr_scheduler.step()
         self.control = self.callbacks.on_optimizer_step(self.config.training, self.state, self.control)
         self.consumed_samples += self.config.training.global_batch_size
@@ -388,13 +413,9 @@ def wrap_ddp(chunks: list[torch.nn.Module], par: ParallelArguments, *,
     """Megatron DDP around every chunk; bucketing only for the first (ROLL/McaTrainer: later
     chunks' communication already overlaps the first chunk's compute). Also used by
     ``hpc-mca smoke``."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=par.overlap_grad_reduce,
-        overlap_param_gather=par.overlap_param_gather, use_distributed_optimizer=par.use_distributed_optimizer,
-        average_in_collective=False,
-    )
+    ddp = ddp_config(par)
     model_config = chunks[0].config
     # Gradients cross DP (and the embedding/PP groups) only through this hook; with per-token
     # loss it also divides them by the global real-token count.
@@ -405,13 +426,25 @@ def wrap_ddp(chunks: list[torch.nn.Module], par: ParallelArguments, *,
         # Casts the chunk to half precision and its inputs/outputs at the pipeline ends;
         # the optimizer keeps fp32 master weights.
         chunks = [Float16Module(model_config, chunk) for chunk in chunks]
-    model = [DistributedDataParallel(model_config, ddp_config, chunk, disable_bucketing=i > 0)
+    model = [DistributedDataParallel(model_config, ddp, chunk, disable_bucketing=i > 0)
              for i, chunk in enumerate(chunks)]
     if par.overlap_grad_reduce:
         model_config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     if par.overlap_param_gather:
         model_config.param_sync_func = [m.start_param_sync for m in model] if len(model) > 1 else model[0].start_param_sync
     return model
+
+
+def ddp_config(par: ParallelArguments) -> Any:
+    """Megatron's DistributedDataParallelConfig of this run (also checked before the process
+    group: hpc_mca.trainer.megatron_settings)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=par.overlap_grad_reduce,
+        overlap_param_gather=par.overlap_param_gather,
+        use_distributed_optimizer=par.use_distributed_optimizer, average_in_collective=False,
+    )
 
 
 def build_optimizer(model: list[torch.nn.Module], opt_config: Any) -> Any:
@@ -431,6 +464,10 @@ def optimizer_config(config: TrainConfig, min_lr: float) -> Any:
         optimizer=tr.optim, lr=tr.learning_rate, min_lr=min_lr, weight_decay=tr.weight_decay,
         adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, adam_eps=tr.adam_epsilon,
         clip_grad=tr.max_grad_norm, bf16=tr.bf16, fp16=tr.fp16,
+        # fp16's dynamic loss scale starts where torch.amp's GradScaler (transformers' fp16)
+        # starts, not at Megatron's 2^32, which a short run spends its first ~20 steps
+        # halving down from (each an overflow, skipped)
+        initial_loss_scale=2.0 ** 16,
         use_distributed_optimizer=par.use_distributed_optimizer,
         optimizer_cpu_offload=par.optimizer_cpu_offload,
     )

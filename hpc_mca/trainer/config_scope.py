@@ -1,0 +1,117 @@
+"""Settings that mean something only in a context, refused outside it.
+
+``pref_beta`` on an sft run, ``lora_rank`` on a full fine-tune, ``eval_steps`` without eval
+data: each would be accepted, change nothing, and leave the user believing it did. A setting of
+a :data:`SCOPES` entry that differs from its default while the entry's context does not hold is
+refused, all such settings of a config in one message, one line each.
+
+Compared with the default rather than with "was it written": a resolved config
+(``resolved_config.yaml``, which ``hpc-mca resume`` reads back) writes every field, and its
+out-of-context fields hold their defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .config import ConfigError, TrainConfig
+
+__all__ = ["SCOPES", "Scope", "check_scopes", "has_eval_data"]
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Fields that only act when ``holds(config)``."""
+
+    fields: tuple[str, ...]
+    """Dotted field names."""
+    holds: Callable[[TrainConfig], bool]
+    """Whether the context is there."""
+    context: str
+    """The context, as the message names it."""
+
+
+def has_eval_data(config: TrainConfig) -> bool:
+    """Eval data: an eval dataset, a held-out share of the train set, or (with Megatron's
+    blend) a validation share in ``data.split``."""
+    data = config.data
+    if data.eval_dataset or data.val_size > 0:
+        return True
+    if data.data_path is None or data.split is None:
+        return False
+    from hpc_mca.data.blended import parse_split
+    from hpc_mca.data.errors import DataError
+
+    try:
+        return parse_split(data.split)[1] > 0
+    except DataError:
+        return False  # the blend rule reports the split itself
+
+
+def _scheduler_has_warmup(config: TrainConfig) -> bool:
+    from .lr_scheduler import ALIASES
+
+    name = config.training.lr_scheduler_type
+    return ALIASES.get(name, name) != "constant"
+
+
+SCOPES: tuple[Scope, ...] = (
+    Scope(("finetuning.pref_beta", "finetuning.pref_loss", "finetuning.pref_ftx",
+           "finetuning.dpo_label_smoothing"),
+          lambda c: c.finetuning.stage == "dpo", "finetuning.stage='dpo'"),
+    Scope(("finetuning.lora_rank", "finetuning.lora_alpha", "finetuning.lora_dropout",
+           "finetuning.lora_target"),
+          lambda c: c.finetuning.finetuning_type == "lora", "finetuning.finetuning_type='lora'"),
+    Scope(("data.dataset_format",), lambda c: not c.data.dataset_dir,
+          "direct dataset paths (with data.dataset_dir, each dataset_info.json entry's "
+          "'formatting' decides)"),
+    Scope(("training.eval_steps", "training.per_device_eval_batch_size"), has_eval_data,
+          "eval data (data.eval_dataset, data.val_size, or data.split's validation share)"),
+    Scope(("model.mtp_loss_scaling_factor",), lambda c: c.model.mtp_num_layers > 0,
+          "model.mtp_num_layers > 0"),
+    Scope(("data.text_field", "data.pt_chunking"), lambda c: c.finetuning.stage == "pt",
+          "finetuning.stage='pt'"),
+    Scope(("data.template", "data.train_on_prompt"), lambda c: c.finetuning.stage != "pt",
+          "finetuning.stage sft or dpo (pt trains on plain text)"),
+    Scope(("data.pack_alignment",), lambda c: c.data.sequence_packing,
+          "data.sequence_packing=true"),
+    Scope(("parallel.recompute_num_layers",),
+          lambda c: c.parallel.recompute_granularity is not None,
+          "parallel.recompute_granularity full (or selective, which Megatron-Core refuses it "
+          "with)"),
+    Scope(("parallel.cp_comm_type",), lambda c: c.parallel.context_parallel_size > 1,
+          "parallel.context_parallel_size > 1"),
+    Scope(("training.adam_beta1", "training.adam_beta2", "training.adam_epsilon"),
+          lambda c: c.training.optim == "adam", "training.optim='adam'"),
+    Scope(("training.warmup_steps", "training.warmup_ratio"), _scheduler_has_warmup,
+          "a training.lr_scheduler_type with a warmup (constant has none; "
+          "constant_with_warmup does)"),
+)
+"""Every context-bound setting; tests/test_config_scope.py checks each one's refusal."""
+
+
+def _default(section: Any, name: str) -> Any:
+    spec = {f.name: f for f in dataclasses.fields(section)}[name]
+    if spec.default_factory is not dataclasses.MISSING:
+        return spec.default_factory()
+    return spec.default
+
+
+def check_scopes(config: TrainConfig, world_size: int) -> None:
+    """ConfigError naming every setting that differs from its default outside its context."""
+    lines = []
+    for scope in SCOPES:
+        if scope.holds(config):
+            continue
+        for dotted in scope.fields:
+            section_name, name = dotted.split(".")
+            section = getattr(config, section_name)
+            value = getattr(section, name)
+            if value != _default(section, name):
+                lines.append(f"{dotted}={value!r} acts only with {scope.context}, which this "
+                             "run does not have; valid: remove it, or set that context")
+    if lines:
+        raise ConfigError("\n".join(lines))
