@@ -403,33 +403,7 @@ def _check_parallel(config: TrainConfig, world_size: int) -> None:
     if par.recompute_granularity == "full" and (par.recompute_num_layers or 0) < 1:
         raise ConfigError(f"parallel.recompute_num_layers={par.recompute_num_layers!r} must be "
                           ">= 1 with parallel.recompute_granularity='full'")
-    for name in ("overlap_param_gather", "optimizer_cpu_offload"):
-        if getattr(par, name) and not par.use_distributed_optimizer:
-            # Megatron-LM refuses the offload alike; built anyway, its optimizer fails
-            raise ConfigError(f"parallel.{name}=true needs parallel.use_distributed_optimizer"
-                              "=true")
-    if not par.calculate_per_token_loss:
-        raise ConfigError("parallel.calculate_per_token_loss=false: the loss functions return "
-                          "token sums that the step divides by the global batch's real tokens "
-                          "(hpc_mca.trainer.step); valid: true")
-    _choice("parallel.cp_comm_type", par.cp_comm_type, CP_COMM_TYPES)
-    if par.tensor_model_parallel_size == 1:
-        par.sequence_parallel = False
-    elif not par.sequence_parallel and model_shape(config.model.model_name_or_path).is_moe:
-        # Megatron's MoE layer raises this at the first forward (a traceback after tokenizing)
-        raise ConfigError(f"parallel.sequence_parallel=false with parallel.tensor_model_parallel_"
-                          f"size={par.tensor_model_parallel_size} on a mixture of experts "
-                          f"({model_type(config.model.model_name_or_path)}): Megatron-Core's MoE "
-                          "layer does not train under tensor parallelism without sequence "
-                          "parallelism; valid: parallel.sequence_parallel=true, or "
-                          "parallel.tensor_model_parallel_size=1")
-    if par.expert_tensor_parallel_size is None:
-        par.expert_tensor_parallel_size = par.tensor_model_parallel_size
-    elif par.expert_tensor_parallel_size not in (1, par.tensor_model_parallel_size) and not \
-            model_shape(config.model.model_name_or_path).is_moe:  # (1: "no split", as planned)
-        raise ConfigError(f"parallel.expert_tensor_parallel_size="
-                          f"{par.expert_tensor_parallel_size} splits MoE experts, and "
-                          f"{config.model.model_name_or_path!r} has none; valid: leave it unset")
+    _check_megatron_combinations(config)
     layout = layout_of(par)
     lines = check_layout(
         layout, world_size, model_shape(config.model.model_name_or_path),
@@ -442,6 +416,39 @@ def _check_parallel(config: TrainConfig, world_size: int) -> None:
     _check_pack_alignment(config)
     par.data_parallel_size = world_size // layout.model_parallel_size
     _derive_batch(tr, par.data_parallel_size)
+
+
+def _check_megatron_combinations(config: TrainConfig) -> None:
+    """Settings that Megatron-Core cannot run together (or that would train something else);
+    fills in the sequence-parallel and expert-TP values a TP size implies."""
+    par, moe = config.parallel, model_shape(config.model.model_name_or_path).is_moe
+    for name in ("overlap_param_gather", "optimizer_cpu_offload"):
+        if getattr(par, name) and not par.use_distributed_optimizer:
+            # Megatron-LM refuses the offload alike; built anyway, its optimizer fails
+            raise ConfigError(f"parallel.{name}=true needs parallel.use_distributed_optimizer"
+                              "=true")
+    if not par.calculate_per_token_loss:
+        raise ConfigError("parallel.calculate_per_token_loss=false: the loss functions return "
+                          "token sums that the step divides by the global batch's real tokens "
+                          "(hpc_mca.trainer.step); valid: true")
+    _choice("parallel.cp_comm_type", par.cp_comm_type, CP_COMM_TYPES)
+    if par.tensor_model_parallel_size == 1:
+        par.sequence_parallel = False
+    elif not par.sequence_parallel and moe:
+        # Megatron's MoE layer raises this at the first forward (a traceback after tokenizing)
+        raise ConfigError(f"parallel.sequence_parallel=false with parallel.tensor_model_parallel_"
+                          f"size={par.tensor_model_parallel_size} on a mixture of experts "
+                          f"({model_type(config.model.model_name_or_path)}): Megatron-Core's MoE "
+                          "layer does not train under tensor parallelism without sequence "
+                          "parallelism; valid: parallel.sequence_parallel=true, or "
+                          "parallel.tensor_model_parallel_size=1")
+    if par.expert_tensor_parallel_size is None:
+        par.expert_tensor_parallel_size = par.tensor_model_parallel_size
+    elif par.expert_tensor_parallel_size not in (1, par.tensor_model_parallel_size) and not moe:
+        # (1, "experts not split", is what the planner writes for every model)
+        raise ConfigError(f"parallel.expert_tensor_parallel_size="
+                          f"{par.expert_tensor_parallel_size} splits MoE experts, and "
+                          f"{config.model.model_name_or_path!r} has none; valid: leave it unset")
 
 
 def _check_pack_alignment(config: TrainConfig) -> None:
