@@ -12,21 +12,11 @@ from hpc_mca.trainer.config import ConfigError, TrainConfig, load_config
 from hpc_mca.trainer.config_input import KNOWN_ELSEWHERE
 from hpc_mca.trainer.config_scope import SCOPES
 from hpc_mca.trainer.lr_scheduler import resolve_warmup_steps
-
-LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64,
-         "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128,
-         "vocab_size": 100}
-
+from trainer_fixtures import CONFIG_ONLY_LLAMA, config_only_run
 
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA))
-    (tmp_path / "train.jsonl").write_text('{"instruction": "1+1=", "output": "2"}\n')
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
-        "model_name_or_path": "model", "dataset": "train.jsonl", "stage": "sft",
-        "output_dir": str(tmp_path / "out"), "max_steps": 10}))
-    return tmp_path
+    return config_only_run(tmp_path)
 
 
 def _problems(run: Path, overrides: list[str], world_size: int = 1) -> list[str]:
@@ -205,7 +195,7 @@ def test_settings_that_would_compute_something_else_are_refused(run: Path, overr
     if "model_name_or_path=moe" in overrides:
         (run / "moe").mkdir()
         (run / "moe" / "config.json").write_text(json.dumps({
-            **LLAMA, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+            **CONFIG_ONLY_LLAMA, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
             "moe_intermediate_size": 32, "head_dim": 16}))
         overrides = [f"model_name_or_path={run / 'moe'}", *overrides[1:]]
     lines = _problems(run, overrides, world_size)

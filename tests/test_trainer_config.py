@@ -1,6 +1,5 @@
 """hpc_mca.trainer.config: YAML + overrides, type checks, cross-field rules, resolved output."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,25 +13,13 @@ from hpc_mca.trainer.config import (
     load_config,
 )
 from hpc_mca.trainer.run_length import total_training_steps
-
-LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64,
-         "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128,
-         "vocab_size": 100}
-
+from trainer_fixtures import config_only_run
 
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
     """A directory with a config-only model, a dataset file and a YAML using relative paths."""
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA))
-    (tmp_path / "train.jsonl").write_text('{"instruction": "1+1=", "output": "2"}\n')
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
-        "model_name_or_path": "model", "dataset": "train.jsonl", "stage": "sft",
-        "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2,
-        "learning_rate": "1e-3", "max_steps": 10,
-        "parallel": {"tensor_model_parallel_size": 2},
-    }))
-    return tmp_path
+    return config_only_run(tmp_path, per_device_train_batch_size=2, learning_rate="1e-3",
+                           parallel={"tensor_model_parallel_size": 2})
 
 
 def _one_line(err: pytest.ExceptionInfo) -> str:

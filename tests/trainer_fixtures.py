@@ -43,6 +43,24 @@ def make_model_dir(root: Path, layers: int = 4, moe: bool = False, **shape: int)
     return model_dir
 
 
+CONFIG_ONLY_LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64,
+                     "num_attention_heads": 4, "num_key_value_heads": 4,
+                     "intermediate_size": 128, "vocab_size": 100}
+"""config.json of a config-only model, for config rules that read the model's shape."""
+
+
+def config_only_run(root: Path, **settings) -> Path:
+    """``root`` with a config-only model, one sft record and ``run.yaml`` naming both by
+    relative paths (plus ``settings``); returns ``root``."""
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text(json.dumps(CONFIG_ONLY_LLAMA))
+    (root / "train.jsonl").write_text('{"instruction": "1+1=", "output": "2"}\n')
+    (root / "run.yaml").write_text(yaml.safe_dump({
+        "model_name_or_path": "model", "dataset": "train.jsonl", "stage": "sft",
+        "output_dir": str(root / "out"), "max_steps": 10, **settings}))
+    return root
+
+
 def make_sft_data(root: Path, count: int, seed: int, name: str) -> Path:
     from hpc_mca.data.addition import alpaca_record, make_problems
 
