@@ -273,7 +273,7 @@ def test_build_model_fails_before_allocating(llama, tmp_path, monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("the model was being built")
 
-    monkeypatch.setattr(build, "_transformer_config", must_not_run)
+    monkeypatch.setattr(build, "transformer_config", must_not_run)
     monkeypatch.setattr(build, "_build_chunk", must_not_run)
     ctx = types.SimpleNamespace(layout=Layout(dp=1), env=types.SimpleNamespace(world_size=1),
                                 backend="gloo", device=torch.device("cpu"))
