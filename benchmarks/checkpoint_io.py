@@ -80,7 +80,7 @@ def train(root: Path, model: Path, run_dir: Path, *overrides: str,
     env.update(PYTHONWARNINGS="ignore", HPC_MCA_DIST_TIMEOUT="600")
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
             "-m", "hpc_mca", "train", str(DEMO / "sft_addition.yaml"),
-            f"model_name_or_path={model}", f"output_dir={run_dir}", "eval_dataset=null",
+            f"model_name_or_path={model}", f"output_dir={run_dir}", "eval_dataset=null", "eval_steps=null",
             "report_to=none", "use_distributed_optimizer=true", "per_device_train_batch_size=1",
             "sequence_packing=false", "seq_length=16", "logging_steps=1", *overrides]
     if not wait:

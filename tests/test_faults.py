@@ -179,7 +179,7 @@ def test_resume_on_one_node_keeps_the_global_batch(setup: dict) -> None:
                HPC_MCA_TEST_STEP_SLEEP="0.2", HPC_MCA_MAX_REQUEUES="0",
                HPC_MCA_RUNS_ROOT=str(work / "runs"))
     # The demo config says gradient_accumulation_steps: 1 (for its 2 ranks).
-    overrides = ["max_steps=40", "eval_dataset=null", "logging_steps=10", "save_steps=5"]
+    overrides = ["max_steps=40", "eval_dataset=null", "eval_steps=null", "logging_steps=10", "save_steps=5"]
 
     def hpc_mca(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([HPC_MCA, *args], cwd=work, env=env, capture_output=True,

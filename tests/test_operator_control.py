@@ -244,7 +244,7 @@ def test_a_two_minute_job_requeues_only_as_often_as_its_steps_need(
 # --- a finished run extended; status follows it ----------------------------------------------
 
 DEMO_60 = ["lr_scheduler_type=constant_with_warmup", "lr_scheduler_kwargs={}",
-           "warmup_steps=10", "warmup_ratio=0", "eval_dataset=null", "logging_steps=20"]
+           "warmup_steps=10", "warmup_ratio=0", "eval_dataset=null", "eval_steps=null", "logging_steps=20"]
 
 
 def test_finished_demo_run_extends_to_120_steps_and_status_follows_it(setup: dict) -> None:

@@ -298,7 +298,8 @@ def test_non_finite_gradients_skip_the_update(setup, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_ranks(1, [script, setup["sft"], f"training.output_dir={run_dir}", *STANDARD,
                          "training.max_steps=4", "training.logging_steps=1",
-                         "data.eval_dataset=null"], timeout=300)
+                         "data.eval_dataset=null", "training.eval_steps=null",
+                         "training.per_device_eval_batch_size=8"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = steps(run_dir)
     assert [r["skipped"] for r in records] == [False, True, False, False]

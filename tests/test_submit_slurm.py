@@ -33,7 +33,8 @@ HPC_MCA = str(Path(sys.executable).with_name("hpc-mca"))
 CPU_2X2 = ["--gpu", "CPU", "--nodes", "2", "--gpus-per-node", "2"]
 DEMO_STEPS = 60
 # Short, and without the demo's held-out evaluation (which would add ~15 s at the end).
-DEMO_OVERRIDES = [f"max_steps={DEMO_STEPS}", "logging_steps=5", "eval_dataset=null"]
+DEMO_OVERRIDES = [f"max_steps={DEMO_STEPS}", "logging_steps=5", "eval_dataset=null",
+                  "eval_steps=null"]
 HOSTILE = "it's a \"job\"; $(touch pwned) & `touch pwned2` #1 %x \\ end"
 
 
@@ -177,7 +178,7 @@ def test_context_parallel_job_over_two_nodes_equals_one_node(
     if not DEMO.is_file():
         pytest.skip(f"waiting on the trainer's demo config {DEMO.relative_to(REPO)}")
     # The same rows and batches on both: samples aligned for CP2, 2 micro-batches of 4 a step.
-    common = ["max_steps=8", "logging_steps=4", "eval_dataset=null", "global_batch_size=8",
+    common = ["max_steps=8", "logging_steps=4", "eval_dataset=null", "eval_steps=null", "global_batch_size=8",
               "gradient_accumulation_steps=2", "pack_alignment=4"]
     jobs = {}
     for name, layout in (("cp2", ["--nodes", "2", "--cp", "2"]), ("one", ["--nodes", "1"])):
@@ -327,7 +328,7 @@ def test_hostile_strings_reach_slurm_and_ranks_intact(slurm_cluster: None,
     record = tmp_path / "record"
     root = tmp_path / "my runs" / "o'brien $(touch pwned3)" / "100%"
     env = _env(HPC_MCA_PYTHON=str(fake), RECORD_FILE=str(record))
-    override = f"text_field={HOSTILE}"
+    override = f"export_hf_dir={HOSTILE}"  # a free-text setting of every stage
     done = hpc_mca("submit", str(config), "--gpu", "CPU", "--nodes", "1", "--job-name", HOSTILE,
                    "--runs-root", str(root), override, cwd=tmp_path, env=env)
     job_id = _submitted_id(done)

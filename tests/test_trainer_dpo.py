@@ -141,6 +141,6 @@ def test_bad_pairwise_data_stops_every_rank(setup, tmp_path, record, message):
         data.write_text(json.dumps(record) + "\n")
     ranks = launch_ranks(2, ["train", str(config), f"training.output_dir={tmp_path / 'run'}",
                              f"data.dataset=[{data}]", "data.eval_dataset=null",
-                             "training.eval_steps=null"])
+                             "training.eval_steps=null", "training.per_device_eval_batch_size=8"])
     line = assert_bad_input_on_every_rank(ranks, message)
     assert str(data) in line

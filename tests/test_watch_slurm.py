@@ -27,7 +27,7 @@ DEMO = REPO / "hpc_mca" / "assets" / "demo" / "sft_addition.yaml"
 HPC_MCA = str(Path(sys.executable).with_name("hpc-mca"))
 ONE_CPU = ["--gpu", "CPU", "--nodes", "1", "--gpus-per-node", "1"]
 STEPS = 6
-TINY = [f"max_steps={STEPS}", "logging_steps=1", "eval_dataset=null"]
+TINY = [f"max_steps={STEPS}", "logging_steps=1", "eval_dataset=null", "eval_steps=null"]
 
 
 def _env() -> dict[str, str]:
