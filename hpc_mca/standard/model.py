@@ -140,7 +140,6 @@ def export_model(model: torch.nn.Module, out: Path, config: TrainConfig, *, merg
     the adapters merged in), with the same files beside the weights as the Megatron backend's
     exports (:func:`hpc_mca.models.export.write_companion_files`; rank 0)."""
     from hpc_mca.models.export import DEFAULT_MAX_SHARD_BYTES, write_companion_files
-    from hpc_mca.models.hf_config import read_hf_config
 
     model = getattr(model, "module", model)  # DDP
     adapter = config.finetuning.finetuning_type == "lora" and not merged
@@ -152,9 +151,7 @@ def export_model(model: torch.nn.Module, out: Path, config: TrainConfig, *, merg
     else:
         # Shards of at most the Megatron backend's size, not transformers' 50 GB.
         model.save_pretrained(str(out), max_shard_size=DEFAULT_MAX_SHARD_BYTES)
-    source = read_hf_config(config.model.model_name_or_path).directory
-    if source is not None:
-        write_companion_files(out, source)
+    write_companion_files(out, Path(config.model.model_name_or_path))
     what = "PEFT adapter" if adapter else "HF model (LoRA merged)" if merged else "HF model"
     print(f"exported {what} to {out}", flush=True)
 
