@@ -78,7 +78,7 @@ profile() {  # where each side's step time goes
 
 ranks() {  # two ranks on one GPU: one line and exit 2, not an NCCL crash
   local rc=0
-  CUDA_VISIBLE_DEVICES=0 "$py" -m hpc_mca.runtime.forkrun --nproc-per-node 2 train \
+  CUDA_VISIBLE_DEVICES=0 "$py" -m hpc_mca.cli.forkrun --nproc-per-node 2 train \
     hpc_mca/assets/demo/sft_addition.yaml "training.output_dir=${work}/ranks" || rc=$?
   echo "exit status ${rc} (expected 2)"
   [[ "$rc" == 2 ]]

@@ -17,7 +17,7 @@ With ``--profile``, each side then runs two more steps under torch.profiler (lef
 figures; hpc-mca through ``training.profile_steps``) and the operator tables by self device
 time are printed after the figures: where each side's step time goes.
 
-MFU uses the trainer's own formula (hpc_mca.trainer.metrics.flops_per_token: 6 per weight,
+MFU uses the trainer's own formula (hpc_mca.loop.metrics.flops_per_token: 6 per weight,
 output layer included, plus causal-unmasked attention scores) and the device's dense bf16
 peak (HPC_MCA_PEAK_TFLOPS overrides). Default shape: Llama-3.2-1B (random weights).
 
@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 from trainer_fixtures import rank_env, write_indexed  # noqa: E402
+
 LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                    tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072,
@@ -201,7 +202,7 @@ def run_transformers(args: argparse.Namespace, config: dict, fp32_master: bool) 
 
 def profile_steps(step, device: torch.device) -> str:
     """The operator table of PROFILED more steps, in the trainer's format."""
-    from hpc_mca.trainer.profiling import activities, operator_table
+    from hpc_mca.loop.profiling import activities, operator_table
 
     cuda = device.type == "cuda"
     with torch.profiler.profile(activities=activities(cuda)) as prof:
@@ -219,8 +220,8 @@ def sync(device: torch.device) -> None:
 def main() -> None:
     args = parse_args()
     sys.path.insert(0, str(REPO))
+    from hpc_mca.loop.metrics import flops_per_token, peak_flops_per_device
     from hpc_mca.topology import ModelShape
-    from hpc_mca.trainer.metrics import flops_per_token, peak_flops_per_device
 
     config = hf_config(args)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

@@ -26,7 +26,7 @@ from trainer_fixtures import make_model_dir, make_sft_data, write_config  # noqa
 
 
 def trainer_step_times(config: Path, steps: int, run_dir: Path) -> list[float]:
-    from hpc_mca.trainer.run import run_training
+    from hpc_mca.launch.run import run_training
 
     # A fresh run dir per round: an existing one would be resumed from its checkpoint.
     history = run_training(config, [f"training.max_steps={steps}", "training.logging_steps=1000",
@@ -40,11 +40,11 @@ def bare_step_times(config_path: Path, steps: int) -> list[float]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from hpc_mca.config.sections import load_config
     from hpc_mca.data.dataset import build_datasets, train_dataloader
     from hpc_mca.models.build import build_model
     from hpc_mca.runtime.distributed import init_distributed, shutdown
     from hpc_mca.topology import Layout
-    from hpc_mca.trainer.config import load_config
     from hpc_mca.trainer.step import make_forward_step
 
     config = load_config(config_path).resolve(1)
@@ -58,7 +58,7 @@ def bare_step_times(config_path: Path, steps: int) -> list[float]:
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=tr.learning_rate, min_lr=0.0,
                                                        clip_grad=tr.max_grad_norm), model)
     if tr.fused_optimizer:  # the same optimizer kernel as the trainer: the ratio is overhead only
-        from hpc_mca.trainer.fused_optimizer import use_fused_adam
+        from hpc_mca.loop.optimizer import use_fused_adam
 
         use_fused_adam(optimizer)
     loader = iter(train_dataloader(build_datasets(config).train, config, data_parallel_rank=0))

@@ -78,7 +78,7 @@ def _count(model, trainable: bool) -> int:
 
 
 def main() -> None:
-    from hpc_mca.trainer.run import run_training
+    from hpc_mca.launch.run import run_training
 
     out, config, *overrides = sys.argv[1:]
     run_training(config, overrides, callbacks=[Record(Path(out))])

@@ -18,8 +18,8 @@ def probe_main(out: Path, config: str, overrides: list[str]) -> None:
     import torch.distributed as dist
     from transformers import TrainerCallback
 
+    from hpc_mca.launch.run import run_training
     from hpc_mca.models.weights import unwrap
-    from hpc_mca.trainer.run import run_training
 
     class Probe(TrainerCallback):
         def __init__(self) -> None:

@@ -14,22 +14,20 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "hpc_mca"
 
 LAYERS = {
-    # 0: contracts everyone shares: the bad-input base class, the run directory's files.
-    "errors": 0, "rundir": 0,
-    # 1: pure planning and data: no torch at import, no knowledge of the trainer.
+    # 0: contracts everyone shares: the bad-input base class, the run directory's files, the
+    # stage registry (pure data: each stage's traits and where its objectives live).
+    "errors": 0, "rundir": 0, "stages": 0,
+    # 1: pure planning and data: no knowledge of the trainer. Each owns its config section.
     "topology": 1, "data": 1,
-    # 2: the run config and its rules (the login side validates configs with them too).
-    "trainer.config": 2, "trainer.config_input": 2, "trainer.data_arguments": 2,
-    "trainer.config_rules": 2, "trainer.config_scope": 2, "trainer.config_layout": 2,
-    "trainer.lr_scheduler": 2,
-    "trainer.run_length": 2,
-    # 3-6: the rank side, bottom up.
-    "runtime": 3, "models": 4, "checkpoint": 5, "trainer": 6, "standard": 6,
-    # 7-8: the login side and the entry points.
-    "slurm": 7, "cli": 8, "assets": 8, "__main__": 8, "__init__": 8,
-    # An entry point that lives beside the rank bootstrap: the local launcher preloads the
-    # trainer's imports and runs the CLI in each forked rank, as ``__main__`` does in one.
-    "runtime.forkrun": 8,
+    # 2: the run config: sections, rules, schedule names, run length (the login side validates
+    # configs with it too).
+    "config": 2,
+    # 3-7: the rank side, bottom up: what both backends' loops share (3-6), then the backends.
+    "runtime": 3, "models": 4, "checkpoint": 5, "loop": 6, "trainer": 7, "standard": 7,
+    # 8: from a config to the backend it names.
+    "launch": 8,
+    # 9-10: the login side and the entry points.
+    "slurm": 9, "cli": 10, "assets": 10, "__main__": 11, "__init__": 11,
 }
 
 
@@ -73,32 +71,80 @@ def _imports(path: Path, module: str) -> list[tuple[int, str]]:
     return found
 
 
+def _package(module: str) -> str:
+    return module.split(".")[0]
+
+
 def violations(package: Path = PACKAGE) -> list[str]:
+    """Each import of a higher layer, or of another package of the same layer (two packages
+    side by side, like the two backends, never reach into each other)."""
     lines = []
     for path in sorted(package.rglob("*.py")):
         module = _module_name(path, package)
         for lineno, target in _imports(path, module):
-            if layer(target) > layer(module):
+            sideways = layer(target) == layer(module) and _package(target) != _package(module)
+            if layer(target) > layer(module) or sideways:
                 lines.append(f"{path.relative_to(package.parent)}:{lineno}: {module} (layer "
                              f"{layer(module)}) imports {target} (layer {layer(target)})")
     return lines
+
+
+def package_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Top-level package -> the other top-level packages its modules import."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        module = _module_name(path, package)
+        graph.setdefault(_package(module), set()).update(
+            _package(target) for _, target in _imports(path, module)
+            if _package(target) != _package(module))
+    return graph
+
+
+def package_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of ``graph``, each as the path from its smallest name back to it (a depth-
+    first search from every node; the graph is a dozen packages)."""
+    found = set()
+
+    def walk(start: str, node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == start:
+                found.add(tuple(path))
+            elif nxt not in path and nxt > start:
+                walk(start, nxt, [*path, nxt])
+
+    for start in sorted(graph):
+        walk(start, start, [start])
+    return [list(cycle) for cycle in sorted(found)]
 
 
 def test_no_package_imports_a_higher_one():
     assert violations() == []
 
 
+def test_no_package_cycle():
+    assert package_cycles(package_graph()) == []
+
+
 def test_the_rule_catches_an_upward_import(tmp_path):
-    """The checker itself: a checkpoint module that imports the login side is reported."""
+    """The checker itself: a checkpoint module that imports the login side is reported, and
+    so is one backend importing the other."""
     fake = tmp_path / "hpc_mca"
     (fake / "checkpoint").mkdir(parents=True)
+    (fake / "standard").mkdir()
     (fake / "checkpoint" / "bad.py").write_text(
         "from hpc_mca.slurm.commands import run\nfrom ..trainer import trainer\n"
         "from .store import read_tracker\n")
+    (fake / "standard" / "bad.py").write_text("from hpc_mca.trainer.dpo import METRICS\n")
     assert violations(fake) == [
-        "hpc_mca/checkpoint/bad.py:1: checkpoint.bad (layer 5) imports slurm.commands (layer 7)",
-        "hpc_mca/checkpoint/bad.py:2: checkpoint.bad (layer 5) imports trainer (layer 6)",
+        "hpc_mca/checkpoint/bad.py:1: checkpoint.bad (layer 5) imports slurm.commands (layer 9)",
+        "hpc_mca/checkpoint/bad.py:2: checkpoint.bad (layer 5) imports trainer (layer 7)",
+        "hpc_mca/standard/bad.py:1: standard.bad (layer 7) imports trainer.dpo (layer 7)",
     ]
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": {"e"}}
+    assert package_cycles(graph) == [["a", "b", "c"], ["e", "e2"]]
 
 
 def test_every_module_has_a_layer():

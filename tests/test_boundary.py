@@ -18,7 +18,7 @@ import torch.distributed as dist
 from transformers.trainer_callback import TrainerControl
 
 from hpc_mca.checkpoint.requeue import StopSignal
-from hpc_mca.trainer.boundary import Decision, StepBoundary
+from hpc_mca.loop.boundary import Decision, StepBoundary
 
 
 @pytest.fixture

@@ -14,17 +14,15 @@ import pytest
 from hpc_mca.slurm.commands import JobState
 from hpc_mca.slurm.errors import OpsError
 from hpc_mca.slurm.logs import follow, show, tail_start
-from hpc_mca.slurm.manifest import (find_run, read_manifest, resolve_runs, run_from_path,
-                                    write_manifest)
+from hpc_mca.slurm.manifest import find_run, read_manifest, resolve_runs, run_from_path, write_manifest
 from hpc_mca.slurm.progress import read_progress, write_progress
 from hpc_mca.slurm.status import RunStatus, format_status, format_table, progress_text
 from hpc_mca.slurm.tensorboard import free_port, logdir_args, plan_launch
 
-
 # --- progress.json ------------------------------------------------------------------------
 
 def test_progress_round_trip_and_trainer_field_names(tmp_path: Path) -> None:
-    # What hpc_mca.trainer.metrics.MetricsWriter writes.
+    # What hpc_mca.loop.metrics.MetricsWriter writes.
     write_progress(tmp_path, step=40, max_steps=200, loss=1.5, lr=3e-4, grad_norm=0.9,
                    tokens_per_s=12345.6, eta_s=190.0, skipped_iters=0, eval_loss=1.4,
                    last_checkpoint={"step": 30, "path": "/ck/iter_30", "time": 100.0})

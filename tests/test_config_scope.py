@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from hpc_mca.trainer.config import ConfigError, TrainConfig, load_config
-from hpc_mca.trainer.config_input import KNOWN_ELSEWHERE
-from hpc_mca.trainer.config_scope import SCOPES
-from hpc_mca.trainer.lr_scheduler import resolve_warmup_steps
 from trainer_fixtures import CONFIG_ONLY_LLAMA, config_only_run
+
+from hpc_mca.config.input import KNOWN_ELSEWHERE
+from hpc_mca.config.schedule import resolve_warmup_steps
+from hpc_mca.config.scope import SCOPES
+from hpc_mca.config.sections import ConfigError, TrainConfig, load_config
+
 
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
@@ -166,7 +167,7 @@ def test_resume_from_checkpoint_null_means_auto_as_in_llamafactory(run: Path):
 
 def test_defaults_are_in_context():
     """The defaults themselves never trip a scope (each default run is valid)."""
-    from hpc_mca.trainer.config_scope import check_scopes
+    from hpc_mca.config.scope import check_scopes
 
     check_scopes(TrainConfig(), 1)
 

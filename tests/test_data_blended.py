@@ -5,13 +5,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from trainer_fixtures import make_model_dir, rewind, run_train, steps, write_indexed
 
+from hpc_mca.config.sections import ConfigError, load_config
 from hpc_mca.data.addition import DEMO_DIR
 from hpc_mca.data.blended import BlendedSamples
 from hpc_mca.data.dataset import build_datasets, train_dataloader
 from hpc_mca.data.sampler import DataSampler
-from hpc_mca.trainer.config import ConfigError, load_config
-from trainer_fixtures import make_model_dir, rewind, run_train, steps, write_indexed
 
 
 def _corpora(root: Path) -> tuple[Path, Path]:

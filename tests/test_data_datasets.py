@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hpc_mca.config.sections import ConfigError, load_config
 from hpc_mca.data.addition import DEMO_DIR
 from hpc_mca.data.dataset import build_datasets
 from hpc_mca.data.errors import DataError
 from hpc_mca.data.mix import mix_order
 from hpc_mca.data.records import read_records
-from hpc_mca.trainer.config import ConfigError, load_config
 
 N = 24
 

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import torch
 
+from hpc_mca.config.sections import load_config
 from hpc_mca.data.addition import DEMO_DIR, make_problems, response_exact_match
 from hpc_mca.data.dataset import build_datasets
 from hpc_mca.data.rows import collate_rows
 from hpc_mca.data.tokenize import IGNORE_INDEX, load_tokenizer
 from hpc_mca.topology import ModelShape
-from hpc_mca.trainer.config import load_config
 
 GENERATED = ("tokenizer.json", "tokenizer_config.json", "config.json", "train.jsonl",
              "eval.jsonl", "dpo_train.jsonl", "dpo_eval.jsonl")

@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from trainer_fixtures import write_indexed
 
+from hpc_mca.config.sections import load_config
 from hpc_mca.data.addition import DEMO_DIR
 from hpc_mca.data.dataset import build_datasets, check_eval_rows, eval_dataloader, train_dataloader
 from hpc_mca.data.errors import DataError
 from hpc_mca.data.store import IndexedSamples
-from trainer_fixtures import write_indexed
-from hpc_mca.trainer.config import load_config
 
 
 def _config(tmp_path: Path, *overrides: str):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpc_mca.trainer.dpo import METRICS, preference_loss
+from hpc_mca.loop.preference import METRICS, preference_loss
 
 # One pair: policy log-probs chosen -10, rejected -12; reference -11 for both; answers of 2 and
 # 4 tokens; beta 0.5. Log-ratios +1 and -1, so beta·d = 1.

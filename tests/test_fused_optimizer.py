@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from hpc_mca.trainer.fused_optimizer import use_fused_adam
+from hpc_mca.loop.optimizer import use_fused_adam
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:

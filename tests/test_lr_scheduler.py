@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import get_scheduler
 
-from hpc_mca.trainer.lr_scheduler import (
+from hpc_mca.config.schedule import (
     ALIASES,
     SCHEDULER_NAMES,
     SchedulerError,
@@ -185,7 +185,7 @@ def test_param_group_max_lr_scales_its_curve():
 def test_megatron_scheduler_class_is_exported():
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from hpc_mca.trainer import lr_scheduler
+    from hpc_mca.config import schedule as lr_scheduler
 
     scheduler = build_lr_scheduler(scheduler_spec("linear", {}, LR, 0, 10), _optimizer(1))
     assert isinstance(scheduler, lr_scheduler.MegatronLRScheduler)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from trainer_fixtures import (
     assert_bad_input_on_every_rank,
     launch_ranks,
@@ -16,8 +15,8 @@ from trainer_fixtures import (
     write_config,
 )
 
-from hpc_mca.trainer.config import ConfigError, load_config
-from hpc_mca.trainer.config_layout import layout_of
+from hpc_mca.config.layout import layout_of
+from hpc_mca.config.sections import ConfigError, load_config
 from hpc_mca.trainer.megatron_settings import check_megatron_settings
 
 REFUSED = {

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from hpc_mca.loop.metrics import flops_per_token, peak_flops_of
 from hpc_mca.topology import ModelShape
-from hpc_mca.trainer.metrics import flops_per_token, peak_flops_of
 
 
 def test_flops_per_token_is_six_per_active_weight_plus_palms_attention_term():

@@ -19,9 +19,9 @@ from test_attention import (
     thd_params,
 )
 
+from hpc_mca.config.sections import PACKED_ATTENTION
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.packed_kernels import PACKED_KERNELS, packed_plan, resolve_packed_kernel
-from hpc_mca.trainer.config import PACKED_ATTENTION
 
 # Odd lengths, padded ranges and slots after the last document: every layout case at once.
 LENGTHS, PADDED = [7, 1, 33, 12, 64, 3, 20], [8, 4, 36, 12, 64, 8, 24]

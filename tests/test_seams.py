@@ -7,8 +7,8 @@ import types
 
 import torch
 
+from hpc_mca.config.sections import FINETUNING_TYPES, STAGES, TrainConfig
 from hpc_mca.models.transform import TRANSFORMS, transform_model
-from hpc_mca.trainer.config import FINETUNING_TYPES, STAGES, TrainConfig
 from hpc_mca.trainer.objective import SftObjective
 from hpc_mca.trainer.stages import OBJECTIVES
 

@@ -33,9 +33,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from trainer_fixtures import (make_model_dir, make_sft_data, rewind, run_ranks, run_train,
-                              steps, write_config)
+from trainer_fixtures import make_model_dir, make_sft_data, rewind, run_ranks, run_train, steps, write_config
 
 WORKER = Path(__file__).with_name("probe_worker.py")
 KEYS = ("loss", "grad_norm", "lr", "tokens")
@@ -92,8 +90,8 @@ def _permuted_tokenizer(source: Path, target: Path) -> int:
 
 
 def _data_config(tmp_path: Path, *overrides: str):
+    from hpc_mca.config.sections import load_config
     from hpc_mca.data.addition import DEMO_DIR
-    from hpc_mca.trainer.config import load_config
 
     return load_config(None, [
         f"model_name_or_path={DEMO_DIR}", f"output_dir={tmp_path / 'out'}",
@@ -171,7 +169,7 @@ def test_settings_that_need_another_one_are_refused(tmp_path):
     (peft applies none there, so the export would not be the adapter trained)."""
     from transformers import Qwen3MoeConfig
 
-    from hpc_mca.trainer.config import ConfigError
+    from hpc_mca.config.sections import ConfigError
 
     with pytest.raises(ConfigError, match=r"parallel.recompute_method='block' needs "
                                           r"parallel.recompute_granularity='full'"):
@@ -291,8 +289,8 @@ def _first_step_gradient(config: Path, model_dir: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from hpc_mca.config.sections import load_config
     from hpc_mca.data.dataset import build_datasets, train_dataloader
-    from hpc_mca.trainer.config import load_config
 
     resolved = load_config(config).resolve(world_size=1)
     loader = train_dataloader(build_datasets(resolved).train, resolved, data_parallel_rank=0)
@@ -415,7 +413,7 @@ def test_expert_tensor_parallel_one_keeps_experts_whole_under_tp2(tmp_path):
     1 (MoE with TP needs sequence parallelism): each rank holds 2 whole experts per layer
     (fc1 [64, 64], where ETP2 would give [32, 64]), checkpoint.json records etp 1, and 3 steps
     equal one process within 1e-5. Without the field (ETP = TP = 2) the layout is refused."""
-    from hpc_mca.trainer.config import ConfigError, load_config
+    from hpc_mca.config.sections import ConfigError, load_config
 
     model = make_model_dir(tmp_path, layers=2, moe=True)
     config = write_config(tmp_path, model, make_sft_data(tmp_path, 64, 1, "train"),

@@ -1,6 +1,6 @@
 """The settings ledger (tests/settings_ledger.yaml, issue #37), enforced.
 
-Every field of the run config's five sections (the dataclasses of hpc_mca.trainer.config's
+Every field of the run config's five sections (the dataclasses of hpc_mca.config.sections's
 TrainConfig) has one row saying what it observably changes and which tests show it, or when the
 rules refuse it. Checked here, without starting a trainer:
 
@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hpc_mca.trainer.config import TrainConfig, TrainingArguments
+from hpc_mca.config.sections import TrainConfig, TrainingArguments
 
 REPO = Path(__file__).resolve().parents[1]
 LEDGER = Path(__file__).with_name("settings_ledger.yaml")

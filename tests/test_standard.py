@@ -24,11 +24,20 @@ import math
 import shutil
 
 import pytest
-from trainer_fixtures import (assert_bad_input_on_every_rank, launch_ranks, make_model_dir,
-                              make_sft_data, rewind, run_ranks, run_train, steps, write_config,
-                              write_pairs)
+from trainer_fixtures import (
+    assert_bad_input_on_every_rank,
+    launch_ranks,
+    make_model_dir,
+    make_sft_data,
+    rewind,
+    run_ranks,
+    run_train,
+    steps,
+    write_config,
+    write_pairs,
+)
 
-from hpc_mca.trainer.config import ConfigError, load_config
+from hpc_mca.config.sections import ConfigError, load_config
 
 STANDARD = ["training.use_mca=false"]
 MEGATRON = ["training.use_mca=true"]
@@ -289,7 +298,7 @@ def test_non_finite_gradients_skip_the_update(setup, tmp_path):
     script.write_text(
         "import sys\n"
         "from transformers import TrainerCallback\n"
-        "from hpc_mca.trainer.run import run_training\n"
+        "from hpc_mca.launch.run import run_training\n"
         "class Poison(TrainerCallback):\n"
         "    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):\n"
         "        if state.global_step == 1:\n"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from trainer_fixtures import make_model_dir, make_sft_data, run_train, write_config
 
-from hpc_mca.trainer.config import ConfigError, load_config
+from hpc_mca.config.sections import ConfigError, load_config
 
 TRACKERS = "training.report_to=tensorboard,wandb,mlflow"
 
@@ -162,7 +162,7 @@ def test_none_beside_a_tracker_is_one_line(tmp_path):
 
 _IMPORTS = """
 import sys
-from hpc_mca.trainer.trackers import skip_unused_tracker_imports
+from hpc_mca.loop.trackers import skip_unused_tracker_imports
 off = skip_unused_tracker_imports(sys.argv[1].split(",") if sys.argv[1] else [])
 import megatron.core
 import importlib.util

@@ -1,4 +1,4 @@
-"""hpc_mca.trainer.config: YAML + overrides, type checks, cross-field rules, resolved output."""
+"""hpc_mca.config.sections: YAML + overrides, type checks, cross-field rules, resolved output."""
 
 import subprocess
 import sys
@@ -6,14 +6,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from trainer_fixtures import config_only_run
 
-from hpc_mca.trainer.config import (
+from hpc_mca.config.run_length import total_training_steps
+from hpc_mca.config.sections import (
     ConfigError,
     TrainConfig,
     load_config,
 )
-from hpc_mca.trainer.run_length import total_training_steps
-from trainer_fixtures import config_only_run
+
 
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
@@ -233,7 +234,7 @@ def test_field_names_are_unique_and_documented():
 
 
 def test_config_import_stays_light():
-    code = ("import sys, hpc_mca.trainer, hpc_mca.trainer.config, hpc_mca.trainer.lr_scheduler;"
+    code = ("import sys, hpc_mca.config, hpc_mca.config.sections, hpc_mca.config.schedule;"
             "print(sorted(m for m in ('torch', 'megatron', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -242,8 +243,8 @@ def test_config_import_stays_light():
 def test_packed_attention_kernel_is_checked_before_the_process_group(run: Path):
     """What the run log says about attention, and an explicit kernel this CPU cannot train with
     refused in one line by the pre-process-group check (exit 2 from `hpc-mca train`)."""
+    from hpc_mca.launch.run import attention_backend_available
     from hpc_mca.models.errors import ModelLoadError
-    from hpc_mca.trainer.run import attention_backend_available
 
     config = load_config(run / "run.yaml").resolve(world_size=2)
     assert attention_backend_available(config).startswith(

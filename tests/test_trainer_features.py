@@ -10,13 +10,12 @@ import sys
 
 import pytest
 import torch
-
 from trainer_fixtures import (
     assert_bad_input_on_every_rank,
     launch_ranks,
     make_model_dir,
-    rank_env,
     make_sft_data,
+    rank_env,
     run_ranks,
     run_train,
     steps,
@@ -38,8 +37,8 @@ def _config(root, **sections):
 
 
 def _rows(config_path, packing: bool) -> int:
+    from hpc_mca.config.sections import load_config
     from hpc_mca.data.dataset import build_datasets
-    from hpc_mca.trainer.config import load_config
 
     config = load_config(config_path, [f"data.sequence_packing={str(packing).lower()}",
                                        "training.global_batch_size=1"]).resolve(1)
@@ -95,7 +94,7 @@ def _train_with_callback(tmp_path, callback: str, config, run_dir) -> subprocess
     script.write_text(
         "import sys, time\n"
         "from transformers import TrainerCallback\n"
-        "from hpc_mca.trainer.run import run_training\n"
+        "from hpc_mca.launch.run import run_training\n"
         f"{callback}"
         "if __name__ == '__main__':\n"
         "    history = run_training(sys.argv[1], sys.argv[2:], callbacks=[Callback()])\n"
@@ -260,9 +259,9 @@ def test_an_indexed_corpus_trains_and_plans(root, tmp_path):
     (which once refused it for not being a records file) and trains; hpc-mca plan, which makes
     the same check, accepts it too."""
     from click.testing import CliRunner
+    from trainer_fixtures import write_indexed
 
     from hpc_mca.cli import main
-    from trainer_fixtures import write_indexed
 
     prefix = tmp_path / "corpus"
     write_indexed(prefix, [[3 + (i * 7 + j) % 20 for j in range(30)] for i in range(64)])

@@ -11,9 +11,7 @@ set; a run resumed from its step-4 checkpoint equals the uninterrupted one.
 from __future__ import annotations
 
 import pytest
-
-from trainer_fixtures import (make_model_dir, make_sft_data, rewind, run_train, steps,
-                              write_config)
+from trainer_fixtures import make_model_dir, make_sft_data, rewind, run_train, steps, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -104,8 +102,8 @@ def test_mtp_resumes_exactly(setup):
 def test_packed_equals_unpacked_rows(setup, tmp_path):
     """Every step takes the whole 24-sample data set (as 24 padded rows, or as however many
     packed rows they fill), so both train on the same tokens with per-token losses."""
+    from hpc_mca.config.sections import load_config
     from hpc_mca.data.dataset import build_datasets
-    from hpc_mca.trainer.config import load_config
 
     root, _, _ = setup
     data = make_sft_data(tmp_path, 24, seed=5, name="small")

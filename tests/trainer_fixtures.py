@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-FORKRUN = [sys.executable, "-m", "hpc_mca.runtime.forkrun"]
+FORKRUN = [sys.executable, "-m", "hpc_mca.cli.forkrun"]
 """Local ranks forked after one import of the stack (hpc_mca/runtime/forkrun.py): a rank's
 imports cost ~10 s of CPU here, which torchrun pays once per rank."""
 

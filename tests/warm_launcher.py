@@ -2,7 +2,7 @@
 
 A rank's imports (torch, Megatron-Core, transformers, peft) cost ~7 s of CPU on the 2-core
 VM, often more than the short run a test trains; the trainer tests start ~200 such processes.
-``hpc_mca.runtime.forkrun`` pays the imports once per launch and forks the ranks; this server
+``hpc_mca.cli.forkrun`` pays the imports once per launch and forks the ranks; this server
 pays them once per pytest session: it imports what forkrun preloads, then serves each launch
 by forking a child that becomes ``hpc-mca ARGS`` (one rank, as ``python -m hpc_mca ARGS``;
 or ``python SCRIPT.py ARGS``) or forkrun's launcher for several ranks. Each child starts from the server's state right after
@@ -57,7 +57,7 @@ forked = 0
 
 
 def _serve(path: str) -> None:
-    from hpc_mca.runtime.forkrun import preload
+    from hpc_mca.cli.forkrun import preload
 
     preload(["train"])
     # Warmed too when installed, to save their import in each forked rank; a machine without
@@ -139,10 +139,10 @@ def _work(request: dict, threads: int) -> None:
 
 def _launch(args: list[str], nproc: int, launcher: bool) -> int:
     if launcher:
-        from hpc_mca.runtime.forkrun import launch
+        from hpc_mca.cli.forkrun import launch
 
         return launch(nproc, args)
-    from hpc_mca.runtime.forkrun import run_command
+    from hpc_mca.cli.forkrun import run_command
 
     if not args[0].endswith(".py"):
         sys.argv = ["hpc-mca", *args]

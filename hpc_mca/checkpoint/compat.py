@@ -7,7 +7,7 @@ What may change between the saving and the loading job (dist_checkpointing resha
 tensor/pipeline/virtual-pipeline/data/expert parallel sizes, the node count, the micro-batch
 size and gradient accumulation (the global batch stays), and the run's length (max_steps,
 num_train_epochs) and LR settings: the schedule is re-derived from the config for the new
-total (see :mod:`hpc_mca.trainer.lr_scheduler`), and a finished run is extended that way
+total (see :mod:`hpc_mca.config.schedule`), and a finished run is extended that way
 (:func:`nothing_to_train`). A max_steps below the checkpoint's step is refused.
 
 What may not (one line each, naming the config field, both values and the valid choice):
@@ -24,9 +24,9 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from hpc_mca.config.run_length import steps_for
+from hpc_mca.config.sections import ConfigError
 from hpc_mca.data.packing import pack_alignment
-from hpc_mca.trainer.config import ConfigError
-from hpc_mca.trainer.run_length import steps_for
 
 from .store import (
     HF_FORMAT,

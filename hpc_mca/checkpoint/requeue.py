@@ -60,7 +60,7 @@ This docstring is the contract between the batch script (``sbatch/train.sbatch``
    the checkpoint's step are dropped, then appended to).
 
 :class:`StopSignal` is the rank side of steps 2-3: it notes the signals and makes the ranks
-agree; the trainer's step boundary (:mod:`hpc_mca.trainer.boundary`) turns an agreed stop into
+agree; the trainer's step boundary (:mod:`hpc_mca.loop.boundary`) turns an agreed stop into
 a save and the end of the loop.
 """
 

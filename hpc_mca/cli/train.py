@@ -26,8 +26,8 @@ def train(config: Path, overrides: tuple[str, ...]) -> None:
 
     quiet_library_noise()  # before megatron is imported
     from hpc_mca.errors import UserError
+    from hpc_mca.launch.run import run_training
     from hpc_mca.rundir import EXIT_BAD_INPUT, record_bad_input
-    from hpc_mca.trainer.run import run_training
 
     try:
         run_training(config, overrides)

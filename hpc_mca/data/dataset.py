@@ -30,19 +30,37 @@ from typing import Any
 import numpy as np
 import torch
 
+from .batch import collate_batch
 from .errors import DataError
 from .mix import mix_order, parse_probs
-from .records import Record, check_dataset_path, detect_sft_format, messages_of, text_of
-from .batch import collate_batch
 from .packing import pack_alignment
 from .preference import check_pairwise, pair_rows, split_pairs, tokenize_pairs
+from .records import Record, check_dataset_path, detect_sft_format, messages_of, text_of
 from .rows import RowDataset
 from .sampler import DataSampler
 from .sources import DatasetSource, resolve_sources, source_records
-from .store import (IndexedSamples, SampleStore, Samples, cache_key, cached, check_token_ids,
-                    concat_samples, default_cache_dir, indexed_prefix, subset)
-from .tokenize import (encode_documents, encode_rendered, load_tokenizer, pad_id, pt_samples,
-                       render, sft_sample, tokenizer_fingerprint)
+from .store import (
+    IndexedSamples,
+    Samples,
+    SampleStore,
+    cache_key,
+    cached,
+    check_token_ids,
+    concat_samples,
+    default_cache_dir,
+    indexed_prefix,
+    subset,
+)
+from .tokenize import (
+    encode_documents,
+    encode_rendered,
+    load_tokenizer,
+    pad_id,
+    pt_samples,
+    render,
+    sft_sample,
+    tokenizer_fingerprint,
+)
 
 
 @dataclass
@@ -198,7 +216,7 @@ def _split_val(samples: Samples, val_size: float, seed: int) -> tuple[Samples, S
 
 def build_datasets(config: Any, tokenizer: Any = None,
                    vocab_size: int | None = None) -> TrainingData:
-    """Train/eval rows for a resolved :class:`~hpc_mca.trainer.config.TrainConfig`; with the
+    """Train/eval rows for a resolved :class:`~hpc_mca.config.sections.TrainConfig`; with the
     model's ``vocab_size``, token ids at or above it are bad input (DataError)."""
     data, stage = config.data, config.finetuning.stage
     if tokenizer is None:

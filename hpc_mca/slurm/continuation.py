@@ -200,8 +200,8 @@ def _gpu(name: str) -> tuple[str, float | None]:
 def _check_loadable(job: JobPlan, config_path: Path, run_dir: Path, world: int) -> Any:
     """Resolve the trainer config as the new ranks will and run their checkpoint check;
     returns the resolved config."""
+    from hpc_mca.config.sections import ConfigError
     from hpc_mca.topology import LayoutError, ModelShape
-    from hpc_mca.trainer.config import ConfigError
 
     config = load_train_config(config_path, [*job.train_overrides, f"output_dir={run_dir}"])
     try:
@@ -215,7 +215,7 @@ def _check_loadable(job: JobPlan, config_path: Path, run_dir: Path, world: int) 
 
 def _check_extends(run: Run, config: Any, overrides: Sequence[str]) -> None:
     """A finished run continues only when the new settings make it longer (the LR schedule
-    is then re-derived for the new total; see hpc_mca.trainer.lr_scheduler)."""
+    is then re-derived for the new total; see hpc_mca.config.schedule)."""
     done = finished_step(run.run_dir)
     if done is None:
         return

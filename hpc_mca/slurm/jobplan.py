@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_mca.config.sections import RESERVED_STAGES, STAGES
 from hpc_mca.topology import Layout, LayoutError, Plan, PlanRequest, plan
 from hpc_mca.topology.standard import megatron_only_line, sp_with_megatron_line
-from hpc_mca.trainer.config import RESERVED_STAGES, STAGES
 
 from .errors import OpsError
 
@@ -111,7 +111,7 @@ def _config_keys(config_path: Path | None, overrides: Iterable[str]) -> set[str]
 
 def load_train_config(config_path: Path, overrides: Iterable[str]) -> Any:
     """The trainer's config object (a TrainConfig), with its errors as OpsError."""
-    from hpc_mca.trainer.config import ConfigError, load_config
+    from hpc_mca.config.sections import ConfigError, load_config
 
     if not config_path.is_file():
         raise OpsError(f"config file {str(config_path)!r} does not exist; valid: a run config "
@@ -407,9 +407,9 @@ def check_train_config(job: JobPlan, run_dir: str) -> None:
     job. Data is only looked for, not read (tokenizing is the ranks' work); the paths are
     checked as this machine sees them, which for a cluster's shared file system is what the
     ranks see."""
+    from hpc_mca.config.sections import ConfigError
     from hpc_mca.data.errors import DataError
     from hpc_mca.data.sources import check_sources
-    from hpc_mca.trainer.config import ConfigError
 
     if job.config_path is None:
         return

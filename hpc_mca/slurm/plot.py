@@ -1,6 +1,6 @@
 """``hpc-mca plot``: a run's training curves as one PNG.
 
-Sources, both written by rank 0 (see :mod:`hpc_mca.trainer.metrics`):
+Sources, both written by rank 0 (see :mod:`hpc_mca.loop.metrics`):
 
 * ``steps.jsonl``: one object per optimizer step -- loss, lr, grad_norm, tokens (sft/pt) or
   pairs (dpo), input_tokens, seconds, and per objective ``mtp_loss_N`` or ``rewards/*`` and

@@ -2,7 +2,7 @@
 
 Format -- ``<run_dir>/progress.json``, one JSON object, rewritten atomically (write a temporary
 file in the same directory, then rename) by global rank 0 at every logging step (the trainer's
-``hpc_mca.trainer.metrics.MetricsWriter`` does; :func:`write_progress` is a dependency-free
+``hpc_mca.loop.metrics.MetricsWriter`` does; :func:`write_progress` is a dependency-free
 writer for anything else). Every field is optional; readers ignore unknown ones, so fields can
 be added without a version bump::
 

@@ -9,7 +9,7 @@ the requeue contract are the Megatron backend's, so both give the same losses fr
 weights and the same batch scripts run both. Data parallelism is DDP (accelerate); sequence
 parallelism is Ulysses (:mod:`hpc_mca.runtime.sequence_parallel`).
 
-- ``run``: the entry, from :func:`hpc_mca.trainer.run.run_training`.
+- ``run``: the entry, from :func:`hpc_mca.launch.run.run_training`.
 - ``trainer``: the Trainer subclass (data, loss, step end, evaluation).
 - ``dpo``: stage dpo's subclass (preference loss, the reference model).
 - ``data``: micro-batches as packed streams, sliced for sequence parallelism.

@@ -2,14 +2,14 @@
 transformers model.
 
 The pairs, losses and metrics are those of :mod:`hpc_mca.trainer.dpo` (its
-:func:`~hpc_mca.trainer.dpo.preference_loss` is called here): each micro-batch holds whole
+:func:`~hpc_mca.loop.preference.preference_loss` is called here): each micro-batch holds whole
 pairs, documents alternating chosen, rejected; a document's log-probability is the sum over
 its answer tokens. What differs is where the numbers come from:
 
 * **log-probabilities** are minus the per-token cross entropy of the HF model's logits, summed
   per document with the stream's ``documents`` index. Under Ulysses SP each rank holds a slice
   of the stream; its partial sums are added over the SP group by
-  :func:`~hpc_mca.trainer.dpo.sum_over_group` (identity backward: each rank backpropagates the
+  :func:`~hpc_mca.loop.preference.sum_over_group` (identity backward: each rank backpropagates the
   pair losses into its own tokens, the attention all-to-all carries the rest), the same
   arrangement as the Megatron backend's context parallelism.
 * **the reference** is a frozen copy of the starting model (the directory's weights, or the
@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hpc_mca.loop.preference import METRICS, preference_loss, sum_over_group
 from hpc_mca.runtime.sequence_parallel import IGNORE_INDEX
-from hpc_mca.trainer.dpo import METRICS, preference_loss, sum_over_group
 
 from .trainer import StandardTrainer, _count
 

@@ -11,11 +11,10 @@ from typing import Any
 
 import torch
 
+from hpc_mca.config.schedule import build_lr_scheduler, resolve_warmup_steps, scheduler_spec
+from hpc_mca.config.sections import TrainConfig
+from hpc_mca.loop.optimizer import optimizer_config, use_fused_adam
 from hpc_mca.models import hf_attention
-from hpc_mca.trainer.config import TrainConfig
-from hpc_mca.trainer.fused_optimizer import use_fused_adam
-from hpc_mca.trainer.lr_scheduler import build_lr_scheduler, resolve_warmup_steps, scheduler_spec
-from hpc_mca.trainer.trainer import optimizer_config
 
 __all__ = ["build_hf_model", "build_optimizer", "export_model"]
 

@@ -1,6 +1,6 @@
 """``hpc-mca train`` with ``training.use_mca: false``: the standard backend on every rank.
 
-Reached from :func:`hpc_mca.trainer.run.run_training` after the checks both backends share
+Reached from :func:`hpc_mca.launch.run.run_training` after the checks both backends share
 (config, data files, tokenizer, the checkpoint to resume from), so bad input stops every rank
 before the process group here too.
 """
@@ -18,16 +18,16 @@ import torch.distributed as dist
 from hpc_mca.checkpoint import compat
 from hpc_mca.checkpoint.requeue import StopSignal
 from hpc_mca.checkpoint.store import clear_finished, finished_step, mark_finished
+from hpc_mca.config.run_length import total_training_steps
+from hpc_mca.config.sections import TrainConfig
+from hpc_mca.loop.boundary import StepBoundary
+from hpc_mca.loop.metrics import MetricsWriter, flops_per_token
+from hpc_mca.loop.trackers import job_fields, open_trackers
 from hpc_mca.rundir import STEPS_FILE, clear_bad_input
 from hpc_mca.runtime.distributed import RankContext, init_distributed, rank_zero_first, shutdown
 from hpc_mca.runtime.env import RankEnv
 from hpc_mca.runtime.sequence_parallel import new_sequence_parallel_groups
 from hpc_mca.topology import Layout, ModelShape
-from hpc_mca.trainer.boundary import StepBoundary
-from hpc_mca.trainer.config import TrainConfig
-from hpc_mca.trainer.run_length import total_training_steps
-from hpc_mca.trainer.metrics import MetricsWriter, flops_per_token
-from hpc_mca.trainer.trackers import job_fields, open_trackers
 
 from .data import StreamLoader
 from .model import build_hf_model, build_optimizer, export_model

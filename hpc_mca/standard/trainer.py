@@ -12,7 +12,7 @@ leave the same run directory:
   the world size that DDP's gradient average divides back out;
 * **step end** (every optimizer step, every rank): one steps.jsonl line; every
   ``logging_steps`` the progress line and TensorBoard scalars (the Megatron backend's names);
-  evaluation every ``eval_steps``; the save/stop decision of :mod:`hpc_mca.trainer.boundary`
+  evaluation every ``eval_steps``; the save/stop decision of :mod:`hpc_mca.loop.boundary`
   (intervals, the last step, an agreed stop signal), saved by :mod:`.checkpoint`;
 * **non-finite gradients** on any rank: no update and the LR schedule stays (Megatron's rule).
 """
@@ -29,10 +29,10 @@ from transformers import Trainer
 
 from hpc_mca.checkpoint.store import HF_FORMAT, CheckpointInfo
 from hpc_mca.data.addition import response_exact_match
+from hpc_mca.loop.boundary import StepBoundary
+from hpc_mca.loop.metrics import MetricsWriter
+from hpc_mca.loop.records import StepResult
 from hpc_mca.runtime.sequence_parallel import IGNORE_INDEX, gather_and_unpad
-from hpc_mca.trainer.boundary import StepBoundary
-from hpc_mca.trainer.metrics import MetricsWriter
-from hpc_mca.trainer.trainer import StepResult
 
 from .checkpoint import save_checkpoint
 from .data import eval_streams

@@ -1,23 +1,6 @@
-"""The training entry point's building blocks: configuration, LR schedulers and the loop.
+"""The Megatron backend (``training.use_mca: true``): objectives per stage, the training step
+over Megatron's pipeline schedules and the loop that drives it (:mod:`.trainer`).
 
-Light on purpose: importing this package (and :mod:`hpc_mca.trainer.config`) pulls in neither
-torch nor megatron, so ``hpc-mca train --help`` and config validation stay instant. Submodules
-that need them (:mod:`hpc_mca.trainer.lr_scheduler` builds its scheduler lazily) import them
-when used.
+Its config is :mod:`hpc_mca.config`; the step-end pieces it shares with the standard backend
+(boundary decisions, metrics, trackers, callbacks) are :mod:`hpc_mca.loop`.
 """
-
-from .config import (
-    ConfigError,
-    DataArguments,
-    FinetuningArguments,
-    ModelArguments,
-    ParallelArguments,
-    TrainConfig,
-    TrainingArguments,
-    load_config,
-)
-
-__all__ = [
-    "ConfigError", "DataArguments", "FinetuningArguments", "ModelArguments", "ParallelArguments",
-    "TrainConfig", "TrainingArguments", "load_config",
-]

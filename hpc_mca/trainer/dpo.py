@@ -7,7 +7,7 @@ log-probability of its answer tokens, under the policy and under the reference:
 * **log-probabilities** come from the model's own per-token loss (Megatron's vocab-parallel
   cross entropy, so TP never gathers the vocabulary), summed per document on the last pipeline
   stage. Under CP each rank holds a share of every document. Its partial sums are added over
-  the CP group by :class:`_SumOverGroup`, whose backward is the identity: each rank
+  the CP group by :func:`hpc_mca.loop.preference.sum_over_group`, whose backward is the identity: each rank
   backpropagates the pair losses through its own tokens only (the CP attention's backward
   carries the rest to the other ranks).
 * **the reference** is a second copy of the model chunks with the same layout. It is copied
@@ -44,84 +44,15 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from hpc_mca.data.batch import PackedBatch
+from hpc_mca.loop.preference import METRICS, document_logps, preference_loss
 
 from .objective import ForwardStep, Objective
 from .step import model_inputs
 
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-           "logps/chosen", "logps/rejected")
-"""Per-pair means logged by dpo (TensorBoard ``train/<name>``, steps.jsonl ``<name>``)."""
-
 Schedule = Callable[[list[torch.nn.Module], ForwardStep, list[PackedBatch]], list[Any]]
 """(model chunks, forward step, micro-batches) -> the forward-only schedule's outputs."""
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) whose backward passes the gradient through unchanged: every rank of
-    the group computes the same function of the sum, and each backpropagates it into its own
-    addend only."""
-
-    @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, group: Any) -> torch.Tensor:
-        total = local.clone()
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-def sum_over_group(local: torch.Tensor, group: Any) -> torch.Tensor:
-    """The sum of ``local`` over ``group``, on every rank; its gradient flows into this rank's
-    ``local`` unchanged (see :class:`_SumOverGroup`)."""
-    return _SumOverGroup.apply(local, group)
-
-
-def document_logps(batch: PackedBatch, per_token_loss: torch.Tensor, cp_group: Any
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-probability of each document's labelled tokens, their count), over the
-    whole documents (CP shares summed), float32 [documents]."""
-    mask = batch.loss_mask.reshape(-1).to(per_token_loss.device).float()
-    index = batch.document_index().to(per_token_loss.device)
-    docs = batch.num_documents
-    logp = torch.zeros(docs, device=mask.device).index_add(
-        0, index, -per_token_loss.float().reshape(-1) * mask)
-    count = torch.zeros(docs, device=mask.device).index_add(0, index, mask)
-    if batch.cp_size > 1:
-        logp = _SumOverGroup.apply(logp, cp_group)
-        dist.all_reduce(count, group=cp_group)
-    return logp, count
-
-
-def preference_loss(policy: torch.Tensor, reference: torch.Tensor, lengths: torch.Tensor,
-                    ft: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss of each pair, metric sums [len(METRICS)]) from per-document values laid out
-    chosen, rejected, chosen, ... ; ``ft`` is the run's FinetuningArguments."""
-    ratios = (policy - reference).view(-1, 2)
-    beta = ft.pref_beta
-    if ft.pref_loss == "ipo":
-        mean = ratios / lengths.view(-1, 2).clamp(min=1.0)
-        losses = (mean[:, 0] - mean[:, 1] - 1.0 / (2.0 * beta)) ** 2
-    else:
-        delta = beta * (ratios[:, 0] - ratios[:, 1])
-        if ft.pref_loss == "hinge":
-            losses = torch.relu(1.0 - delta)
-        else:
-            smoothing = ft.dpo_label_smoothing
-            losses = -(1.0 - smoothing) * F.logsigmoid(delta) - smoothing * F.logsigmoid(-delta)
-    chosen_logps = policy.view(-1, 2)[:, 0]
-    if ft.pref_ftx:
-        losses = losses - ft.pref_ftx * chosen_logps / lengths.view(-1, 2)[:, 0].clamp(min=1.0)
-    rewards = beta * ratios.detach()
-    metrics = torch.stack([rewards[:, 0].sum(), rewards[:, 1].sum(),
-                           (rewards[:, 0] > rewards[:, 1]).float().sum(),
-                           (rewards[:, 0] - rewards[:, 1]).sum(),
-                           chosen_logps.detach().sum(), policy.detach().view(-1, 2)[:, 1].sum()])
-    return losses, metrics
 
 
 class DpoObjective(Objective):
@@ -221,7 +152,7 @@ class DpoObjective(Objective):
         report = torch.cat([torch.stack([losses.detach().sum(), torch.tensor(
             float(losses.numel()), device=losses.device)]), metrics]).double() * counted
         tokens = batch.loss_mask.sum().to(torch.int)  # this rank's share of the answer tokens
-        # Every CP rank backpropagates the whole loss into its own tokens (see _SumOverGroup).
+        # Every CP rank backpropagates the whole loss into its own tokens (see hpc_mca.loop.preference.sum_over_group).
         return losses.sum() * self._tokens_per_pair, tokens, {"dpo": report}
 
     def reduce_loss(self, outputs: list[dict[str, torch.Tensor]], input_tokens: int = 0

@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 
+from hpc_mca.config.sections import _FLAT, ConfigError, TrainConfig
 from hpc_mca.topology import Layout
-
-from .config import _FLAT, ConfigError, TrainConfig
 
 __all__ = ["check_megatron_settings", "megatron_refusal", "model_overrides", "torch_dtype"]
 
@@ -68,11 +67,12 @@ def model_overrides(config: TrainConfig) -> dict[str, Any]:
 def check_megatron_settings(config: TrainConfig, layout: Layout) -> None:
     """Build this run's TransformerConfig, OptimizerConfig and DDP config as the ranks will;
     ConfigError (one line) when Megatron-Core refuses one."""
+    from hpc_mca.loop.optimizer import optimizer_config
     from hpc_mca.models import rope
     from hpc_mca.models.hf_config import read_hf_config
     from hpc_mca.models.megatron_config import transformer_config
 
-    from .trainer import ddp_config, optimizer_config
+    from .trainer import ddp_config
 
     if config.parallel.optimizer_cpu_offload and not torch.cuda.is_available():
         # Megatron's offloading optimizer moves state off the GPU; on a machine without one

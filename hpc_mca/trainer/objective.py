@@ -28,10 +28,10 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from hpc_mca.config.sections import TrainConfig
 from hpc_mca.data.batch import PackedBatch
 from hpc_mca.runtime.distributed import RankContext
 
-from .config import TrainConfig
 from .step import make_forward_step, reduce_step_loss
 
 EvalMetric = Callable[[list[torch.nn.Module], Any], dict[str, float]]

@@ -102,7 +102,7 @@ def run_smoke(cfg: SmokeConfig, ctx: RankContext) -> list[dict[str, Any]]:
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from hpc_mca.trainer.config import ParallelArguments
+    from hpc_mca.config.sections import ParallelArguments
     from hpc_mca.trainer.trainer import build_optimizer, wrap_ddp
 
     num_micro = cfg.global_batch_size // (cfg.micro_batch_size * ctx.layout.dp)

@@ -6,16 +6,16 @@ A table of its own (not in :mod:`.objective`) because the stages' modules build 
 
 from __future__ import annotations
 
+from hpc_mca.config.sections import TrainConfig
 from hpc_mca.runtime.distributed import RankContext
 
-from .config import TrainConfig
 from .dpo import DpoObjective
 from .objective import Objective, SftObjective
 
 OBJECTIVES: dict[str, type[Objective]] = {"pt": Objective, "sft": SftObjective,
                                           "dpo": DpoObjective}
 """Stage name -> objective. A new stage adds its class here and its name to
-:data:`hpc_mca.trainer.config.STAGES`."""
+:data:`hpc_mca.config.sections.STAGES`."""
 
 
 def objective_for(config: TrainConfig, ctx: RankContext, vocab_size: int) -> Objective:

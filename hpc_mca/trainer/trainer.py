@@ -18,7 +18,6 @@ loss and its reduction, eval metric) is the stage's :class:`~hpc_mca.trainer.obj
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -31,44 +30,22 @@ from hpc_mca.checkpoint.checkpointer import Checkpointer
 from hpc_mca.checkpoint.compat import nothing_to_train
 from hpc_mca.checkpoint.requeue import StopSignal
 from hpc_mca.checkpoint.state import LoopState
+from hpc_mca.config.run_length import total_training_steps
+from hpc_mca.config.schedule import build_lr_scheduler, resolve_warmup_steps, scheduler_spec
+from hpc_mca.config.sections import ParallelArguments, TrainConfig
 from hpc_mca.data.batch import PackedBatch
 from hpc_mca.data.dataset import TrainingData, eval_dataloader, train_dataloader
+from hpc_mca.loop.boundary import StepBoundary
+from hpc_mca.loop.callbacks import StepFlowCallback
+from hpc_mca.loop.metrics import MetricsWriter, flops_per_token
+from hpc_mca.loop.optimizer import optimizer_config, use_fused_adam
+from hpc_mca.loop.records import StepResult
+from hpc_mca.loop.trackers import job_fields, open_trackers
 from hpc_mca.rundir import STEPS_FILE
 from hpc_mca.runtime.distributed import RankContext
 from hpc_mca.runtime.rng import collect_rng, restore_rng
-from hpc_mca.trainer.boundary import StepBoundary
-from hpc_mca.trainer.callbacks import StepFlowCallback
-from hpc_mca.trainer.config import ParallelArguments, TrainConfig
-from hpc_mca.trainer.run_length import total_training_steps
-from hpc_mca.trainer.lr_scheduler import build_lr_scheduler, resolve_warmup_steps, scheduler_spec
-from hpc_mca.trainer.fused_optimizer import use_fused_adam
-from hpc_mca.trainer.metrics import MetricsWriter, flops_per_token
-from hpc_mca.trainer.objective import Objective
-from hpc_mca.trainer.trackers import job_fields, open_trackers
 from hpc_mca.topology import ModelShape
-
-
-@dataclasses.dataclass
-class StepResult:
-    loss: float
-    """Mean loss per real token of the global batch."""
-    tokens: int
-    """Real (loss-bearing) tokens in the global batch."""
-    input_tokens: int
-    """Non-padding input tokens in the global batch (what throughput counts)."""
-    grad_norm: float
-    skipped: bool
-    """True when the gradients were not finite and the update was skipped."""
-    moe_aux_loss: float | None = None
-    mtp_losses: list[float] = dataclasses.field(default_factory=list)
-    """Mean loss per token of each MTP depth (1, 2, ...) over the global batch."""
-    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
-    """The objective's extra metrics (dpo: rewards/..., logps/...)."""
-    seconds: float = 0.0
-    """Wall time from the previous step's end to this one's: callbacks, data, forward-backward,
-    optimizer, to the end of its device work (CUDA is synchronised first), and the previous
-    step's bookkeeping; evaluation, checkpoint saves and logging are not counted. Over a
-    logging window these add up to the window the logged tokens/s divides by."""
+from hpc_mca.trainer.objective import Objective
 
 
 class Trainer:
@@ -452,22 +429,3 @@ def build_optimizer(model: list[torch.nn.Module], opt_config: Any) -> Any:
     from megatron.core.optimizer import get_megatron_optimizer
 
     return get_megatron_optimizer(opt_config, model)
-
-
-def optimizer_config(config: TrainConfig, min_lr: float) -> Any:
-    from megatron.core.optimizer import OptimizerConfig
-
-    tr, par = config.training, config.parallel
-    return OptimizerConfig(
-        # Megatron copies lr/min_lr into every param group, where they take precedence over the
-        # scheduler's own bounds: both must be the schedule's.
-        optimizer=tr.optim, lr=tr.learning_rate, min_lr=min_lr, weight_decay=tr.weight_decay,
-        adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, adam_eps=tr.adam_epsilon,
-        clip_grad=tr.max_grad_norm, bf16=tr.bf16, fp16=tr.fp16,
-        # fp16's dynamic loss scale starts where torch.amp's GradScaler (transformers' fp16)
-        # starts, not at Megatron's 2^32, which a short run spends its first ~20 steps
-        # halving down from (each an overflow, skipped)
-        initial_loss_scale=2.0 ** 16,
-        use_distributed_optimizer=par.use_distributed_optimizer,
-        optimizer_cpu_offload=par.optimizer_cpu_offload,
-    )

@@ -21,7 +21,7 @@ class StepFlowCallback(DefaultFlowCallback):
     transformers' DefaultFlowCallback reads its strategies from HF TrainingArguments fields
     this project does not have (logging_strategy, eval_delay, ...); step intervals are the
     whole story here, and the last step always logs and evaluates (when there is eval data).
-    Saving and stopping are decided in one place, :mod:`hpc_mca.trainer.boundary`, which also
+    Saving and stopping are decided in one place, :mod:`hpc_mca.loop.boundary`, which also
     honours ``should_save``/``should_training_stop`` set by other callbacks.
     """
 

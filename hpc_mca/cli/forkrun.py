@@ -1,6 +1,6 @@
 """Local ranks forked from one process that imported the training stack once.
 
-Usage: ``python -m hpc_mca.runtime.forkrun --nproc-per-node N train CONFIG [key=value ...]``
+Usage: ``python -m hpc_mca.cli.forkrun --nproc-per-node N train CONFIG [key=value ...]``
 (any ``hpc-mca`` command after the launcher's own option, or a Python script ``SCRIPT.py ARGS``
 as torchrun runs one).
 
@@ -41,9 +41,9 @@ def preload(args: Sequence[str]) -> bool:
 
     quiet_library_noise()  # before megatron is imported, as the train command does
     if args[:1] == ["train"] and len(args) > 1:
+        from hpc_mca.config.sections import load_config
         from hpc_mca.errors import UserError
-        from hpc_mca.trainer.config import load_config
-        from hpc_mca.trainer.trackers import skip_unused_tracker_imports
+        from hpc_mca.loop.trackers import skip_unused_tracker_imports
 
         try:
             report_to = load_config(args[1], args[2:]).training.report_to
@@ -53,8 +53,8 @@ def preload(args: Sequence[str]) -> bool:
     import megatron.core  # noqa: F401
     import transformers.trainer_callback  # noqa: F401
 
+    import hpc_mca.launch.run  # noqa: F401
     import hpc_mca.models.build  # noqa: F401
-    import hpc_mca.trainer.run  # noqa: F401
     import hpc_mca.trainer.trainer  # noqa: F401
     return True
 
@@ -119,7 +119,7 @@ def launch(nproc: int, args: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpc_mca.runtime.forkrun",
+    parser = argparse.ArgumentParser(prog="python -m hpc_mca.cli.forkrun",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--nproc-per-node", type=int, required=True, metavar="N")
     parser.add_argument("args", nargs=argparse.REMAINDER,

@@ -15,15 +15,16 @@ from typing import Any, Iterable
 import torch
 
 from hpc_mca.checkpoint.compat import nothing_to_train, resume_check
+from hpc_mca.config.sections import TrainConfig, load_config
 from hpc_mca.errors import UserError
+from hpc_mca.loop.trackers import skip_unused_tracker_imports
 from hpc_mca.rundir import clear_bad_input
 from hpc_mca.runtime.distributed import RankContext, init_distributed, rank_zero_first, shutdown
 from hpc_mca.runtime.env import from_environ
 from hpc_mca.runtime.quiet import library_line
 from hpc_mca.topology import Layout, ModelShape
-from hpc_mca.trainer.config import TrainConfig, load_config
 from hpc_mca.trainer.megatron_settings import check_megatron_settings, model_overrides, torch_dtype
-from hpc_mca.trainer.trackers import skip_unused_tracker_imports
+
 
 def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
                  callbacks: Iterable[Any] = ()) -> list[Any]:
@@ -42,7 +43,7 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
         raise
     skip_unused_tracker_imports(config.training.report_to)  # before megatron is imported
     if config.training.profile_steps:
-        from hpc_mca.trainer.profiling import ProfilerCallback
+        from hpc_mca.loop.profiling import ProfilerCallback
 
         callbacks = [*callbacks, ProfilerCallback(*config.training.profile_steps)]
     idle = nothing_to_train(config)  # a finished run started again: no need for any rank

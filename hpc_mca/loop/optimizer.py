@@ -1,4 +1,5 @@
-"""torch's fused Adam/AdamW kernel under Megatron's optimizer.
+"""The optimizer both backends build: Megatron's OptimizerConfig from the run config, and
+torch's fused Adam/AdamW kernel under Megatron's optimizer.
 
 Without Transformer Engine or Apex, megatron-core builds ``torch.optim.AdamW`` with torch's
 defaults: a per-tensor Python loop on CPU and the multi-tensor ``foreach`` path on CUDA. torch
@@ -19,7 +20,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["use_fused_adam"]
+from hpc_mca.config.sections import TrainConfig
+
+__all__ = ["optimizer_config", "use_fused_adam"]
 
 _ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -59,3 +62,22 @@ def _steps_on_param_devices(inner: torch.optim.Optimizer, args: Any, kwargs: Any
         if isinstance(step, torch.Tensor) and (step.device != param.device
                                                or step.dtype != torch.float32):
             state["step"] = step.to(device=param.device, dtype=torch.float32)
+
+
+def optimizer_config(config: TrainConfig, min_lr: float) -> Any:
+    from megatron.core.optimizer import OptimizerConfig
+
+    tr, par = config.training, config.parallel
+    return OptimizerConfig(
+        # Megatron copies lr/min_lr into every param group, where they take precedence over the
+        # scheduler's own bounds: both must be the schedule's.
+        optimizer=tr.optim, lr=tr.learning_rate, min_lr=min_lr, weight_decay=tr.weight_decay,
+        adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, adam_eps=tr.adam_epsilon,
+        clip_grad=tr.max_grad_norm, bf16=tr.bf16, fp16=tr.fp16,
+        # fp16's dynamic loss scale starts where torch.amp's GradScaler (transformers' fp16)
+        # starts, not at Megatron's 2^32, which a short run spends its first ~20 steps
+        # halving down from (each an overflow, skipped)
+        initial_loss_scale=2.0 ** 16,
+        use_distributed_optimizer=par.use_distributed_optimizer,
+        optimizer_cpu_offload=par.optimizer_cpu_offload,
+    )

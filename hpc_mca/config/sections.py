@@ -26,11 +26,11 @@ from typing import Any
 
 import yaml
 
+from hpc_mca.data.arguments import DataArguments
 from hpc_mca.rundir import RESOLVED_CONFIG_FILE, write_atomic
 from hpc_mca.topology.memory import CP_COMM_TYPES  # noqa: F401 - re-exported for the rules
 
-from .config_input import ConfigError, coerce, unknown_key_message
-from .data_arguments import DataArguments
+from .input import ConfigError, coerce, unknown_key_message
 
 STAGES = ("pt", "sft", "dpo")
 """Training stages with a data pipeline and a loss; routed by ``finetuning.stage``."""
@@ -141,7 +141,7 @@ class TrainingArguments:
     """A name of transformers' ``get_scheduler`` (linear, cosine, cosine_with_restarts,
     polynomial, constant, constant_with_warmup, inverse_sqrt, cosine_with_min_lr,
     cosine_warmup_with_min_lr, warmup_stable_decay; Megatron's inverse-square-root and WSD are
-    aliases); see :mod:`hpc_mca.trainer.lr_scheduler`."""
+    aliases); see :mod:`hpc_mca.config.schedule`."""
     lr_scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
     """That scheduler's kwargs, named and defaulted as in transformers (e.g. num_cycles,
     min_lr_rate, lr_end and power, timescale; warmup_stable_decay: num_decay_steps ...)."""
@@ -158,7 +158,7 @@ class TrainingArguments:
     """Log every N optimizer steps."""
     profile_steps: list[int] | None = None
     """``[first, last]``: run torch.profiler over these optimizer steps on rank 0 and write a
-    trace and an operator table to output_dir/profile/ (hpc_mca.trainer.profiling); None = no."""
+    trace and an operator table to output_dir/profile/ (hpc_mca.loop.profiling); None = no."""
     save_steps: int | None = None
     """Checkpoint every N steps; None = only at the end (and when a stop signal arrives)."""
     save_total_limit: int | None = None
@@ -186,7 +186,7 @@ class TrainingArguments:
     """Evaluate every N steps; None = only after the last step (when there is an eval set)."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     """Scalar sinks, several at once: tensorboard, wandb, mlflow (the last two need
-    ``pip install 'hpc-mca[trackers]'``; see hpc_mca.trainer.trackers), or none."""
+    ``pip install 'hpc-mca[trackers]'``; see hpc_mca.loop.trackers), or none."""
     seed: int = 42
     """Seed of initialisation and data order."""
     bf16: bool = False
@@ -300,7 +300,7 @@ class TrainConfig:
     def resolve(self, world_size: int) -> TrainConfig:
         """A copy with the cross-field rules checked for ``world_size`` ranks and the derived
         fields filled in; raises ConfigError (one line per problem)."""
-        from .config_rules import RESOLVE_STEPS  # the rules need the dataclasses above
+        from .rules import RESOLVE_STEPS  # the rules need the dataclasses above
 
         config = copy.deepcopy(self)
         problems: list[str] = []

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ConfigError, TrainConfig
+from .sections import ConfigError, TrainConfig
 
 __all__ = ["SCOPES", "Scope", "check_scopes", "has_eval_data"]
 
@@ -52,7 +52,7 @@ def has_eval_data(config: TrainConfig) -> bool:
 
 
 def _scheduler_has_warmup(config: TrainConfig) -> bool:
-    from .lr_scheduler import ALIASES
+    from .schedule import ALIASES
 
     name = config.training.lr_scheduler_type
     return ALIASES.get(name, name) != "constant"

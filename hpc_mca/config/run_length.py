@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from .config import ConfigError, TrainingArguments
+from .sections import ConfigError, TrainingArguments
 
 
 def total_training_steps(training: TrainingArguments, num_rows: int) -> int:

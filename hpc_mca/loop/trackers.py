@@ -34,8 +34,8 @@ from typing import Any, Protocol
 
 import yaml
 
+from hpc_mca.config.sections import TRACKER_PACKAGES
 from hpc_mca.rundir import tensorboard_dir, write_atomic
-from hpc_mca.trainer.config import TRACKER_PACKAGES
 
 __all__ = ["Tracker", "job_fields", "open_trackers", "skip_unused_tracker_imports"]
 

@@ -10,7 +10,7 @@ the key it corresponds to here, or why there is none), and close spellings of th
 (``packing`` -> ``pt_chunking``, ``deepspeed`` -> ``seed``) reads as advice and sends the user
 to a setting that means something else, so no other guess is offered.
 
-Pure Python; :mod:`hpc_mca.trainer.config` calls both.
+Pure Python; :mod:`hpc_mca.config.sections` calls both.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def unknown_key_message(key: str, keys: Mapping[str, str]) -> str:
     if close:
         return f"unknown config key {key!r}; did you mean {keys.get(close[0], close[0])!r}?"
     return (f"unknown config key {key!r}; valid: the fields of the model, data, finetuning, "
-            "training and parallel sections (hpc_mca/trainer/config.py)")
+            "training and parallel sections (hpc_mca/config/config.py)")
 
 
 NULL_MEANS: dict[str, Any] = {"training.resume_from_checkpoint": "auto"}

@@ -18,29 +18,29 @@ from hpc_mca.data.mix import MIX_STRATEGIES
 from hpc_mca.topology import Layout, check_layout
 from hpc_mca.topology.lora import LoraTargetError, resolve_lora_targets
 
-from .config import (
+from .layout import layout_of, model_shape, model_type, our_names
+from .schedule import SchedulerError, resolve_warmup_steps, scheduler_spec
+from .scope import check_scopes
+from .sections import (
     ATTENTION_BACKENDS,
-    KERNEL_FUSIONS,
-    PACKED_ATTENTION,
+    CP_COMM_TYPES,
     DATASET_FORMATS,
     FINETUNING_TYPES,
-    CP_COMM_TYPES,
+    KERNEL_FUSIONS,
     OPTIMIZER_FORMATS,
     OPTIMIZERS,
+    PACKED_ATTENTION,
     PREF_LOSSES,
     REPORT_TO,
-    TRACKER_PACKAGES,
     RESERVED_FINETUNING_TYPES,
     RESERVED_STAGES,
     STAGES,
     TEMPLATES,
+    TRACKER_PACKAGES,
     ConfigError,
     TrainConfig,
     TrainingArguments,
 )
-from .config_layout import layout_of, model_shape, model_type, our_names
-from .config_scope import check_scopes
-from .lr_scheduler import SchedulerError, resolve_warmup_steps, scheduler_spec
 
 # --- resolve: cross-field rules ------------------------------------------------------------
 
@@ -276,7 +276,7 @@ def _check_training(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"training.report_to={tr.report_to!r} names none beside a tracker; "
                           "valid: none alone, or trackers without none")
     # The package each tracker needs, checked here so a missing one stops the run before any
-    # allocation (hpc_mca.trainer.trackers imports them only on rank 0, when the run starts).
+    # allocation (hpc_mca.loop.trackers imports them only on rank 0, when the run starts).
     missing = [name for name in tr.report_to if name in TRACKER_PACKAGES
                and importlib.util.find_spec(TRACKER_PACKAGES[name]) is None]
     if missing:

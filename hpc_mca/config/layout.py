@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hpc_mca.topology import Layout, LayoutError, ModelShape
 
-from .config import ConfigError, ParallelArguments
+from .sections import ConfigError, ParallelArguments
 
 __all__ = ["layout_of", "model_shape", "model_type", "our_names"]
 

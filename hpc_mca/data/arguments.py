@@ -1,7 +1,7 @@
-"""The ``data`` section of the run configuration (see :mod:`hpc_mca.trainer.config`, which
+"""The ``data`` section of the run configuration (see :mod:`hpc_mca.config.sections`, which
 re-exports it): what to train on and how samples become fixed-length rows. Kept in its own
 module because it is the largest section; the rules that check it are in
-:mod:`hpc_mca.trainer.config_rules`."""
+:mod:`hpc_mca.config.rules`."""
 
 from __future__ import annotations
 

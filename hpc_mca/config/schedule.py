@@ -352,7 +352,7 @@ def build_lr_scheduler(spec: SchedulerSpec, optimizer: Any, weight_decay: float 
 
 
 def get_megatron_lr_scheduler(training: Any, num_training_steps: int, optimizer: Any) -> Any:
-    """The scheduler for a :class:`~hpc_mca.trainer.config.TrainingArguments` (read by attribute:
+    """The scheduler for a :class:`~hpc_mca.config.sections.TrainingArguments` (read by attribute:
     lr_scheduler_type, lr_scheduler_kwargs, learning_rate, warmup_steps, warmup_ratio,
     weight_decay) over ``num_training_steps`` optimizer steps."""
     warmup = resolve_warmup_steps(training.warmup_steps, training.warmup_ratio,

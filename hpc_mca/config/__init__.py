@@ -1,0 +1,34 @@
+"""The run config: one dataclass section per concern, the rules that hold between them, the
+LR schedule names and the run length.
+
+Low on purpose: every rank-side and login-side package imports it downward; it imports only
+the run directory's contracts and the sections owned by the pure layer below it (the data
+arguments live in :mod:`hpc_mca.data.arguments`, the layout arithmetic in
+:mod:`hpc_mca.topology`). Importing it pulls in neither torch nor megatron, so
+``hpc-mca train --help`` and config validation stay instant (:mod:`.schedule` builds its
+Megatron scheduler lazily).
+
+- ``sections``: the dataclasses, YAML loading and the resolved config a run directory keeps.
+- ``input``: key aliases, type coercion, the one-line :class:`ConfigError`.
+- ``rules``: the cross-section checks, each naming the dotted field and what is valid.
+- ``scope``: settings that only mean something in a context (a stage, a backend).
+- ``layout``: the parallel layout and model shape a config asks for.
+- ``schedule``: LR schedule names, their arguments and shapes.
+- ``run_length``: steps from epochs, samples and batch sizes.
+"""
+
+from .sections import (
+    ConfigError,
+    DataArguments,
+    FinetuningArguments,
+    ModelArguments,
+    ParallelArguments,
+    TrainConfig,
+    TrainingArguments,
+    load_config,
+)
+
+__all__ = [
+    "ConfigError", "DataArguments", "FinetuningArguments", "ModelArguments", "ParallelArguments",
+    "TrainConfig", "TrainingArguments", "load_config",
+]
