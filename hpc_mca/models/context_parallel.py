@@ -10,7 +10,9 @@ document from there, named as Megatron's ``cp_comm_type``:
   traffic: (CP−1)/CP of K and V forward, of their gradients backward.
 * ``a2a`` (Ulysses): an all-to-all turns sequence-sharded Q/K/V into head-sharded ones, each
   rank attends over the whole stream with heads/CP heads, and a second all-to-all turns the
-  output back. Needs the key/value heads (and so the query heads) divisible by CP.
+  output back. Needs the key/value heads (and so the query heads) divisible by CP. The
+  exchange is :mod:`hpc_mca.runtime.ulysses`, the one the standard backend's sequence
+  parallelism uses; the mirrored-chunk order stays here.
 
 Both reduce to :func:`~hpc_mca.models.packed_attention.packed_attention` on global layouts,
 so the mask logic is the one the single-rank path uses (and is tested against). Collectives
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hpc_mca.data.batch import cp_indices
+from hpc_mca.runtime.ulysses import heads_to_seq, seq_to_heads
 
 from .packed_attention import DEFAULT_SEGMENT_TOKENS, packed_attention, packed_layout
 
@@ -60,36 +63,6 @@ class _GatherSequence(torch.autograd.Function):
         out = grad.new_empty((grad.size(0) // size,) + tuple(grad.shape[1:]))
         _reduce_scatter_single(out, grad, group=group)
         return out, None
-
-
-def _all_to_all(x: Tensor, group: dist.ProcessGroup, *, heads_to_sequence: bool) -> Tensor:
-    """Sequence-sharded [t, h, d] → head-sharded [cp·t, h/cp, d] (sequence in rank order), or
-    back with ``heads_to_sequence=False``."""
-    size = dist.get_world_size(group)
-    if heads_to_sequence:
-        t, h, d = x.shape
-        send = x.reshape(t, size, h // size, d).transpose(0, 1).contiguous()
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
-        return recv.reshape(size * t, h // size, d)  # recv[j]: rank j's chunk, my heads
-    total, hs, d = x.shape
-    send = x.reshape(size, total // size, hs, d).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.transpose(0, 1).reshape(total // size, size * hs, d)
-
-
-class _Redistribute(torch.autograd.Function):
-    """:func:`_all_to_all` one way forward, the other way backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup, heads_to_sequence: bool) -> Tensor:
-        ctx.group, ctx.heads_to_sequence = group, heads_to_sequence
-        return _all_to_all(x, group, heads_to_sequence=heads_to_sequence)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _all_to_all(grad, ctx.group, heads_to_sequence=not ctx.heads_to_sequence), None, None
 
 
 def cp_comm_violations(comm_type: str, cp_size: int, num_query_groups: int) -> list[str]:
@@ -138,8 +111,11 @@ def context_parallel_attention(
         v = _GatherSequence.apply(value, group)[device_order]
         return packed_attention(query, k, v, mine, whole, **common)
     if comm_type == "a2a":
-        q, k, v = (_Redistribute.apply(x, group, True)[device_order] for x in (query, key, value))
+        # The exchange puts the ranks' chunks in rank order; reorder them to stream order for
+        # the attention and back before returning each rank its own chunks.
+        q, k, v = (seq_to_heads(x, group, seq_dim=0, head_dim=1)[device_order]
+                   for x in (query, key, value))
         out = packed_attention(q, k, v, whole, whole, **common)
         back = out[torch.argsort(device_order)]  # stream order → rank order
-        return _Redistribute.apply(back, group, False)
+        return heads_to_seq(back, group, seq_dim=0, head_dim=1)
     raise ValueError(cp_comm_violations(comm_type, size, key.size(1))[0])

@@ -24,12 +24,8 @@ import torch
 from torch import Tensor
 
 from hpc_mca.models.packed_attention import packed_attention, packed_layout, plan_segments
-from hpc_mca.runtime.sequence_parallel import (
-    gather_positions,
-    get_sequence_parallel_group,
-    heads_to_seq,
-    seq_to_heads,
-)
+from hpc_mca.runtime.sequence_parallel import gather_positions, get_sequence_parallel_group
+from hpc_mca.runtime.ulysses import heads_to_seq, seq_to_heads
 
 __all__ = ["NAME", "document_bounds", "packed_attention_forward", "register"]
 

@@ -5,9 +5,11 @@ A sequence-parallel (SP) group of ``sp`` ranks shares one packed row ``[1, seq]`
 holds a contiguous ``seq_pad / sp`` slice of it (``seq_pad`` is ``seq`` padded up to a multiple of
 ``sp``) and runs every layer on its slice. Only attention needs the whole sequence; there an
 all-to-all turns "my slice of the sequence, all heads" into "the whole sequence, my share of
-the heads" (:func:`seq_to_heads`), attention runs per head, and the inverse all-to-all
-(:func:`heads_to_seq`) returns to slices. Outputs that a loss needs whole are gathered with
-:func:`gather_and_unpad`, whose backward hands each rank the gradient of its own slice.
+the heads" (:func:`~hpc_mca.runtime.ulysses.seq_to_heads`, which context parallelism's
+``a2a`` shares), attention runs per head, and the inverse all-to-all
+(:func:`~hpc_mca.runtime.ulysses.heads_to_seq`) returns to slices. Outputs that a loss needs
+whole are gathered with :func:`gather_and_unpad`, whose backward hands each rank the gradient
+of its own slice.
 
 The padding added by :func:`slice_and_pad` is a document of its own (positions 0, 1, ...) with
 label -100: attention keeps it apart from the real documents, and the loss never sees it.
@@ -31,9 +33,7 @@ __all__ = [
     "gather_and_unpad",
     "gather_positions",
     "get_sequence_parallel_group",
-    "heads_to_seq",
     "new_sequence_parallel_groups",
-    "seq_to_heads",
     "sequence_parallel_rank",
     "sequence_parallel_size",
     "set_sequence_parallel_group",
@@ -134,50 +134,6 @@ def slice_and_pad(input_ids: Tensor, position_ids: Tensor, labels: Optional[Tens
     width = ids.size(1) // size
     part = slice(rank * width, (rank + 1) * width)
     return SPSlice(ids[:, part], pos[:, part], None if lab is None else lab[:, part], pad)
-
-
-# --------------------------------------------------------------------------------------------
-# All-to-all around attention
-# --------------------------------------------------------------------------------------------
-
-
-def _all_to_all(x: Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> Tensor:
-    """Split ``x`` along ``scatter_dim`` into one piece per rank, send piece j to rank j, and
-    concatenate what arrives along ``gather_dim`` (in rank order)."""
-    size = dist.get_world_size(group)
-    pieces = [p.contiguous() for p in x.chunk(size, dim=scatter_dim)]
-    received = [torch.empty_like(p) for p in pieces]
-    dist.all_to_all(received, pieces, group=group)
-    return torch.cat(received, dim=gather_dim)
-
-
-class _AllToAll(torch.autograd.Function):
-    """The all-to-all; its backward is the opposite all-to-all."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup, scatter_dim: int,
-                gather_dim: int) -> Tensor:
-        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
-        return _all_to_all(x, group, scatter_dim, gather_dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
-        scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
-
-
-def seq_to_heads(x: Tensor, group: dist.ProcessGroup, *, seq_dim: int, head_dim: int) -> Tensor:
-    """Sequence-sharded, all heads -> whole sequence, this rank's ``heads / sp`` heads."""
-    heads = x.size(head_dim)
-    size = dist.get_world_size(group)
-    if heads % size:
-        raise ValueError(f"{heads} heads cannot be split over sequence_parallel_size={size}")
-    return _AllToAll.apply(x, group, head_dim, seq_dim)
-
-
-def heads_to_seq(x: Tensor, group: dist.ProcessGroup, *, seq_dim: int, head_dim: int) -> Tensor:
-    """Whole sequence, this rank's heads -> this rank's slice of the sequence, all heads."""
-    return _AllToAll.apply(x, group, seq_dim, head_dim)
 
 
 # --------------------------------------------------------------------------------------------
