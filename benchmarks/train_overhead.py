@@ -36,7 +36,11 @@ def trainer_step_times(config: Path, steps: int, run_dir: Path) -> list[float]:
 
 def bare_step_times(config_path: Path, steps: int) -> list[float]:
     """The simple-train-loop shape on the trainer's own model builder and data."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -61,7 +65,9 @@ def bare_step_times(config_path: Path, steps: int) -> list[float]:
         from hpc_mca.loop.optimizer import use_fused_adam
 
         use_fused_adam(optimizer)
-    loader = iter(train_dataloader(build_datasets(config).train, config, data_parallel_rank=0))
+    run = config.data_run()
+    loader = iter(train_dataloader(build_datasets(config.data, run).train, run,
+                                   data_parallel_rank=0))
     per_step = tr.gradient_accumulation_steps
     batches = [[next(loader) for _ in range(per_step)] for _ in range(steps)]  # prepared up front
     forward_backward, forward_step = get_forward_backward_func(), make_forward_step(ctx.device)

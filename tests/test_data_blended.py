@@ -14,6 +14,11 @@ from hpc_mca.data.dataset import build_datasets, train_dataloader
 from hpc_mca.data.sampler import DataSampler
 
 
+def _build_datasets(config, **kwargs):
+    """build_datasets with the data section and the view the config gives the pipeline."""
+    return build_datasets(config.data, config.data_run(), **kwargs)
+
+
 def _corpora(root: Path) -> tuple[Path, Path]:
     """Corpus A holds token ids 10-19 only, corpus B 20-29: a sample tells its corpus."""
     root.mkdir(parents=True, exist_ok=True)
@@ -42,7 +47,7 @@ def _corpus(ids: np.ndarray) -> str:
 
 
 def test_blend_draws_each_corpus_in_its_weight(tmp_path):
-    data = build_datasets(_config(tmp_path))
+    data = _build_datasets(_config(tmp_path))
     samples = data.train.samples
     assert isinstance(samples, BlendedSamples) and len(data.train) >= 1000
     assert data.eval is None
@@ -59,12 +64,12 @@ def test_blend_draws_each_corpus_in_its_weight(tmp_path):
     assert sorted(p.name.split("-", 1)[1] for p in cache.glob("*BlendedDataset-train-*")) == [
         "BlendedDataset-train-dataset_index.npy",
         "BlendedDataset-train-dataset_sample_index.npy", "BlendedDataset-train-description.txt"]
-    again = build_datasets(_config(tmp_path / "again")).train.samples
+    again = _build_datasets(_config(tmp_path / "again")).train.samples
     assert all((again.sample(i)[0] == samples.sample(i)[0]).all() for i in range(50))
 
 
 def test_split_holds_out_documents_for_evaluation(tmp_path):
-    data = build_datasets(_config(tmp_path, "data.split=90,10,0", "val_size=40"))
+    data = _build_datasets(_config(tmp_path, "data.split=90,10,0", "val_size=40"))
     assert data.eval is not None and len(data.eval) >= 40
     drawn = [_corpus(data.eval.samples.sample(i)[0]) for i in range(len(data.eval))]
     assert 0.6 <= drawn.count("a") / len(drawn) <= 0.8
@@ -72,7 +77,7 @@ def test_split_holds_out_documents_for_evaluation(tmp_path):
 
 def test_resumed_loader_continues_the_uninterrupted_order(tmp_path):
     config = _config(tmp_path)
-    rows = build_datasets(config).train
+    rows = _build_datasets(config).train
 
     def tokens(loader, batches):
         out = []
@@ -80,9 +85,9 @@ def test_resumed_loader_continues_the_uninterrupted_order(tmp_path):
             out.append(batch.input_ids.numpy().copy())
         return np.concatenate(out)
 
-    whole = tokens(train_dataloader(rows, config, data_parallel_rank=0), 20)
-    resumed_rows = build_datasets(config).train  # a fresh process: rebuilt from the cache
-    resumed = tokens(train_dataloader(resumed_rows, config, data_parallel_rank=0,
+    whole = tokens(train_dataloader(rows, config.data_run(), data_parallel_rank=0), 20)
+    resumed_rows = _build_datasets(config).train  # a fresh process: rebuilt from the cache
+    resumed = tokens(train_dataloader(resumed_rows, config.data_run(), data_parallel_rank=0,
                                       consumed_samples=24), 8)
     assert np.array_equal(resumed, whole[24:40])
     # The order is the sampler's contract over the blend: global sample k is known directly.
@@ -108,7 +113,7 @@ def test_bad_blend_input_is_one_line(tmp_path, override, message):
             f"model_name_or_path={DEMO_DIR}", f"output_dir={tmp_path / 'out'}", "stage=pt",
             f"data.data_path=0.7 {a} 0.3 {b}", "cutoff_len=16", "max_steps=5",
             "per_device_train_batch_size=2", text]).resolve(world_size=1)
-        build_datasets(config)
+        _build_datasets(config)
     line = str(caught.value)
     assert message in line and "\n" not in line, line
     if "missing" in override:

@@ -19,6 +19,11 @@ from hpc_mca.data.records import read_records
 N = 24
 
 
+def _build_datasets(config, **kwargs):
+    """build_datasets with the data section and the view the config gives the pipeline."""
+    return build_datasets(config.data, config.data_run(), **kwargs)
+
+
 def _config(tmp_path: Path, *overrides: str, stage: str = "sft"):
     return load_config(None, [
         f"model_name_or_path={DEMO_DIR}", f"output_dir={tmp_path / 'out'}",
@@ -95,9 +100,9 @@ def direct(tmp_path: Path) -> dict[str, Path]:
                                                ("my_chat", "chat", "sft"),
                                                ("my_pairs", "pairs", "dpo")])
 def test_dataset_info_reads_like_the_direct_path(tmp_path, lf_dir, direct, name, path, stage):
-    by_name = build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", f"dataset={name}",
+    by_name = _build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", f"dataset={name}",
                                      stage=stage))
-    by_path = build_datasets(_config(tmp_path, f"dataset={direct[path]}", stage=stage))
+    by_path = _build_datasets(_config(tmp_path, f"dataset={direct[path]}", stage=stage))
     expected = _samples(by_path)
     assert len(expected) == N * (2 if stage == "dpo" else 1)
     assert _samples(by_name) == expected  # same token ids and labels, sample by sample
@@ -117,8 +122,8 @@ def test_interleave_under_hits_its_probabilities():
 def test_mixed_training_data_follows_the_drawn_order(tmp_path, lf_dir, direct):
     config = _config(tmp_path, f"dataset={direct['alpaca']},{direct['chat']}",
                      "mix_strategy=interleave_under", "interleave_probs=0.7,0.3")
-    mixed = _samples(build_datasets(config))
-    parts = [_samples(build_datasets(_config(tmp_path, f"dataset={direct[k]}")))
+    mixed = _samples(_build_datasets(config))
+    parts = [_samples(_build_datasets(_config(tmp_path, f"dataset={direct[k]}")))
              for k in ("alpaca", "chat")]
     source, index = mix_order([N, N], "interleave_under", [0.7, 0.3], config.training.seed)
     assert mixed == [parts[s][i] for s, i in zip(source, index)]
@@ -147,7 +152,7 @@ def test_other_file_types_read_the_same_records(tmp_path, direct):
 ])
 def test_unknown_dataset_name_is_one_line(tmp_path, lf_dir, overrides, message):
     with pytest.raises(DataError) as err:
-        build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", *overrides))
+        _build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", *overrides))
     assert message.format(info=lf_dir / "dataset_info.json") in _one_line(err)
 
 
@@ -156,10 +161,10 @@ def test_an_unknown_name_among_many_gets_its_closest_not_the_list(tmp_path, lf_d
     info.update({f"corpus_{i:03d}": {"file_name": "alpaca.jsonl"} for i in range(120)})
     (lf_dir / "dataset_info.json").write_text(json.dumps(info))
     with pytest.raises(DataError) as err:
-        build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", "dataset=my_alpacca"))
+        _build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", "dataset=my_alpacca"))
     assert _one_line(err).endswith("; did you mean 'my_alpaca'?")
     with pytest.raises(DataError) as err:
-        build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", "dataset=identity"))
+        _build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", "dataset=identity"))
     assert _one_line(err).endswith("; valid: one of its 123 names (none is close to this one)")
 
 
@@ -178,26 +183,26 @@ def _with_entry(lf_dir: Path, **keys) -> None:
 def test_entry_keys_are_read_or_refused(tmp_path, lf_dir, keys, message):
     _with_entry(lf_dir, **keys)
     with pytest.raises(DataError) as err:
-        build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", "dataset=my_alpaca"))
+        _build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", "dataset=my_alpaca"))
     assert message in _one_line(err)
 
 
 def test_num_samples_draws_that_many_records_with_the_seed(tmp_path, lf_dir):
-    everything = _samples(build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}",
+    everything = _samples(_build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}",
                                                  "dataset=my_alpaca")))
     _with_entry(lf_dir, num_samples=5, split="train")
-    five = _samples(build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}",
+    five = _samples(_build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}",
                                            "dataset=my_alpaca")))
     order = np.random.RandomState(42).permutation(N)[:5]  # training.seed's default
     assert five == [everything[i] for i in order]
-    again = _samples(build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}",
+    again = _samples(_build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}",
                                             "dataset=my_alpaca", "seed=8")))
     assert len(again) == 5 and again != five
     _with_entry(lf_dir, num_samples=N + 3)  # more than the file has: all once, then repeats
-    more = _samples(build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}",
+    more = _samples(_build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}",
                                            "dataset=my_alpaca")))
     assert len(more) == N + 3 and sorted(set(map(str, more))) == sorted(map(str, everything))
-    cut = _samples(build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}",
+    cut = _samples(_build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}",
                                           "dataset=my_alpaca", "max_samples=2")))
     assert cut == more[:2]  # max_samples cuts what num_samples drew
 
@@ -207,11 +212,11 @@ def test_missing_column_and_missing_info_are_one_line(tmp_path, lf_dir):
     info["my_alpaca"]["columns"]["response"] = "answer"
     (lf_dir / "dataset_info.json").write_text(json.dumps(info))
     with pytest.raises(DataError) as err:
-        build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", "dataset=my_alpaca"))
+        _build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", "dataset=my_alpaca"))
     assert _one_line(err) == (f"data.dataset: dataset 'my_alpaca' column response='answer' is "
                               f"not in {lf_dir / 'alpaca.jsonl'}; its columns: q, extra, a, sys")
     with pytest.raises(DataError) as err:
-        build_datasets(_config(tmp_path, f"dataset_dir={tmp_path}", "dataset=my_alpaca"))
+        _build_datasets(_config(tmp_path, f"dataset_dir={tmp_path}", "dataset=my_alpaca"))
     assert _one_line(err) == f"data.dataset_dir={str(tmp_path)!r} has no dataset_info.json"
 
 
@@ -237,10 +242,10 @@ def test_no_network_and_hub_names_refused(tmp_path, direct, monkeypatch):
 
     monkeypatch.setattr(socket.socket, "connect", no_network)
     monkeypatch.setattr(socket, "create_connection", no_network)
-    data = build_datasets(_config(tmp_path, f"dataset={direct['chat']}"))
+    data = _build_datasets(_config(tmp_path, f"dataset={direct['chat']}"))
     assert len(data.train.samples) == N
     with pytest.raises(DataError) as err:
-        build_datasets(_config(tmp_path, "dataset=tatsu-lab/alpaca"))
+        _build_datasets(_config(tmp_path, "dataset=tatsu-lab/alpaca"))
     assert _one_line(err) == ("data.dataset: 'tatsu-lab/alpaca' is not a local path; datasets "
                               "are read from local files or directories only (nothing is "
                               "downloaded): download it first and give its path")

@@ -7,10 +7,11 @@ from pathlib import Path
 import torch
 
 from hpc_mca.config.sections import load_config
-from hpc_mca.data.addition import DEMO_DIR, make_problems, response_exact_match
+from hpc_mca.data.addition import DEMO_DIR, make_problems
 from hpc_mca.data.dataset import build_datasets
 from hpc_mca.data.rows import collate_rows
 from hpc_mca.data.tokenize import IGNORE_INDEX, load_tokenizer
+from hpc_mca.loop.exact_match import response_exact_match
 from hpc_mca.topology import ModelShape
 
 GENERATED = ("tokenizer.json", "tokenizer_config.json", "config.json", "train.jsonl",
@@ -53,7 +54,7 @@ def test_demo_yaml_resolves_for_two_ranks_and_builds_packed_rows(tmp_path: Path)
     resolved = config.resolve(world_size=2)
     assert resolved.parallel.data_parallel_size == 2
     assert resolved.data.sequence_packing and resolved.finetuning.stage == "sft"
-    data = build_datasets(resolved)
+    data = build_datasets(resolved.data, resolved.data_run())
     assert data.train.report.efficiency > 0.95
     assert len(data.eval.samples) == 512
 
@@ -63,7 +64,7 @@ def test_dpo_demo_yaml_resolves_and_packs_whole_pairs(tmp_path: Path):
                          [f"preprocessing_cache_dir={tmp_path}", f"output_dir={tmp_path}"])
     resolved = config.resolve(world_size=2)
     assert resolved.finetuning.stage == "dpo" and resolved.data.sequence_packing
-    data = build_datasets(resolved)
+    data = build_datasets(resolved.data, resolved.data_run())
     assert data.train.samples.stats["pairs"] == 3000 and data.eval.samples.stats["pairs"] == 256
     assert all(len(row) % 2 == 0 and row[0::2] == [i - 1 for i in row[1::2]]
                for row in data.train.rows)
@@ -87,7 +88,7 @@ def test_exact_match_on_real_demo_rows(tmp_path: Path):
     config = load_config(DEMO_DIR / "sft_addition.yaml",
                          [f"preprocessing_cache_dir={tmp_path}", f"output_dir={tmp_path}",
                           "max_samples=20"]).resolve(world_size=1)
-    data = build_datasets(config)
+    data = build_datasets(config.data, config.data_run())
     batch = collate_rows([data.eval[i] for i in range(len(data.eval))])
     perfect = batch["labels"].clamp(min=0)
     assert response_exact_match(perfect, batch["labels"], batch["attention_mask"]).tolist() \

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from hpc_mca.data.arguments import DataRun
 from hpc_mca.data.errors import DataError
-from hpc_mca.data.preference import (pair_rows, preference_of, split_budget, split_pairs,
-                                     tokenize_pairs)
+from hpc_mca.data.preference import pair_rows, preference_of, split_budget, split_pairs, tokenize_pairs
 from hpc_mca.data.records import Record
 from hpc_mca.data.tokenize import IGNORE_INDEX, load_tokenizer
 
@@ -146,11 +146,10 @@ def test_loaders_keep_every_pair_in_one_micro_batch(tokenizer, packed):
     store = _store(tokenizer, 40)
     rows = pair_rows(store, 64, 0, packed=packed, align=4)
     assert len(rows) == (len(rows.rows) if packed else 40)
-    config = SimpleNamespace(
-        training=SimpleNamespace(per_device_train_batch_size=2, global_batch_size=4, seed=1),
-        parallel=SimpleNamespace(data_parallel_size=2))
+    run = DataRun(stage="dpo", seed=1, micro_batch_size=2, global_batch_size=4,
+                  data_parallel_size=2)
     seen = 0
-    for micro, _ in zip(train_dataloader(rows, config, data_parallel_rank=1), range(8)):
+    for micro, _ in zip(train_dataloader(rows, run, data_parallel_rank=1), range(8)):
         ids = micro.input_ids.reshape(-1)
         docs = micro.document_index()
         starts = [int((docs == d).nonzero()[0]) for d in range(micro.num_documents)]

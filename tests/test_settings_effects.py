@@ -89,6 +89,13 @@ def _permuted_tokenizer(source: Path, target: Path) -> int:
     return n
 
 
+def _datasets_of(config):
+    """The rows of a resolved config (its data section and the view it gives the pipeline)."""
+    from hpc_mca.data.dataset import build_datasets
+
+    return build_datasets(config.data, config.data_run())
+
+
 def _data_config(tmp_path: Path, *overrides: str):
     from hpc_mca.config.sections import load_config
     from hpc_mca.data.addition import DEMO_DIR
@@ -115,13 +122,12 @@ def test_tokenizer_name_or_path_encodes_the_samples(tmp_path):
     from transformers import AutoTokenizer
 
     from hpc_mca.data.addition import DEMO_DIR
-    from hpc_mca.data.dataset import build_datasets
     from hpc_mca.data.tokenize import IGNORE_INDEX
 
     n = _permuted_tokenizer(DEMO_DIR, tmp_path / "permuted")
-    own = build_datasets(_data_config(tmp_path))
+    own = _datasets_of(_data_config(tmp_path))
     permuted = f"tokenizer_name_or_path={tmp_path / 'permuted'}"
-    other = build_datasets(_data_config(tmp_path, permuted))
+    other = _datasets_of(_data_config(tmp_path, permuted))
     (own_ids, own_labels), (ids, labels) = _arrays(own), _arrays(other)
     assert len(ids) == len(own_ids) > 16 * 5
     assert np.array_equal(ids, n - 1 - own_ids)
@@ -142,10 +148,9 @@ def test_overwrite_cache_tokenizes_again(tmp_path):
     'train:' line) and the cache file holds the fresh tokenization again."""
     import numpy as np
 
-    from hpc_mca.data.dataset import build_datasets
     from hpc_mca.data.store import SampleStore
 
-    first = build_datasets(_data_config(tmp_path))
+    first = _datasets_of(_data_config(tmp_path))
     assert first.train.samples.stats["cache_hits"] == 0
     [cache] = list((tmp_path / "cache").glob("sft-*.npz"))
     ids, labels = _arrays(first)
@@ -153,15 +158,15 @@ def test_overwrite_cache_tokenizes_again(tmp_path):
     doctored.input_ids = doctored.input_ids + 1
     doctored.save(cache)
 
-    again = build_datasets(_data_config(tmp_path))
+    again = _datasets_of(_data_config(tmp_path))
     assert again.train.samples.stats["cache_hits"] == 1 and "cache_hits 1" in again.describe()
     assert np.array_equal(_arrays(again)[0], ids + 1)  # read from the cache, not tokenized
 
-    fresh = build_datasets(_data_config(tmp_path, "overwrite_cache=true"))
+    fresh = _datasets_of(_data_config(tmp_path, "overwrite_cache=true"))
     assert fresh.train.samples.stats["cache_hits"] == 0 and "cache_hits 0" in fresh.describe()
     assert np.array_equal(_arrays(fresh)[0], ids) and np.array_equal(_arrays(fresh)[1], labels)
     assert np.array_equal(SampleStore.load(cache).input_ids, ids)  # the cache file rewritten
-    assert build_datasets(_data_config(tmp_path)).train.samples.stats["cache_hits"] == 1
+    assert _datasets_of(_data_config(tmp_path)).train.samples.stats["cache_hits"] == 1
 
 
 def test_settings_that_need_another_one_are_refused(tmp_path):
@@ -293,7 +298,8 @@ def _first_step_gradient(config: Path, model_dir: Path) -> dict:
     from hpc_mca.data.dataset import build_datasets, train_dataloader
 
     resolved = load_config(config).resolve(world_size=1)
-    loader = train_dataloader(build_datasets(resolved).train, resolved, data_parallel_rank=0)
+    run = resolved.data_run()
+    loader = train_dataloader(build_datasets(resolved.data, run).train, run, data_parallel_rank=0)
     micro = list(itertools.islice(loader, resolved.training.gradient_accumulation_steps))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokens = sum(int((b.labels != -100).sum()) for b in micro)

@@ -42,7 +42,7 @@ def _rows(config_path, packing: bool) -> int:
 
     config = load_config(config_path, [f"data.sequence_packing={str(packing).lower()}",
                                        "training.global_batch_size=1"]).resolve(1)
-    return len(build_datasets(config).train)
+    return len(build_datasets(config.data, config.data_run()).train)
 
 
 @pytest.mark.slow

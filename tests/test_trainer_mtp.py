@@ -109,7 +109,8 @@ def test_packed_equals_unpacked_rows(setup, tmp_path):
     data = make_sft_data(tmp_path, 24, seed=5, name="small")
     config = write_config(tmp_path, root / "model", data,
                           training={"max_steps": 3, "global_batch_size": None})
-    packed_rows = len(build_datasets(load_config(config, PACKED).resolve(1)).train)
+    packed = load_config(config, PACKED).resolve(1)
+    packed_rows = len(build_datasets(packed.data, packed.data_run()).train)
     assert packed_rows < 24
     runs = {"unpacked": ["training.per_device_train_batch_size=4",
                          "training.global_batch_size=24"],

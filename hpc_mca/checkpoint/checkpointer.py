@@ -13,7 +13,7 @@ Saves go through ``megatron.core.dist_checkpointing`` with the torch_dist backen
 fully-parallel save wrapper over the data-parallel group (every DP replica writes a share of
 the replicated tensors); loads use the fully-parallel load wrapper on GPUs (see ``_load``)
 and read each tensor straight into its destination (:mod:`.reader`).
-The commit protocol (see :mod:`.store`) makes a save durable only when every rank finished:
+The commit protocol (see :mod:`.commit`) makes a save durable only when every rank finished:
 ranks write into ``iter_N.tmp``; an all-reduce proves every rank got past its (fsync'ed)
 writes; rank 0 then writes checkpoint.json, renames the directory to ``iter_N``, replaces the
 ``latest`` tracker atomically and prunes to the newest ``save_total_limit``. With
@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 import shutil
 import threading
 import time
@@ -39,9 +38,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hpc_mca.rundir import STEPS_FILE, fsync_dir, write_atomic
+from hpc_mca.config.sections import TrainConfig
+from hpc_mca.rundir import STEPS_FILE, write_atomic
 
 from . import compat
+from .commit import publish, tmp_dir
 from .helper import keep_write_results_in_process, start_writer_helper, warm_writer_helper
 from .reader import direct_reads
 from .space import (
@@ -53,20 +54,24 @@ from .space import (
     space_message,
     tree_bytes,
 )
-from .state import (Resumable, build_state, load_model, load_optimizer, loop_state, model_state,
-                    sharded_metadata, unwrap)
+from .state import (
+    Resumable,
+    build_state,
+    load_model,
+    load_optimizer,
+    loop_state,
+    model_state,
+    sharded_metadata,
+    unwrap,
+)
 from .store import (
-    INFO_FILE,
     CheckpointError,
     CheckpointInfo,
     checkpoints_dir,
-    clear_finished,
-    finished_step,
+    export_targets,
     iter_name,
     mark_finished,
-    prune,
-    read_tracker,
-    write_tracker,
+    reopen_finished,
 )
 
 
@@ -77,8 +82,8 @@ class Checkpointer:
     merged in), where the last durable checkpoint and the finished state are shown.
     """
 
-    def __init__(self, config: Any, ctx: Any, run_dir: Path, model_shape: Any, *, loop: Resumable,
-                 progress: Callable[..., None]) -> None:
+    def __init__(self, config: TrainConfig, ctx: Any, run_dir: Path, model_shape: Any, *,
+                 loop: Resumable, progress: Callable[..., None]) -> None:
         tr = config.training
         self.config, self.ctx, self.run_dir = config, ctx, Path(run_dir)
         self.model_shape, self.loop, self._write_progress = model_shape, loop, progress
@@ -181,7 +186,7 @@ class Checkpointer:
         from megatron.core import dist_checkpointing
 
         name = iter_name(step)
-        tmp = self.root / f"{name}.tmp"
+        tmp = tmp_dir(self.root, name)
         started = time.perf_counter()
         if self._warm is not None:
             self._warm.join()
@@ -287,21 +292,11 @@ class Checkpointer:
 
     def _publish(self, name: str, info: CheckpointInfo, seconds: float,
                  phases: dict[str, float]) -> None:
-        tmp, final = self.root / f"{name}.tmp", self.root / name
+        tmp, final = tmp_dir(self.root, name), self.root / name
         if not (tmp / ".metadata").is_file():
             raise CheckpointError(f"checkpoint {name}: {tmp}/.metadata is missing; not committed")
-        write_atomic(tmp / INFO_FILE, info.to_json(), durable=True)
-        if final.exists():
-            # A complete copy of this step from an earlier, interrupted run. The tracker cannot
-            # name it (a resumed run never saves its starting step again), so replace it.
-            if read_tracker(self.root) == name:
-                shutil.rmtree(tmp)
-                return
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(self.root)
-        write_tracker(self.root, name)
-        prune(self.root, self.keep)
+        if not publish(self.root, name, info, self.keep):
+            return
         self.last_durable = {"step": info.step, "path": str(final), "time": time.time()}
         self._progress(last_checkpoint=self.last_durable)
         since = "" if self.stop_time is None else \
@@ -364,11 +359,9 @@ class Checkpointer:
             self._async_queue = None
         if not finished:
             return
-        for merged, export in ((False, self.config.training.export_hf_dir),
-                               (True, self.config.training.export_merged_dir)):
-            if export:
-                self._export(Path(export) if os.path.isabs(export) else self.run_dir / export,
-                             merged=merged)
+        tr = self.config.training
+        for out, merged in export_targets(self.run_dir, tr.export_hf_dir, tr.export_merged_dir):
+            self._export(out, merged=merged)
         if self.ctx.is_main:
             step = self.loop.state_dict()["trainer"]["global_step"]
             mark_finished(self.run_dir, step, steps_per_epoch=steps_per_epoch)
@@ -404,14 +397,10 @@ class Checkpointer:
         finished goes on (an extension to a larger max_steps, or a fresh start), so its
         ``finished`` marker goes, and the batch script requeues the run again when it is
         stopped early."""
-        done = finished_step(self.run_dir)
-        if done is None or not self.ctx.is_main:
-            return
-        clear_finished(self.run_dir)
-        what = (f"extending the run that finished at step {done} to {max_steps} steps"
-                if step else f"starting afresh in a run directory whose run finished at step "
-                             f"{done}")
-        print(what, flush=True)
+        if self.ctx.is_main:
+            reopened = reopen_finished(self.run_dir, step, max_steps)
+            if reopened:
+                print(reopened, flush=True)
 
     def _progress(self, **fields: Any) -> None:
         env = self.ctx.env

@@ -25,23 +25,26 @@ from pathlib import Path
 from typing import Any
 
 from hpc_mca.config.run_length import steps_for
-from hpc_mca.config.sections import ConfigError
+from hpc_mca.config.sections import (
+    ConfigError,
+    FinetuningArguments,
+    ModelArguments,
+    ParallelArguments,
+    TrainConfig,
+    TrainingArguments,
+)
 from hpc_mca.data.packing import pack_alignment
 
 from .store import (
     HF_FORMAT,
     CheckpointError,
     CheckpointInfo,
+    ResumePoint,
     latest_checkpoint,
     read_finished,
     read_info,
     resolve_checkpoint,
 )
-
-RESHARDABLE_FORMATS = ("fully_reshardable", "dp_reshardable")
-"""Megatron's own distributed-optimizer sharding types that we save when
-training.save_optimizer_format names them: fully_reshardable reshards over TP, PP and DP;
-dp_reshardable only over DP. (Our default, model_space, reshards over all: .model_space.)"""
 
 
 class CheckpointMismatch(ConfigError):
@@ -71,19 +74,18 @@ def model_record(shape: Any) -> dict[str, Any]:
     return record
 
 
-def layout_record(config: Any, world_size: int) -> dict[str, Any]:
-    """Parallel sizes of a resolved TrainConfig on ``world_size`` ranks."""
-    par = config.parallel
+def layout_record(par: ParallelArguments, world_size: int, use_mca: bool) -> dict[str, Any]:
+    """Parallel sizes of a resolved config on ``world_size`` ranks (``use_mca``: its backend)."""
     return {"tp": par.tensor_model_parallel_size, "pp": par.pipeline_model_parallel_size,
             "vp": par.virtual_pipeline_model_parallel_size, "cp": par.context_parallel_size,
             "ep": par.expert_model_parallel_size, "etp": par.expert_tensor_parallel_size,
             "dp": par.data_parallel_size, "world_size": world_size,
             "pipeline_layout": list(par.pipeline_layout) if par.pipeline_layout is not None else None,
             # Ulysses sequence parallelism of the standard backend (only recorded there).
-            **({} if config.training.use_mca else {"sp": par.sequence_parallel_size})}
+            **({} if use_mca else {"sp": par.sequence_parallel_size})}
 
 
-def training_record(config: Any, optimizer_format: str) -> dict[str, Any]:
+def training_record(config: TrainConfig, optimizer_format: str) -> dict[str, Any]:
     """What the data position and the optimizer state depend on, for a resolved TrainConfig."""
     tr, par = config.training, config.parallel
     return {"global_batch_size": tr.global_batch_size, "seed": tr.seed,
@@ -101,14 +103,14 @@ def training_record(config: Any, optimizer_format: str) -> dict[str, Any]:
             "micro_batch_size": tr.per_device_train_batch_size,
             "gradient_accumulation_steps": tr.gradient_accumulation_steps,
             "backend": "megatron" if tr.use_mca else "standard",
-            **_base_model(config)}
+            **_base_model(config.finetuning, config.model)}
 
 
-def _base_model(config: Any) -> dict[str, Any]:
+def _base_model(finetuning: FinetuningArguments, model: ModelArguments) -> dict[str, Any]:
     """LoRA: the base model the adapters belong to (a checkpoint holds only the adapters)."""
-    if config.finetuning.finetuning_type != "lora":
+    if finetuning.finetuning_type != "lora":
         return {}
-    path = str(Path(config.model.model_name_or_path).resolve())
+    path = str(Path(model.model_name_or_path).resolve())
     return {"base_model": {"path": path, "fingerprint": _fingerprint(path)}}
 
 
@@ -192,21 +194,22 @@ def describe_batch_changes(info: CheckpointInfo, training: dict[str, Any]) -> st
     return f"global batch {training.get('global_batch_size')} kept: {', '.join(changed)}"
 
 
-def records(config: Any, world_size: int, shape: Any) -> dict[str, dict[str, Any]]:
+def records(config: TrainConfig, world_size: int, shape: Any) -> dict[str, dict[str, Any]]:
     """What a checkpoint of this run records and a resume compares: model, layout, training."""
     optimizer_format = (config.training.save_optimizer_format
                         if config.parallel.use_distributed_optimizer else "plain")
-    return {"model": model_record(shape), "layout": layout_record(config, world_size),
+    layout = layout_record(config.parallel, world_size, config.training.use_mca)
+    return {"model": model_record(shape), "layout": layout,
             "training": training_record(config, optimizer_format)}
 
 
-def checkpoint_to_load(config: Any) -> Path | None:
+def checkpoint_to_load(training: TrainingArguments) -> Path | None:
     """What ``training.resume_from_checkpoint`` selects: auto = output_dir's latest checkpoint
     (None when there is none), never = none, else the given checkpoint."""
-    spec = config.training.resume_from_checkpoint
+    spec = training.resume_from_checkpoint
     try:
         if spec in ("", "auto"):
-            return latest_checkpoint(config.training.output_dir)
+            return latest_checkpoint(training.output_dir)
         if spec == "never":
             return None
         return resolve_checkpoint(spec)
@@ -227,10 +230,11 @@ def check_checkpoint(path: Path, recorded: dict[str, dict[str, Any]]) -> Checkpo
     return info
 
 
-def resume_check(config: Any, world_size: int, shape: Any) -> tuple[Path, CheckpointInfo] | None:
+def resume_check(config: TrainConfig, world_size: int,
+                 shape: Any) -> ResumePoint | None:
     """The checkpoint a resolved config will resume from on ``world_size`` ranks and its info,
     None for a fresh start; CheckpointMismatch when it cannot."""
-    path = checkpoint_to_load(config)
+    path = checkpoint_to_load(config.training)
     if path is None:
         return None
     info = check_checkpoint(path, records(config, world_size, shape))
@@ -239,16 +243,16 @@ def resume_check(config: Any, world_size: int, shape: Any) -> tuple[Path, Checkp
         raise CheckpointMismatch(f"training.max_steps={max_steps} is below the step of the "
                                  f"checkpoint to resume from ({path}, step {info.step}); valid: "
                                  f"max_steps >= {info.step}")
-    return path, info
+    return ResumePoint(path, info)
 
 
-def nothing_to_train(config: Any, total_steps: int | None = None) -> str | None:
+def nothing_to_train(training: TrainingArguments, total_steps: int | None = None) -> str | None:
     """Why a run would train nothing (one line, saying how to extend it or start afresh), or
     None. True for a run directory whose run finished at step k when it is resumed
     (``resume_from_checkpoint=auto``) with a length of at most k steps: ``total_steps`` when
     known, else max_steps, else num_train_epochs × the epoch length the finished run recorded
     (None when that cannot be known before the data is read)."""
-    tr = config.training
+    tr = training
     done = read_finished(tr.output_dir)
     if done is None or tr.resume_from_checkpoint not in ("", "auto"):
         return None

@@ -41,10 +41,12 @@ from typing import Any, Protocol, TypedDict
 import torch
 import torch.distributed as dist
 
-from hpc_mca.models.weights import unwrap  # GPTModel inside DDP/Float16Module: wrapper-free keys
+from hpc_mca.config.sections import RESHARDABLE_FORMATS
+from hpc_mca.models.weights import (
+    unwrap,  # GPTModel inside DDP/Float16Module: wrapper-free keys
+)
 
 from . import model_space
-from .compat import RESHARDABLE_FORMATS
 
 
 class LoopCounters(TypedDict):

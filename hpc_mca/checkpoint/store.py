@@ -15,7 +15,7 @@ Layout of a run directory::
 A save writes into ``iter_N.tmp``; only after every rank reported success does rank 0 rename
 it to ``iter_N`` and then replace ``latest`` atomically (write a temp file, fsync, rename,
 fsync the directory). A crash at any point leaves ``latest`` naming the previous complete
-checkpoint, so a partial save is never loaded.
+checkpoint, so a partial save is never loaded (:mod:`.commit`, for both checkpoint formats).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from hpc_mca.rundir import FINISHED_FILE, fsync_dir, write_atomic
 
@@ -91,6 +91,13 @@ class CheckpointInfo:
     def from_dict(cls, data: dict[str, Any]) -> CheckpointInfo:
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**known)
+
+
+class ResumePoint(NamedTuple):
+    """A checkpoint a run resumes from: its directory and its ``checkpoint.json``."""
+
+    path: Path
+    info: CheckpointInfo
 
 
 def read_tracker(root: Path) -> str | None:
@@ -175,6 +182,14 @@ def prune(root: Path, keep: int | None) -> list[Path]:
     return removed
 
 
+def export_targets(run_dir: Path, hf_dir: str, merged_dir: str) -> list[tuple[Path, bool]]:
+    """Where a finished run exports its model, and whether each export has the LoRA adapters
+    merged: ``training.export_hf_dir`` and ``export_merged_dir`` (relative to the run
+    directory unless absolute), those that are set."""
+    return [(Path(target) if Path(target).is_absolute() else run_dir / target, merged)
+            for target, merged in ((hf_dir, False), (merged_dir, True)) if target]
+
+
 def mark_finished(run_dir: Path, step: int, steps_per_epoch: int | None = None) -> None:
     """Write the ``finished`` marker: the run completed at ``step`` (its max_steps). A later
     job may extend the run (a larger max_steps); :func:`clear_finished` then removes it."""
@@ -199,6 +214,20 @@ def finished_step(run_dir: str | os.PathLike[str]) -> int | None:
     """The step at which the run finished, or None while it has not."""
     record = read_finished(run_dir)
     return None if record is None else record["step"]
+
+
+def reopen_finished(run_dir: str | os.PathLike[str], step: int, max_steps: int) -> str | None:
+    """Before training from ``step`` to ``max_steps`` (rank 0): a run directory whose run had
+    finished goes on (an extension to a larger max_steps, or a fresh start), so its
+    ``finished`` marker goes, and the batch script requeues the run again when it is stopped
+    early. The line that says so, or None when the run had not finished."""
+    done = finished_step(run_dir)
+    if done is None:
+        return None
+    clear_finished(run_dir)
+    if step:
+        return f"extending the run that finished at step {done} to {max_steps} steps"
+    return f"starting afresh in a run directory whose run finished at step {done}"
 
 
 def clear_finished(run_dir: str | os.PathLike[str]) -> None:

@@ -1,6 +1,7 @@
 """Options shared by the login-node commands (plan, submit, status, logs, cancel, tensorboard).
 
-Only click is imported here; the commands import ``hpc_mca.slurm`` inside their functions.
+Only click and the pure-Python lists of choices (stage registry, planner) are imported here;
+the commands import ``hpc_mca.slurm`` inside their functions.
 Errors from the library (:class:`hpc_mca.slurm.OpsError`) become ``click.ClickException``: a
 one-line ``Error: ...`` per problem and exit status 1.
 """
@@ -8,11 +9,15 @@ one-line ``Error: ...`` per problem and exit status 1.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+
+from hpc_mca.stages import STAGE_NAMES
+from hpc_mca.topology.hardware import GPU_PRESETS
+from hpc_mca.topology.memory import PRECISIONS, RECOMPUTE
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -30,6 +35,12 @@ SLURM_FIELDS = ("job_name", "partition", "account", "qos", "time", "cpus_per_tas
                 "signal_lead", "sbatch_arg", "runs_root", "rank_command")
 
 
+def _either(choices: Iterable[str]) -> str:
+    """``a, b or c``: the choices a help text lists, from the one tuple that defines them."""
+    names = list(choices)
+    return f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 def plan_options(func: F) -> F:
     """Planner inputs: the job's size, the hardware, the model and forced layout sizes."""
     layout = [click.option(f"--{flag}", type=int, default=None,
@@ -43,7 +54,7 @@ def plan_options(func: F) -> F:
         click.option("--gpus-per-node", type=int, default=None, envvar="HPC_MCA_GPUS_PER_NODE",
                      help="Ranks (GPUs) per node; default: the preset's (8; CPU: 1)."),
         click.option("--gpu", default="H100-80GB", show_default=True, envvar="HPC_MCA_GPU",
-                     help="GPU preset: H100-80GB, H200-141GB, A100-40GB, A100-80GB or CPU."),
+                     help=f"GPU preset: {_either(GPU_PRESETS)}."),
         click.option("--gpu-memory-gib", type=float, default=None,
                      help="Override the preset's memory per device."),
         click.option("--model", default=None,
@@ -54,15 +65,16 @@ def plan_options(func: F) -> F:
                      help="Sequences per step; default: the config's (8 per GPU without one)."),
         click.option("--micro-batch-size", type=int, default=None,
                      help="Force the micro-batch size."),
-        click.option("--stage", default=None, help="pt, sft or dpo; default: the config's."),
+        click.option("--stage", default=None,
+                     help=f"{_either(STAGE_NAMES)}; default: the config's."),
         click.option("--precision", default=None,
-                     help="bf16, fp16, fp8 or fp32; default: the config's (bf16 without one)."),
+                     help=f"{_either(PRECISIONS)}; default: the config's (bf16 without one)."),
         click.option("--lora/--no-lora", default=None, help="Train LoRA adapters."),
         *layout,
         click.option("--sp", type=int, default=None,
                      help="Force the Ulysses sequence-parallel size (standard backend, "
                           "training.use_mca=false, only; Megatron splits sequences with --cp)."),
-        click.option("--recompute", default=None, help="Force none, selective or full."),
+        click.option("--recompute", default=None, help=f"Force {_either(RECOMPUTE)}."),
         click.option("--distributed-optimizer/--no-distributed-optimizer", default=None,
                      help="Force the distributed optimizer on or off."),
     ], func)

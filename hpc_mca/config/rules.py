@@ -15,15 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from hpc_mca.data.mix import MIX_STRATEGIES
+from hpc_mca.data.records import FORMATS_BY_READS
+from hpc_mca.data.tokenize import PT_CHUNKINGS
+from hpc_mca.stages import PREFERENCE_PAIR, RESERVED_STAGES, STAGE_NAMES, TEXT, get_stage, stages_where
 from hpc_mca.topology import Layout, check_layout
 from hpc_mca.topology.lora import LoraTargetError, resolve_lora_targets
+from hpc_mca.topology.memory import CP_COMM_TYPES
 
 from .layout import layout_of, model_shape, model_type, our_names
 from .schedule import SchedulerError, resolve_warmup_steps, scheduler_spec
 from .scope import check_scopes
 from .sections import (
-    ATTENTION_BACKENDS,
-    CP_COMM_TYPES,
+    ATTENTION_CHOICES,
     DATASET_FORMATS,
     FINETUNING_TYPES,
     KERNEL_FUSIONS,
@@ -33,8 +36,6 @@ from .sections import (
     PREF_LOSSES,
     REPORT_TO,
     RESERVED_FINETUNING_TYPES,
-    RESERVED_STAGES,
-    STAGES,
     TEMPLATES,
     TRACKER_PACKAGES,
     ConfigError,
@@ -59,7 +60,7 @@ def _at_least(dotted: str, value: int | float | None, low: int | float) -> None:
 
 def _check_model(config: TrainConfig, world_size: int) -> None:
     model = config.model
-    _choice("model.attention_backend", model.attention_backend, ATTENTION_BACKENDS)
+    _choice("model.attention_backend", model.attention_backend, ATTENTION_CHOICES)
     _choice("model.packed_attention", model.packed_attention, PACKED_ATTENTION)
     for fusion in model.fusions:
         if fusion not in KERNEL_FUSIONS:
@@ -100,8 +101,8 @@ def _check_stage(config: TrainConfig, world_size: int) -> None:
     ft = config.finetuning
     if ft.stage in RESERVED_STAGES:
         raise ConfigError(f"finetuning.stage={ft.stage!r} is not yet supported; valid: "
-                          + ", ".join(STAGES))
-    _choice("finetuning.stage", ft.stage, STAGES)
+                          + ", ".join(STAGE_NAMES))
+    _choice("finetuning.stage", ft.stage, STAGE_NAMES)
     if ft.finetuning_type in RESERVED_FINETUNING_TYPES:
         raise ConfigError(f"finetuning.finetuning_type={ft.finetuning_type!r} is not yet "
                           f"supported; valid: {', '.join(FINETUNING_TYPES)}")
@@ -121,7 +122,7 @@ def _check_finetuning(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"training.export_merged_dir={config.training.export_merged_dir!r} "
                           "merges LoRA adapters into the base model; valid with "
                           "finetuning.finetuning_type='lora' (full runs: training.export_hf_dir)")
-    if ft.stage == "dpo":
+    if get_stage(ft.stage).reads == PREFERENCE_PAIR:
         _check_dpo(config)
 
 
@@ -188,9 +189,10 @@ def _check_blend(config: TrainConfig) -> None:
     from hpc_mca.data.errors import DataError
 
     data, stage = config.data, config.finetuning.stage
-    if stage != "pt":
+    if get_stage(stage).reads != TEXT:
+        text = " or ".join(stages_where("reads", TEXT))
         raise ConfigError(f"data.data_path with finetuning.stage={stage!r}: a blend of indexed "
-                          "corpora is pretraining data; valid: finetuning.stage=pt, or "
+                          f"corpora is pretraining data; valid: finetuning.stage={text}, or "
                           "data.dataset")
     if data.dataset:
         raise ConfigError("data.data_path and data.dataset are both set; valid: one of them")
@@ -219,9 +221,8 @@ def _check_data(config: TrainConfig, world_size: int) -> None:
         raise ConfigError("data.dataset is required (one or more dataset files)")
     _choice("data.dataset_format", data.dataset_format, DATASET_FORMATS)
     _choice("data.template", data.template, TEMPLATES)
-    _choice("data.pt_chunking", data.pt_chunking, ("concat", "document"))
-    fits = {"pt": ("auto", "text", "indexed"), "sft": ("auto", "alpaca", "sharegpt"),
-            "dpo": ("auto", "alpaca", "sharegpt")}[stage]
+    _choice("data.pt_chunking", data.pt_chunking, PT_CHUNKINGS)
+    fits = ("auto", *FORMATS_BY_READS[get_stage(stage).reads])
     if data.dataset_format not in fits:
         raise ConfigError(f"data.dataset_format={data.dataset_format!r} does not fit "
                           f"finetuning.stage={stage!r}; valid: {', '.join(fits)}")

@@ -17,6 +17,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hpc_mca.stages import (
+    CONVERSATION_DATA_KEYS,
+    PREFERENCE_PAIR,
+    STAGE_NAMES,
+    TEXT,
+    TEXT_DATA_KEYS,
+    Stage,
+    get_stage,
+    stage_context,
+    stages_where,
+)
+
 from .sections import ConfigError, TrainConfig
 
 __all__ = ["SCOPES", "Scope", "check_scopes", "has_eval_data"]
@@ -58,10 +70,27 @@ def _scheduler_has_warmup(config: TrainConfig) -> bool:
     return ALIASES.get(name, name) != "constant"
 
 
+def _stage_holds(test: Callable[[Stage], bool]) -> Callable[[TrainConfig], bool]:
+    """A context of the run's stage (its registry traits). An unknown stage holds every
+    context: its own rule reports it, and nothing else is known to be out of place."""
+    def holds(config: TrainConfig) -> bool:
+        name = config.finetuning.stage
+        return name not in STAGE_NAMES or test(get_stage(name))
+    return holds
+
+
+def _data_keys_scope(keys: tuple[str, ...], why: str = "") -> Scope:
+    """The ``data.*`` keys that act only for the stages whose rows read them."""
+    return Scope(tuple(f"data.{key}" for key in keys),
+                 _stage_holds(lambda stage: stage.data_keys == keys),
+                 stage_context(stages_where("data_keys", keys)) + why)
+
+
 SCOPES: tuple[Scope, ...] = (
     Scope(("finetuning.pref_beta", "finetuning.pref_loss", "finetuning.pref_ftx",
            "finetuning.dpo_label_smoothing"),
-          lambda c: c.finetuning.stage == "dpo", "finetuning.stage='dpo'"),
+          _stage_holds(lambda stage: stage.reads == PREFERENCE_PAIR),
+          stage_context(stages_where("reads", PREFERENCE_PAIR))),
     Scope(("finetuning.lora_rank", "finetuning.lora_alpha", "finetuning.lora_dropout",
            "finetuning.lora_target"),
           lambda c: c.finetuning.finetuning_type == "lora", "finetuning.finetuning_type='lora'"),
@@ -72,10 +101,9 @@ SCOPES: tuple[Scope, ...] = (
           "eval data (data.eval_dataset, data.val_size, or data.split's validation share)"),
     Scope(("model.mtp_loss_scaling_factor",), lambda c: c.model.mtp_num_layers > 0,
           "model.mtp_num_layers > 0"),
-    Scope(("data.text_field", "data.pt_chunking"), lambda c: c.finetuning.stage == "pt",
-          "finetuning.stage='pt'"),
-    Scope(("data.template", "data.train_on_prompt"), lambda c: c.finetuning.stage != "pt",
-          "finetuning.stage sft or dpo (pt trains on plain text)"),
+    _data_keys_scope(TEXT_DATA_KEYS),
+    _data_keys_scope(CONVERSATION_DATA_KEYS,
+                     f" ({' and '.join(stages_where('reads', TEXT))} trains on plain text)"),
     Scope(("data.pack_alignment",), lambda c: c.data.sequence_packing,
           "data.sequence_packing=true"),
     Scope(("parallel.recompute_num_layers",),

@@ -26,16 +26,11 @@ from typing import Any
 
 import yaml
 
-from hpc_mca.data.arguments import DataArguments
+from hpc_mca.data.arguments import DataArguments, DataRun
 from hpc_mca.rundir import RESOLVED_CONFIG_FILE, write_atomic
-from hpc_mca.topology.memory import CP_COMM_TYPES  # noqa: F401 - re-exported for the rules
 
 from .input import ConfigError, coerce, unknown_key_message
 
-STAGES = ("pt", "sft", "dpo")
-"""Training stages with a data pipeline and a loss; routed by ``finetuning.stage``."""
-RESERVED_STAGES: tuple[str, ...] = ()
-"""Stages the entry point will route later (their seam: add the name to STAGES and a builder)."""
 PREF_LOSSES = ("sigmoid", "ipo", "hinge")
 """dpo's preference losses (``finetuning.pref_loss``), as LLaMA-Factory and TRL name them."""
 FINETUNING_TYPES = ("full", "lora")
@@ -43,16 +38,27 @@ FINETUNING_TYPES = ("full", "lora")
 RESERVED_FINETUNING_TYPES: tuple[str, ...] = ()
 DATASET_FORMATS = ("auto", "text", "alpaca", "sharegpt", "indexed")
 TEMPLATES = ("chat", "plain")
-ATTENTION_BACKENDS = ("auto", "te", "flash", "torch")
-PACKED_ATTENTION = ("auto", "varlen", "flex", "sdpa")
-"""model.packed_attention choices (hpc_mca.models.packed_kernels.PACKED_KERNELS and auto)."""
+ATTENTION_BACKENDS = ("te", "flash", "torch")
+"""Core-attention backends, in the order ``auto`` prefers them (models.attention_backend)."""
+ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)
+"""model.attention_backend choices: a backend, or auto."""
+PACKED_KERNELS = ("varlen", "flex", "sdpa")
+"""Packed-sequence kernels of the torch backend, in the order ``auto`` prefers them
+(hpc_mca.models.packed_kernels)."""
+PACKED_ATTENTION = ("auto", *PACKED_KERNELS)
+"""model.packed_attention choices: a kernel, or auto."""
 KERNEL_FUSIONS = ("swiglu", "cross_entropy", "rope", "layer")
 """model.fusions choices: kernel fusions that run without Transformer Engine or Apex."""
 OPTIMIZERS = ("adam", "sgd")
-OPTIMIZER_FORMATS = ("model_space", "fully_reshardable", "dp_reshardable")
-REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
+RESHARDABLE_FORMATS = ("fully_reshardable", "dp_reshardable")
+"""Megatron's own distributed-optimizer sharding types that we save when
+training.save_optimizer_format names them: fully_reshardable reshards over TP, PP and DP;
+dp_reshardable only over DP. (Our default, model_space, reshards over all.)"""
+OPTIMIZER_FORMATS = ("model_space", *RESHARDABLE_FORMATS)
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 """training.report_to name -> the package it needs."""
+REPORT_TO = (*TRACKER_PACKAGES, "none")
+"""training.report_to choices: a tracker, or none."""
 
 
 @dataclass
@@ -291,6 +297,19 @@ class TrainConfig:
         """Write the config to ``run_dir/resolved_config.yaml`` (atomically); return the path."""
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         return write_atomic(Path(run_dir) / RESOLVED_CONFIG_FILE, self.to_yaml())
+
+    def data_run(self) -> DataRun:
+        """What the data pipeline reads of the sections besides ``data`` (after
+        :meth:`resolve`, which derives the data-parallel size and the global batch)."""
+        tr, par, model = self.training, self.parallel, self.model
+        return DataRun(stage=self.finetuning.stage, seed=tr.seed,
+                       tokenizer_path=model.tokenizer_name_or_path or model.model_name_or_path,
+                       output_dir=tr.output_dir, micro_batch_size=tr.per_device_train_batch_size,
+                       eval_batch_size=tr.per_device_eval_batch_size,
+                       global_batch_size=tr.global_batch_size, max_steps=tr.max_steps,
+                       # None only before resolve; data then reads as one data-parallel rank.
+                       data_parallel_size=par.data_parallel_size or 1,
+                       context_parallel_size=par.context_parallel_size)
 
     @property
     def micro_batches_per_step(self) -> int:

@@ -13,7 +13,9 @@ Modules, in pipeline order:
 * :mod:`.batch` - :class:`~.batch.PackedBatch`, a collated micro-batch as one value, and its
   context-parallel shard (the mirrored 2·CP-chunk layout).
 * :mod:`.sampler` - seed-ordered, data-parallel, resumable sample order (no torch).
-* :mod:`.dataset` - the whole pipeline from a resolved run config.
+* :mod:`.arguments` - the config's ``data`` section, and :class:`~.arguments.DataRun`, the
+  little the pipeline reads of the other sections (built by ``TrainConfig.data_run()``).
+* :mod:`.dataset` - the whole pipeline from the data section and that view.
 * :mod:`.masks` - causal masks, position ids and packed sequence lengths.
 * :mod:`.addition` - the demo task (multi-digit addition) and its exact-match metric.
 

@@ -1,13 +1,16 @@
 """The ``data`` section of the run configuration (see :mod:`hpc_mca.config.sections`, which
 re-exports it): what to train on and how samples become fixed-length rows. Kept in its own
 module because it is the largest section; the rules that check it are in
-:mod:`hpc_mca.config.rules`."""
+:mod:`hpc_mca.config.rules`.
+
+:class:`DataRun` is the little the data pipeline reads of the other sections; the config
+builds it (``TrainConfig.data_run()``), so this layer never sees the whole run config."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["DataArguments"]
+__all__ = ["DataArguments", "DataRun"]
 
 
 @dataclass
@@ -77,3 +80,32 @@ class DataArguments:
     documents (e.g. ``"969,30,1"``); None = ``"100,0,0"`` (no evaluation). A validation share
     gives eval samples drawn from the held-out documents in the same weights: ``val_size`` of
     them (a count, or a fraction of the train samples), else one evaluation step's worth."""
+
+
+@dataclass(frozen=True)
+class DataRun:
+    """What the data pipeline needs from the sections it does not own (finetuning, model,
+    training, parallel), as a resolved config states it. Built by ``TrainConfig.data_run()``;
+    data sits below the config package and must not read the whole config."""
+
+    stage: str
+    """finetuning.stage: which tokenization, rows and held-out split the samples get."""
+    seed: int
+    """training.seed: data order, held-out split, mixing and the blend's draw."""
+    tokenizer_path: str = ""
+    """model.tokenizer_name_or_path, else model.model_name_or_path: the tokenizer to load
+    when the caller passes none."""
+    output_dir: str = ""
+    """training.output_dir: where a blend's indices are cached without a preprocessing cache."""
+    micro_batch_size: int = 1
+    """training.per_device_train_batch_size: rows per training micro-batch on one rank."""
+    eval_batch_size: int = 8
+    """training.per_device_eval_batch_size: rows per evaluation micro-batch on one rank."""
+    global_batch_size: int | None = None
+    """training.global_batch_size (derived by resolve): rows per optimizer step."""
+    max_steps: int = -1
+    """training.max_steps: a blend draws ``max_steps × global_batch_size`` training samples."""
+    data_parallel_size: int = 1
+    """parallel.data_parallel_size (derived by resolve): ranks that read different rows."""
+    context_parallel_size: int = 1
+    """parallel.context_parallel_size: packed samples start at multiples of 2·CP."""

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from .arguments import DataArguments, DataRun
 from .errors import DataError
 from .records import indexed_prefix
 
@@ -92,10 +93,10 @@ def check_helpers() -> None:
                         "megatron-core from a wheel or build its sdist with a C++ compiler") from None
 
 
-def index_cache_dir(config: Any) -> Path:
+def index_cache_dir(data: DataArguments, run: DataRun) -> Path:
     """Where megatron's blend indices are cached: ``data.preprocessing_cache_dir`` when set,
     else the run directory (shared by all ranks and every requeue of the job)."""
-    base = config.data.preprocessing_cache_dir or config.training.output_dir
+    base = data.preprocessing_cache_dir or run.output_dir
     if not base:
         from .store import default_cache_dir
 
@@ -129,21 +130,19 @@ def _as_one_process() -> Iterator[None]:
         dist.is_initialized = original  # type: ignore[assignment]
 
 
-def _seq_length(config: Any) -> int:
-    return config.data.seq_length or config.data.cutoff_len
+def _seq_length(data: DataArguments) -> int:
+    return data.seq_length or data.cutoff_len
 
 
-def _build(config: Any, prefixes: list[str], weights: list[float],
+def _build(data: DataArguments, run: DataRun, prefixes: list[str], weights: list[float],
            sizes: list[int]) -> list[Any]:
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder)
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    data = config.data
     gpt_config = GPTDatasetConfig(
-        random_seed=config.training.seed, sequence_length=_seq_length(config),
+        random_seed=run.seed, sequence_length=_seq_length(data),
         blend=(prefixes, weights), split=data.split or DEFAULT_SPLIT,
-        path_to_cache=str(index_cache_dir(config)), tokenizer=_TokensOnly(),
+        path_to_cache=str(index_cache_dir(data, run)), tokenizer=_TokensOnly(),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False)
     builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gpt_config)
@@ -151,15 +150,14 @@ def _build(config: Any, prefixes: list[str], weights: list[float],
         return builder.build()
 
 
-def _blend_sizes(config: Any, shares: list[float]) -> list[int]:
+def _blend_sizes(data: DataArguments, run: DataRun, shares: list[float]) -> list[int]:
     """Samples to draw per split: what the run trains on (max_steps × global batch), and for
     evaluation ``val_size`` (a count, or a fraction of that), else one evaluation step."""
-    tr = config.training
-    train = tr.max_steps * tr.global_batch_size
+    train = run.max_steps * run.global_batch_size  # type: ignore[operator]  # set by resolve
     if shares[1] == 0:
         return [train, 0, 0]
-    val = config.data.val_size
-    valid = tr.per_device_eval_batch_size * config.parallel.data_parallel_size
+    val = data.val_size
+    valid = run.eval_batch_size * run.data_parallel_size
     if val >= 1:
         valid = int(val)
     elif val > 0:
@@ -167,27 +165,29 @@ def _blend_sizes(config: Any, shares: list[float]) -> list[int]:
     return [train, valid, 0]
 
 
-def build_blended(config: Any, vocab_size: int | None = None) -> tuple[Any, Any]:
+def build_blended(data: DataArguments, run: DataRun,
+                  vocab_size: int | None = None) -> tuple[Any, Any]:
     """``(train, eval or None)`` Samples of ``data.data_path`` for a resolved config."""
-    prefixes, weights = parse_blend(config.data.data_path)
-    shares = parse_split(config.data.split or DEFAULT_SPLIT)
+    prefixes, weights = parse_blend(data.data_path or [])
+    shares = parse_split(data.split or DEFAULT_SPLIT)
     if shares[0] == 0:
-        raise DataError(f"data.split={config.data.split!r} leaves no training documents")
+        raise DataError(f"data.split={data.split!r} leaves no training documents")
     check_helpers()
     try:
-        train, valid, _ = _build(config, prefixes, weights, _blend_sizes(config, shares))
+        train, valid, _ = _build(data, run, prefixes, weights, _blend_sizes(data, run, shares))
     except (AssertionError, IndexError, ValueError) as err:
         # A corpus whose split share holds no document, or too few tokens for one sample.
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DataError(f"data.data_path: megatron-core could not build the blend with "
-                        f"data.split={config.data.split or DEFAULT_SPLIT!r}, data.seq_length="
-                        f"{_seq_length(config)}: {reason}") from None
-    length = _seq_length(config)
+                        f"data.split={data.split or DEFAULT_SPLIT!r}, data.seq_length="
+                        f"{_seq_length(data)}: {reason}") from None
+    length = _seq_length(data)
     evaluation = BlendedSamples(valid, length, vocab_size) if valid else None
     return BlendedSamples(train, length, vocab_size), evaluation
 
 
-def blended_training_data(config: Any, tokenizer: Any, vocab_size: int | None = None) -> Any:
+def blended_training_data(data: DataArguments, run: DataRun, tokenizer: Any,
+                          vocab_size: int | None = None) -> Any:
     """:class:`~hpc_mca.data.dataset.TrainingData` of ``data.data_path``: one sample per row
     (every sample fills its row; packed rows also carry cu_seqlens, as the THD path needs)."""
     from .dataset import TrainingData
@@ -195,13 +195,12 @@ def blended_training_data(config: Any, tokenizer: Any, vocab_size: int | None = 
     from .rows import RowDataset
     from .tokenize import pad_id
 
-    data = config.data
-    train, evaluation = build_blended(config, vocab_size)
-    align = (pack_alignment(config.parallel.context_parallel_size, data.pack_alignment)
+    train, evaluation = build_blended(data, run, vocab_size)
+    align = (pack_alignment(run.context_parallel_size, data.pack_alignment)
              if data.sequence_packing else 1)
 
     def rows(samples: BlendedSamples) -> RowDataset:
-        return RowDataset(samples, _seq_length(config), pad_id(tokenizer),
+        return RowDataset(samples, _seq_length(data), pad_id(tokenizer),
                           packed=data.sequence_packing, align=align)
 
     return TrainingData(rows(train), rows(evaluation) if evaluation is not None else None,

@@ -1,4 +1,6 @@
-"""From a resolved run config to training/eval rows and their data-parallel loaders.
+"""From a resolved run config's data section to training/eval rows and their data-parallel
+loaders. What the pipeline reads of the other sections (stage, seed, batch and parallel
+sizes) comes as a :class:`~hpc_mca.data.arguments.DataRun`, never the whole config.
 
 The pipeline, one function each:
 
@@ -12,8 +14,9 @@ The pipeline, one function each:
 3. :func:`train_dataloader` / :func:`eval_dataloader` - micro-batches for one data-parallel
    rank, in the seed's order, resumable from a consumed-sample count.
 
-Stages are routed through ``_STAGE_TOKENIZERS``; dpo's pairs (:mod:`.preference`) also get
-their own rows and held-out split, which keep the two answers of a pair together.
+Stages are routed by how they read their rows (:attr:`hpc_mca.stages.Stage.reads`, through
+``_READERS``); preference pairs (:mod:`.preference`) also get their own rows and held-out
+split, which keep the two answers of a pair together.
 Everything happens before the first training step, so every input error surfaces first.
 Ranks may call :func:`build_datasets` concurrently: cache files are written atomically (a
 launcher can also let rank 0 go first and the others read its cache after a barrier).
@@ -30,6 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from hpc_mca.stages import CONVERSATION, PREFERENCE_PAIR, STAGE_NAMES, TEXT, Stage, get_stage
+
+from .arguments import DataArguments, DataRun
 from .batch import collate_batch
 from .errors import DataError
 from .mix import mix_order, parse_probs
@@ -119,24 +125,34 @@ def _tokenize_dpo(records: list[Record], tokenizer: Any, data: Any) -> SampleSto
     return tokenize_pairs(records, tokenizer, data)
 
 
-_STAGE_TOKENIZERS: dict[str, Callable[[list[Record], Any, Any], SampleStore]] = {
-    "pt": _tokenize_pt,
-    "sft": _tokenize_sft,
-    "dpo": _tokenize_dpo,
+_READERS: dict[str, Callable[[list[Record], Any, Any], SampleStore]] = {
+    TEXT: _tokenize_pt,
+    CONVERSATION: _tokenize_sft,
+    PREFERENCE_PAIR: _tokenize_dpo,
 }
+"""How each kind of row (:attr:`hpc_mca.stages.Stage.reads`) is tokenized."""
+
+
+def _stage(stage: str) -> Stage:
+    """The registry's ``stage``; a name it lacks is bad input here too (callers other than
+    a resolved config's reach the data pipeline directly)."""
+    if stage not in STAGE_NAMES:
+        raise DataError(f"finetuning.stage={stage!r} has no data pipeline; valid: "
+                        + ", ".join(STAGE_NAMES))
+    return get_stage(stage)
 
 
 def _settings(stage: str, data: Any) -> dict[str, Any]:
     """The settings a cached tokenization depends on."""
     keys = ("dataset_format", "cutoff_len", "max_samples")
-    keys += (("text_field", "pt_chunking") if stage == "pt" else ("template", "train_on_prompt"))
+    keys += _stage(stage).data_keys
     return {"stage": stage, **{key: getattr(data, key) for key in keys}}
 
 
 def _indexed_source(path: str, data: Any, stage: str, field: str) -> str | None:
     """The indexed prefix ``path`` names, or None for a records file (checked to exist)."""
     prefix = indexed_prefix(path)
-    if data.dataset_format == "indexed" or (prefix and stage == "pt"):
+    if data.dataset_format == "indexed" or (prefix and _stage(stage).reads == TEXT):
         if prefix is None:
             raise DataError(f"{field}: no Megatron .bin/.idx pair at {path!r}")
         return prefix
@@ -150,23 +166,21 @@ def load_samples(path: str, tokenizer: Any, data: Any, stage: str,
     """Shifted samples of one dataset file, directory or indexed prefix (``data`` is a
     DataArguments; ``source`` a dataset_info entry for ``path``, None for a direct path);
     with ``vocab_size``, every token id is checked to be below it (see check_token_ids)."""
-    if stage not in _STAGE_TOKENIZERS:
-        raise DataError(f"finetuning.stage={stage!r} has no data pipeline; valid: "
-                        + ", ".join(_STAGE_TOKENIZERS))
+    _stage(stage)
     source = source or DatasetSource(path, path)
     prefix = _indexed_source(path, data, stage, field)
     if prefix is not None:
         return IndexedSamples(prefix, data.cutoff_len, data.pt_chunking, vocab_size)
     if source.formatting is not None:  # records come out in the parsers' own field names
         data = dataclasses.replace(data, text_field="text", dataset_format=(
-            "text" if stage == "pt" else source.formatting))
+            "text" if _stage(stage).reads == TEXT else source.formatting))
     key = cache_key([path], tokenizer_fingerprint(tokenizer),
                     {**_settings(stage, data), **source.settings()})
     cache_dir = Path(data.preprocessing_cache_dir or default_cache_dir())
 
     def tokenize() -> SampleStore:
         records = source_records(source, stage, data.max_samples, field, cache_dir / "datasets")
-        return _STAGE_TOKENIZERS[stage](records, tokenizer, data)
+        return _READERS[_stage(stage).reads](records, tokenizer, data)
 
     store, hit = cached(cache_dir / f"{stage}-{key}.npz", tokenize,
                         overwrite=data.overwrite_cache)
@@ -195,8 +209,8 @@ def _load_all(data: Any, field_name: str, tokenizer: Any, stage: str, vocab_size
 
 
 def _mixed(samples: Samples, sizes: list[int], data: Any, stage: str, seed: int) -> Samples:
-    # dpo mixes whole pairs (samples 2p, 2p + 1 stay neighbours); the others mix samples.
-    unit = 2 if stage == "dpo" else 1
+    # Pairs are mixed whole (samples 2p, 2p + 1 stay neighbours); the others mix samples.
+    unit = _stage(stage).rows_per_example
     source, index = mix_order([n // unit for n in sizes], data.mix_strategy,
                               parse_probs(data.interleave_probs), seed)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
@@ -214,32 +228,32 @@ def _split_val(samples: Samples, val_size: float, seed: int) -> tuple[Samples, S
     return subset(samples, np.sort(order[n_val:])), subset(samples, np.sort(order[:n_val]))
 
 
-def build_datasets(config: Any, tokenizer: Any = None,
+def build_datasets(data: DataArguments, run: DataRun, tokenizer: Any = None,
                    vocab_size: int | None = None) -> TrainingData:
-    """Train/eval rows for a resolved :class:`~hpc_mca.config.sections.TrainConfig`; with the
-    model's ``vocab_size``, token ids at or above it are bad input (DataError)."""
-    data, stage = config.data, config.finetuning.stage
+    """Train/eval rows of a resolved config's data section (``run``: what else it reads, see
+    ``TrainConfig.data_run``); with the model's ``vocab_size``, token ids at or above it are
+    bad input (DataError)."""
+    stage = run.stage
     if tokenizer is None:
-        tokenizer = load_tokenizer(config.model.tokenizer_name_or_path
-                                   or config.model.model_name_or_path)
+        tokenizer = load_tokenizer(run.tokenizer_path)
     if getattr(data, "data_path", None) is not None:  # Megatron's weighted blend (pt)
         from .blended import blended_training_data
 
-        return blended_training_data(config, tokenizer, vocab_size)
-    seed = config.training.seed
+        return blended_training_data(data, run, tokenizer, vocab_size)
+    seed = run.seed
     train = _load_all(data, "dataset", tokenizer, stage, vocab_size, seed)
     evaluation = None
     if data.eval_dataset:
         evaluation = _load_all(data, "eval_dataset", tokenizer, stage, vocab_size, seed)
-    elif data.val_size and stage == "dpo":
-        kept, held = split_pairs(train, data.val_size, config.training.seed)
+    elif data.val_size and _stage(stage).reads == PREFERENCE_PAIR:
+        kept, held = split_pairs(train, data.val_size, seed)
         train, evaluation = subset(train, kept), subset(train, held)
     elif data.val_size:
-        train, evaluation = _split_val(train, data.val_size, config.training.seed)
+        train, evaluation = _split_val(train, data.val_size, seed)
     seq_length = data.seq_length or data.cutoff_len
-    cp = config.parallel.context_parallel_size
+    cp = run.context_parallel_size
     align = pack_alignment(cp, data.pack_alignment) if data.sequence_packing else 1
-    make_rows = pair_rows if stage == "dpo" else RowDataset
+    make_rows = pair_rows if _stage(stage).reads == PREFERENCE_PAIR else RowDataset
 
     def rows(samples: Samples) -> RowDataset:
         return make_rows(samples, seq_length, pad_id(tokenizer),
@@ -258,27 +272,26 @@ def _loader(dataset: RowDataset, sampler: DataSampler) -> torch.utils.data.DataL
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
 
 
-def train_dataloader(dataset: RowDataset, config: Any, *, data_parallel_rank: int,
+def train_dataloader(dataset: RowDataset, run: DataRun, *, data_parallel_rank: int,
                      consumed_samples: int = 0) -> torch.utils.data.DataLoader:
     """Endless micro-batches of this rank, epoch after epoch, from ``consumed_samples`` on
     (global samples; a multiple of micro-batch × DP, normally ``step × global_batch_size``)."""
-    tr, par = config.training, config.parallel
-    sampler = DataSampler(len(dataset), micro_batch_size=tr.per_device_train_batch_size,
+    sampler = DataSampler(len(dataset), micro_batch_size=run.micro_batch_size,
                           data_parallel_rank=data_parallel_rank,
-                          data_parallel_size=par.data_parallel_size,
-                          global_batch_size=tr.global_batch_size, seed=tr.seed,
+                          data_parallel_size=run.data_parallel_size,
+                          global_batch_size=run.global_batch_size, seed=run.seed,
                           consumed_samples=consumed_samples)
     return _loader(dataset, sampler)
 
 
-def check_eval_rows(rows: RowDataset | None, config: Any) -> None:
+def check_eval_rows(rows: RowDataset | None, run: DataRun) -> None:
     """Eval rows that fill no evaluation step (the tail that does not fill one on every rank
     is left out) are bad input. Both backends call it once the rows are built, before step 1:
     found at the first evaluation instead (the last step at the latest), a run lost its final
     checkpoint and exports after training every step."""
     if rows is None:
         return
-    batch, dp = config.training.per_device_eval_batch_size, config.parallel.data_parallel_size
+    batch, dp = run.eval_batch_size, run.data_parallel_size
     if len(rows) >= batch * dp:
         return
     packed = f" ({len(rows.samples)} samples packed into rows)" if rows.packed else ""
@@ -289,15 +302,14 @@ def check_eval_rows(rows: RowDataset | None, config: Any) -> None:
                     f"= {batch * dp} rows; valid: {valid}")
 
 
-def eval_dataloader(dataset: RowDataset, config: Any, *,
+def eval_dataloader(dataset: RowDataset, run: DataRun, *,
                     data_parallel_rank: int) -> torch.utils.data.DataLoader:
     """One pass over the eval rows in file order; the tail that does not fill a micro-batch on
     every rank is left out (so all ranks run the same number of steps)."""
-    tr, par = config.training, config.parallel
-    check_eval_rows(dataset, config)  # the runs checked it before step 1; other callers here
-    step = tr.per_device_eval_batch_size * par.data_parallel_size
-    sampler = DataSampler(len(dataset), micro_batch_size=tr.per_device_eval_batch_size,
+    check_eval_rows(dataset, run)  # the runs checked it before step 1; other callers here
+    step = run.eval_batch_size * run.data_parallel_size
+    sampler = DataSampler(len(dataset), micro_batch_size=run.eval_batch_size,
                           data_parallel_rank=data_parallel_rank,
-                          data_parallel_size=par.data_parallel_size, shuffle=False,
+                          data_parallel_size=run.data_parallel_size, shuffle=False,
                           total_samples=len(dataset) // step * step)
     return _loader(dataset, sampler)

@@ -34,8 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from hpc_mca.stages import PREFERENCE_PAIR, TEXT, get_stage, stages_where
+
 from .errors import DataError
-from .records import Record, check_dataset_source, columns_of, read_records
+from .records import SFT_FORMATS, Record, check_dataset_source, columns_of, read_records
 
 ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output",
                   "history": "history", "system": "system", "chosen": "chosen",
@@ -148,8 +150,8 @@ def _entry(name: str, entry: Any, root: Path, info_path: Path, seed: int) -> Dat
         raise DataError(f"{where} needs a 'file_name' (local file or directory; hub, "
                         "script and cloud entries are not read: nothing is downloaded)")
     formatting = entry.get("formatting", "alpaca")
-    if formatting not in ("alpaca", "sharegpt"):
-        raise DataError(f"{where}: formatting={formatting!r}; valid: alpaca, sharegpt")
+    if formatting not in SFT_FORMATS:
+        raise DataError(f"{where}: formatting={formatting!r}; valid: {', '.join(SFT_FORMATS)}")
     defaults = ALPACA_COLUMNS if formatting == "alpaca" else SHAREGPT_COLUMNS
     given = dict(entry.get("columns") or {})
     unknown = sorted(set(given) - set(defaults))
@@ -184,9 +186,10 @@ def source_records(source: DatasetSource, stage: str, max_samples: int | None, f
                          source.num_samples, source.seed)[:max_samples]
     if source.formatting is None:
         return records
-    if source.ranking != (stage == "dpo"):
+    if source.ranking != (get_stage(stage).reads == PREFERENCE_PAIR):
+        pairs = " and ".join(stages_where("reads", PREFERENCE_PAIR))
         raise DataError(f"{field_name}: dataset {source.name!r} has ranking={source.ranking}, "
-                        f"which does not fit finetuning.stage={stage!r} (dpo needs ranking: "
+                        f"which does not fit finetuning.stage={stage!r} ({pairs} needs ranking: "
                         "true, the other stages ranking: false)")
     present = columns_of(source.path, field_name, cache_dir)
     for key in _needed(source, stage):
@@ -194,7 +197,7 @@ def source_records(source: DatasetSource, stage: str, max_samples: int | None, f
         if column not in present:
             raise DataError(f"{field_name}: dataset {source.name!r} column {key}={column!r} "
                             f"is not in {source.path}; its columns: {', '.join(present)}")
-    if stage == "pt":
+    if get_stage(stage).reads == TEXT:
         return [Record(r.where, {"text": r.data.get(source.columns["prompt"])}) for r in records]
     convert = _alpaca if source.formatting == "alpaca" else _sharegpt
     return [Record(r.where, convert(source, r)) for r in records]
@@ -212,7 +215,7 @@ def _drawn(records: list[Record], count: int, seed: int) -> list[Record]:
 
 def _needed(source: DatasetSource, stage: str) -> list[str]:
     """Column keys that must exist: the entry's own, and the ones a record cannot lack."""
-    if stage == "pt":
+    if get_stage(stage).reads == TEXT:
         required = ["prompt"]
     elif source.formatting == "alpaca":
         required = ["prompt", *(["chosen", "rejected"] if source.ranking else ["response"])]

@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import DataError
 from .records import indexed_prefix
-from .tokenize import windows
+from .tokenize import PT_CHUNKINGS, windows
 
 CACHE_VERSION = 2
 """Bump when the meaning of cached arrays changes (2: dpo pairs label only the final answer,
@@ -183,7 +183,8 @@ class IndexedSamples:
             spans = [(int(self.seq_starts[s]) + lo, int(self.seq_starts[s]) + hi)
                      for s, n in enumerate(seq_lengths) for lo, hi in windows(int(n), cutoff_len)]
         else:
-            raise DataError(f"data.pt_chunking={chunking!r} is not valid; valid: concat, document")
+            raise DataError(f"data.pt_chunking={chunking!r} is not valid; valid: "
+                            + ", ".join(PT_CHUNKINGS))
         self.spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
         self.lengths = self.spans[:, 1] - self.spans[:, 0] - 1
         self.stats = {"records": len(seq_lengths), "samples": len(self.spans)}

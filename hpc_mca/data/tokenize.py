@@ -25,6 +25,8 @@ import numpy as np
 from .errors import DataError
 
 IGNORE_INDEX = -100
+PT_CHUNKINGS = ("concat", "document")
+"""``data.pt_chunking``: one stream of all documents, or each document on its own."""
 """Label of a position without loss (padding, prompts), as in transformers."""
 _BATCH = 512
 
@@ -97,7 +99,8 @@ def pt_samples(documents: Sequence[np.ndarray], cutoff_len: int,
     if chunking == "concat":
         documents = [np.concatenate(documents)] if len(documents) else []
     elif chunking != "document":
-        raise DataError(f"data.pt_chunking={chunking!r} is not valid; valid: concat, document")
+        raise DataError(f"data.pt_chunking={chunking!r} is not valid; valid: "
+                        + ", ".join(PT_CHUNKINGS))
     for tokens in documents:
         for start, end in windows(len(tokens), cutoff_len):
             piece = tokens[start:end]

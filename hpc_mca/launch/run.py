@@ -15,7 +15,7 @@ from typing import Any, Iterable
 import torch
 
 from hpc_mca.checkpoint.compat import nothing_to_train, resume_check
-from hpc_mca.config.sections import TrainConfig, load_config
+from hpc_mca.config.sections import DataArguments, ModelArguments, ParallelArguments, TrainConfig, load_config
 from hpc_mca.errors import UserError
 from hpc_mca.loop.trackers import skip_unused_tracker_imports
 from hpc_mca.rundir import clear_bad_input
@@ -32,12 +32,12 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
     env = from_environ()
     try:
         config = load_config(config_path, overrides).resolve(env.world_size)
-        data_files_exist(config)
-        tokenizer_fits_model(config, _shape(config).vocab_size)
+        data_files_exist(config.data)
+        tokenizer_fits_model(config.model, _shape(config.model).vocab_size)
         if config.training.use_mca:
             attention_backend_available(config)
-            check_megatron_settings(config, _layout(config))
-        resume_check(config, env.world_size, _shape(config))  # before any collective
+            check_megatron_settings(config, _layout(config.parallel))
+        resume_check(config, env.world_size, _shape(config.model))  # before any collective
     except UserError as err:
         err.on_every_rank = True  # every rank read the same inputs and stops here alike
         raise
@@ -46,7 +46,7 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
         from hpc_mca.loop.profiling import ProfilerCallback
 
         callbacks = [*callbacks, ProfilerCallback(*config.training.profile_steps)]
-    idle = nothing_to_train(config)  # a finished run started again: no need for any rank
+    idle = nothing_to_train(config.training)  # a finished run started again: no need for any rank
     if idle is not None:
         if env.rank == 0:
             print(idle, flush=True)
@@ -54,9 +54,9 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
     if not config.training.use_mca:
         from hpc_mca.standard.run import run_standard
 
-        return run_standard(config, env, _shape(config), callbacks)
+        return run_standard(config, env, _shape(config.model), callbacks)
     try:
-        ctx = init_distributed(_layout(config), model=_shape(config), seed=config.training.seed,
+        ctx = init_distributed(_layout(config.parallel), model=_shape(config.model), seed=config.training.seed,
                                env=env, global_batch_size=config.training.global_batch_size,
                                micro_batch_size=config.training.per_device_train_batch_size)
     except UserError as err:  # a layout or ranks-per-GPU refusal: found alike by every rank
@@ -78,7 +78,7 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
     if ctx.is_main:
         config.save_resolved(run_dir)
         clear_bad_input(run_dir)  # this run's inputs got it this far
-    objective = objective_for(config, ctx, _shape(config).vocab_size)
+    objective = objective_for(config, ctx, _shape(config.model).vocab_size)
     data = _datasets(objective, ctx)
     if ctx.is_main:
         print(data.describe(), flush=True)
@@ -87,15 +87,19 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
     model_dir = Path(config.model.model_name_or_path)
     # A directory with only config.json (the demo's) trains from a random init.
     has_weights = any(model_dir.glob("*.safetensors"))
-    build = functools.partial(build_model, model_dir, ctx, seq_length=_seq_length(config),
+    build = functools.partial(build_model, model_dir, ctx, seq_length=_seq_length(config.data),
                               load_weights=has_weights,
                               attention_backend=config.model.attention_backend,
                               packed_attention=config.model.packed_attention,
-                              dtype=torch_dtype(config), config_overrides=model_overrides(config),
+                              dtype=torch_dtype(config.training),
+                              config_overrides=model_overrides(config.model, config.parallel,
+                                                               config.training),
                               compile_layers="layer" in config.model.fusions)
-    chunks = transform_model(build(), config)  # LoRA, freezing, casts: before DDP wraps them
+    # LoRA, freezing, casts: before DDP wraps them.
+    chunks = transform_model(build(), config.finetuning,
+                             model_path=config.model.model_name_or_path, seed=config.training.seed)
     objective.attach(chunks, build)  # dpo's reference: a frozen copy of the starting model
-    shape = _shape(config)
+    shape = _shape(config.model)
     trainer = Trainer(config, ctx, chunks, data, objective=objective, run_dir=run_dir,
                       model_shape=shape, callbacks=callbacks)
     # What exists now (imports, model, optimizer, data index) lives to the end of the run: keep
@@ -120,26 +124,26 @@ def _datasets(objective: Any, ctx: RankContext) -> Any:
 
     def build() -> Any:
         data = objective.build_data()
-        check_eval_rows(data.eval, objective.config)
+        check_eval_rows(data.eval, objective.config.data_run())
         return data
 
     return rank_zero_first(build, ctx.is_main)
 
 
-def data_files_exist(config: TrainConfig) -> None:
+def data_files_exist(data: DataArguments) -> None:
     from hpc_mca.data.sources import check_sources
 
-    check_sources(config.data)  # paths, or dataset_info.json names and their files
+    check_sources(data)  # paths, or dataset_info.json names and their files
 
 
-def tokenizer_fits_model(config: TrainConfig, vocab_size: int) -> None:
+def tokenizer_fits_model(model: ModelArguments, vocab_size: int) -> None:
     """A tokenizer with more tokens than the model has embeddings is the wrong tokenizer (or
     the wrong model): refused before the process group, whatever the data happens to use. The
     data's own ids are checked again when it is read (hpc_mca.data.store.check_token_ids)."""
     from hpc_mca.data.tokenize import load_tokenizer
     from hpc_mca.models.errors import ModelLoadError
 
-    path = config.model.tokenizer_name_or_path or config.model.model_name_or_path
+    path = model.tokenizer_name_or_path or model.model_name_or_path
     size = len(load_tokenizer(path))
     if size > vocab_size:
         raise ModelLoadError(f"the tokenizer at {path} has {size} tokens but the model's "
@@ -163,15 +167,14 @@ def attention_backend_available(config: TrainConfig) -> str:
     check_context_parallel(backend, par.context_parallel_size, par.cp_comm_type)
     kernel, why = packed_kernel(read_hf_config(config.model.model_name_or_path), backend,
                                 config.model.packed_attention, cuda=torch.cuda.is_available(),
-                                dtype=torch_dtype(config), cp=par.context_parallel_size)
+                                dtype=torch_dtype(config.training), cp=par.context_parallel_size)
     packed = f"packed kernel {kernel}" if kernel else "packed sequences"
     layers = "; decoder layers: torch.compile" if "layer" in config.model.fusions else ""
     return (f"attention: {backend} backend, {packed} ({why}); "
             f"RoPE: {describe('rope' in config.model.fusions)}{layers}")
 
 
-def _layout(config: TrainConfig) -> Layout:
-    par = config.parallel
+def _layout(par: ParallelArguments) -> Layout:
     return Layout(tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
                   cp=par.context_parallel_size, ep=par.expert_model_parallel_size,
                   etp=par.expert_tensor_parallel_size or 1, vp=par.virtual_pipeline_model_parallel_size,
@@ -183,9 +186,9 @@ def _shape_of(model_dir: str) -> ModelShape:
     return ModelShape.from_hf_config(model_dir)
 
 
-def _shape(config: TrainConfig) -> ModelShape:
-    return _shape_of(config.model.model_name_or_path)
+def _shape(model: ModelArguments) -> ModelShape:
+    return _shape_of(model.model_name_or_path)
 
 
-def _seq_length(config: TrainConfig) -> int:
-    return config.data.seq_length or config.data.cutoff_len
+def _seq_length(data: DataArguments) -> int:
+    return data.seq_length or data.cutoff_len

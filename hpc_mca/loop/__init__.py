@@ -1,5 +1,7 @@
-"""What both backends' loops share: the step-boundary decision (save, stop, requeue), the
-metrics and trackers a run writes, callbacks and the profiler, the fused-optimizer choice.
+"""What both backends' loops share: the run-loop driver that owns the step end (:mod:`.driver`),
+the step-boundary decision (save, stop, requeue), the metrics and trackers a run writes,
+callbacks and the profiler, the fused-optimizer choice, the preference loss and the
+exact-match eval metric.
 
 Above the checkpointer and below both backends (:mod:`hpc_mca.trainer`,
 :mod:`hpc_mca.standard`), so neither backend imports the other.

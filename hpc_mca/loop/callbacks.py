@@ -16,22 +16,24 @@ from transformers.trainer_callback import DefaultFlowCallback, TrainerControl, T
 
 
 class StepFlowCallback(DefaultFlowCallback):
-    """Sets the logging and evaluation flags from ``logging_steps`` and ``eval_steps``.
+    """Sets the logging and evaluation flags every ``logging_steps`` and ``eval_steps``.
 
     transformers' DefaultFlowCallback reads its strategies from HF TrainingArguments fields
-    this project does not have (logging_strategy, eval_delay, ...); step intervals are the
-    whole story here, and the last step always logs and evaluates (when there is eval data).
-    Saving and stopping are decided in one place, :mod:`hpc_mca.loop.boundary`, which also
-    honours ``should_save``/``should_training_stop`` set by other callbacks.
+    this project does not have (logging_strategy, eval_delay, ...), and the standard backend
+    turns them off; step intervals are the whole story here, and the last step always logs and
+    evaluates (when there is eval data). The intervals are given, not read from ``args``: the
+    standard backend's callbacks get transformers' arguments, whose eval interval it leaves
+    unset. Saving and stopping are decided in one place, :mod:`hpc_mca.loop.boundary`, which
+    also honours ``should_save``/``should_training_stop`` set by other callbacks.
     """
 
-    def __init__(self, has_eval: bool) -> None:
-        self.has_eval = has_eval
+    def __init__(self, has_eval: bool, logging_steps: int, eval_steps: int | None) -> None:
+        self.has_eval, self.logging_steps, self.eval_steps = has_eval, logging_steps, eval_steps
 
     def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         step, last = state.global_step, state.global_step >= state.max_steps
-        control.should_log |= _every(step, args.logging_steps) or last
-        control.should_evaluate |= self.has_eval and (_every(step, args.eval_steps) or last)
+        control.should_log |= _every(step, self.logging_steps) or last
+        control.should_evaluate |= self.has_eval and (_every(step, self.eval_steps) or last)
         return control
 
     def on_epoch_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:

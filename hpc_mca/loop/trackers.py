@@ -48,17 +48,19 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
-def open_trackers(config: Any, run_dir: Path, job: dict[str, Any]) -> list[Tracker]:
-    """The trackers ``config.training.report_to`` asks for (call on global rank 0 only).
-    ``job``: the Slurm job id and restart count, attached to W&B and MLflow runs."""
+def open_trackers(report_to: list[str], resolved_yaml: str, run_dir: Path,
+                  job: dict[str, Any]) -> list[Tracker]:
+    """The trackers ``training.report_to`` asks for (call on global rank 0 only).
+    ``resolved_yaml``: the resolved config (``TrainConfig.to_yaml``), which W&B and MLflow runs
+    carry; ``job``: the Slurm job id and restart count, attached to them too."""
     opened: list[Tracker] = []
-    for name in config.training.report_to:
+    for name in report_to:
         if name == "tensorboard":
             opened.append(_TensorBoard(run_dir))
         elif name == "wandb":
-            opened.append(_Wandb(run_dir, _flat_config(config), job))
+            opened.append(_Wandb(run_dir, _flat_config(resolved_yaml), job))
         elif name == "mlflow":
-            opened.append(_Mlflow(run_dir, _flat_config(config), job))
+            opened.append(_Mlflow(run_dir, _flat_config(resolved_yaml), job))
     return opened
 
 
@@ -90,9 +92,9 @@ def _finite(values: dict[str, float]) -> dict[str, float]:
     return {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
 
 
-def _flat_config(config: Any) -> dict[str, Any]:
+def _flat_config(resolved_yaml: str) -> dict[str, Any]:
     """The resolved config as ``section.field`` -> value."""
-    data = yaml.safe_load(config.to_yaml())
+    data = yaml.safe_load(resolved_yaml)
     return {f"{section}.{key}": value for section, fields in data.items()
             if isinstance(fields, dict) for key, value in fields.items()}
 

@@ -16,8 +16,9 @@ from typing import Optional
 
 import torch
 
-from hpc_mca.models.context_parallel import CP_COMM_TYPES
+from hpc_mca.config.sections import ATTENTION_BACKENDS, ATTENTION_CHOICES
 from hpc_mca.models.errors import ModelLoadError
+from hpc_mca.topology.memory import TORCH_CP_COMM_TYPES
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -26,9 +27,6 @@ __all__ = [
     "choose_attention_backend",
     "select_attention_backend",
 ]
-
-ATTENTION_BACKENDS = ("te", "flash", "torch")
-"""Backends in the order ``auto`` prefers them."""
 
 
 def _importable(module: str) -> bool:
@@ -58,7 +56,7 @@ def choose_attention_backend(preference: str, available: Iterable[str]) -> str:
     if preference == "auto":
         return next(name for name in ATTENTION_BACKENDS if name in available)
     if preference not in ATTENTION_BACKENDS:
-        choices = ", ".join(repr(c) for c in ("auto", *ATTENTION_BACKENDS))
+        choices = ", ".join(repr(c) for c in ATTENTION_CHOICES)
         raise ModelLoadError(f"model.attention_backend={preference!r} is not one of {choices}")
     if preference not in available:
         # Bad input, not a crash: a requeue lands on the same kind of node.
@@ -88,6 +86,7 @@ def check_context_parallel(backend: str, cp: int, comm_type: Optional[str]) -> N
     if backend == "flash":
         raise ModelLoadError(f"context_parallel_size={cp} is not supported by the 'flash' "
                              "attention backend; valid: model.attention_backend 'torch' or 'te'")
-    if (comm_type or "all_gather") not in CP_COMM_TYPES:
+    if (comm_type or "all_gather") not in TORCH_CP_COMM_TYPES:
         raise ModelLoadError(f"cp_comm_type={comm_type!r} needs the 'te' attention backend; "
-                             f"valid with the {backend!r} backend: {', '.join(CP_COMM_TYPES)}")
+                             f"valid with the {backend!r} backend: "
+                             f"{', '.join(TORCH_CP_COMM_TYPES)}")

@@ -15,27 +15,30 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hpc_mca.models import layer_compile, mtp, rope
 from hpc_mca.models.attention import core_attention_class
 from hpc_mca.models.attention_backend import check_context_parallel, select_attention_backend
 from hpc_mca.models.checkpoint import inspect_checkpoint
-from hpc_mca.models import layer_compile, mtp, rope
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_config import HFModelSpec, check_sequence_length, read_hf_config
 from hpc_mca.models.mapping import padded_vocab_size
-from hpc_mca.models.packed_kernels import resolve_packed_kernel
 from hpc_mca.models.megatron_config import (
     block_spec,
     layer_spec,
     rope_inv_freq,
     transformer_config,
 )
+from hpc_mca.models.packed_kernels import resolve_packed_kernel
 from hpc_mca.models.weights import load_hf_weights
 from hpc_mca.runtime.distributed import RankContext
 from hpc_mca.topology import LayoutError, ModelShape, check_layout
+
+if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = ["build_model"]
 
@@ -120,7 +123,7 @@ def _check_layout(spec: HFModelSpec, ctx: RankContext, sequence_parallel: bool) 
 
 def _build_chunk(
     spec: HFModelSpec,
-    config: Any,
+    config: TransformerConfig,
     layer: Any,
     padded_vocab: int,
     max_len: int,

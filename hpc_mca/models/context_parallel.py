@@ -30,10 +30,9 @@ from torch import Tensor
 
 from hpc_mca.data.batch import cp_indices
 from hpc_mca.runtime.ulysses import heads_to_seq, seq_to_heads
+from hpc_mca.topology.memory import TORCH_CP_COMM_TYPES
 
 from .packed_attention import DEFAULT_SEGMENT_TOKENS, packed_attention, packed_layout
-
-CP_COMM_TYPES = ("all_gather", "a2a")
 
 # torch 2.13 renamed the tensor-to-tensor collectives (the old names warn); older torch has
 # only the old ones.
@@ -67,8 +66,9 @@ class _GatherSequence(torch.autograd.Function):
 
 def cp_comm_violations(comm_type: str, cp_size: int, num_query_groups: int) -> list[str]:
     """One line per reason ``comm_type`` cannot run at ``cp_size`` for this model."""
-    if comm_type not in CP_COMM_TYPES:
-        return [f"cp_comm_type={comm_type!r} is not valid; valid: {', '.join(CP_COMM_TYPES)}"]
+    if comm_type not in TORCH_CP_COMM_TYPES:
+        return [f"cp_comm_type={comm_type!r} is not valid; valid: "
+                f"{', '.join(TORCH_CP_COMM_TYPES)}"]
     if comm_type == "a2a" and num_query_groups % cp_size:
         fits = [c for c in range(1, num_query_groups + 1) if num_query_groups % c == 0]
         return [f"cp_comm_type='a2a' needs context_parallel_size={cp_size} to divide the "

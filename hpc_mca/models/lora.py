@@ -44,8 +44,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from peft import LoraConfig
 from peft.tuners.lora import LoraLayer
 
+from hpc_mca.config.sections import FinetuningArguments
 from hpc_mca.topology.lora import LoraTargets
 
 __all__ = ["LoraSite", "MegatronLoraLinear", "adapters_disabled", "initial_a", "lora_layers"]
@@ -106,7 +108,7 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
     """LoRA on a Megatron ``ColumnParallelLinear``/``RowParallelLinear`` (see the module
     docstring). Built by peft through ``LoraConfig._register_custom_module``."""
 
-    def __init__(self, base_layer: torch.nn.Module, adapter_name: str, *, config: Any,
+    def __init__(self, base_layer: torch.nn.Module, adapter_name: str, *, config: LoraConfig,
                  r: int, lora_alpha: float, sites: dict[str, LoraSite], seed: int,
                  target_name: str, **kwargs: Any) -> None:
         super().__init__()
@@ -144,7 +146,7 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
         """Expert linears under expert-TP > 1: the token dispatcher does the TP communication."""
         return bool(getattr(self.get_base_layer(), "explicit_expert_comm", False)) and self.tp_size > 1
 
-    def update_layer(self, adapter_name: str, r: int, lora_alpha: float, config: Any,
+    def update_layer(self, adapter_name: str, r: int, lora_alpha: float, config: LoraConfig,
                      **kwargs: Any) -> None:
         if r <= 0:
             raise ValueError(f"LoRA rank r={r} must be a positive integer")
@@ -371,10 +373,12 @@ def site_of(name: str, rest: str, layer: int, targets: LoraTargets, spec: Any,
     return LoraSite(f"{prefix}.mlp", "fc1" if rest.endswith("linear_fc1") else "row", parts)
 
 
-def apply_lora(chunks: list[torch.nn.Module], config: Any) -> list[torch.nn.Module]:
-    """Inject the adapters ``config.finetuning`` asks for into this rank's chunks (peft's
+def apply_lora(chunks: list[torch.nn.Module], finetuning: FinetuningArguments, *,
+               model_path: str, seed: int) -> list[torch.nn.Module]:
+    """Inject the adapters ``finetuning`` asks for into this rank's chunks (peft's
     ``inject_adapter_in_model`` with the layer above as its custom module) and freeze the
-    rest. ``config``: the resolved TrainConfig."""
+    rest. ``model_path``: the HF model directory the chunks were built from (its config.json
+    names the modules); ``seed``: the run's seed, which draws the A factors."""
     import functools
 
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -383,14 +387,14 @@ def apply_lora(chunks: list[torch.nn.Module], config: Any) -> list[torch.nn.Modu
     from hpc_mca.models.hf_config import read_hf_config
     from hpc_mca.topology.lora import resolve_lora_targets
 
-    ft = config.finetuning
-    spec = read_hf_config(config.model.model_name_or_path)
+    ft = finetuning
+    spec = read_hf_config(model_path)
     targets = resolve_lora_targets(ft.lora_target, is_moe=spec.is_moe, model_type=spec.model_type)
     for chunk in chunks:
         sites = _sites(chunk, targets, spec)
         peft_config = LoraConfig(r=ft.lora_rank, lora_alpha=ft.lora_alpha,
                                  lora_dropout=ft.lora_dropout, target_modules=sorted(sites))
-        layer = functools.partial(MegatronLoraLinear, sites=sites, seed=config.training.seed)
+        layer = functools.partial(MegatronLoraLinear, sites=sites, seed=seed)
         peft_config._register_custom_module({ColumnParallelLinear: layer, RowParallelLinear: layer})
         inject_adapter_in_model(peft_config, chunk)
     return chunks

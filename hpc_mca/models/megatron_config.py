@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,9 @@ import torch.nn.functional as F
 from hpc_mca.models.hf_config import HFModelSpec, RopeSpec
 from hpc_mca.models.norm import TorchNorm
 from hpc_mca.topology import Layout, megatron_pipeline_layout
+
+if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = ["block_spec", "layer_spec", "rope_inv_freq", "transformer_config",
            "transformer_config_kwargs"]
@@ -169,7 +172,7 @@ def layer_spec(spec: HFModelSpec, core_attention: type) -> Any:
     return layer
 
 
-def block_spec(layer: Any, config: Any, vp_stage: int | None) -> Any:
+def block_spec(layer: Any, config: TransformerConfig, vp_stage: int | None) -> Any:
     """The decoder block of one model chunk: ``layer`` repeated for the layers this chunk
     builds, and the layer's own RMSNorm as the final norm (Megatron would otherwise pick
     TE/Apex norms when those are installed, changing parameter types between machines)."""

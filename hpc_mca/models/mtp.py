@@ -20,17 +20,19 @@ on every rank, GPU or CPU):
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
-
 import math
 import re
 import zlib
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from hpc_mca.models.norm import TorchNorm
 from hpc_mca.models.roll import roll_left, roll_plan
+
+if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = ["MTP_LOSSES", "MtpLosses", "initialise", "install", "mtp_block_spec"]
 
@@ -62,7 +64,8 @@ MTP_LOSSES = MtpLosses()
 """Filled by the replaced ``process_mtp_loss``; read by the trainer's objective each step."""
 
 
-def mtp_block_spec(config: Any, layer: Any, backend: str, vp_stage: int | None) -> Any:
+def mtp_block_spec(config: TransformerConfig, layer: Any, backend: str,
+                   vp_stage: int | None) -> Any:
     """Megatron's MTP block spec for this chunk (None where it holds no MTP layer). Off the
     TE backend its three norms per layer are the decoder's :class:`TorchNorm` (Megatron's
     local provider gives its torch norm, which refuses sequence parallelism); TE's norms
@@ -118,7 +121,8 @@ def initialise(chunks: list[torch.nn.Module], seed: int) -> None:
                 param.copy_(mine.to(param.dtype))
 
 
-def _draw(key: str, param: Tensor, tp_size: int, seed: int, config: Any) -> Tensor:
+def _draw(key: str, param: Tensor, tp_size: int, seed: int,
+          config: TransformerConfig) -> Tensor:
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False):
         shape[getattr(param, "partition_dim", 0)] *= tp_size
@@ -157,7 +161,8 @@ def packed_aware_roll(tensor: Optional[Tensor], shifts: int = -1, dims: int = -1
 def process_mtp_loss(hidden_states: Tensor, labels: Optional[Tensor],
                      loss_mask: Optional[Tensor], output_layer: Callable,
                      output_weight: Optional[Tensor], runtime_gather_output: Optional[bool],
-                     is_training: bool, compute_language_model_loss: Callable, config: Any,
+                     is_training: bool, compute_language_model_loss: Callable,
+                     config: TransformerConfig,
                      cp_group: Any = None, tp_group: Any = None, packed_seq_params: Any = None,
                      scale_logits_fn: Optional[Callable[[Tensor], Tensor]] = None,
                      input_ids: Optional[Tensor] = None) -> Tensor:

@@ -17,9 +17,12 @@ local spec has always built): parameter names, checkpoints, HF weight mapping an
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = ["TorchNorm"]
 
@@ -34,7 +37,7 @@ class TorchNorm:
     instead of calling them; ``__new__`` returns the torch module itself.
     """
 
-    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5,
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
                 **_unused: Any) -> torch.nn.Module:
         # The keyword arguments Megatron passes besides these duplicate config fields. The two
         # that change the numbers are refused; persist_layer_norm only picks an Apex kernel.

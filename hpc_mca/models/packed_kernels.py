@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from hpc_mca.config.sections import PACKED_ATTENTION, PACKED_KERNELS
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.packed_attention import TokenLayout, packed_layout
 
@@ -45,9 +46,6 @@ __all__ = [
     "varlen_available",
     "varlen_packed_attention",
 ]
-
-PACKED_KERNELS = ("varlen", "flex", "sdpa")
-"""Packed-attention kernels of the torch backend (``auto`` prefers them in this order)."""
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -75,7 +73,7 @@ def resolve_packed_kernel(preference: str, *, cuda: bool, dtype: torch.dtype,
     ``varlen`` says whether torch's varlen_attn exists (default: look). An explicit kernel that
     cannot train here raises ModelLoadError (one line, bad input) naming what would work.
     """
-    valid = ("auto", *PACKED_KERNELS)
+    valid = PACKED_ATTENTION
     if preference not in valid:
         raise ModelLoadError(f"model.packed_attention={preference!r} is not one of "
                              f"{', '.join(repr(v) for v in valid)}")
@@ -87,7 +85,7 @@ def resolve_packed_kernel(preference: str, *, cuda: bool, dtype: torch.dtype,
     }
     if preference != "auto":
         if why_not[preference]:
-            usable = ", ".join(k for k in ("auto", *PACKED_KERNELS) if not why_not.get(k))
+            usable = ", ".join(k for k in PACKED_ATTENTION if not why_not.get(k))
             raise ModelLoadError(f"model.packed_attention={preference!r} cannot run here: "
                                  f"{why_not[preference]}; valid here: {usable}")
         return preference, "set by model.packed_attention"

@@ -12,29 +12,40 @@ rest frozen: :mod:`.lora`).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Protocol
 
 import torch
 
-ModelTransform = Callable[[list[torch.nn.Module], Any], list[torch.nn.Module]]
-"""(model chunks, the resolved TrainConfig) -> the chunks to train."""
+from hpc_mca.config.sections import FinetuningArguments
 
 
-def full(chunks: list[torch.nn.Module], config: Any) -> list[torch.nn.Module]:
+class ModelTransform(Protocol):
+    """(this rank's model chunks, the finetuning section; the HF model directory the chunks
+    were built from and the run's seed) -> the chunks to train."""
+
+    def __call__(self, chunks: list[torch.nn.Module], finetuning: FinetuningArguments, *,
+                 model_path: str, seed: int) -> list[torch.nn.Module]: ...
+
+
+def full(chunks: list[torch.nn.Module], finetuning: FinetuningArguments, *,
+         model_path: str, seed: int) -> list[torch.nn.Module]:
     """Every parameter trains, as built."""
     return chunks
 
 
-def lora(chunks: list[torch.nn.Module], config: Any) -> list[torch.nn.Module]:
+def lora(chunks: list[torch.nn.Module], finetuning: FinetuningArguments, *,
+         model_path: str, seed: int) -> list[torch.nn.Module]:
     """LoRA adapters on the targeted linears; every other parameter frozen."""
     from hpc_mca.models.lora import apply_lora
 
-    return apply_lora(chunks, config)
+    return apply_lora(chunks, finetuning, model_path=model_path, seed=seed)
 
 
 TRANSFORMS: dict[str, ModelTransform] = {"full": full, "lora": lora}
 
 
-def transform_model(chunks: list[torch.nn.Module], config: Any) -> list[torch.nn.Module]:
-    """Apply the transform ``config.finetuning.finetuning_type`` selects."""
-    return TRANSFORMS[config.finetuning.finetuning_type](chunks, config)
+def transform_model(chunks: list[torch.nn.Module], finetuning: FinetuningArguments, *,
+                    model_path: str, seed: int) -> list[torch.nn.Module]:
+    """Apply the transform ``finetuning.finetuning_type`` selects."""
+    return TRANSFORMS[finetuning.finetuning_type](chunks, finetuning, model_path=model_path,
+                                                  seed=seed)

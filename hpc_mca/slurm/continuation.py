@@ -36,6 +36,7 @@ from hpc_mca.checkpoint.store import (
     latest_checkpoint,
     read_info,
 )
+from hpc_mca.config.sections import TrainConfig, TrainingArguments
 
 from . import commands
 from .errors import OpsError
@@ -97,7 +98,7 @@ def plan_continuation(job_id: str, runs_root: Path, *, nodes: int | None = None,
     job = make_job_plan(options, config_path, [*user_overrides, *pins, *overrides])
     world = job.world_size
     config = _check_loadable(job, config_path, run.run_dir, world)
-    _check_extends(run, config, overrides)
+    _check_extends(run, config.training, overrides)
     submit_options = _submit_options(run, runs_root, slurm_changes or {})
     rendered = render_job(job, submit_options)
     knobs = {**rendered.knobs, "HPC_MCA_RUN_DIR": str(run.run_dir)}
@@ -197,7 +198,7 @@ def _gpu(name: str) -> tuple[str, float | None]:
     return match.group(1), float(match.group(2)) if match.group(2) else None
 
 
-def _check_loadable(job: JobPlan, config_path: Path, run_dir: Path, world: int) -> Any:
+def _check_loadable(job: JobPlan, config_path: Path, run_dir: Path, world: int) -> TrainConfig:
     """Resolve the trainer config as the new ranks will and run their checkpoint check;
     returns the resolved config."""
     from hpc_mca.config.sections import ConfigError
@@ -213,7 +214,7 @@ def _check_loadable(job: JobPlan, config_path: Path, run_dir: Path, world: int) 
     return config
 
 
-def _check_extends(run: Run, config: Any, overrides: Sequence[str]) -> None:
+def _check_extends(run: Run, training: TrainingArguments, overrides: Sequence[str]) -> None:
     """A finished run continues only when the new settings make it longer (the LR schedule
     is then re-derived for the new total; see hpc_mca.config.schedule)."""
     done = finished_step(run.run_dir)
@@ -223,7 +224,7 @@ def _check_extends(run: Run, config: Any, overrides: Sequence[str]) -> None:
         raise OpsError(f"run {run.run_dir} finished at step {done}; nothing to resume; valid: "
                        f"extend it with max_steps=N (N > {done}) or num_train_epochs=E, e.g. "
                        f"hpc-mca resume {run.job_id or 'JOBID'} max_steps={2 * done}")
-    idle = compat.nothing_to_train(config)
+    idle = compat.nothing_to_train(training)
     if idle is not None:
         raise OpsError(idle)
 

@@ -20,13 +20,16 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hpc_mca.config.sections import RESERVED_STAGES, STAGES
+from hpc_mca.stages import RESERVED_STAGES, STAGE_NAMES
 from hpc_mca.topology import Layout, LayoutError, Plan, PlanRequest, plan
 from hpc_mca.topology.standard import megatron_only_line, sp_with_megatron_line
 
 from .errors import OpsError
+
+if TYPE_CHECKING:  # the config module is imported where a config is read
+    from hpc_mca.config.sections import ParallelArguments, TrainConfig
 
 # CLI layout flag -> trainer config key.
 LAYOUT_KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
@@ -109,8 +112,8 @@ def _config_keys(config_path: Path | None, overrides: Iterable[str]) -> set[str]
     return keys
 
 
-def load_train_config(config_path: Path, overrides: Iterable[str]) -> Any:
-    """The trainer's config object (a TrainConfig), with its errors as OpsError."""
+def load_train_config(config_path: Path, overrides: Iterable[str]) -> TrainConfig:
+    """The trainer's config object, with its errors as OpsError."""
     from hpc_mca.config.sections import ConfigError, load_config
 
     if not config_path.is_file():
@@ -137,7 +140,8 @@ def make_job_plan(options: PlanOptions, config_path: Path | None = None,
     return JobPlan(result, config_path, overrides, tuple(extra))
 
 
-def _request(options: PlanOptions, config: Any, explicit: set[str]) -> PlanRequest:
+def _request(options: PlanOptions, config: TrainConfig | None,
+             explicit: set[str]) -> PlanRequest:
     fields: dict[str, Any] = {
         "nodes": options.nodes, "gpus_per_node": options.gpus_per_node, "gpu": options.gpu,
         "gpu_memory_gib": options.gpu_memory_gib}
@@ -157,13 +161,14 @@ def _request(options: PlanOptions, config: Any, explicit: set[str]) -> PlanReque
         fields["use_distributed_optimizer"] = options.distributed_optimizer
     fields.setdefault("seq_length", DEFAULT_SEQ_LENGTH)
     standard = config is not None and not config.training.use_mca
-    _refuse_for_backend(options, config, explicit, standard)
+    par = config.parallel if config is not None else None
+    _refuse_for_backend(options, par, explicit, standard)
     fields["backend"] = "standard" if standard else "megatron"
-    sp = _given_sp(options, config, explicit)
+    sp = _given_sp(options, par, explicit)
     if sp is not None:
         fields["sequence_parallel_size"] = sp[0]
     # The standard backend's sizes are all 1 once refused above; they force nothing.
-    layout = None if standard else _forced_layout(options, config, explicit)
+    layout = None if standard else _forced_layout(options, par, explicit)
     if layout is not None:
         fields["layout"] = layout
     if "global_batch_size" not in fields:
@@ -184,34 +189,35 @@ def _request(options: PlanOptions, config: Any, explicit: set[str]) -> PlanReque
 def _refuse_unbuilt(fields: dict[str, Any]) -> None:
     """What the planner can size but the trainer cannot run yet is refused, one line each."""
     lines, stage = [], fields.get("stage")
-    if stage is not None and stage not in STAGES:
+    if stage is not None and stage not in STAGE_NAMES:
         why = "is not yet supported by the trainer" if stage in RESERVED_STAGES else "is not valid"
-        lines.append(f"stage={stage!r} {why}; valid: {', '.join(STAGES)}")
+        lines.append(f"stage={stage!r} {why}; valid: {', '.join(STAGE_NAMES)}")
     if lines:
         raise OpsError("\n".join(lines))
 
 
-def _given_sp(options: PlanOptions, config: Any, explicit: set[str]) -> tuple[int, str] | None:
+def _given_sp(options: PlanOptions, par: ParallelArguments | None,
+              explicit: set[str]) -> tuple[int, str] | None:
     """(Ulysses size, how the user wrote it) from --sp or the config; None when left open."""
     if options.sp is not None:
         return options.sp, f"--sp {options.sp}"
-    if config is not None and "sequence_parallel_size" in explicit:
-        value = config.parallel.sequence_parallel_size
+    if par is not None and "sequence_parallel_size" in explicit:
+        value = par.sequence_parallel_size
         return value, f"parallel.sequence_parallel_size={value}"
     return None
 
 
-def _refuse_for_backend(options: PlanOptions, config: Any, explicit: set[str],
-                        standard: bool) -> None:
+def _refuse_for_backend(options: PlanOptions, par: ParallelArguments | None,
+                        explicit: set[str], standard: bool) -> None:
     """What the chosen backend cannot run, one line each in the user's words: Ulysses SP with
     Megatron; Megatron's layout sizes, distributed optimizer and recompute with standard."""
-    sp = _given_sp(options, config, explicit)
+    sp = _given_sp(options, par, explicit)
     if not standard:
         if sp is not None and sp[0] != 1:
             raise OpsError(sp_with_megatron_line(sp[1], cp="--cp"))
         return
-    lines = [megatron_only_line(given, "1") for given in _megatron_sizes(options, config, explicit)]
-    optimizer, recompute = _megatron_options(options, config, explicit)
+    lines = [megatron_only_line(given, "1") for given in _megatron_sizes(options, par, explicit)]
+    optimizer, recompute = _megatron_options(options, par, explicit)
     if optimizer is not None:
         lines.append(megatron_only_line(optimizer, "--no-distributed-optimizer",
                                         "the distributed optimizer is Megatron-Core's (the "
@@ -224,23 +230,23 @@ def _refuse_for_backend(options: PlanOptions, config: Any, explicit: set[str],
         raise OpsError("\n".join(lines))
 
 
-def _megatron_sizes(options: PlanOptions, config: Any, explicit: set[str]) -> list[str]:
+def _megatron_sizes(options: PlanOptions, par: ParallelArguments | None,
+                    explicit: set[str]) -> list[str]:
     """Layout sizes above 1 from the command line (``--tp 2``) or the config (its key)."""
     given = []
     for flag, key in LAYOUT_KEYS.items():
         value, text = getattr(options, flag), f"--{flag} {getattr(options, flag)}"
-        if value is None and config is not None and key in explicit:
-            value = getattr(config.parallel, key)
+        if value is None and par is not None and key in explicit:
+            value = getattr(par, key)
             text = f"parallel.{key}={value}"
         if isinstance(value, int) and value > 1:
             given.append(text)
     return given
 
 
-def _megatron_options(options: PlanOptions, config: Any,
+def _megatron_options(options: PlanOptions, par: ParallelArguments | None,
                       explicit: set[str]) -> tuple[str | None, str | None]:
     """(distributed optimizer, recompute) as the user turned them on, else None each."""
-    par = config.parallel if config is not None else None
     optimizer = recompute = None
     if options.distributed_optimizer:
         optimizer = "--distributed-optimizer"
@@ -255,7 +261,8 @@ def _megatron_options(options: PlanOptions, config: Any,
     return optimizer, recompute
 
 
-def _from_config(config: Any, explicit: set[str], options: PlanOptions) -> dict[str, Any]:
+def _from_config(config: TrainConfig, explicit: set[str],
+                 options: PlanOptions) -> dict[str, Any]:
     """Planner inputs the config states (the caller lets CLI options win)."""
     tr, par, data, ft = config.training, config.parallel, config.data, config.finetuning
     fields: dict[str, Any] = {
@@ -298,17 +305,18 @@ def _preset_node_size(options: PlanOptions) -> int:
         raise OpsError(str(err)) from None
 
 
-def _forced_layout(options: PlanOptions, config: Any, explicit: set[str]) -> Layout | None:
+def _forced_layout(options: PlanOptions, par: ParallelArguments | None,
+                   explicit: set[str]) -> Layout | None:
     sizes: dict[str, Any] = {}
     for flag, key in LAYOUT_KEYS.items():
         if getattr(options, flag) is not None:
             sizes[flag] = getattr(options, flag)
-        elif config is not None and key in explicit and getattr(config.parallel, key) is not None:
-            sizes[flag] = getattr(config.parallel, key)
+        elif par is not None and key in explicit and getattr(par, key) is not None:
+            sizes[flag] = getattr(par, key)
     if not sizes:
         return None
-    if config is not None and "pipeline_layout" in explicit and config.parallel.pipeline_layout:
-        sizes["pipeline_layout"] = tuple(config.parallel.pipeline_layout)
+    if par is not None and "pipeline_layout" in explicit and par.pipeline_layout:
+        sizes["pipeline_layout"] = tuple(par.pipeline_layout)
     try:
         return Layout(**sizes)
     except LayoutError as err:

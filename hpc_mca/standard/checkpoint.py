@@ -4,7 +4,7 @@ A checkpoint holds what transformers' Trainer writes and reads back on
 ``train(resume_from_checkpoint=...)``: the model (``model.safetensors``; with LoRA the PEFT
 adapter alone), ``optimizer.pt``, ``scheduler.pt``, one ``rng_state_<rank>.pth`` per rank and
 ``trainer_state.json``. Around them the same protocol as the Megatron backend's
-(:mod:`hpc_mca.checkpoint.store`): every rank writes into ``checkpoints/iter_N.tmp``; only after
+(:mod:`hpc_mca.checkpoint.commit`): every rank writes into ``checkpoints/iter_N.tmp``; only after
 all of them did rank 0 adds ``checkpoint.json`` (the records a resume is checked against: the
 model, the layout, the data position), renames the directory to ``iter_N`` and moves the
 ``latest`` tracker, so a save killed half-way is never resumed from, and ``hpc-mca status`` and
@@ -13,7 +13,6 @@ model, the layout, the data position), renames the directory to ``iter_N`` and m
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -21,9 +20,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hpc_mca.checkpoint.store import (INFO_FILE, CheckpointInfo, checkpoints_dir, iter_name,
-                                      prune, read_tracker, write_tracker)
-from hpc_mca.rundir import fsync_dir, write_atomic
+from hpc_mca.checkpoint.commit import publish, tmp_dir
+from hpc_mca.checkpoint.store import CheckpointInfo, checkpoints_dir, iter_name
+
+from .hf_adapter import save_training_state
 
 __all__ = ["save_checkpoint"]
 
@@ -33,41 +33,24 @@ def save_checkpoint(trainer: Any, run_dir: Path, info: CheckpointInfo, keep: int
     commit it; returns the checkpoint directory."""
     root = checkpoints_dir(run_dir)
     name = iter_name(info.step)
-    tmp, final = root / f"{name}.tmp", root / name
+    tmp, final = tmp_dir(root, name), root / name
     started = time.perf_counter()
     if trainer.args.should_save:
         shutil.rmtree(tmp, ignore_errors=True)  # what a killed save of this step left
         tmp.mkdir(parents=True)
     _barrier()
-    trainer.save_model(str(tmp), _internal_call=True)
-    trainer._save_optimizer_and_scheduler(str(tmp))
-    trainer._save_rng_state(str(tmp))
+    trainer.save_model(str(tmp))
+    save_training_state(trainer, str(tmp))
     if trainer.args.should_save:
         trainer.state.save_to_json(str(tmp / "trainer_state.json"))
     _barrier()  # every rank's files are in place before the checkpoint is published
     if trainer.args.should_save:
-        _publish(root, tmp, final, info, keep)
+        # transformers' writers do not fsync: the commit flushes their files first.
+        publish(root, name, info, keep, fsync_files=True)
         print(f"checkpoint {final} saved ({info.reason}) in {time.perf_counter() - started:.2f} s",
               flush=True)
     _barrier()  # nobody moves on (or exits for a requeue) before the tracker is durable
     return final
-
-
-def _publish(root: Path, tmp: Path, final: Path, info: CheckpointInfo, keep: int | None) -> None:
-    for path in tmp.iterdir():
-        if path.is_file():
-            with path.open("rb") as handle:
-                os.fsync(handle.fileno())
-    write_atomic(tmp / INFO_FILE, info.to_json(), durable=True)
-    if final.exists():  # a complete copy of this step from an interrupted run
-        if read_tracker(root) == final.name:
-            shutil.rmtree(tmp)
-            return
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_dir(root)
-    write_tracker(root, final.name)
-    prune(root, keep)
 
 
 def _barrier() -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hpc_mca.data.arguments import DataRun
 from hpc_mca.data.batch import PackedBatch
 from hpc_mca.data.dataset import eval_dataloader, train_dataloader
 from hpc_mca.runtime.sequence_parallel import slice_and_pad
@@ -53,15 +54,15 @@ class StreamLoader:
     run's length is ``max_steps``). Also counts the non-padding input tokens it handed out,
     for throughput."""
 
-    def __init__(self, rows: Any, config: Any, *, data_parallel_rank: int, consumed_samples: int,
+    def __init__(self, rows: Any, run: DataRun, *, data_parallel_rank: int, consumed_samples: int,
                  sp_rank: int, sp_size: int, pad_token_id: int) -> None:
-        self.rows, self.config = rows, config
+        self.rows, self.run = rows, run
         self.dp_rank, self.consumed = data_parallel_rank, consumed_samples
         self.sp_rank, self.sp_size, self.pad = sp_rank, sp_size, pad_token_id
         self.input_tokens = 0
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        loader = train_dataloader(self.rows, self.config, data_parallel_rank=self.dp_rank,
+        loader = train_dataloader(self.rows, self.run, data_parallel_rank=self.dp_rank,
                                   consumed_samples=self.consumed)
         for batch in loader:
             # Counted once per SP group (its ranks read the same rows).
@@ -70,8 +71,8 @@ class StreamLoader:
                             pad_token_id=self.pad)
 
 
-def eval_streams(rows: Any, config: Any, *, data_parallel_rank: int, sp_rank: int,
+def eval_streams(rows: Any, run: DataRun, *, data_parallel_rank: int, sp_rank: int,
                  sp_size: int, pad_token_id: int) -> Iterator[tuple[PackedBatch, dict]]:
     """One pass over the eval rows: (the micro-batch, this rank's stream of it)."""
-    for batch in eval_dataloader(rows, config, data_parallel_rank=data_parallel_rank):
+    for batch in eval_dataloader(rows, run, data_parallel_rank=data_parallel_rank):
         yield batch, stream_of(batch, sp_rank=sp_rank, sp_size=sp_size, pad_token_id=pad_token_id)

@@ -60,9 +60,9 @@ class StandardDpoTrainer(StandardTrainer):
         super().__init__(**kwargs)
         self.reference = reference
         # Summed over the step's micro-batches: the per-pair METRICS (SP rank 0 only).
-        self._pref = torch.zeros(len(METRICS), dtype=torch.float64)
+        self.pref_sums = torch.zeros(len(METRICS), dtype=torch.float64)
 
-    def _local_count(self, batch_samples: list) -> float:
+    def count_items(self, batch_samples: list) -> float:
         """Pairs of this rank's micro-batches, counted once per SP group."""
         if self.run.sp_rank != 0:
             return 0.0
@@ -70,40 +70,41 @@ class StandardDpoTrainer(StandardTrainer):
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
                      return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
-        reference = self._reference_logps(model, inputs)
-        policy, lengths = self._document_logps(model, inputs, grad=True)
+        reference = self.reference_logps(model, inputs)
+        policy, lengths = self.document_logps(model, inputs, grad=True)
         losses, metrics = preference_loss(policy, reference, lengths,
                                           self.run.config.finetuning)
         if self.run.sp_rank == 0:  # SP peers hold the same pairs
-            self._sums[0] += float(losses.detach().sum())
-            self._pref += metrics.double().cpu()
+            self.tally.loss_sum += float(losses.detach().sum())
+            self.pref_sums += metrics.double().cpu()
         loss = losses.sum() * (self.run.world_size / _count(num_items_in_batch))
         return (loss, None) if return_outputs else loss
 
-    def _step_metrics(self, count: int) -> dict[str, float]:
+    def step_metrics(self, count: int) -> dict[str, float]:
         """TRL's reward and log-probability means over the step's ``count`` pairs, on every
         rank."""
-        sums = self._pref.clone().to(self.run.device)  # .to is no copy on the CPU
-        self._pref.zero_()
+        sums = self.pref_sums.clone().to(self.run.device)  # .to is no copy on the CPU
+        self.pref_sums.zero_()
         if dist.is_initialized():
             dist.all_reduce(sums)
         return {name: float(value) / (count or float("nan")) for name, value in zip(METRICS, sums)}
 
     # ---- the two models -----------------------------------------------------------------------
 
-    def _reference_logps(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]
-                         ) -> torch.Tensor:
+    def reference_logps(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]
+                        ) -> torch.Tensor:
         """The reference's summed log-probability of each document, for the policy ``model``."""
         reference = self.reference if self.reference is not None else model
-        with self._reference_mode(reference):
-            return self._document_logps(reference, inputs, grad=False)[0]
+        with self.reference_mode(reference):
+            logps, _ = self.document_logps(reference, inputs, grad=False)
+        return logps
 
-    def _document_logps(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], *,
-                        grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def document_logps(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], *,
+                       grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed log-probability of each document's labelled tokens, their count) over the
         whole documents (SP slices summed), float32 [documents]. Without ``grad`` the model
         runs as it is: the reference's adapters are switched off by the caller
-        (:meth:`_reference_logps`), not here, or an eval pass of a LoRA policy would be the
+        (:meth:`reference_logps`), not here, or an eval pass of a LoRA policy would be the
         reference's."""
         with torch.no_grad() if not grad else contextlib.nullcontext():
             logits = model(input_ids=inputs["input_ids"],
@@ -122,7 +123,7 @@ class StandardDpoTrainer(StandardTrainer):
         return logp, count
 
     @contextlib.contextmanager
-    def _reference_mode(self, model: torch.nn.Module) -> Iterator[None]:
+    def reference_mode(self, model: torch.nn.Module) -> Iterator[None]:
         """LoRA: the policy as the reference, adapters off and in eval mode (dropout off),
         back to what it was afterwards. A separate reference is always so."""
         if self.reference is not None:
@@ -139,21 +140,22 @@ class StandardDpoTrainer(StandardTrainer):
 
     # ---- evaluation ---------------------------------------------------------------------------
 
-    def _eval_sums(self, model: torch.nn.Module, batch: Any, stream: dict[str, torch.Tensor]
-                   ) -> torch.Tensor:
+    def eval_sums(self, model: torch.nn.Module, batch: Any, stream: dict[str, torch.Tensor]
+                  ) -> torch.Tensor:
         """[pair losses, pairs, *METRICS] of one eval micro-batch (SP rank 0 counts)."""
-        reference = self._reference_logps(model, stream)
-        policy, lengths = self._document_logps(model, stream, grad=False)
+        reference = self.reference_logps(model, stream)
+        policy, lengths = self.document_logps(model, stream, grad=False)
         losses, metrics = preference_loss(policy, reference, lengths,
                                           self.run.config.finetuning)
         sums = torch.cat([torch.stack([losses.sum(), torch.tensor(
             float(losses.numel()), device=losses.device)]), metrics]).double()
         return sums * float(self.run.sp_rank == 0)
 
-    def _eval_metrics(self, sums: torch.Tensor) -> dict[str, float]:
-        pairs = float(sums[1]) or float("nan")
-        return {"eval/loss": float(sums[0]) / pairs,
-                **{f"eval/{name}": float(value) / pairs for name, value in zip(METRICS, sums[2:])}}
+    def metrics_from_sums(self, sums: torch.Tensor) -> dict[str, float]:
+        loss, pairs, *values = sums.tolist()
+        pairs = pairs or float("nan")
+        return {"eval/loss": loss / pairs,
+                **{f"eval/{name}": value / pairs for name, value in zip(METRICS, values)}}
 
 
 def _summed(x: torch.Tensor, run: Any) -> torch.Tensor:

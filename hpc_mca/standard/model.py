@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,9 @@ from hpc_mca.config.schedule import build_lr_scheduler, resolve_warmup_steps, sc
 from hpc_mca.config.sections import TrainConfig
 from hpc_mca.loop.optimizer import optimizer_config, use_fused_adam
 from hpc_mca.models import hf_attention
+
+if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
+    from megatron.core.optimizer import OptimizerConfig
 
 __all__ = ["build_hf_model", "build_optimizer", "export_model"]
 
@@ -73,7 +76,7 @@ def _seed_adapters(model: torch.nn.Module, seed: int) -> None:
                 a.weight.copy_(initial_a(hf_name, *a.weight.shape, seed))
 
 
-def _param_groups(model: torch.nn.Module, opt_config: Any) -> list[dict[str, Any]]:
+def _param_groups(model: torch.nn.Module, opt_config: OptimizerConfig) -> list[dict[str, Any]]:
     """The Megatron backend's param groups for the HF model's trainable parameters: decay, and
     no decay (Megatron's rule: biases and 1-D parameters, i.e. the norms; LoRA's A and B are
     matrices and decay).
@@ -94,7 +97,8 @@ def _param_groups(model: torch.nn.Module, opt_config: Any) -> list[dict[str, Any
             {"params": plain, "wd_mult": 0.0, "weight_decay": 0.0}]
 
 
-def _megatron_no_decay_rule(opt_config: Any) -> Callable[[torch.nn.Parameter, str], bool]:
+def _megatron_no_decay_rule(
+        opt_config: OptimizerConfig) -> Callable[[torch.nn.Parameter, str], bool]:
     """Whether a parameter skips weight decay, by the keys Megatron's optimizer builds its
     groups from for the same OptimizerConfig (``*.bias`` or 1-D; HF's names end the same), so
     the backends stay together if Megatron refines the rule."""

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hpc_mca.checkpoint import compat
 from hpc_mca.checkpoint.requeue import StopSignal
-from hpc_mca.checkpoint.store import clear_finished, finished_step, mark_finished
+from hpc_mca.checkpoint.store import ResumePoint, export_targets, mark_finished, reopen_finished
 from hpc_mca.config.run_length import total_training_steps
 from hpc_mca.config.sections import TrainConfig
 from hpc_mca.loop.boundary import StepBoundary
@@ -27,6 +27,7 @@ from hpc_mca.rundir import STEPS_FILE, clear_bad_input
 from hpc_mca.runtime.distributed import RankContext, init_distributed, rank_zero_first, shutdown
 from hpc_mca.runtime.env import RankEnv
 from hpc_mca.runtime.sequence_parallel import new_sequence_parallel_groups
+from hpc_mca.stages import get_stage, load
 from hpc_mca.topology import Layout, ModelShape
 
 from .data import StreamLoader
@@ -142,27 +143,26 @@ def _train(config: TrainConfig, ctx: RankContext, shape: ModelShape,
     found = compat.resume_check(config, ctx.env.world_size, shape)
     run = StandardRun(config, ctx, data, max_steps, compat.records(config, ctx.env.world_size, shape),
                       sp_group=new_sequence_parallel_groups(config.parallel.sequence_parallel_size),
-                      exact_match=config.finetuning.stage == "sft",
+                      exact_match=get_stage(config.finetuning.stage).exact_match,
                       pad_token_id=tokenizer.pad_token_id or 0,
-                      skipped_iters=found[1].skipped_iters if found else 0)
-    run.train_stream = StreamLoader(data.train, config,
-                                    consumed_samples=found[1].consumed_samples if found else 0,
+                      skipped_iters=found.info.skipped_iters if found else 0)
+    run.train_stream = StreamLoader(data.train, config.data_run(),
+                                    consumed_samples=found.info.consumed_samples if found else 0,
                                     **run.stream_coords)
     trainer = _trainer(run, shape, callbacks)
     if found and ctx.is_main:
-        print(f"resumed from {found[0]} at step {found[1].step} "
-              f"({found[1].consumed_samples} samples)", flush=True)
+        print(f"resumed from {found.path} at step {found.info.step} "
+              f"({found.info.consumed_samples} samples)", flush=True)
     _begin(run, found)
-    trainer.metrics.write_progress(step=found[1].step if found else 0, max_steps=run.max_steps,
-                                   finished=False, job_id=ctx.env.job_id,
-                                   restart_count=ctx.env.restart_count)
+    trainer.loop.begin(found.info.step if found else 0, job_id=ctx.env.job_id,
+                       restart_count=ctx.env.restart_count)
     try:
-        trainer.train(resume_from_checkpoint=str(found[0]) if found else None)
+        trainer.train(resume_from_checkpoint=str(found.path) if found else None)
+        trainer.loop.finish()
     finally:
-        trainer.boundary.signal.restore()
-        trainer.metrics.close()
+        trainer.loop.close()
     _finish(run, trainer)
-    return trainer.history
+    return trainer.loop.history
 
 
 def _datasets(config: TrainConfig, shape: ModelShape) -> Any:
@@ -170,8 +170,8 @@ def _datasets(config: TrainConfig, shape: ModelShape) -> Any:
     before step 1, as the Megatron backend does)."""
     from hpc_mca.data.dataset import build_datasets, check_eval_rows
 
-    data = build_datasets(config, vocab_size=shape.vocab_size)
-    check_eval_rows(data.eval, config)
+    data = build_datasets(config.data, config.data_run(), vocab_size=shape.vocab_size)
+    check_eval_rows(data.eval, config.data_run())
     return data
 
 
@@ -190,18 +190,19 @@ def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[Any]) -> S
     signal = StopSignal(run.run_dir, ctx.device, ctx.is_main)
     boundary = StepBoundary(tr.save_steps, run.max_steps, signal, ctx.is_main)
     seq = config.data.seq_length or config.data.cutoff_len
-    trackers = open_trackers(config, run.run_dir, job_fields(ctx.env)) if ctx.is_main else []
+    trackers = (open_trackers(tr.report_to, config.to_yaml(), run.run_dir, job_fields(ctx.env))
+                if ctx.is_main else [])
     metrics = MetricsWriter(run.run_dir, ctx.is_main, trackers, run.max_steps,
                             flops_per_token(shape, seq), ctx.env.world_size)
     common = dict(model=model, args=args, optimizers=(optimizer, scheduler),
                   callbacks=list(callbacks), run=run, boundary=boundary, metrics=metrics)
-    if config.finetuning.stage == "dpo":
-        from .dpo import StandardDpoTrainer, frozen_reference
+    stage = get_stage(config.finetuning.stage)
+    if stage.reference_model:
+        from .dpo import frozen_reference
 
         lora = config.finetuning.finetuning_type == "lora"
-        trainer = StandardDpoTrainer(reference=frozen_reference(model, lora), **common)
-    else:
-        trainer = StandardTrainer(**common)
+        common["reference"] = frozen_reference(model, lora)
+    trainer = load(stage.standard)(**common)
     # The run log has hpc-mca's progress line; transformers' printer would repeat it as a dict.
     trainer.remove_callback(PrinterCallback)
     return trainer
@@ -228,35 +229,31 @@ def _training_args(run: StandardRun) -> Any:
     return args
 
 
-def _begin(run: StandardRun, found: Any) -> None:
-    """A fresh run starts its steps.jsonl afresh; a finished run that goes on loses its
-    finished marker (the batch script requeues it again when stopped early)."""
+def _begin(run: StandardRun, found: ResumePoint | None) -> None:
+    """A resumed run's steps.jsonl loses the steps after its checkpoint (a fresh one is
+    started afresh by the run loop); a finished run that goes on loses its finished marker
+    (the batch script requeues it again when stopped early)."""
     if not run.is_main:
         return
-    if found is None:
-        (run.run_dir / STEPS_FILE).unlink(missing_ok=True)
-    else:
+    if found is not None:
         from hpc_mca.checkpoint.checkpointer import truncate_steps
 
-        truncate_steps(run.run_dir / STEPS_FILE, found[1].step)
-    done = finished_step(run.run_dir)
-    if done is not None:
-        clear_finished(run.run_dir)
-        print(f"extending the run that finished at step {done} to {run.max_steps} steps", flush=True)
+        truncate_steps(run.run_dir / STEPS_FILE, found.info.step)
+    reopened = reopen_finished(run.run_dir, found.info.step if found else 0, run.max_steps)
+    if reopened:
+        print(reopened, flush=True)
 
 
 def _finish(run: StandardRun, trainer: StandardTrainer) -> None:
     """A run that reached max_steps is exported (when asked) and marked finished; one stopped
     by a signal is left for the batch script to requeue."""
     step = trainer.state.global_step
-    if trainer.requeue or step < run.max_steps:
+    if trainer.loop.requeue or step < run.max_steps:
         return
     tr = run.config.training
-    for merged, target in ((False, tr.export_hf_dir), (True, tr.export_merged_dir)):
-        if target:
-            out = Path(target) if Path(target).is_absolute() else run.run_dir / target
-            if run.is_main:
-                export_model(trainer.model, out, run.config, merged=merged)
+    for out, merged in export_targets(run.run_dir, tr.export_hf_dir, tr.export_merged_dir):
+        if run.is_main:
+            export_model(trainer.model, out, run.config, merged=merged)
     if dist.is_initialized():
         dist.barrier()
     if run.is_main:

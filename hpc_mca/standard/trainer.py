@@ -10,41 +10,64 @@ leave the same run directory:
 * **loss**: Megatron's per-token contract: each micro-batch's summed token loss divided by
   the real tokens of the whole global batch (counted over every rank before the step), times
   the world size that DDP's gradient average divides back out;
-* **step end** (every optimizer step, every rank): one steps.jsonl line; every
-  ``logging_steps`` the progress line and TensorBoard scalars (the Megatron backend's names);
-  evaluation every ``eval_steps``; the save/stop decision of :mod:`hpc_mca.loop.boundary`
-  (intervals, the last step, an agreed stop signal), saved by :mod:`.checkpoint`;
+* **step end** (every optimizer step, every rank): the run loop both backends share
+  (:class:`hpc_mca.loop.driver.RunLoop`), called from an ``on_step_end`` callback: the
+  steps.jsonl line, logging, evaluation, the save/stop decision, saved by :mod:`.checkpoint`;
 * **non-finite gradients** on any rank: no update and the LR schedule stays (Megatron's rule).
+
+transformers is reached through its public API (callbacks, ``compute_loss``,
+``get_batch_samples``, ``get_train_dataloader``, ``evaluate``), except for what
+:mod:`.hf_adapter` holds.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import Trainer
+from transformers import TrainerCallback, TrainerControl, TrainerState
 
 from hpc_mca.checkpoint.store import HF_FORMAT, CheckpointInfo
-from hpc_mca.data.addition import response_exact_match
-from hpc_mca.loop.boundary import StepBoundary
+from hpc_mca.loop.boundary import Decision, StepBoundary
+from hpc_mca.loop.callbacks import StepFlowCallback
+from hpc_mca.loop.driver import RunLoop, any_non_finite
+from hpc_mca.loop.exact_match import response_exact_match
 from hpc_mca.loop.metrics import MetricsWriter
 from hpc_mca.loop.records import StepResult
 from hpc_mca.runtime.sequence_parallel import IGNORE_INDEX, gather_and_unpad
 
 from .checkpoint import save_checkpoint
 from .data import eval_streams
+from .hf_adapter import AdaptedTrainer
 
 __all__ = ["StandardTrainer"]
 
 
-class StandardTrainer(Trainer):
+@dataclasses.dataclass
+class StepTally:
+    """What this rank's micro-batches of the current step add up to, until its step end."""
+
+    loss_sum: float = 0.0
+    """Summed loss of this rank's micro-batches."""
+    count: float = 0.0
+    """What the loss is a mean over (real tokens; dpo: pairs), already over every rank."""
+    skipped: bool = False
+    """The optimizer step found non-finite gradients (on some rank) and made no update."""
+    seen_inputs: int = 0
+    """The train stream's input-token count at the previous step end."""
+
+
+class StandardTrainer(AdaptedTrainer):
     """transformers' Trainer on hpc-mca's data, loss and run files (see the module docstring).
     ``run``: the run's settings and helpers (:class:`hpc_mca.standard.run.StandardRun`).
     Stage dpo subclasses it (:class:`hpc_mca.standard.dpo.StandardDpoTrainer`): the hooks it
-    replaces are the step's count (``_local_count``), ``compute_loss``, ``_step_metrics`` and
+    replaces are the step's count (``count_items``), ``compute_loss``, ``step_metrics`` and
     the eval sums."""
 
     loss_is_scaled_for_ga = True  # compute_loss divides by the global token count itself
@@ -52,35 +75,37 @@ class StandardTrainer(Trainer):
     """What the loss is a mean over (steps.jsonl's count field)."""
 
     def __init__(self, *, run: Any, boundary: StepBoundary, metrics: MetricsWriter,
-                 **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.run, self.boundary, self.metrics = run, boundary, metrics
-        self.requeue = False
-        self._sums = torch.zeros(3, dtype=torch.float64)  # loss sum, count, input tokens
-        self._window = [time.perf_counter(), 0, 0]  # start, input tokens, steps
-        self._step_end = time.perf_counter()
-        self._seen_inputs = 0
-        self._last_step = -1
-        self.skipped_iters, self._skipped = run.skipped_iters, False
-        self.history: list[StepResult] = []  # what run_training returns, as the Megatron loop's
-        self.optimizer.register_step_pre_hook(self._skip_non_finite)
+                 callbacks: list[TrainerCallback], **kwargs: Any) -> None:
+        tr = run.config.training
+        flow = StepFlowCallback(run.data.eval is not None, tr.logging_steps, tr.eval_steps)
+        super().__init__(callbacks=[flow, *callbacks], **kwargs)
+        self.run, self.metrics = run, metrics
+        self.tally = StepTally()
+        self.loop = RunLoop(self, events=self.callback_handler, args=self.args, metrics=metrics,
+                            boundary=boundary, device=run.device, unit=self.unit,
+                            skipped_iters=run.skipped_iters)
+        # Last, so that every other callback's should_save/should_training_stop is in.
+        self.add_callback(StepEndCallback(self))
+        self.optimizer.register_step_pre_hook(self.skip_non_finite)
 
     # ---- data and loss ------------------------------------------------------------------------
 
     def get_train_dataloader(self) -> Any:
         return self.run.train_stream
 
-    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
-        """The global batch's count (real tokens; dpo: pairs) over every rank's micro-batches
-        of this step, which ``compute_loss`` divides by."""
-        count = torch.tensor(self._local_count(batch_samples), dtype=torch.float64,
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
+                          device: torch.device) -> tuple[list, torch.Tensor]:
+        """The step's ``num_batches`` micro-batches and the global batch's count (real tokens;
+        dpo: pairs) over every rank's micro-batches, which ``compute_loss`` divides by."""
+        batch_samples = list(itertools.islice(epoch_iterator, num_batches))
+        count = torch.tensor(self.count_items(batch_samples), dtype=torch.float64,
                              device=self.run.device)
         if dist.is_initialized():
             dist.all_reduce(count)
-        self._sums[1] += float(count)
-        return count
+        self.tally.count += float(count)
+        return batch_samples, count
 
-    def _local_count(self, batch_samples: list) -> float:
+    def count_items(self, batch_samples: list) -> float:
         return float(sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batch_samples))
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
@@ -88,136 +113,90 @@ class StandardTrainer(Trainer):
         logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
         loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), inputs["labels"].flatten(),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
-        self._sums[0] += float(loss_sum.detach())
+        self.tally.loss_sum += float(loss_sum.detach())
         loss = loss_sum * (self.run.world_size / _count(num_items_in_batch))
         return (loss, logits) if return_outputs else loss
 
-    def _step_metrics(self, count: int) -> dict[str, float]:
+    def step_metrics(self, count: int) -> dict[str, float]:
         """The objective's extra values of a step of ``count`` (dpo: rewards and
         log-probabilities)."""
         return {}
 
-    def _skip_non_finite(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    def skip_non_finite(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         """Megatron's rule for a step whose gradients are not all finite (on any rank): no
         update. Dropping the gradients makes the optimizer step a no-op; the LR schedule is
-        taken back at the step end (transformers' loop advances it regardless)."""
+        taken back at the step end (transformers' loop advances it regardless). A torch
+        optimizer step pre-hook."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"]
                  if p.grad is not None]
-        # A sum is non-finite iff some element is (or it overflows: not finite either).
-        bad = torch.stack([g.float().sum() for g in grads]).isfinite().all().logical_not()
-        flag = bad.to(self.run.device, torch.int32).reshape(1)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self._skipped = bool(flag.item())
-        if self._skipped:
+        self.tally.skipped = any_non_finite([g.float().sum() for g in grads], self.run.device)
+        if self.tally.skipped:
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     param.grad = None
 
-    # ---- the step end -------------------------------------------------------------------------
+    # ---- the step end (hpc_mca.loop.driver.LoopBackend) -----------------------------------------
 
-    def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, *args: Any,
-                                 **kwargs: Any) -> None:
-        """Called by the Trainer after every optimizer step (every rank), and once more at the
-        end of its epoch loop (the same step: nothing to do then)."""
-        step = self.state.global_step
-        if step == self._last_step:
-            return
-        self._last_step = step
-        loss, tokens, inputs = self._step_sums()
-        skipped, self._skipped = self._skipped, False
+    def end_step(self) -> None:
+        """The end of the optimizer step just taken, on every rank (:class:`StepEndCallback`)."""
+        loss, tokens, inputs = self.step_sums()
+        skipped, self.tally.skipped = self.tally.skipped, False
         if skipped:
-            self.skipped_iters += 1
             self.lr_scheduler.step(increment=-1)  # no update, so the schedule stays put
-        self.run.sync()
-        now = time.perf_counter()
-        seconds, self._step_end = now - self._step_end, now
-        norm = float(grad_norm) if grad_norm is not None and not skipped else float("nan")
-        lr = self.lr_scheduler.get_last_lr()[0]
-        extra = self._step_metrics(tokens)
-        self.history.append(StepResult(loss=loss, tokens=tokens, input_tokens=inputs,
-                                       grad_norm=norm, skipped=skipped, metrics=extra,
-                                       seconds=seconds))
-        self.metrics.record_step(step=step, loss=loss, **{self.unit: tokens}, input_tokens=inputs,
-                                 grad_norm=norm, lr=lr, skipped=skipped, seconds=round(seconds, 6),
-                                 **extra)
-        self._window[1] += inputs
-        self._window[2] += 1
-        decision = self.boundary.decide(step, self.control)
-        last = step >= self.run.max_steps
-        logged = step % self.args.logging_steps == 0 or last
-        if logged:
-            self._log(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
-                             **{f"train/{k}": v for k, v in extra.items()}}, now)
-        evaluated = self.run.data.eval is not None and (
-            last or (self.run.eval_steps and step % self.run.eval_steps == 0))
-        if evaluated:
-            self.evaluate()
-        if decision.save:
-            info = self.run.checkpoint_info(step, self.run.consumed_samples(step),
-                                            decision.reason, self.skipped_iters)
-            save_checkpoint(self, self.run.run_dir, info, self.run.config.training.save_total_limit)
-            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
-        if logged or evaluated or decision.save:
-            self._window = [time.perf_counter(), 0, 0]
-            self._step_end = self._window[0]
-        if decision.stop:
-            self.requeue = decision.requeue
-            self.control.should_training_stop = True
+        norm = self.step_grad_norm
+        grad_norm = float(norm) if norm is not None and not skipped else float("nan")
+        self.loop.end_step(StepResult(loss=loss, tokens=tokens, input_tokens=inputs,
+                                      grad_norm=grad_norm, skipped=skipped,
+                                      metrics=self.step_metrics(tokens)))
 
-    def _step_sums(self) -> tuple[float, int, int]:
+    def step_sums(self) -> tuple[float, int, int]:
         """(mean loss, its count, input tokens) of the step just taken, over all ranks."""
-        loader = self.run.train_stream
-        self._sums[2] = float(loader.input_tokens - self._seen_inputs)
-        self._seen_inputs = loader.input_tokens
-        sums = self._sums.clone().to(self.run.device)
-        self._sums.zero_()
-        loss_and_inputs = sums[[0, 2]]
+        tally, loader = self.tally, self.run.train_stream
+        inputs = loader.input_tokens - tally.seen_inputs
+        tally.seen_inputs = loader.input_tokens
+        loss_and_inputs = torch.tensor([tally.loss_sum, float(inputs)], dtype=torch.float64,
+                                       device=self.run.device)
+        tokens = tally.count  # already the global count
+        tally.loss_sum, tally.count = 0.0, 0.0
         if dist.is_initialized():
             dist.all_reduce(loss_and_inputs)
-        tokens = float(sums[1])  # already the global count
         return float(loss_and_inputs[0]) / max(tokens, 1.0), int(tokens), int(loss_and_inputs[1])
 
-    def _log(self, step: int, values: dict[str, float], now: float) -> None:
-        start, inputs, steps = self._window
-        elapsed = max(now - start, 1e-9)
-        values = {**values, "train/skipped_iters": float(self.skipped_iters),
-                  **self.metrics.throughput(inputs / elapsed)}
-        self.metrics.scalars(step, values)
-        self.metrics.progress_line(step, values, elapsed / max(steps, 1))
-        logs = {key.split("/")[-1]: value for key, value in values.items()}
-        self.state.log_history.append({**logs, "step": step})
-        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+    def learning_rate(self) -> float:
+        return self.lr_scheduler.get_last_lr()[0]
+
+    def save(self, decision: Decision) -> None:
+        """Checkpoint this step (:mod:`.checkpoint`), recording why."""
+        step = self.state.global_step
+        info = self.run.checkpoint_info(step, self.run.consumed_samples(step), decision.reason,
+                                        self.loop.skipped_iters)
+        save_checkpoint(self, self.run.run_dir, info, self.run.config.training.save_total_limit)
 
     # ---- evaluation ---------------------------------------------------------------------------
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        """One pass over the eval rows, the same metrics on every rank, logged like the
-        Megatron backend's."""
+        """Evaluate now, reported as at a step end (the run loop's :meth:`RunLoop.evaluate`)."""
+        return self.loop.evaluate()
+
+    def eval_metrics(self) -> dict[str, float]:
+        """One pass over the eval rows, the same metrics on every rank."""
         model, run = self.model, self.run
         was_training = model.training
         model.eval()
         sums = None
         with torch.no_grad():
-            for batch, stream in eval_streams(run.data.eval, run.config, **run.stream_coords):
+            view = run.config.data_run()
+            for batch, stream in eval_streams(run.data.eval, view, **run.stream_coords):
                 stream = {k: v.to(run.device) for k, v in stream.items()}
-                part = self._eval_sums(model, batch, stream)
+                part = self.eval_sums(model, batch, stream)
                 sums = part if sums is None else sums + part
         model.train(was_training)
         if dist.is_initialized():
             dist.all_reduce(sums)
-        metrics = self._eval_metrics(sums)
-        step = self.state.global_step
-        self.metrics.scalars(step, metrics)
-        self.metrics.write_progress(**{k.replace("/", "_"): v for k, v in metrics.items()})
-        if run.is_main:
-            print(" | ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
-                                                         metrics=metrics)
-        return metrics
+        return self.metrics_from_sums(sums)
 
-    def _eval_sums(self, model: torch.nn.Module, batch: Any, stream: dict[str, torch.Tensor]
-                   ) -> torch.Tensor:
+    def eval_sums(self, model: torch.nn.Module, batch: Any, stream: dict[str, torch.Tensor]
+                  ) -> torch.Tensor:
         """This rank's float64 sums of one eval micro-batch: token loss, tokens, and for sft
         the exactly matched answers and the answers."""
         run = self.run
@@ -228,18 +207,19 @@ class StandardTrainer(Trainer):
                                   ignore_index=IGNORE_INDEX, reduction="sum").double()
         sums[1] = float((labels != IGNORE_INDEX).sum())
         if run.exact_match:
-            matched = self._exact_match(logits, batch)  # every SP rank: the gather is collective
+            matched = self.exact_match_counts(logits, batch)  # every SP rank: the gather is collective
             if run.sp_rank == 0:
                 sums[2:] = matched.to(sums)
         return sums
 
-    def _eval_metrics(self, sums: torch.Tensor) -> dict[str, float]:
-        metrics = {"eval/loss": float(sums[0] / sums[1])}
+    def metrics_from_sums(self, sums: torch.Tensor) -> dict[str, float]:
+        loss, tokens, correct, answers = sums.tolist()
+        metrics = {"eval/loss": loss / tokens if tokens else float("nan")}
         if self.run.exact_match:
-            metrics["eval/accuracy"] = float(sums[2] / sums[3]) if sums[3] else 0.0
+            metrics["eval/accuracy"] = correct / answers if answers else 0.0
         return metrics
 
-    def _exact_match(self, logits: torch.Tensor, batch: Any) -> torch.Tensor:
+    def exact_match_counts(self, logits: torch.Tensor, batch: Any) -> torch.Tensor:
         """``[correct, answers]`` of a micro-batch, from this SP group's predictions."""
         run = self.run
         predictions = logits.argmax(dim=-1)
@@ -247,6 +227,19 @@ class StandardTrainer(Trainer):
         predictions = gather_and_unpad(predictions, run.sp_group, dim=1, pad=pad)
         return response_exact_match(predictions.reshape(batch.labels.shape).cpu(), batch.labels,
                                     batch.documents)
+
+
+class StepEndCallback(TrainerCallback):
+    """Ends every optimizer step of transformers' loop through the shared run loop: its
+    ``on_step_end`` comes right after the optimizer and LR steps, on every rank."""
+
+    def __init__(self, trainer: StandardTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> TrainerControl:
+        self.trainer.end_step()
+        return self.trainer.control
 
 
 def checkpoint_info(records: dict[str, Any], env: Any, step: int, samples: int, reason: str,

@@ -38,11 +38,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from hpc_mca.stages import get_stage
+
 from .hardware import GpuSpec
 from .layout import Layout
-from .memory import (Workload, busiest_ranks, layer_bytes_per_token, layers_on_rank,
-                     microbatch_tokens, mlp_matrices, mtp_on_rank, padded_vocab, stage_counts,
-                     weight_bytes)
+from .memory import (
+    Workload,
+    busiest_ranks,
+    layer_bytes_per_token,
+    layers_on_rank,
+    microbatch_tokens,
+    mlp_matrices,
+    mtp_on_rank,
+    padded_vocab,
+    stage_counts,
+    weight_bytes,
+)
 from .model import ModelShape
 
 # Share of the tensor-core peak a large bf16 GEMM sustains (cuBLAS on H100 reaches ~700 of
@@ -261,8 +272,8 @@ def _compute(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
         extra += layers * (gemm + attn + elem)
     elif work.recompute == "selective":
         extra += layers * attn
-    if work.stage == "dpo":
-        extra += forward  # the frozen reference's log-probabilities, forward only
+    # E.g. dpo's frozen reference: its log-probabilities, forward only.
+    extra += get_stage(work.stage).extra_forwards * forward
     return forward, backward, forward + backward + extra, attn
 
 
@@ -275,7 +286,7 @@ def _micro_batch(model: ModelShape, layout: Layout, work: Workload, net: Network
     layers = layers_on_rank(model, layout, rank)
     width = weight_bytes(work.precision)
     activation = tokens * model.hidden_size * width  # one layer's input for the TP group
-    forward_passes = 1 + (work.recompute == "full") + (work.stage == "dpo")
+    forward_passes = 1 + (work.recompute == "full") + get_stage(work.stage).extra_forwards
     tp = layout.tp
     # 4 collectives a forward pass and 4 a backward, each moving (TP−1)/TP of the activation.
     tp_each = net.ring(tp, (tp - 1) / tp * activation, tp)

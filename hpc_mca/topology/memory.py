@@ -28,11 +28,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpc_mca.stages import get_stage
+
 from .layout import Layout
 from .model import ModelShape
 
-STAGES = ("pt", "sft", "dpo")
-CP_COMM_TYPES = ("all_gather", "a2a", "p2p")
+TORCH_CP_COMM_TYPES = ("all_gather", "a2a")
+"""The context-parallel exchanges hpc-mca's own attention runs (models.context_parallel)."""
+CP_COMM_TYPES = (*TORCH_CP_COMM_TYPES, "p2p")
 """Context-parallel attention exchanges (Megatron's ``cp_comm_type``); p2p is TE's alone."""
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 RECOMPUTE = ("none", "selective", "full")
@@ -175,7 +178,7 @@ def _state_memory(counts: ParamCounts, layout: Layout, work: Workload) -> tuple[
     w = weight_bytes(work.precision)
     base = counts.dense + counts.expert
     params = base * w + (counts.adapters * w if work.lora else 0)
-    if work.stage == "dpo" and not work.lora:
+    if get_stage(work.stage).reference_model and not work.lora:
         params += base * w  # frozen reference model (with LoRA the base itself is the reference)
     dense, expert = (counts.adapters, 0) if work.lora else (counts.dense, counts.expert)
     grads = 4 * (dense + expert)
@@ -191,8 +194,8 @@ def _state_memory(counts: ParamCounts, layout: Layout, work: Workload) -> tuple[
 
 def microbatch_tokens(work: Workload, layout: Layout) -> int:
     """Tokens of one micro-batch on one CP rank (DPO runs chosen and rejected together)."""
-    pairs = 2 if work.stage == "dpo" else 1
-    return -(-work.seq_length // layout.cp) * work.micro_batch_size * pairs
+    rows = get_stage(work.stage).rows_per_example
+    return -(-work.seq_length // layout.cp) * work.micro_batch_size * rows
 
 
 def layer_bytes_per_token(model: ModelShape, work: Workload, layout: Layout) -> int:

@@ -21,15 +21,28 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hpc_mca.stages import STAGE_NAMES
+
 from .cost import StepTime
 from .errors import LayoutError, raise_if
 from .hardware import GPU_PRESETS, GiB, GpuSpec, get_gpu
 from .layout import FIELD_NAMES, Layout, balanced_pipeline_layout
-from .memory import CP_COMM_TYPES, PRECISIONS, RECOMPUTE, STAGES, MemoryEstimate
+from .memory import CP_COMM_TYPES, PRECISIONS, RECOMPUTE, MemoryEstimate
 from .model import ModelShape
-from .search import (PLAN_HEADROOM, Option, distributed_optimizer, fastest, memory,
-                     overlap_grad_reduce, planning_budget, recompute_options, search,
-                     search_reason, tunings, violations)
+from .search import (
+    PLAN_HEADROOM,
+    Option,
+    distributed_optimizer,
+    fastest,
+    memory,
+    overlap_grad_reduce,
+    planning_budget,
+    recompute_options,
+    search,
+    search_reason,
+    tunings,
+    violations,
+)
 from .standard import describe as describe_standard
 from .standard import standard_options, standard_reason, standard_request_violations
 
@@ -191,7 +204,7 @@ def _request_violations(req: PlanRequest) -> list[str]:
         if (value is not None or not optional) and (
                 not isinstance(value, int) or isinstance(value, bool) or value < 1):
             lines.append(f"{name}={value!r} must be a positive integer")
-    for name, choices in (("stage", STAGES), ("precision", PRECISIONS),
+    for name, choices in (("stage", STAGE_NAMES), ("precision", PRECISIONS),
                           ("recompute", RECOMPUTE), ("cp_comm_type", CP_COMM_TYPES)):
         value = getattr(req, name)
         if value is not None and value not in choices:

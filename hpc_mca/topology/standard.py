@@ -5,7 +5,7 @@ GPU, data parallelism (DDP) over all of them, and Ulysses sequence parallelism (
 of SP consecutive ranks that share each packed row (an all-to-all around attention that trades
 the sequence split for a head split). So there is nothing to search but SP and the
 micro-batch: TP, PP, CP, EP, VP and the distributed optimizer are Megatron-Core's and are
-refused, as the trainer's own rules (trainer/config_rules.py ``_check_standard``) refuse them.
+refused, as the trainer's own rules (config/rules.py ``_check_standard``) refuse them.
 
 Memory and step time reuse memory.py and cost.py on ``Layout(cp=SP, dp=world/SP)``: Ulysses
 groups are consecutive ranks like Megatron's CP groups (the trainer builds its process groups
@@ -23,8 +23,7 @@ from .errors import LayoutError
 from .hardware import GiB
 from .layout import FIELD_NAMES, Layout, divisors
 from .rules import check_layout
-from .search import (PLAN_HEADROOM, TIE, Option, evaluate, fastest, micro_batch_options,
-                     planning_budget)
+from .search import PLAN_HEADROOM, TIE, Option, evaluate, fastest, micro_batch_options, planning_budget
 
 if TYPE_CHECKING:
     from .planner import PlanRequest

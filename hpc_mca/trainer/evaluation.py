@@ -12,20 +12,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpc_mca.data.addition import response_exact_match
+from hpc_mca.data.arguments import DataRun
 from hpc_mca.data.batch import PackedBatch
 from hpc_mca.data.dataset import eval_dataloader
+from hpc_mca.loop.exact_match import response_exact_match
 from hpc_mca.models.inference import forward_logits, thd_packed_seq_params
 from hpc_mca.models.weights import unwrap
 
 
-def exact_match_accuracy(model: list[torch.nn.Module], eval_rows: Any, config: Any,
+def exact_match_accuracy(model: list[torch.nn.Module], eval_rows: Any, run: DataRun,
                          vocab_size: int, device: torch.device) -> dict[str, float]:
     """``{"eval/accuracy": correct / samples}`` over the eval rows, the same on every rank."""
     from megatron.core import parallel_state as mpu
 
     chunks = [unwrap(m) for m in model]  # DDP and, with bf16/fp16, Float16Module around each
-    loader = eval_dataloader(eval_rows, config, data_parallel_rank=mpu.get_data_parallel_rank())
+    loader = eval_dataloader(eval_rows, run, data_parallel_rank=mpu.get_data_parallel_rank())
     counts = torch.zeros(2, dtype=torch.float64, device=device)
     cp, cp_rank = mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank()
     for batch in loader:

@@ -20,7 +20,14 @@ from typing import Any
 
 import torch
 
-from hpc_mca.config.sections import _FLAT, ConfigError, TrainConfig
+from hpc_mca.config.sections import (
+    _FLAT,
+    ConfigError,
+    ModelArguments,
+    ParallelArguments,
+    TrainConfig,
+    TrainingArguments,
+)
 from hpc_mca.topology import Layout
 
 __all__ = ["check_megatron_settings", "megatron_refusal", "model_overrides", "torch_dtype"]
@@ -30,33 +37,33 @@ _MEGATRON_NAMES = {"clip_grad": "training.max_grad_norm", "adam_eps": "training.
 """Megatron's names for settings this config names otherwise (the rest share their names)."""
 
 
-def torch_dtype(config: TrainConfig) -> torch.dtype:
+def torch_dtype(training: TrainingArguments) -> torch.dtype:
     """The parameters' dtype: bf16, fp16 or fp32 (the optimizer keeps fp32 master weights)."""
-    if config.training.bf16:
+    if training.bf16:
         return torch.bfloat16
-    return torch.float16 if config.training.fp16 else torch.float32
+    return torch.float16 if training.fp16 else torch.float32
 
 
-def model_overrides(config: TrainConfig) -> dict[str, Any]:
+def model_overrides(model: ModelArguments, par: ParallelArguments,
+                    training: TrainingArguments) -> dict[str, Any]:
     """The TransformerConfig fields the run config sets (the rest come from the HF model)."""
-    par = config.parallel
     out: dict[str, Any] = {
         "calculate_per_token_loss": par.calculate_per_token_loss,
         "sequence_parallel": par.sequence_parallel,
-        "bf16": config.training.bf16,
-        "fp16": config.training.fp16,
+        "bf16": training.bf16,
+        "fp16": training.fp16,
     }
-    if "swiglu" in config.model.fusions:
+    if "swiglu" in model.fusions:
         out["bias_activation_fusion"] = True
-    if "cross_entropy" in config.model.fusions:
+    if "cross_entropy" in model.fusions:
         out.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
-    if "rope" in config.model.fusions:
+    if "rope" in model.fusions:
         out["apply_rope_fusion"] = True  # the rotation compiled (hpc_mca.models.rope)
     if par.context_parallel_size > 1:
         out["cp_comm_type"] = par.cp_comm_type
-    if config.model.mtp_num_layers:
-        out.update(mtp_num_layers=config.model.mtp_num_layers,
-                   mtp_loss_scaling_factor=config.model.mtp_loss_scaling_factor)
+    if model.mtp_num_layers:
+        out.update(mtp_num_layers=model.mtp_num_layers,
+                   mtp_loss_scaling_factor=model.mtp_loss_scaling_factor)
     if par.recompute_granularity:
         out.update(recompute_granularity=par.recompute_granularity,
                    recompute_method=par.recompute_method,
@@ -80,10 +87,11 @@ def check_megatron_settings(config: TrainConfig, layout: Layout) -> None:
         raise ConfigError("parallel.optimizer_cpu_offload=true on a machine without CUDA, "
                           "where the optimizer state is on the CPU already; valid: false")
     model_dir = Path(config.model.model_name_or_path)
+    overrides = model_overrides(config.model, config.parallel, config.training)
     try:
-        transformer_config(read_hf_config(model_dir), layout, dtype=torch_dtype(config),
+        transformer_config(read_hf_config(model_dir), layout, dtype=torch_dtype(config.training),
                            gloo=not torch.cuda.is_available(), loading=any(model_dir.glob("*.safetensors")),
-                           overrides=rope.configure(model_overrides(config)))
+                           overrides=rope.configure(overrides))
         optimizer_config(config, min_lr=0.0)
         ddp_config(config.parallel)
     except (ValueError, AssertionError) as err:

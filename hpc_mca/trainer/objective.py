@@ -54,7 +54,7 @@ class Objective:
         model's vocabulary are bad input)."""
         from hpc_mca.data.dataset import build_datasets
 
-        return build_datasets(self.config, vocab_size=self.vocab_size)
+        return build_datasets(self.config.data, self.config.data_run(), vocab_size=self.vocab_size)
 
     def forward_step(self) -> ForwardStep:
         return make_forward_step(self.ctx.device)
@@ -119,5 +119,5 @@ class SftObjective(Objective):
     def eval_metric(self) -> EvalMetric | None:
         from hpc_mca.trainer.evaluation import exact_match_accuracy
 
-        config, vocab, device = self.config, self.vocab_size, self.ctx.device
-        return lambda model, rows: exact_match_accuracy(model, rows, config, vocab, device)
+        run, vocab, device = self.config.data_run(), self.vocab_size, self.ctx.device
+        return lambda model, rows: exact_match_accuracy(model, rows, run, vocab, device)

@@ -18,12 +18,10 @@ loss and its reduction, eval metric) is the stage's :class:`~hpc_mca.trainer.obj
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 from transformers.trainer_callback import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
 
 from hpc_mca.checkpoint.checkpointer import Checkpointer
@@ -35,17 +33,20 @@ from hpc_mca.config.schedule import build_lr_scheduler, resolve_warmup_steps, sc
 from hpc_mca.config.sections import ParallelArguments, TrainConfig
 from hpc_mca.data.batch import PackedBatch
 from hpc_mca.data.dataset import TrainingData, eval_dataloader, train_dataloader
-from hpc_mca.loop.boundary import StepBoundary
+from hpc_mca.loop.boundary import Decision, StepBoundary
 from hpc_mca.loop.callbacks import StepFlowCallback
+from hpc_mca.loop.driver import RunLoop, any_non_finite
 from hpc_mca.loop.metrics import MetricsWriter, flops_per_token
 from hpc_mca.loop.optimizer import optimizer_config, use_fused_adam
 from hpc_mca.loop.records import StepResult
 from hpc_mca.loop.trackers import job_fields, open_trackers
-from hpc_mca.rundir import STEPS_FILE
 from hpc_mca.runtime.distributed import RankContext
 from hpc_mca.runtime.rng import collect_rng, restore_rng
 from hpc_mca.topology import ModelShape
 from hpc_mca.trainer.objective import Objective
+
+if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
+    from megatron.core.optimizer import OptimizerConfig
 
 
 class Trainer:
@@ -81,15 +82,17 @@ class Trainer:
         self.state = TrainerState(max_steps=self.max_steps, logging_steps=config.training.logging_steps,
                                   eval_steps=config.training.eval_steps or 0, is_world_process_zero=ctx.is_main)
         self.control = TrainerControl()
-        flow = StepFlowCallback(has_eval=data.eval is not None)
+        flow = StepFlowCallback(data.eval is not None, tr.logging_steps, tr.eval_steps)
         self.callbacks = CallbackHandler([flow, *callbacks], self.model, data.tokenizer, self.optimizer,
                                          self.lr_scheduler)
-        self.skipped_iters = 0
         self.consumed_samples = 0
         seq = config.data.seq_length or config.data.cutoff_len
-        trackers = open_trackers(config, run_dir, job_fields(ctx.env)) if ctx.is_main else []
+        trackers = (open_trackers(config.training.report_to, config.to_yaml(), run_dir,
+                                  job_fields(ctx.env)) if ctx.is_main else [])
         self.metrics = MetricsWriter(run_dir, ctx.is_main, trackers, self.max_steps,
                                      flops_per_token(model_shape, seq), ctx.env.world_size)
+        self.loop = RunLoop(self, events=self.callbacks, args=tr, metrics=self.metrics,
+                            device=ctx.device, unit=objective.unit)
         self.checkpointer = Checkpointer(config, ctx, run_dir, model_shape, loop=self,
                                          progress=self.metrics.write_progress)
 
@@ -98,14 +101,14 @@ class Trainer:
     def state_dict(self) -> LoopState:
         """What a checkpoint keeps of the loop beside the model and optimizer."""
         return {"trainer": {"global_step": self.state.global_step, "consumed_samples": self.consumed_samples,
-                            "skipped_iters": self.skipped_iters},
+                            "skipped_iters": self.loop.skipped_iters},
                 "lr_scheduler": self.lr_scheduler.state_dict(), "rng_state": collect_rng()}
 
     def load_state_dict(self, state: LoopState) -> None:
         counters = state["trainer"]
         self.state.global_step = counters["global_step"]
         self.consumed_samples = counters["consumed_samples"]  # the data sampler starts here
-        self.skipped_iters = counters["skipped_iters"]
+        self.loop.skipped_iters = counters["skipped_iters"]
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if "rng_state" in state:
             restore_rng(state["rng_state"])
@@ -118,82 +121,50 @@ class Trainer:
         configured), or, stopped early by a signal, left for the batch script to requeue.
         Returns the step results of this process's part of the run (the same on every rank)."""
         signal = StopSignal(self.run_dir, self.ctx.device, self.ctx.is_main)
+        self.loop.boundary = StepBoundary(self.config.training.save_steps, self.max_steps, signal,
+                                          self.ctx.is_main)
         try:
             self.checkpointer.resume()
             self._say_rederived_schedule()
             if self.state.global_step >= self.max_steps:
                 # Resumed at its end: a finished run started again (say so), or one that died
                 # between its last checkpoint and the finished marker (finalize writes it).
-                idle = nothing_to_train(self.config, self.max_steps)
+                idle = nothing_to_train(self.config.training, self.max_steps)
                 if idle and self.ctx.is_main:
                     print(idle, flush=True)
-                history, requeue = [], False
             else:
                 self.checkpointer.begin(self.state.global_step, self.max_steps)
-                boundary = StepBoundary(self.config.training.save_steps, self.max_steps, signal, self.ctx.is_main)
-                history, requeue = self._loop(boundary)
+                self.loop.begin(self.state.global_step, job_id=self.ctx.env.job_id,
+                                restart_count=self.ctx.env.restart_count)
+                batches = self._global_batches()
+                self.loop.run(lambda: self._step(batches))
+                self.loop.finish()
             self._gather_params()
-            self.checkpointer.finalize(finished=not requeue,
+            self.checkpointer.finalize(finished=not self.loop.requeue,
                                        steps_per_epoch=len(self.data.train) // self.config.training.global_batch_size)
         finally:
-            signal.restore()
-            self.metrics.close()
-        return history
+            self.loop.close()
+        return self.loop.history
 
-    def _loop(self, boundary: StepBoundary) -> tuple[list[StepResult], bool]:
-        """Train until the boundary decides to stop; also whether it stopped for a requeue."""
-        batches = self._global_batches()
-        history: list[StepResult] = []
-        if self.state.global_step == 0 and self.ctx.is_main:
-            (self.run_dir / STEPS_FILE).unlink(missing_ok=True)  # a fresh run, not a resume
-        self.control = self.callbacks.on_train_begin(self.config.training, self.state, self.control)
-        self.metrics.write_progress(step=self.state.global_step, max_steps=self.max_steps, finished=False,
-                                    job_id=self.ctx.env.job_id, restart_count=self.ctx.env.restart_count)
-        window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
-        step_end = window_start  # where the next step's time starts
-        requeue = False
-        while self.state.global_step < self.max_steps:
-            self.control = self.callbacks.on_step_begin(self.config.training, self.state, self.control)
-            result = self.train_step(next(batches))
-            _sync(self.ctx.device)  # a GPU step ends when its kernels do, not when they are queued
-            now = time.perf_counter()
-            result.seconds, step_end = now - step_end, now
-            history.append(result)
-            self.state.global_step += 1
-            self.state.epoch = self.consumed_samples / max(1, len(self.data.train))
-            window_tokens, window_steps = window_tokens + result.input_tokens, window_steps + 1
-            self.metrics.record_step(step=self.state.global_step, loss=result.loss,
-                                     **{self.objective.unit: result.tokens},
-                                     input_tokens=result.input_tokens, grad_norm=result.grad_norm,
-                                     lr=self.lr_scheduler.get_last_lr()[0], skipped=result.skipped,
-                                     seconds=round(result.seconds, 6),
-                                     **{f"mtp_loss_{k}": v for k, v in enumerate(result.mtp_losses, 1)},
-                                     **result.metrics)
-            self.control = self.callbacks.on_step_end(self.config.training, self.state, self.control)
-            self.checkpointer.poll()  # commit an async save whose shards are all written
-            decision = boundary.decide(self.state.global_step, self.control)
-            self.control.should_save, self.control.should_training_stop = decision.save, decision.stop
-            # Read once: on_log/on_evaluate clear the flags they answer.
-            log, evaluate = self.control.should_log, self.control.should_evaluate
-            if log:
-                elapsed = step_end - window_start
-                self._log(result, window_tokens / elapsed, elapsed / window_steps)
-            if evaluate:
-                self.evaluate()
-            if decision.save:
-                self._gather_params()
-                self.checkpointer.save(decision.reason, stop_time=decision.stop_time)
-                self.control = self.callbacks.on_save(self.config.training, self.state, self.control)
-            if log or evaluate or decision.save:
-                # Throughput covers training steps only, not evaluation or checkpointing.
-                window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
-                step_end = window_start
-            if decision.stop:
-                requeue = decision.requeue
-                break
-        self.control = self.callbacks.on_train_end(self.config.training, self.state, self.control)
-        self.metrics.write_progress(step=self.state.global_step, finished=self.state.global_step >= self.max_steps)
-        return history, requeue
+    def _step(self, batches: Iterator[list[PackedBatch]]) -> StepResult:
+        """One step of the loop (:class:`~hpc_mca.loop.driver.RunLoop` ends it) with the
+        callbacks' step events around it."""
+        self.control = self.callbacks.on_step_begin(self.config.training, self.state, self.control)
+        result = self.train_step(next(batches))
+        self.state.global_step += 1
+        self.state.epoch = self.consumed_samples / max(1, len(self.data.train))
+        self.control = self.callbacks.on_step_end(self.config.training, self.state, self.control)
+        self.checkpointer.poll()  # commit an async save whose shards are all written
+        return result
+
+    # ---- what the run loop asks of a backend (hpc_mca.loop.driver.LoopBackend) --------------
+
+    def learning_rate(self) -> float:
+        return self.lr_scheduler.get_last_lr()[0]
+
+    def save(self, decision: Decision) -> None:
+        self._gather_params()
+        self.checkpointer.save(decision.reason, stop_time=decision.stop_time)
 
     def _say_rederived_schedule(self) -> None:
         """After a resume with another length: the LR schedule keys this config re-derived."""
@@ -235,8 +206,7 @@ class Trainer:
             skipped = not self._grads_finite()
             if not skipped:
                 _, grad_norm, _ = self.optimizer.step()
-        if skipped:
-            self.skipped_iters += 1
+        if skipped:  # the run loop counts it
             grad_norm = float("nan")
         else:
             self.lr_scheduler.step()
@@ -247,8 +217,13 @@ class Trainer:
                           metrics=metrics)
 
     def evaluate(self) -> dict[str, float]:
+        """Evaluate now, reported as at a step end (trackers, progress.json, the run log,
+        ``on_evaluate``)."""
+        return self.loop.evaluate()
+
+    def eval_metrics(self) -> dict[str, float]:
         """Forward-only pass over the eval rows: mean token loss (+ the task metric if given)."""
-        loader = eval_dataloader(self.data.eval, self.config, data_parallel_rank=self.mpu.get_data_parallel_rank())
+        loader = eval_dataloader(self.data.eval, self.config.data_run(), data_parallel_rank=self.mpu.get_data_parallel_rank())
         for chunk in self.model:
             chunk.eval()
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
@@ -270,18 +245,13 @@ class Trainer:
         metrics.update({f"eval/{k}": v for k, v in self.objective.step_metrics(every).items()})
         if self.eval_metric is not None:
             metrics.update(self.eval_metric(self.model, self.data.eval))
-        self.metrics.scalars(self.state.global_step, metrics)
-        self.metrics.write_progress(**{k.replace("/", "_"): v for k, v in metrics.items()})
-        if self.ctx.is_main:
-            print(" | ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
-        self.control = self.callbacks.on_evaluate(self.config.training, self.state, self.control, metrics=metrics)
         return metrics
 
     # ---- helpers ----------------------------------------------------------------------------
 
     def _global_batches(self) -> Iterator[list[PackedBatch]]:
         """This rank's micro-batches (its context-parallel share), grouped per optimizer step."""
-        loader = train_dataloader(self.data.train, self.config, consumed_samples=self.consumed_samples,
+        loader = train_dataloader(self.data.train, self.config.data_run(), consumed_samples=self.consumed_samples,
                                   data_parallel_rank=self.mpu.get_data_parallel_rank())
         per_step = self.config.training.gradient_accumulation_steps
         micro = iter(loader)
@@ -319,12 +289,10 @@ class Trainer:
 
     def _grads_finite(self) -> bool:
         """All reduced gradients finite on every rank (one all-reduce of a flag)."""
-        # A sum is non-finite iff some element is: one reduction per buffer, no temporaries.
+        # One reduction per buffer, no temporaries.
         sums = [buffer.grad_data.sum(dtype=torch.float32)
                 for chunk in self.model for buffer in chunk.buffers + chunk.expert_parallel_buffers]
-        flag = (~torch.isfinite(torch.stack(sums))).any().to(torch.int32).reshape(1)
-        dist.all_reduce(flag)
-        return int(flag.item()) == 0
+        return not any_non_finite(sums, self.ctx.device)
 
     def _moe_aux_loss(self, num_microbatches: int) -> float | None:
         """Sum of the MoE auxiliary losses of this step (load balancing, z-loss), averaged over
@@ -346,20 +314,6 @@ class Trainer:
             mtp_num_layers=config.mtp_num_layers, force_initialize=True, total_loss_dict=totals)
         return float(sum(float(v) for v in totals.values())) if totals else None
 
-    def _log(self, result: StepResult, tokens_per_s: float, step_time: float) -> None:
-        values = {"train/loss": result.loss, "train/lr": self.lr_scheduler.get_last_lr()[0],
-                  "train/grad_norm": result.grad_norm, "train/skipped_iters": float(self.skipped_iters),
-                  **self.metrics.throughput(tokens_per_s)}
-        if result.moe_aux_loss is not None:
-            values["train/moe_aux_loss"] = result.moe_aux_loss
-        values.update({f"train/mtp_loss_{k}": v for k, v in enumerate(result.mtp_losses, 1)})
-        values.update({f"train/{k}": v for k, v in result.metrics.items()})
-        self.metrics.scalars(self.state.global_step, values)
-        self.metrics.progress_line(self.state.global_step, values, step_time)
-        logs = {k.split("/")[-1]: v for k, v in values.items()}
-        self.state.log_history.append({**logs, "step": self.state.global_step})
-        self.control = self.callbacks.on_log(self.config.training, self.state, self.control, logs=logs)
-
 
 # Megatron router's load-balancing type -> the name it records its loss under.
 _MOE_AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
@@ -369,11 +323,6 @@ _MOE_AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_l
 def _per_token(sums: torch.Tensor) -> list[float]:
     """Mean loss per token of each row of ``[depths, (loss sum, tokens)]``."""
     return [total / count if count else float("nan") for total, count in sums.tolist()]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -424,7 +373,7 @@ def ddp_config(par: ParallelArguments) -> Any:
     )
 
 
-def build_optimizer(model: list[torch.nn.Module], opt_config: Any) -> Any:
+def build_optimizer(model: list[torch.nn.Module], opt_config: OptimizerConfig) -> Any:
     """Megatron's optimizer (distributed when the config says so) over the DDP chunks."""
     from megatron.core.optimizer import get_megatron_optimizer
 

@@ -87,13 +87,13 @@ def _install_sleep(spec: str) -> None:
         module.Trainer.train_step = train_step
 
     def patch_standard(module):  # the standard backend's step end, after the optimizer step
-        original = module.StandardTrainer._maybe_log_save_evaluate
+        original = module.StandardTrainer.end_step
 
         def step_end(self, *args, **kwargs):
             time.sleep(float(seconds))
             return original(self, *args, **kwargs)
 
-        module.StandardTrainer._maybe_log_save_evaluate = step_end
+        module.StandardTrainer.end_step = step_end
 
     _patch_after_import("hpc_mca.trainer.trainer", patch)
     _patch_after_import("hpc_mca.standard.trainer", patch_standard)
@@ -138,7 +138,9 @@ def _install_kill(spec: str) -> None:
 
         module.Checkpointer.save = save
 
-    _patch_after_import("hpc_mca.checkpoint.checkpointer", patch)
+    # The tracker is moved by the commit protocol both checkpoint formats share.
+    where = "commit" if point == "before_tracker" else "checkpointer"
+    _patch_after_import(f"hpc_mca.checkpoint.{where}", patch)
 
 
 def _install_save_sleep(spec: str) -> None:

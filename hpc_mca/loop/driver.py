@@ -1,0 +1,207 @@
+"""The run loop both backends share: what happens at the end of every optimizer step, and
+around the run.
+
+The backends differ in how a step is taken: the Megatron backend
+(:class:`hpc_mca.trainer.trainer.Trainer`) runs its own loop through :meth:`RunLoop.run`;
+the standard backend lets transformers' ``Trainer`` run the loop and calls
+:meth:`RunLoop.end_step` from its ``on_step_end`` callback. Either way, once the step's
+:class:`~hpc_mca.loop.records.StepResult` is known (losses already reduced over the job), the
+step end is this module's, in this order:
+
+1. the step's wall time (the device synchronised first), its steps.jsonl line and the
+   skipped-step count (non-finite gradients on any rank: :func:`any_non_finite`);
+2. the save/stop decision of :class:`~hpc_mca.loop.boundary.StepBoundary`;
+3. logging and evaluation where ``TrainerControl`` asks for them
+   (:class:`~hpc_mca.loop.callbacks.StepFlowCallback` sets the intervals), the save the
+   decision asks for (the backend writes its own checkpoint format), then a new throughput
+   window, so tokens/s covers training steps only;
+4. the stop, recorded as a requeue when a signal asked for it.
+
+What a backend supplies is :class:`LoopBackend`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from transformers.trainer_callback import CallbackHandler, TrainerControl, TrainerState
+
+from hpc_mca.rundir import STEPS_FILE
+
+from .boundary import Decision, StepBoundary
+from .metrics import MetricsWriter
+from .records import StepResult
+
+__all__ = ["LoopBackend", "RunLoop", "any_non_finite"]
+
+
+class LoopBackend(Protocol):
+    """What the run loop needs from a backend. ``state`` and ``control`` are transformers'
+    records (the backend's ``global_step`` is already the finished step's when
+    :meth:`RunLoop.end_step` runs)."""
+
+    state: TrainerState
+    control: TrainerControl
+
+    def learning_rate(self) -> float:
+        """The LR the step just taken used (after any skipped step put the schedule back)."""
+        ...
+
+    def eval_metrics(self) -> dict[str, float]:
+        """One pass over the eval rows: ``eval/...`` values, the same on every rank."""
+        ...
+
+    def save(self, decision: Decision) -> None:
+        """Checkpoint the current step in the backend's format (a collective)."""
+        ...
+
+
+@dataclasses.dataclass
+class Window:
+    """A logging window: what the logged throughput divides."""
+
+    start: float
+    input_tokens: int = 0
+    steps: int = 0
+
+
+class RunLoop:
+    """The step end, begin and finish of one run on this rank (see the module docstring).
+    ``events``/``args``: the backend's callback handler and the arguments its callbacks get;
+    ``unit``: what the loss is a mean over (steps.jsonl's count field); ``skipped_iters``:
+    steps without an update before this process started (from the checkpoint).
+    ``boundary`` may come later (before the first step): its stop signal takes over
+    SIGTERM/USR1 from when it is made until :meth:`close`."""
+
+    def __init__(self, backend: LoopBackend, *, events: CallbackHandler, args: Any,
+                 metrics: MetricsWriter, device: torch.device, boundary: StepBoundary | None = None,
+                 unit: str = "tokens", skipped_iters: int = 0) -> None:
+        self.backend, self.events, self.args = backend, events, args
+        self.metrics, self.device, self.unit = metrics, device, unit
+        self.boundary = boundary
+        self.skipped_iters = skipped_iters
+        self.history: list[StepResult] = []
+        self.requeue = False
+        self.window = Window(time.perf_counter())
+        self.step_end = self.window.start  # where the next step's time starts
+
+    # ---- around the run ---------------------------------------------------------------------
+
+    def begin(self, step: int, *, job_id: str | None, restart_count: int) -> None:
+        """Before the first step this process trains, from ``step`` (the checkpoint's; the
+        standard backend's Trainer loads it only once its loop runs): a fresh run starts its
+        steps.jsonl afresh (a resumed one was truncated to its checkpoint by the resume),
+        progress.json says where the run stands, and the throughput window opens."""
+        assert self.boundary is not None, "RunLoop.boundary is set before the first step"
+        if step == 0 and self.metrics.enabled:
+            (self.metrics.run_dir / STEPS_FILE).unlink(missing_ok=True)
+        self.metrics.write_progress(step=step, max_steps=self.boundary.max_steps, finished=False,
+                                    job_id=job_id, restart_count=restart_count)
+        self.window = Window(time.perf_counter())
+        self.step_end = self.window.start
+
+    def run(self, take_step: Callable[[], StepResult]) -> None:
+        """Own the loop (a backend without one of its own): steps until ``max_steps`` or the
+        boundary's stop, with transformers' train begin/end events around them."""
+        backend = self.backend
+        backend.control = self.events.on_train_begin(self.args, backend.state, backend.control)
+        while backend.state.global_step < self.boundary.max_steps:
+            if self.end_step(take_step()).stop:
+                break
+        backend.control = self.events.on_train_end(self.args, backend.state, backend.control)
+
+    def finish(self) -> None:
+        """After the last step: progress.json records where the run ended."""
+        step = self.backend.state.global_step
+        self.metrics.write_progress(step=step, finished=step >= self.boundary.max_steps)
+
+    def close(self) -> None:
+        """Always, however the run ended: the signal handlers go back, the trackers close."""
+        if self.boundary is not None:
+            self.boundary.signal.restore()
+        self.metrics.close()
+
+    # ---- the step end -----------------------------------------------------------------------
+
+    def end_step(self, result: StepResult) -> Decision:
+        """Everything after a step (see the module docstring); every rank, every step."""
+        backend = self.backend
+        step = backend.state.global_step
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a step ends when its kernels do
+        now = time.perf_counter()
+        result.seconds, self.step_end = now - self.step_end, now
+        self.history.append(result)
+        self.skipped_iters += int(result.skipped)
+        self.window.input_tokens += result.input_tokens
+        self.window.steps += 1
+        lr = self.backend.learning_rate()
+        self.metrics.record_step(step=step, loss=result.loss, **{self.unit: result.tokens},
+                                 input_tokens=result.input_tokens, grad_norm=result.grad_norm,
+                                 lr=lr, skipped=result.skipped, seconds=round(result.seconds, 6),
+                                 **{f"mtp_loss_{k}": v for k, v in enumerate(result.mtp_losses, 1)},
+                                 **result.metrics)
+        decision = self.boundary.decide(step, backend.control)
+        backend.control.should_save = decision.save
+        backend.control.should_training_stop = decision.stop
+        # Read once: on_log/on_evaluate clear the flags they answer.
+        log, evaluate = backend.control.should_log, backend.control.should_evaluate
+        if log:
+            self._log(result, lr, now)
+        if evaluate:
+            self.evaluate()
+        if decision.save:
+            backend.save(decision)
+            backend.control = self.events.on_save(self.args, backend.state, backend.control)
+        if log or evaluate or decision.save:
+            self.window = Window(time.perf_counter())
+            self.step_end = self.window.start
+        if decision.stop:
+            self.requeue = decision.requeue
+        return decision
+
+    def evaluate(self) -> dict[str, float]:
+        """The backend's eval metrics, reported: trackers, progress.json, the run log and the
+        callbacks' ``on_evaluate``."""
+        backend = self.backend
+        metrics = backend.eval_metrics()
+        self.metrics.scalars(backend.state.global_step, metrics)
+        self.metrics.write_progress(**{k.replace("/", "_"): v for k, v in metrics.items()})
+        if self.metrics.enabled:
+            print(" | ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
+        backend.control = self.events.on_evaluate(self.args, backend.state, backend.control,
+                                                  metrics=metrics)
+        return metrics
+
+    def _log(self, result: StepResult, lr: float, now: float) -> None:
+        backend, window = self.backend, self.window
+        step = backend.state.global_step
+        elapsed = max(now - window.start, 1e-9)
+        values = {"train/loss": result.loss, "train/lr": lr, "train/grad_norm": result.grad_norm,
+                  "train/skipped_iters": float(self.skipped_iters),
+                  **self.metrics.throughput(window.input_tokens / elapsed)}
+        if result.moe_aux_loss is not None:
+            values["train/moe_aux_loss"] = result.moe_aux_loss
+        values.update({f"train/mtp_loss_{k}": v for k, v in enumerate(result.mtp_losses, 1)})
+        values.update({f"train/{k}": v for k, v in result.metrics.items()})
+        self.metrics.scalars(step, values)
+        self.metrics.progress_line(step, values, elapsed / max(window.steps, 1))
+        logs = {key.split("/")[-1]: value for key, value in values.items()}
+        backend.state.log_history.append({**logs, "step": step})
+        backend.control = self.events.on_log(self.args, backend.state, backend.control, logs=logs)
+
+
+def any_non_finite(sums: list[torch.Tensor], device: torch.device) -> bool:
+    """Whether any rank's gradients hold a non-finite value, from each gradient's sum (a sum
+    is non-finite iff some element is, or it overflows: not finite either). A collective when
+    the process group is up: every rank takes the same decision (Megatron's rule: the step
+    then makes no update)."""
+    flag = (~torch.isfinite(torch.stack(sums))).any().to(device, torch.int32).reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
