@@ -203,3 +203,20 @@ def test_the_attribute_rule_catches_a_write_from_outside(tmp_path):
         "hpc_mca/checkpoint/bad.py:3: checkpoint.bad.resume sets trainer.state.global_step",
         "hpc_mca/checkpoint/bad.py:4: checkpoint.bad.resume sets trainer.skipped_iters",
     ]
+
+
+def test_readme_layout_table_names_every_package():
+    """README's layout table and ARCHITECTURE.md's layer table name exactly the packages on
+    disk, and the layer table agrees with LAYERS."""
+    import re
+
+    root = PACKAGE.parent
+    on_disk = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    readme = set(re.findall(r"^\| `hpc_mca/(\w+)/", (root / "README.md").read_text(), re.M))
+    assert readme == on_disk
+    layers = {}
+    for row in re.findall(r"^\| (\d+)(?:–\d+)? \| ([^|]+) \|", (root / "ARCHITECTURE.md").read_text(), re.M):
+        for name in re.findall(r"`(\w+)`", row[1]):
+            layers[name] = int(row[0])
+    assert set(layers) >= on_disk
+    assert {name: layers[name] for name in on_disk} == {name: LAYERS[name] for name in on_disk}

@@ -9,7 +9,7 @@ events, ``compute_loss``, ``get_batch_samples``, ``get_train_dataloader``, ``eva
 * **the optimizer, scheduler and RNG files** of a checkpoint, which only the Trainer's private
   savers write in the layout its own ``train(resume_from_checkpoint=...)`` reads back.
 
-``tests/test_standard.py`` checks these names against the installed transformers, which must
+``tests/test_hf_api.py`` checks these names against the installed transformers, which must
 lie in the range ``pyproject.toml`` declares; a transformers upgrade that moves them fails that
 test instead of training silently without a grad norm or a resumable checkpoint.
 """
