@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hpc_mca.config.sections import TrainConfig
+from hpc_mca.config.sections import ParallelArguments, TrainingArguments
 
 __all__ = ["optimizer_config", "use_fused_adam"]
 
@@ -64,10 +64,11 @@ def _steps_on_param_devices(inner: torch.optim.Optimizer, args: Any, kwargs: Any
             state["step"] = step.to(device=param.device, dtype=torch.float32)
 
 
-def optimizer_config(config: TrainConfig, min_lr: float) -> Any:
+def optimizer_config(tr: TrainingArguments, par: ParallelArguments, min_lr: float) -> Any:
+    """Megatron's OptimizerConfig for the run's training and parallel sections (both
+    backends: the standard one takes its param-group rule from it)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    tr, par = config.training, config.parallel
     return OptimizerConfig(
         # Megatron copies lr/min_lr into every param group, where they take precedence over the
         # scheduler's own bounds: both must be the schedule's.

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hpc_mca.config.schedule import build_lr_scheduler, resolve_warmup_steps, scheduler_spec
-from hpc_mca.config.sections import TrainConfig
+from hpc_mca.config.sections import FinetuningArguments, TrainConfig
 from hpc_mca.loop.optimizer import optimizer_config, use_fused_adam
 from hpc_mca.models import hf_attention
 
@@ -129,7 +129,7 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig, max_steps: int)
     spec = scheduler_spec(tr.lr_scheduler_type, tr.lr_scheduler_kwargs, tr.learning_rate,
                           resolve_warmup_steps(tr.warmup_steps, tr.warmup_ratio, max_steps),
                           max_steps)
-    opt_config = optimizer_config(config, min_lr=spec.min_lr)
+    opt_config = optimizer_config(tr, config.parallel, min_lr=spec.min_lr)
     optimizer = torch.optim.AdamW(_param_groups(model, opt_config), lr=tr.learning_rate,
                                   betas=(tr.adam_beta1, tr.adam_beta2), eps=tr.adam_epsilon)
     _keep_wd_mult(optimizer)
@@ -138,14 +138,16 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig, max_steps: int)
     return optimizer, build_lr_scheduler(spec, optimizer, weight_decay=tr.weight_decay)
 
 
-def export_model(model: torch.nn.Module, out: Path, config: TrainConfig, *, merged: bool) -> None:
+def export_model(model: torch.nn.Module, out: Path, finetuning: FinetuningArguments, model_dir: Path, *,
+                 merged: bool) -> None:
     """The trained model as an HF directory (LoRA: the PEFT adapter; ``merged``: the base with
     the adapters merged in), with the same files beside the weights as the Megatron backend's
-    exports (:func:`hpc_mca.models.export.write_companion_files`; rank 0)."""
+    exports (:func:`hpc_mca.models.export.write_companion_files` from ``model_dir``, the
+    base model's directory; rank 0)."""
     from hpc_mca.models.export import DEFAULT_MAX_SHARD_BYTES, write_companion_files
 
     model = getattr(model, "module", model)  # DDP
-    adapter = config.finetuning.finetuning_type == "lora" and not merged
+    adapter = finetuning.finetuning_type == "lora" and not merged
     if merged:
         model = copy.deepcopy(model).merge_and_unload()
     out.mkdir(parents=True, exist_ok=True)
@@ -154,7 +156,7 @@ def export_model(model: torch.nn.Module, out: Path, config: TrainConfig, *, merg
     else:
         # Shards of at most the Megatron backend's size, not transformers' 50 GB.
         model.save_pretrained(str(out), max_shard_size=DEFAULT_MAX_SHARD_BYTES)
-    write_companion_files(out, Path(config.model.model_name_or_path))
+    write_companion_files(out, model_dir)
     what = "PEFT adapter" if adapter else "HF model (LoRA merged)" if merged else "HF model"
     print(f"exported {what} to {out}", flush=True)
 

@@ -253,7 +253,8 @@ def _finish(run: StandardRun, trainer: StandardTrainer) -> None:
     tr = run.config.training
     for out, merged in export_targets(run.run_dir, tr.export_hf_dir, tr.export_merged_dir):
         if run.is_main:
-            export_model(trainer.model, out, run.config, merged=merged)
+            export_model(trainer.model, out, run.config.finetuning,
+                         Path(run.config.model.model_name_or_path), merged=merged)
     if dist.is_initialized():
         dist.barrier()
     if run.is_main:

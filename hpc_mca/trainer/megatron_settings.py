@@ -92,7 +92,7 @@ def check_megatron_settings(config: TrainConfig, layout: Layout) -> None:
         transformer_config(read_hf_config(model_dir), layout, dtype=torch_dtype(config.training),
                            gloo=not torch.cuda.is_available(), loading=any(model_dir.glob("*.safetensors")),
                            overrides=rope.configure(overrides))
-        optimizer_config(config, min_lr=0.0)
+        optimizer_config(config.training, config.parallel, min_lr=0.0)
         ddp_config(config.parallel)
     except (ValueError, AssertionError) as err:
         raise ConfigError(megatron_refusal(err)) from None

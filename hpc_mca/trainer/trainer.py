@@ -67,7 +67,7 @@ class Trainer:
         schedule = scheduler_spec(tr.lr_scheduler_type, tr.lr_scheduler_kwargs, tr.learning_rate,
                                   resolve_warmup_steps(tr.warmup_steps, tr.warmup_ratio, self.max_steps),
                                   self.max_steps)
-        self.optimizer = build_optimizer(self.model, optimizer_config(config, min_lr=schedule.min_lr))
+        self.optimizer = build_optimizer(self.model, optimizer_config(config.training, config.parallel, min_lr=schedule.min_lr))
         # The schedule multiplies each loss by the optimizer's loss scale before backward (as
         # Megatron-LM's loop sets up); without it the fp16 optimizer unscales gradients that
         # were never scaled, and trains on 2^-32 of them. (Scale 1 in bf16 and fp32.)
