@@ -12,7 +12,7 @@
 * :mod:`.requeue` — the Slurm requeue protocol (the contract with the batch script) and its
   rank side, :class:`~.requeue.StopSignal`.
 
-Room for LoRA (next wave): the model part of the state dict comes from the model chunks'
-``sharded_state_dict``; an adapter-only checkpoint is a different model part plus
-``finetuning_type`` in checkpoint.json, which :mod:`.compat` already compares.
+What the finetuning type changes (LoRA: the base model a checkpoint's adapters belong to, an
+adapter export) comes from its converter (:mod:`hpc_mca.models.converters`); checkpoint.json's
+``finetuning_type`` is compared by :mod:`.compat` like every other training field.
 """

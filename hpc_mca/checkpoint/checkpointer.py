@@ -369,26 +369,15 @@ class Checkpointer:
         dist.barrier()
 
     def _export(self, out: Path, *, merged: bool) -> None:
-        """The HF model (full runs), the PEFT adapter (LoRA), or with ``merged`` the base model
-        with the adapters merged in."""
-        from hpc_mca.models.export import save_hf_checkpoint
+        """What the finetuning type exports (:mod:`hpc_mca.models.converters`): the HF model
+        (full runs), the PEFT adapter (LoRA), or with ``merged`` the base model with the
+        adapters merged in."""
+        from hpc_mca.models.converters import converter_for
 
         started = time.perf_counter()
         chunks = [unwrap(chunk) for chunk in self.loop.model]
-        source = self.config.model.model_name_or_path
-        if self.config.finetuning.finetuning_type == "lora" and not merged:
-            from hpc_mca.models.adapter_export import save_peft_adapter
-            from hpc_mca.models.hf_config import read_hf_config
-            from hpc_mca.topology.lora import resolve_lora_targets
-
-            spec = read_hf_config(source)
-            ft = self.config.finetuning
-            save_peft_adapter(chunks, out, spec, resolve_lora_targets(ft.lora_target, is_moe=spec.is_moe),
-                              ft, str(Path(source).resolve()))
-            what = "PEFT adapter"
-        else:
-            save_hf_checkpoint(chunks, out, source, merge_adapters=merged)
-            what = "HF model (LoRA merged)" if merged else "HF model"
+        what = converter_for(self.config.finetuning).export_chunks(
+            chunks, out, model_path=self.config.model.model_name_or_path, merged=merged)
         if self.ctx.is_main:
             print(f"exported {what} to {out} in {time.perf_counter() - started:.1f} s", flush=True)
 

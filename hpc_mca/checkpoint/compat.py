@@ -20,20 +20,18 @@ optimizer (their state layouts differ), full vs. LoRA training, and — for the
 from __future__ import annotations
 
 import dataclasses
-import functools
 from pathlib import Path
 from typing import Any
 
 from hpc_mca.config.run_length import steps_for
 from hpc_mca.config.sections import (
     ConfigError,
-    FinetuningArguments,
-    ModelArguments,
     ParallelArguments,
     TrainConfig,
     TrainingArguments,
 )
 from hpc_mca.data.packing import pack_alignment
+from hpc_mca.models.converters import converter_for
 
 from .store import (
     HF_FORMAT,
@@ -103,22 +101,8 @@ def training_record(config: TrainConfig, optimizer_format: str) -> dict[str, Any
             "micro_batch_size": tr.per_device_train_batch_size,
             "gradient_accumulation_steps": tr.gradient_accumulation_steps,
             "backend": "megatron" if tr.use_mca else "standard",
-            **_base_model(config.finetuning, config.model)}
-
-
-def _base_model(finetuning: FinetuningArguments, model: ModelArguments) -> dict[str, Any]:
-    """LoRA: the base model the adapters belong to (a checkpoint holds only the adapters)."""
-    if finetuning.finetuning_type != "lora":
-        return {}
-    path = str(Path(model.model_name_or_path).resolve())
-    return {"base_model": {"path": path, "fingerprint": _fingerprint(path)}}
-
-
-@functools.cache
-def _fingerprint(path: str) -> str:
-    from hpc_mca.models.checkpoint import weights_fingerprint
-
-    return weights_fingerprint(path)
+            # LoRA: the base model the adapters belong to (a checkpoint holds only them).
+            **converter_for(config.finetuning).resume_record(config.model.model_name_or_path)}
 
 
 def incompatibilities(info: CheckpointInfo, model: dict[str, Any], layout: dict[str, Any],

@@ -70,7 +70,7 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
 
 def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> list[Any]:
     from hpc_mca.models.build import build_model
-    from hpc_mca.models.transform import transform_model
+    from hpc_mca.models.converters import converter_for
     from hpc_mca.trainer.stages import objective_for
     from hpc_mca.trainer.trainer import Trainer
 
@@ -95,9 +95,9 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
                               config_overrides=model_overrides(config.model, config.parallel,
                                                                config.training),
                               compile_layers="layer" in config.model.fusions)
-    # LoRA, freezing, casts: before DDP wraps them.
-    chunks = transform_model(build(), config.finetuning,
-                             model_path=config.model.model_name_or_path, seed=config.training.seed)
+    # What the finetuning type trains (LoRA adapters on a frozen base…): before DDP wraps them.
+    chunks = converter_for(config.finetuning).convert_chunks(
+        build(), model_path=config.model.model_name_or_path, seed=config.training.seed)
     objective.attach(chunks, build)  # dpo's reference: a frozen copy of the starting model
     shape = _shape(config.model)
     trainer = Trainer(config, ctx, chunks, data, objective=objective, run_dir=run_dir,

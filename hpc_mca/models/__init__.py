@@ -15,4 +15,7 @@ used for cheap pre-checks); the heavy modules import torch and megatron.core whe
 - ``inference``: ``forward_logits`` through the pipeline schedule; ``thd_packed_seq_params``.
 - ``attention``: core attention backends (TE / flash-attn / pure PyTorch with THD packing).
 - ``errors``: ``ModelLoadError``.
+- ``converters``: what a finetuning type (full, LoRA) changes: the model before training,
+  the export, the resume record, dpo's reference (``converter_for(finetuning)``; no torch at
+  import).
 """

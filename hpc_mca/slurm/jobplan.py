@@ -264,13 +264,15 @@ def _megatron_options(options: PlanOptions, par: ParallelArguments | None,
 def _from_config(config: TrainConfig, explicit: set[str],
                  options: PlanOptions) -> dict[str, Any]:
     """Planner inputs the config states (the caller lets CLI options win)."""
+    from hpc_mca.models.converters import trains_adapters_only
+
     tr, par, data, ft = config.training, config.parallel, config.data, config.finetuning
     fields: dict[str, Any] = {
         "model": config.model.model_name_or_path or None,
         "seq_length": data.seq_length or data.cutoff_len,
         "stage": ft.stage,
         "precision": "bf16" if tr.bf16 else "fp16" if tr.fp16 else "fp32",
-        "lora": ft.finetuning_type == "lora",
+        "lora": trains_adapters_only(ft),
         "lora_rank": ft.lora_rank,
         "sequence_packing": data.sequence_packing,
     }

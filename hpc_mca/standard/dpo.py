@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hpc_mca.loop.preference import METRICS, preference_loss, sum_over_group
+from hpc_mca.models.converters import converter_for
 from hpc_mca.runtime.sequence_parallel import IGNORE_INDEX
 
 from .trainer import StandardTrainer, _count
@@ -40,10 +41,11 @@ from .trainer import StandardTrainer, _count
 __all__ = ["StandardDpoTrainer", "frozen_reference"]
 
 
-def frozen_reference(model: torch.nn.Module, lora: bool) -> torch.nn.Module | None:
-    """The reference model of a run starting from ``model``: a frozen copy, or None with LoRA
-    (the policy with its adapters off is the reference)."""
-    if lora:
+def frozen_reference(model: torch.nn.Module, base_is_reference: bool) -> torch.nn.Module | None:
+    """The reference model of a run starting from ``model``: a frozen copy, or None when the
+    finetuning type's frozen base is the reference (LoRA: the policy with its adapters off;
+    :attr:`hpc_mca.models.converters.ModelConverter.reference_is_base`)."""
+    if base_is_reference:
         return None
     reference = copy.deepcopy(model).eval()
     reference.requires_grad_(False)
@@ -59,6 +61,8 @@ class StandardDpoTrainer(StandardTrainer):
     def __init__(self, *, reference: torch.nn.Module | None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.reference = reference
+        # What trains decides how the policy runs as the reference (LoRA: adapters off).
+        self.converter = converter_for(self.run.config.finetuning)
         # Summed over the step's micro-batches: the per-pair METRICS (SP rank 0 only).
         self.pref_sums = torch.zeros(len(METRICS), dtype=torch.float64)
 
@@ -133,7 +137,7 @@ class StandardDpoTrainer(StandardTrainer):
         was_training = peft_model.training
         peft_model.eval()
         try:
-            with peft_model.disable_adapter():
+            with self.converter.hf_adapters_off(peft_model):
                 yield
         finally:
             peft_model.train(was_training)

@@ -4,7 +4,6 @@ the optimizer and LR schedule of the Megatron backend, and the exports.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,6 +14,7 @@ from hpc_mca.config.schedule import build_lr_scheduler, resolve_warmup_steps, sc
 from hpc_mca.config.sections import FinetuningArguments, TrainConfig
 from hpc_mca.loop.optimizer import optimizer_config, use_fused_adam
 from hpc_mca.models import hf_attention
+from hpc_mca.models.converters import converter_for
 
 if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
     from megatron.core.optimizer import OptimizerConfig
@@ -26,7 +26,8 @@ def build_hf_model(config: TrainConfig, device: torch.device) -> torch.nn.Module
     """The transformers model in float32 (bf16/fp16 run under autocast, with float32 weights
     as the Megatron backend's master weights), attention ``hpc_mca_packed``: the directory's
     weights, or (a config-only directory) transformers' own initialisation seeded with
-    ``training.seed``; with ``finetuning_type: lora`` wrapped by peft."""
+    ``training.seed``; then as the finetuning type's converter makes it (LoRA: wrapped by
+    peft)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     name = hf_attention.register()
@@ -38,42 +39,9 @@ def build_hf_model(config: TrainConfig, device: torch.device) -> torch.nn.Module
         torch.manual_seed(config.training.seed)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path),
                                                  attn_implementation=name, dtype=torch.float32)
-    if config.finetuning.finetuning_type == "lora":
-        model = _with_lora(model, config)
+    model = converter_for(config.finetuning).convert_hf_model(
+        model, model_path=config.model.model_name_or_path, seed=config.training.seed)
     return model.to(device)
-
-
-def _with_lora(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
-    from peft import LoraConfig, get_peft_model
-
-    from hpc_mca.models.hf_config import read_hf_config
-    from hpc_mca.topology.lora import resolve_lora_targets
-
-    ft = config.finetuning
-    spec = read_hf_config(config.model.model_name_or_path)
-    targets = resolve_lora_targets(ft.lora_target, is_moe=spec.is_moe)
-    parameters = targets.hf_parameters(spec.moe_prefix)
-    lora = LoraConfig(r=ft.lora_rank, lora_alpha=ft.lora_alpha, lora_dropout=ft.lora_dropout,
-                      target_modules=targets.hf_modules() or None,
-                      target_parameters=parameters or None, task_type="CAUSAL_LM")
-    model = get_peft_model(model, lora)
-    _seed_adapters(model, config.training.seed)
-    return model
-
-
-@torch.no_grad()
-def _seed_adapters(model: torch.nn.Module, seed: int) -> None:
-    """Each A from the Megatron backend's seeded draw for its HF module (B stays zero), so
-    both backends start a LoRA run from the same adapters."""
-    from peft.tuners.lora import LoraLayer
-
-    from hpc_mca.models.lora import initial_a
-
-    for name, module in model.named_modules():
-        if isinstance(module, LoraLayer):
-            hf_name = name.removeprefix("base_model.model.")
-            for a in module.lora_A.values():
-                a.weight.copy_(initial_a(hf_name, *a.weight.shape, seed))
 
 
 def _param_groups(model: torch.nn.Module, opt_config: OptimizerConfig) -> list[dict[str, Any]]:
@@ -140,33 +108,15 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig, max_steps: int)
 
 def export_model(model: torch.nn.Module, out: Path, finetuning: FinetuningArguments, model_dir: Path, *,
                  merged: bool) -> None:
-    """The trained model as an HF directory (LoRA: the PEFT adapter; ``merged``: the base with
-    the adapters merged in), with the same files beside the weights as the Megatron backend's
-    exports (:func:`hpc_mca.models.export.write_companion_files` from ``model_dir``, the
-    base model's directory; rank 0)."""
-    from hpc_mca.models.export import DEFAULT_MAX_SHARD_BYTES, write_companion_files
+    """The trained model as an HF directory, as the finetuning type's converter exports it
+    (LoRA: the PEFT adapter; ``merged``: the base with the adapters merged in), with the same
+    files beside the weights as the Megatron backend's exports
+    (:func:`hpc_mca.models.export.write_companion_files` from ``model_dir``, the base model's
+    directory; rank 0)."""
+    from hpc_mca.models.export import write_companion_files
 
     model = getattr(model, "module", model)  # DDP
-    adapter = finetuning.finetuning_type == "lora" and not merged
-    if merged:
-        model = copy.deepcopy(model).merge_and_unload()
     out.mkdir(parents=True, exist_ok=True)
-    if adapter:
-        _save_adapter(model, out)
-    else:
-        # Shards of at most the Megatron backend's size, not transformers' 50 GB.
-        model.save_pretrained(str(out), max_shard_size=DEFAULT_MAX_SHARD_BYTES)
+    what = converter_for(finetuning).export_hf_model(model, out, merged=merged)
     write_companion_files(out, model_dir)
-    what = "PEFT adapter" if adapter else "HF model (LoRA merged)" if merged else "HF model"
     print(f"exported {what} to {out}", flush=True)
-
-
-def _save_adapter(model: torch.nn.Module, out: Path) -> None:
-    """peft's adapter files, without the model card peft adds: a template of placeholders,
-    which the Megatron backend's adapter export does not write (a card already there stays,
-    as peft updated it)."""
-    card = out / "README.md"
-    had_card = card.exists()
-    model.save_pretrained(str(out))
-    if not had_card:
-        card.unlink(missing_ok=True)

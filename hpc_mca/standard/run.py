@@ -198,10 +198,12 @@ def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[Any]) -> S
                   callbacks=list(callbacks), run=run, boundary=boundary, metrics=metrics)
     stage = get_stage(config.finetuning.stage)
     if stage.reference_model:
+        from hpc_mca.models.converters import converter_for
+
         from .dpo import frozen_reference
 
-        lora = config.finetuning.finetuning_type == "lora"
-        common["reference"] = frozen_reference(model, lora)
+        common["reference"] = frozen_reference(
+            model, converter_for(config.finetuning).reference_is_base)
     trainer = load(stage.standard)(**common)
     # The run log has hpc-mca's progress line; transformers' printer would repeat it as a dict.
     trainer.remove_callback(PrinterCallback)

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from hpc_mca.data.batch import PackedBatch
 from hpc_mca.loop.preference import METRICS, document_logps, preference_loss
+from hpc_mca.models.converters import converter_for
 
 from .objective import ForwardStep, Objective
 from .step import model_inputs
@@ -66,13 +67,15 @@ class DpoObjective(Objective):
         self.reference: list[torch.nn.Module] = []
         self._reference_logps: dict[int, torch.Tensor] = {}
         self._tokens_per_pair = 1.0
+        # What trains decides what the reference is (LoRA: the policy's own frozen base).
+        self._converter = converter_for(self.config.finetuning)
 
     def attach(self, chunks: list[torch.nn.Module], build: Callable[[], list[torch.nn.Module]]
                ) -> None:
         """Build the reference: the same layout, the policy's starting weights, frozen. With
         LoRA the starting model is the policy's own frozen base: the reference is the policy
         with its adapters switched off, no second copy."""
-        if self.config.finetuning.finetuning_type == "lora":
+        if self._converter.reference_is_base:
             self.reference = chunks
             return
         self.reference = build()
@@ -106,16 +109,14 @@ class DpoObjective(Objective):
     def _reference_mode(self) -> Iterator[None]:
         """LoRA: the shared chunks as the reference, adapters off and in eval mode (dropout
         off), back to what they were afterwards. A separate reference is always so."""
-        if self.config.finetuning.finetuning_type != "lora":
+        if not self._converter.reference_is_base:
             yield
             return
-        from hpc_mca.models.lora import adapters_disabled
-
         modes = [chunk.training for chunk in self.reference]
         for chunk in self.reference:
             chunk.eval()
         try:
-            with adapters_disabled(self.reference):
+            with self._converter.adapters_off(self.reference):
                 yield
         finally:
             for chunk, mode in zip(self.reference, modes):
