@@ -3,7 +3,8 @@
     checkpointer = Checkpointer(config, ctx, run_dir, model_shape, loop=trainer, progress=...)
     checkpointer.resume()             # from the run's checkpoint, if any
     checkpointer.save(reason)         # at a step boundary the trainer chose
-    checkpointer.finalize(finished=...)
+    checkpointer.finalize()           # the last save, async saves waited for
+    checkpointer.export(out, merged)  # every rank: the HF export a finished run asks for
 
 The loop is seen through :class:`~.state.Resumable` only (model chunks, optimizer and the
 loop's ``state_dict``/``load_state_dict``): the checkpointer decides nothing about when to save
@@ -68,9 +69,7 @@ from .store import (
     CheckpointError,
     CheckpointInfo,
     checkpoints_dir,
-    export_targets,
     iter_name,
-    mark_finished,
     reopen_finished,
 )
 
@@ -346,10 +345,10 @@ class Checkpointer:
 
     # ---- the end ------------------------------------------------------------------------------
 
-    def finalize(self, *, finished: bool, steps_per_epoch: int) -> None:
-        """At the end of the loop: save the last step (if not saved yet), wait for async saves,
-        and, when the run is ``finished`` (not stopped early for a requeue), export the model to
-        HF when configured and mark the run finished (the job then never requeues)."""
+    def finalize(self) -> None:
+        """At the end of the loop: save the last step (if not saved yet) and wait for async
+        saves. Exporting and marking a finished run are the run loop's
+        (:meth:`hpc_mca.loop.driver.RunLoop.finalize`, which calls :meth:`export`)."""
         self.save("end")  # a no-op when the loop already saved this step (it always does on a stop)
         self.wait()
         if self._warm is not None:
@@ -357,21 +356,11 @@ class Checkpointer:
         if self._async_queue is not None:
             self._async_queue.close()
             self._async_queue = None
-        if not finished:
-            return
-        tr = self.config.training
-        for out, merged in export_targets(self.run_dir, tr.export_hf_dir, tr.export_merged_dir):
-            self._export(out, merged=merged)
-        if self.ctx.is_main:
-            step = self.loop.state_dict()["trainer"]["global_step"]
-            mark_finished(self.run_dir, step, steps_per_epoch=steps_per_epoch)
-            self._progress(finished=True)
-        dist.barrier()
 
-    def _export(self, out: Path, *, merged: bool) -> None:
+    def export(self, out: Path, merged: bool) -> None:
         """What the finetuning type exports (:mod:`hpc_mca.models.converters`): the HF model
         (full runs), the PEFT adapter (LoRA), or with ``merged`` the base model with the
-        adapters merged in."""
+        adapters merged in. A collective: every rank sends its shards."""
         from hpc_mca.models.converters import converter_for
 
         started = time.perf_counter()

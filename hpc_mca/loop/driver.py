@@ -17,6 +17,9 @@ step end is this module's, in this order:
    window, so tokens/s covers training steps only;
 4. the stop, recorded as a requeue when a signal asked for it.
 
+At the end (:meth:`RunLoop.finalize`), a run that trained to its end is exported as the config
+asks and marked finished, the same way on both backends.
+
 What a backend supplies is :class:`LoopBackend`.
 """
 
@@ -25,12 +28,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from transformers.trainer_callback import CallbackHandler, TrainerControl, TrainerState
 
+from hpc_mca.checkpoint.store import export_targets, mark_finished
+from hpc_mca.config.sections import TrainingArguments
 from hpc_mca.rundir import STEPS_FILE
 
 from .boundary import Decision, StepBoundary
@@ -120,6 +126,24 @@ class RunLoop:
         step = self.backend.state.global_step
         self.metrics.write_progress(step=step, finished=step >= self.boundary.max_steps)
 
+    def finalize(self, *, finished: bool, run_dir: Path, training: TrainingArguments,
+                 export: Callable[[Path, bool], None], steps_per_epoch: int, is_main: bool,
+                 **progress: Any) -> None:
+        """The end of a run that trained to its end (``finished``: not stopped for a requeue):
+        each export the config asks for (``export(out, merged)`` on every rank: the backend
+        decides who writes), then rank 0 marks the run finished (its job never requeues again)
+        and progress.json says so, with ``progress``'s fields. Every rank, whichever backend."""
+        if not finished:
+            return
+        for out, merged in export_targets(run_dir, training.export_hf_dir, training.export_merged_dir):
+            export(out, merged)
+        _barrier()  # every export written before the run counts as finished
+        if is_main:
+            step = self.backend.state.global_step
+            mark_finished(run_dir, step, steps_per_epoch=steps_per_epoch)
+            self.metrics.write_progress(step=step, finished=True, **progress)
+        _barrier()
+
     def close(self) -> None:
         """Always, however the run ended: the signal handlers go back, the trackers close."""
         if self.boundary is not None:
@@ -194,6 +218,11 @@ class RunLoop:
         logs = {key.split("/")[-1]: value for key, value in values.items()}
         backend.state.log_history.append({**logs, "step": step})
         backend.control = self.events.on_log(self.args, backend.state, backend.control, logs=logs)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def any_non_finite(sums: list[torch.Tensor], device: torch.device) -> bool:

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
-import torch.distributed as dist
 
 from hpc_mca.checkpoint import compat
 from hpc_mca.checkpoint.requeue import StopSignal
-from hpc_mca.checkpoint.store import ResumePoint, export_targets, mark_finished, reopen_finished
+from hpc_mca.checkpoint.store import ResumePoint, reopen_finished
 from hpc_mca.config.run_length import total_training_steps
 from hpc_mca.config.sections import TrainConfig
 from hpc_mca.loop.boundary import StepBoundary
@@ -247,22 +246,19 @@ def _begin(run: StandardRun, found: ResumePoint | None) -> None:
 
 
 def _finish(run: StandardRun, trainer: StandardTrainer) -> None:
-    """A run that reached max_steps is exported (when asked) and marked finished; one stopped
-    by a signal is left for the batch script to requeue."""
-    step = trainer.state.global_step
-    if trainer.loop.requeue or step < run.max_steps:
-        return
-    tr = run.config.training
-    for out, merged in export_targets(run.run_dir, tr.export_hf_dir, tr.export_merged_dir):
+    """A run that reached max_steps is exported (when asked; rank 0 writes the HF files) and
+    marked finished; one stopped by a signal is left for the batch script to requeue."""
+    config, env = run.config, run.ctx.env
+
+    def export(out: Path, merged: bool) -> None:
         if run.is_main:
-            export_model(trainer.model, out, run.config.finetuning,
-                         Path(run.config.model.model_name_or_path), merged=merged)
-    if dist.is_initialized():
-        dist.barrier()
-    if run.is_main:
-        steps_per_epoch = len(run.data.train) // tr.global_batch_size
-        mark_finished(run.run_dir, step, steps_per_epoch=steps_per_epoch)
-        trainer.metrics.write_progress(step=step, finished=True)
+            export_model(trainer.model, out, config.finetuning, Path(config.model.model_name_or_path),
+                         merged=merged)
+
+    trainer.loop.finalize(finished=not trainer.loop.requeue and trainer.state.global_step >= run.max_steps,
+                          run_dir=run.run_dir, training=config.training, export=export,
+                          steps_per_epoch=len(run.data.train) // config.training.global_batch_size,
+                          is_main=run.is_main, job_id=env.job_id, restart_count=env.restart_count)
 
 
 def _version() -> str:

@@ -140,8 +140,12 @@ class Trainer:
                 self.loop.run(lambda: self._step(batches))
                 self.loop.finish()
             self._gather_params()
-            self.checkpointer.finalize(finished=not self.loop.requeue,
-                                       steps_per_epoch=len(self.data.train) // self.config.training.global_batch_size)
+            self.checkpointer.finalize()
+            tr, env = self.config.training, self.ctx.env
+            self.loop.finalize(finished=not self.loop.requeue, run_dir=self.run_dir, training=tr,
+                               export=self.checkpointer.export, is_main=self.ctx.is_main,
+                               steps_per_epoch=len(self.data.train) // tr.global_batch_size,
+                               job_id=env.job_id, restart_count=env.restart_count)
         finally:
             self.loop.close()
         return self.loop.history
