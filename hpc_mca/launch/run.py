@@ -15,14 +15,15 @@ from typing import Any, Iterable
 import torch
 
 from hpc_mca.checkpoint.compat import nothing_to_train, resume_check
-from hpc_mca.config.sections import DataArguments, ModelArguments, ParallelArguments, TrainConfig, load_config
+from hpc_mca.config.layout import layout_of
+from hpc_mca.config.sections import DataArguments, ModelArguments, TrainConfig, load_config
 from hpc_mca.errors import UserError
 from hpc_mca.loop.trackers import skip_unused_tracker_imports
 from hpc_mca.rundir import clear_bad_input
 from hpc_mca.runtime.distributed import RankContext, init_distributed, rank_zero_first, shutdown
 from hpc_mca.runtime.env import from_environ
 from hpc_mca.runtime.quiet import library_line
-from hpc_mca.topology import Layout, ModelShape
+from hpc_mca.topology import ModelShape
 from hpc_mca.trainer.megatron_settings import check_megatron_settings, model_overrides, torch_dtype
 
 
@@ -36,7 +37,7 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
         tokenizer_fits_model(config.model, _shape(config.model).vocab_size)
         if config.training.use_mca:
             attention_backend_available(config)
-            check_megatron_settings(config, _layout(config.parallel))
+            check_megatron_settings(config, layout_of(config.parallel))
         resume_check(config, env.world_size, _shape(config.model))  # before any collective
     except UserError as err:
         err.on_every_rank = True  # every rank read the same inputs and stops here alike
@@ -56,7 +57,7 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
 
         return run_standard(config, env, _shape(config.model), callbacks)
     try:
-        ctx = init_distributed(_layout(config.parallel), model=_shape(config.model), seed=config.training.seed,
+        ctx = init_distributed(layout_of(config.parallel), model=_shape(config.model), seed=config.training.seed,
                                env=env, global_batch_size=config.training.global_batch_size,
                                micro_batch_size=config.training.per_device_train_batch_size)
     except UserError as err:  # a layout or ranks-per-GPU refusal: found alike by every rank
@@ -172,13 +173,6 @@ def attention_backend_available(config: TrainConfig) -> str:
     layers = "; decoder layers: torch.compile" if "layer" in config.model.fusions else ""
     return (f"attention: {backend} backend, {packed} ({why}); "
             f"RoPE: {describe('rope' in config.model.fusions)}{layers}")
-
-
-def _layout(par: ParallelArguments) -> Layout:
-    return Layout(tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
-                  cp=par.context_parallel_size, ep=par.expert_model_parallel_size,
-                  etp=par.expert_tensor_parallel_size or 1, vp=par.virtual_pipeline_model_parallel_size,
-                  pipeline_layout=tuple(par.pipeline_layout) if par.pipeline_layout is not None else None)
 
 
 @functools.cache
