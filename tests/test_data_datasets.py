@@ -178,13 +178,27 @@ def _with_entry(lf_dir: Path, **keys) -> None:
     ({"formating": "sharegpt"}, "unknown key 'formating'; did you mean 'formatting'?"),
     ({"split": "test"}, "split='test'; a local file has one split; valid: train"),
     ({"num_samples": 0}, "num_samples=0 must be a positive integer"),
-    ({"hf_hub_url": "org/data"}, "has hf_hub_url: hub, script and cloud entries are not read"),
 ])
 def test_entry_keys_are_read_or_refused(tmp_path, lf_dir, keys, message):
     _with_entry(lf_dir, **keys)
     with pytest.raises(DataError) as err:
         _build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", "dataset=my_alpaca"))
     assert message in _one_line(err)
+
+
+def test_hub_entries_read_their_local_file_or_are_refused(tmp_path, lf_dir):
+    # Issue #39: an entry with a hub source and a local file_name is read from the file (jobs
+    # run offline); subset and folder are ignored for a local file, as LLaMA-Factory does.
+    local = _samples(_build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", "dataset=my_alpaca")))
+    _with_entry(lf_dir, hf_hub_url="org/data", subset="main", folder="data")
+    hub = _samples(_build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", "dataset=my_alpaca")))
+    assert hub == local
+    info = json.loads((lf_dir / "dataset_info.json").read_text())
+    info["my_alpaca"] = {"hf_hub_url": "org/data"}
+    (lf_dir / "dataset_info.json").write_text(json.dumps(info))
+    with pytest.raises(DataError) as err:
+        _build_datasets(_config(tmp_path, f"dataset_dir={lf_dir}", "dataset=my_alpaca"))
+    assert "has hf_hub_url: hub, script and cloud entries are not read" in _one_line(err)
 
 
 def test_num_samples_draws_that_many_records_with_the_seed(tmp_path, lf_dir):

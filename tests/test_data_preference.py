@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from hpc_mca.data.arguments import DataRun
+from hpc_mca.data.conversation import example_of
 from hpc_mca.data.errors import DataError
-from hpc_mca.data.preference import pair_rows, preference_of, split_budget, split_pairs, tokenize_pairs
+from hpc_mca.data.preference import pair_rows, split_pairs, tokenize_pairs
 from hpc_mca.data.records import Record
+from hpc_mca.data.samples import infer_seqlen
 from hpc_mca.data.tokenize import IGNORE_INDEX, load_tokenizer
 
 DEMO = "hpc_mca/assets/demo"
@@ -31,13 +33,15 @@ def _data(**fields):
 def test_alpaca_and_sharegpt_pairs_read_alike():
     alpaca = Record("a:1", {"system": "add", "instruction": "1+2=", "input": "now",
                             "chosen": "3", "rejected": "4"})
-    sharegpt = Record("s:1", {"system": "add",
+    sharegpt = Record("a:1", {"system": "add",
                               "conversations": [{"from": "human", "value": "1+2=\nnow"}],
                               "chosen": {"from": "gpt", "value": "3"},
                               "rejected": {"role": "assistant", "content": "4"}})
-    assert preference_of(alpaca, "alpaca") == preference_of(sharegpt, "sharegpt") == (
-        [{"role": "system", "content": "add"}, {"role": "user", "content": "1+2=\nnow"}],
-        "3", "4")
+    example = example_of(alpaca, "alpaca", True)
+    assert example == example_of(sharegpt, "sharegpt", True)
+    assert (example.prompt, example.response, example.system) == (
+        [{"role": "user", "content": "1+2=\nnow"}],
+        [{"role": "assistant", "content": "3"}, {"role": "assistant", "content": "4"}], "add")
 
 
 def _decoded(tokenizer, store, index):
@@ -80,20 +84,17 @@ def test_history_is_prompt_and_only_the_final_answer_is_trained(tokenizer, recor
     assert np.flatnonzero(store.sample(1)[1] != IGNORE_INDEX).tolist() == [28]
 
 
-def test_an_answer_without_tokens_is_refused_in_one_line():
+def test_an_answer_without_tokens_is_dropped_and_counted():
     """A template that ends no turn with a token leaves an empty answer nothing to score (TRL
-    would count it as log-probability 0)."""
+    would count it as log-probability 0). Issue #39: LLaMA-Factory keeps such a pair, scoring
+    nothing; the pipeline drops it and counts it (it was a DataError before)."""
     bare = load_tokenizer(DEMO)
     bare.chat_template = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}"
                           "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}"
                           "{% endif %}")
     record = Record("x:7", {"instruction": "1+1=", "chosen": "2", "rejected": ""})
-    with pytest.raises(DataError) as err:
-        tokenize_pairs([record], bare, _data())
-    assert str(err.value) == (
-        "x:7: the rejected answer has no token of its own to score (empty, and the template "
-        "adds no end-of-turn token after it); valid: a non-empty answer, or a template that "
-        "ends turns with eos")
+    store = tokenize_pairs([record], bare, _data())
+    assert len(store) == 0 and store.stats["dropped"] == 1
     ok = tokenize_pairs([Record("x:8", {**record.data, "rejected": "3"})], bare, _data())
     assert _decoded(bare, ok, 1) == ("<|user|>1+1=<|assistant|>", "3")
 
@@ -107,27 +108,33 @@ def test_truncation_cuts_one_prompt_for_both_answers(tokenizer):
     prompt = int(np.argmax(c_labels != IGNORE_INDEX))  # first input whose label is trained
     assert prompt == int(np.argmax(r_labels != IGNORE_INDEX))
     assert np.array_equal(c_ids[:prompt + 1], r_ids[:prompt + 1])
-    assert len(c_ids) <= 12 and len(r_ids) <= 12
-    # 17 prompt + 8 answer tokens into 13: both halves shrink in proportion.
-    assert split_budget(17, 8, 13) == (9, 4)
-    assert split_budget(3, 8, 13) == (3, 8) and split_budget(17, 3, 13) == (10, 3)
-    assert split_budget(4, 20, 13) == (4, 9)
+    # Issue #39: LLaMA-Factory's budget is cutoff_len tokens before the shift (it was + 1).
+    assert len(c_ids) <= 11 and len(r_ids) <= 11
+    # 17 prompt + 8 answer tokens into 12: both halves shrink in proportion.
+    assert infer_seqlen(17, 8, 12) == (9, 3)
+    assert infer_seqlen(3, 8, 13) == (3, 8) and infer_seqlen(17, 3, 13) == (10, 3)
+    assert infer_seqlen(4, 20, 13) == (4, 9)
 
 
 @pytest.mark.parametrize("record, message", [
-    ({"instruction": "1+1=", "chosen": "2"}, "x:1: a preference pair needs 'chosen' and "
-                                             "'rejected'; missing 'rejected'"),
-    ({"conversations": [{"from": "human", "value": "1+1="}, {"from": "gpt", "value": "2"}],
-      "chosen": {"from": "gpt", "value": "2"}, "rejected": {"from": "gpt", "value": "3"}},
-     "x:1: a pairwise conversation must end with a user turn"),
+    ({"instruction": "1+1=", "chosen": "2"}, "x:1: finetuning.stage='dpo' needs pairwise records"),
     ({"conversations": [{"from": "human", "value": "1+1="}],
       "chosen": {"from": "human", "value": "2"}, "rejected": {"from": "gpt", "value": "3"}},
-     "x:1: 'chosen' must be an assistant turn, got role 'user'"),
+     "x:1: 'chosen' must be an answer turn (assistant or function call), got role 'user'"),
 ])
 def test_bad_pairs_are_one_line(tokenizer, record, message):
     with pytest.raises(DataError) as err:
         tokenize_pairs([Record("x:1", record)], tokenizer, _data())
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_a_conversation_ending_with_an_answer_is_an_invalid_pair(tokenizer):
+    """Issue #39: LLaMA-Factory drops a pairwise conversation that ends on the answer side (its
+    answers are chosen and rejected); the pipeline drops and counts it (a DataError before)."""
+    record = {"conversations": [{"from": "human", "value": "1+1="}, {"from": "gpt", "value": "2"}],
+              "chosen": {"from": "gpt", "value": "2"}, "rejected": {"from": "gpt", "value": "3"}}
+    store = tokenize_pairs([Record("x:1", record)], tokenizer, _data())
+    assert len(store) == 0 and store.stats["invalid"] == 1
 
 
 def _store(tokenizer, count):

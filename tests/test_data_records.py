@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
+from hpc_mca.data.conversation import Example, example_of
 from hpc_mca.data.errors import DataError
 from hpc_mca.data.records import (
     Record,
     detect_sft_format,
-    messages_of,
     read_records,
     text_of,
 )
@@ -50,10 +50,11 @@ def test_missing_file_and_unknown_type(tmp_path: Path):
     with pytest.raises(DataError) as err:
         list(read_records(tmp_path / "nope.jsonl"))
     assert _one_line(err) == f"data.dataset: dataset file '{tmp_path / 'nope.jsonl'}' does not exist"
-    (tmp_path / "d.txt").write_text("a,b\n")
+    # .txt is readable since issue #39 (LLaMA-Factory reads it with datasets' text builder).
+    (tmp_path / "d.xml").write_text("a,b\n")
     with pytest.raises(DataError) as err:
-        list(read_records(tmp_path / "d.txt"))
-    assert "unknown file type '.txt'; valid: .jsonl, .json, .parquet, .arrow, .csv" in _one_line(err)
+        list(read_records(tmp_path / "d.xml"))
+    assert "unknown file type '.xml'; valid: .jsonl, .json, .parquet, .arrow, .csv, .txt" in _one_line(err)
 
 
 def test_json_list_file(tmp_path: Path):
@@ -75,37 +76,46 @@ def test_parquet_reads_records(tmp_path: Path):
     assert [text_of(r, "text") for r in read_records(path)] == ["x", "y"]
 
 
-def test_alpaca_to_messages():
+def test_alpaca_to_an_example():
+    # Issue #39: records become LLaMA-Factory's examples (prompt turns, response, system, tools).
     record = Record("f:1", {"instruction": "Add", "input": "1+2", "output": "3",
                             "system": "be exact", "history": [["hi", "hello"]]})
     assert detect_sft_format(record) == "alpaca"
-    assert messages_of(record, "alpaca") == [
-        {"role": "system", "content": "be exact"},
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-        {"role": "user", "content": "Add\n1+2"}, {"role": "assistant", "content": "3"},
-    ]
+    assert example_of(record, "alpaca", False) == Example(
+        "f:1", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "Add\n1+2"}],
+        [{"role": "assistant", "content": "3"}], "be exact", "")
 
 
 def test_sharegpt_both_spellings():
     a = Record("f:1", {"conversations": [{"from": "human", "value": "q"},
                                          {"from": "gpt", "value": "a"}]})
-    b = Record("f:2", {"messages": [{"role": "user", "content": "q"},
+    b = Record("f:1", {"messages": [{"role": "user", "content": "q"},
                                     {"role": "assistant", "content": "a"}]})
     assert detect_sft_format(a) == detect_sft_format(b) == "sharegpt"
-    assert messages_of(a, "sharegpt") == messages_of(b, "sharegpt")
+    assert example_of(a, "sharegpt", False) == example_of(b, "sharegpt", False)
+
+
+def test_broken_turn_order_is_invalid_not_an_error():
+    """LLaMA-Factory drops a conversation whose turns do not alternate (or that ends on the
+    prompt side) with a warning; the pipeline drops and counts it ("invalid N")."""
+    for turns in ([{"role": "user", "content": "q"}],
+                  [{"role": "user", "content": "q"}, {"role": "user", "content": "again"}],
+                  [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]):
+        assert example_of(Record("f:1", {"messages": turns}), "sharegpt", False) is None
 
 
 @pytest.mark.parametrize("data, fmt, message", [
     ({"question": "q"}, None, "f:7: cannot tell the sft format from keys ['question']"),
     ({"instruction": "q"}, "alpaca", "f:7: alpaca record lacks 'output'"),
     ({"conversations": [{"from": "bot", "value": "a"}]}, "sharegpt", "unknown role 'bot'"),
-    ({"messages": [{"role": "user", "content": "q"}]}, "sharegpt", "no assistant/gpt turn"),
     ({"instruction": 3, "output": "x"}, "alpaca", "f:7: 'instruction' must be a string"),
+    ({"instruction": "q", "output": "x", "tools": 3}, "alpaca", "f:7: 'tools' must be JSON text"),
 ])
 def test_bad_sft_records(data: dict, fmt: str | None, message: str):
     record = Record("f:7", data)
     with pytest.raises(DataError) as err:
-        messages_of(record, fmt) if fmt else detect_sft_format(record)
+        example_of(record, fmt, False) if fmt else detect_sft_format(record)
     assert message in _one_line(err)
 
 

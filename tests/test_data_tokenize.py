@@ -1,4 +1,4 @@
-"""hpc_mca.data.tokenize / store / dataset: rendering, label masks, the causal shift, caching."""
+"""hpc_mca.data.tokenize / samples / store / dataset: label masks, the causal shift, caching."""
 
 import json
 import shutil
@@ -9,18 +9,13 @@ import numpy as np
 import pytest
 
 from hpc_mca.data.addition import DEMO_DIR
+from hpc_mca.data.conversation import example_of
 from hpc_mca.data.dataset import load_samples
 from hpc_mca.data.errors import DataError
-from hpc_mca.data.tokenize import (
-    IGNORE_INDEX,
-    causal_shift,
-    encode_documents,
-    encode_rendered,
-    load_tokenizer,
-    pt_samples,
-    render,
-    sft_sample,
-)
+from hpc_mca.data.records import Record
+from hpc_mca.data.samples import supervised_sample
+from hpc_mca.data.templates import get_template
+from hpc_mca.data.tokenize import IGNORE_INDEX, causal_shift, encode_documents, load_tokenizer, pt_samples
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +32,12 @@ def _data(tmp_path: Path, **overrides) -> SimpleNamespace:
 
 
 def _sft(tok, messages, template="chat", train_on_prompt=False, cutoff=64):
-    rendered = [render(tok, messages, template, train_on_prompt, "f:1")]
-    ((tokens, trained),) = encode_rendered(tok, rendered)
-    sample, truncated = sft_sample(tokens, trained, cutoff)
-    return tokens, trained, sample, truncated
+    """(tokens, trained mask, shifted sample or None when nothing is trained, truncated)."""
+    example = example_of(Record("f:1", {"messages": messages}), "sharegpt", False)
+    built = supervised_sample(get_template(template, tok), tok, example, cutoff, train_on_prompt=train_on_prompt)
+    tokens, trained, targets = built.arrays()
+    sample = causal_shift(tokens, trained, targets)
+    return tokens, trained, (sample if (sample[1] != IGNORE_INDEX).any() else None), built.truncated
 
 
 def _trained_text(tok, sample) -> str:
@@ -84,11 +81,14 @@ def test_train_on_prompt_and_plain_template(tok):
     assert _trained_text(tok, sample) == "2<|end|>"
 
 
-def test_truncation_keeps_the_head_and_drops_untrainable(tok):
+def test_truncation_keeps_the_answer_and_drops_untrainable(tok):
+    # Issue #39: LLaMA-Factory's rule (infer_seqlen on cutoff_len tokens before the shift): an
+    # answer under half the budget stays whole and the prompt is cut from its end; before,
+    # the first cutoff_len + 1 tokens were kept and the answer lost its end.
     messages = [{"role": "user", "content": "1234567+1="}, {"role": "assistant", "content": "99"}]
-    _, _, sample, truncated = _sft(tok, messages, cutoff=12)  # 15 tokens -> 13 kept
-    assert truncated and _trained_text(tok, sample) == "9"
-    _, _, sample, truncated = _sft(tok, messages, cutoff=8)
+    tokens, _, sample, truncated = _sft(tok, messages, cutoff=12)  # 15 tokens -> 12 kept
+    assert truncated and len(tokens) == 12 and _trained_text(tok, sample) == "99<|end|>"
+    _, _, sample, truncated = _sft(tok, messages, cutoff=4)  # both shrink: the answer to nothing
     assert truncated and sample is None
 
 
@@ -101,8 +101,8 @@ def test_template_that_is_not_prefix_stable_is_refused(tmp_path: Path):
     config_path.write_text(json.dumps(config))
     bad = load_tokenizer(tmp_path / "tok")
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    with pytest.raises(DataError, match="f:1: the chat template does not render turn 2"):
-        render(bad, messages, "chat", False, "f:1")
+    with pytest.raises(DataError, match="the chat template does not render turn 1"):
+        _sft(bad, messages)
 
 
 def test_pt_concat_predicts_every_token_once(tok):

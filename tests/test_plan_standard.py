@@ -193,8 +193,9 @@ def test_plan_table_names_the_backend_and_why(tmp_path):
      "Megatron-Core's (the standard backend keeps Adam's state whole on every GPU); valid: "
      "--no-distributed-optimizer, or training.use_mca=true"),
     (["--recompute", "full"], [],
-     "--recompute full with training.use_mca=false: activation recompute is Megatron-Core's "
-     "(the standard backend keeps every activation); valid: none, or training.use_mca=true"),
+     "--recompute full with training.use_mca=false: the planner sizes the standard backend "
+     "without activation recompute (its gradient checkpointing of every layer is the config's "
+     "gradient_checkpointing=true); valid: none, or training.use_mca=true"),
     (["--sp", "3"], [],
      "--sp 3 must divide the world size 8, num_attention_heads=4 and num_key_value_heads=4 "
      "(Ulysses splits heads over the ranks); valid: 1, 2, 4"),

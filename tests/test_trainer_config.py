@@ -126,9 +126,6 @@ def test_layout_rule_uses_topology_and_model_shape(run: Path):
     (["finetuning_type=lora", "lora_target=gate_up_proj"],
      "finetuning.lora_target=['gate_up_proj'] names no module of this llama: gate_up_proj"),
     (["finetuning_type=lora", "lora_rank=0"], "finetuning.lora_rank=0 must be >= 1"),
-    (["finetuning_type=lora", "bf16=true"],
-     "finetuning.finetuning_type='lora' with training.bf16=true keeps the adapters in float32, "
-     "which only the distributed optimizer checkpoints"),
     (["finetuning_type=lora", "mtp_num_layers=1"],
      "model.mtp_num_layers=1 with finetuning.finetuning_type='lora': MTP layers start untrained"),
     (["export_merged_dir=merged"], "training.export_merged_dir='merged' merges LoRA adapters "

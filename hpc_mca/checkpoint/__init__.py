@@ -9,6 +9,8 @@
 * :mod:`.checkpointer` — :class:`~.checkpointer.Checkpointer`: save with the commit protocol,
   resume, async saves, the end of a run. The trainer owns one and calls it; it decides
   nothing about when to save.
+* :mod:`.afresh` — ``training.overwrite_output_dir``: whether a launch is a run's first start,
+  and moving an older run aside (never deleting it); pure Python.
 * :mod:`.requeue` — the Slurm requeue protocol (the contract with the batch script) and its
   rank side, :class:`~.requeue.StopSignal`.
 

@@ -191,7 +191,8 @@ class Checkpointer:
             self._warm.join()
         self._prepare(name, tmp)
         state = build_state(self.loop, loading=False, with_rng=True, config=self.config.to_dict(),
-                            optimizer_format=self.optimizer_format)
+                            optimizer_format=self.optimizer_format,
+                            model_only=self.records["training"]["save_only_model"])
         info = self._info(counters, reason)
         built = time.perf_counter()
         # async: Megatron's own background writer ("nvrx" needs nvidia-resiliency-ext).

@@ -101,6 +101,9 @@ def training_record(config: TrainConfig, optimizer_format: str) -> dict[str, Any
             "micro_batch_size": tr.per_device_train_batch_size,
             "gradient_accumulation_steps": tr.gradient_accumulation_steps,
             "backend": "megatron" if tr.use_mca else "standard",
+            # Not compared: a checkpoint saved without its optimizer state is refused as a
+            # resume point whatever the new run says (check_checkpoint).
+            "save_only_model": tr.save_only_model,
             # LoRA: the base model the adapters belong to (a checkpoint holds only them).
             **converter_for(config.finetuning).resume_record(config.model.model_name_or_path)}
 
@@ -189,11 +192,20 @@ def records(config: TrainConfig, world_size: int, shape: Any) -> dict[str, dict[
 
 def checkpoint_to_load(training: TrainingArguments) -> Path | None:
     """What ``training.resume_from_checkpoint`` selects: auto = output_dir's latest checkpoint
-    (None when there is none), never = none, else the given checkpoint."""
+    (None when there is none), latest = that checkpoint (refused when there is none), never =
+    none, else the given checkpoint."""
     spec = training.resume_from_checkpoint
     try:
         if spec in ("", "auto"):
             return latest_checkpoint(training.output_dir)
+        if spec == "latest":
+            found = latest_checkpoint(training.output_dir)
+            if found is None:
+                raise CheckpointMismatch(
+                    f"training.resume_from_checkpoint=latest (true): output_dir "
+                    f"{training.output_dir} holds no checkpoint; valid: auto (null: start afresh "
+                    f"when there is none), never, or a checkpoint directory")
+            return found
         if spec == "never":
             return None
         return resolve_checkpoint(spec)
@@ -208,6 +220,11 @@ def check_checkpoint(path: Path, recorded: dict[str, dict[str, Any]]) -> Checkpo
         info = read_info(path)
     except CheckpointError as err:
         raise CheckpointMismatch(str(err)) from None
+    if info.training.get("save_only_model"):
+        raise CheckpointMismatch(
+            f"cannot resume from {path}: it was saved with training.save_only_model=true (the "
+            f"model only, no optimizer or scheduler state); valid: resume_from_checkpoint=never, "
+            f"another output_dir, or a checkpoint saved with save_only_model=false")
     reasons = incompatibilities(info, **recorded)
     if reasons:
         raise CheckpointMismatch(f"cannot resume from {path}: " + "; ".join(reasons))
@@ -238,7 +255,7 @@ def nothing_to_train(training: TrainingArguments, total_steps: int | None = None
     (None when that cannot be known before the data is read)."""
     tr = training
     done = read_finished(tr.output_dir)
-    if done is None or tr.resume_from_checkpoint not in ("", "auto"):
+    if done is None or tr.resume_from_checkpoint not in ("", "auto", "latest"):
         return None
     if total_steps is None and tr.max_steps <= 0:
         if not done.get("steps_per_epoch"):

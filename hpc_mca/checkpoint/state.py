@@ -136,8 +136,9 @@ def load_model(model: torch.nn.Module, loaded: dict[str, Any]) -> None:
 
 
 def build_state(loop: Resumable, *, loading: bool, with_rng: bool, config: dict[str, Any] | None,
-                optimizer_format: str) -> dict[str, Any]:
-    """The sharded state dict of ``loop``.
+                optimizer_format: str, model_only: bool = False) -> dict[str, Any]:
+    """The sharded state dict of ``loop``; ``model_only`` (training.save_only_model) leaves
+    out the optimizer and the LR scheduler (such a checkpoint is never resumed from).
 
     For loading, the same structure serves as the template that says which shards this rank
     needs; the optimizer allocates its state for it.
@@ -146,13 +147,14 @@ def build_state(loop: Resumable, *, loading: bool, with_rng: bool, config: dict[
     if loading:
         init_optimizer_state(loop.optimizer)
     state = model_state(loop.model, metadata)
-    if optimizer_format == model_space.FORMAT:
-        state["optimizer"] = _model_space_state(loop.optimizer, state)
-    else:
-        state["optimizer"] = loop.optimizer.sharded_state_dict(
-            state, is_loading=loading, metadata=metadata)
     own = loop.state_dict()
-    state["lr_scheduler"] = own["lr_scheduler"]
+    if not model_only:
+        if optimizer_format == model_space.FORMAT:
+            state["optimizer"] = _model_space_state(loop.optimizer, state)
+        else:
+            state["optimizer"] = loop.optimizer.sharded_state_dict(
+                state, is_loading=loading, metadata=metadata)
+        state["lr_scheduler"] = own["lr_scheduler"]
     state["trainer"] = dict(own["trainer"])
     if config is not None:
         state["config"] = config

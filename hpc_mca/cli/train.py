@@ -38,6 +38,34 @@ def train(config: Path, overrides: tuple[str, ...]) -> None:
             record_bad_input(message)
             click.echo(f"hpc-mca train: error: {message}", err=True)
         sys.exit(EXIT_BAD_INPUT)
+    if _global_rank() == 0:
+        _plot_loss(config, overrides)
+
+
+PLOT_FILE = "training_loss.png"
+"""``training.plot_loss``: the PNG rank 0 writes into output_dir (LLaMA-Factory's name)."""
+
+
+def _plot_loss(config: Path, overrides: tuple[str, ...]) -> None:
+    """``training.plot_loss``: draw the run's curves as ``hpc-mca plot`` does, into output_dir.
+    Here rather than in the backends: the drawing lives with the login-side commands, above
+    them. A failed drawing is reported and leaves the run's result alone."""
+    from hpc_mca.config.sections import load_config
+    from hpc_mca.rundir import STEPS_FILE
+
+    training = load_config(config, overrides).training
+    run_dir = Path(training.output_dir)
+    if not training.plot_loss or not (run_dir / STEPS_FILE).is_file():
+        return
+    from hpc_mca.errors import UserError
+    from hpc_mca.slurm.plot import plot_run
+
+    try:
+        titles = plot_run(run_dir, run_dir / PLOT_FILE)
+    except (UserError, OSError, ValueError) as err:
+        click.echo(f"hpc-mca train: training.plot_loss: no plot ({err})", err=True)
+        return
+    click.echo(f"training.plot_loss: wrote {run_dir / PLOT_FILE}: {', '.join(titles)}")
 
 
 def _global_rank() -> int:

@@ -9,6 +9,7 @@ value and the valid choices. Parallel-layout rules are the topology planner's
 from __future__ import annotations
 
 import importlib.util
+import json
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -16,12 +17,14 @@ from typing import Any
 
 from hpc_mca.data.mix import MIX_STRATEGIES
 from hpc_mca.data.records import FORMATS_BY_READS
+from hpc_mca.data.templates import TEMPLATE_NAMES
 from hpc_mca.data.tokenize import PT_CHUNKINGS
 from hpc_mca.stages import PREFERENCE_PAIR, RESERVED_STAGES, STAGE_NAMES, TEXT, get_stage, stages_where
 from hpc_mca.topology import Layout, check_layout
 from hpc_mca.topology.lora import LoraTargetError, resolve_lora_targets
 from hpc_mca.topology.memory import CP_COMM_TYPES
 
+from .input import choice_message
 from .layout import layout_of, model_shape, model_type, our_names
 from .schedule import SchedulerError, resolve_warmup_steps, scheduler_spec
 from .scope import check_scopes
@@ -36,9 +39,9 @@ from .sections import (
     PREF_LOSSES,
     REPORT_TO,
     RESERVED_FINETUNING_TYPES,
-    TEMPLATES,
     TRACKER_PACKAGES,
     ConfigError,
+    ParallelArguments,
     TrainConfig,
     TrainingArguments,
 )
@@ -47,10 +50,9 @@ from .sections import (
 
 
 def _choice(dotted: str, value: Any, choices: typing.Iterable[Any]) -> None:
-    choices = tuple(choices)
-    if value not in choices:
-        raise ConfigError(f"{dotted}={value!r} is not valid; valid: "
-                          + ", ".join(str(c) for c in choices))
+    problem = choice_message(dotted, value, tuple(choices))
+    if problem:
+        raise ConfigError(problem)
 
 
 def _at_least(dotted: str, value: int | float | None, low: int | float) -> None:
@@ -77,7 +79,23 @@ def _check_model(config: TrainConfig, world_size: int) -> None:
     if not (Path(model.model_name_or_path) / "config.json").is_file():
         raise ConfigError(f"model.model_name_or_path={model.model_name_or_path!r} has no "
                           "config.json (models are never downloaded)")
+    if "auto_map" in _hf_config(model.model_name_or_path):
+        # Whatever trust_remote_code says: models are built from config.json by this project's
+        # code, so a model whose architecture lives in the directory's own Python would be
+        # built as something else (or not at all).
+        raise ConfigError(f"model.model_name_or_path={model.model_name_or_path!r}: its "
+                          "config.json's auto_map asks for the model's own Python code, which "
+                          "never runs here (trust_remote_code has no effect); valid: a model "
+                          "of a family transformers itself defines, without auto_map")
     _check_mtp(config)
+
+
+def _hf_config(model_dir: str) -> dict[str, Any]:
+    try:
+        found = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}  # model_shape reports a broken config.json in its own words
+    return found if isinstance(found, dict) else {}
 
 
 def _check_mtp(config: TrainConfig) -> None:
@@ -143,12 +161,12 @@ def _check_lora(config: TrainConfig) -> None:
                           "LoRA freezes them; valid: model.mtp_num_layers=0 or "
                           "finetuning_type='full'")
     tr = config.training
-    if tr.use_mca and (tr.bf16 or tr.fp16) and not config.parallel.use_distributed_optimizer:
-        raise ConfigError(f"finetuning.finetuning_type='lora' with training.{'bf16' if tr.bf16 else 'fp16'}"
-                          "=true keeps the adapters in float32, which only the distributed "
-                          "optimizer checkpoints (Megatron's other mixed-precision optimizer "
-                          "maps half-precision parameters only); valid: "
-                          "parallel.use_distributed_optimizer=true")
+    if tr.use_mca and (tr.bf16 or tr.fp16):
+        # The adapters stay float32 under bf16/fp16, and only the distributed optimizer keeps
+        # (and checkpoints) float32 parameters: Megatron's other mixed-precision optimizer maps
+        # half-precision ones only. Derived rather than refused so that LLaMA-Factory's LoRA
+        # examples (bf16: true) run as written; with one data-parallel rank it shards nothing.
+        config.parallel.use_distributed_optimizer = True
     if ft.lora_dropout and (targets.expert_fc1 or targets.expert_fc2):
         raise ConfigError(f"finetuning.lora_dropout={ft.lora_dropout} with adapters on MoE "
                           "experts: peft's expert adapters (target_parameters) apply no dropout, "
@@ -220,7 +238,7 @@ def _check_data(config: TrainConfig, world_size: int) -> None:
     elif not data.dataset:
         raise ConfigError("data.dataset is required (one or more dataset files)")
     _choice("data.dataset_format", data.dataset_format, DATASET_FORMATS)
-    _choice("data.template", data.template, TEMPLATES)
+    _choice("data.template", data.template, TEMPLATE_NAMES)
     _choice("data.pt_chunking", data.pt_chunking, PT_CHUNKINGS)
     fits = ("auto", *FORMATS_BY_READS[get_stage(stage).reads])
     if data.dataset_format not in fits:
@@ -331,11 +349,10 @@ _MEGATRON_ONLY = {
     "parallel.context_parallel_size": 1, "parallel.expert_model_parallel_size": 1,
     "parallel.expert_tensor_parallel_size": None, "parallel.sequence_parallel": False,
     "parallel.use_distributed_optimizer": False, "parallel.overlap_param_gather": False,
-    "parallel.recompute_granularity": None, "parallel.optimizer_cpu_offload": False,
+    "parallel.optimizer_cpu_offload": False,
     "model.mtp_num_layers": 0, "model.attention_backend": "auto",
     "model.packed_attention": "auto", "model.fusions": [], "training.async_save": False,
-    "parallel.overlap_grad_reduce": False, "parallel.recompute_method": None,
-    "parallel.recompute_num_layers": None,
+    "parallel.overlap_grad_reduce": False,
 }
 
 
@@ -346,7 +363,24 @@ _STANDARD_FIXED = {
                                        "transformers' optimizer.pt, not a Megatron format"),
     "parallel.calculate_per_token_loss": (True, "the standard backend's loss is always the "
                                           "mean over the global batch's real tokens"),
+    "model.attention_backend": ("auto", "the standard backend's attention is the torch backend's "
+                                "packed kernel (hpc_mca.models.hf_attention)"),
 }
+_STANDARD_ALSO = {"model.attention_backend": "torch"}
+"""A second value the standard backend runs: the attention it always has, named."""
+
+
+def _check_standard_recompute(par: ParallelArguments) -> None:
+    """The standard backend recomputes every decoder layer or none (transformers' gradient
+    checkpointing): full granularity, one layer per checkpoint, uniform."""
+    recompute = (par.recompute_granularity, par.recompute_method, par.recompute_num_layers)
+    if recompute not in ((None, None, None), ("full", "uniform", 1), ("full", None, 1)):
+        raise ConfigError(f"parallel.recompute_granularity={par.recompute_granularity!r}, "
+                          f"recompute_method={par.recompute_method!r}, recompute_num_layers="
+                          f"{par.recompute_num_layers!r} with training.use_mca=false: the standard "
+                          "backend recomputes every decoder layer (transformers' gradient "
+                          "checkpointing) or none; valid: gradient_checkpointing=true (full, "
+                          "uniform, 1), none, or training.use_mca=true")
 
 
 def _check_standard(config: TrainConfig, world_size: int) -> None:
@@ -359,9 +393,11 @@ def _check_standard(config: TrainConfig, world_size: int) -> None:
     for dotted, (runs, why) in fixed.items():
         section, name = dotted.split(".")
         value = getattr(getattr(config, section), name)
-        if value != runs:
+        if value != runs and value != _STANDARD_ALSO.get(dotted, runs):
+            also = f", {_STANDARD_ALSO[dotted]!r}" if dotted in _STANDARD_ALSO else ""
             raise ConfigError(f"{dotted}={value!r} with training.use_mca=false: {why}; valid: "
-                              f"{runs!r}, or training.use_mca=true")
+                              f"{runs!r}{also}, or training.use_mca=true")
+    _check_standard_recompute(par)
     sp, shape = par.sequence_parallel_size, model_shape(config.model.model_name_or_path)
     if shape.is_moe:
         raise ConfigError(f"model.model_name_or_path={config.model.model_name_or_path!r} is a "

@@ -6,6 +6,8 @@ and a YAML file may also nest them under the section names. Values are YAML-type
 (``bf16=true``, ``lr_scheduler_kwargs={min_lr_rate: 0.1}``, ``lr_scheduler_kwargs.min_lr=1e-5``).
 Relative input paths (model, tokenizer, datasets) in a YAML file are taken relative to that
 file's directory when they exist there, else relative to the working directory.
+LLaMA-Factory's own names for settings (``packing``, ``flash_attn``, ``save_strategy`` ...) are
+translated into these fields or refused in one line (:data:`.input.LF_KEYS`).
 
 :meth:`TrainConfig.resolve` checks the cross-field rules for a world size, before anything is
 allocated, and fills in the derived values (data-parallel size, accumulation steps, global
@@ -27,9 +29,20 @@ from typing import Any
 import yaml
 
 from hpc_mca.data.arguments import DataArguments, DataRun
+from hpc_mca.data.templates import TEMPLATE_NAMES
 from hpc_mca.rundir import RESOLVED_CONFIG_FILE, write_atomic
 
-from .input import ConfigError, coerce, unknown_key_message
+from .input import (
+    ConfigError,
+    choice_message,
+    coerce,
+    lf_assignments,
+    lf_name,
+    optimizer_fields,
+    parse_value,
+    read_yaml,
+    unknown_key_message,
+)
 
 PREF_LOSSES = ("sigmoid", "ipo", "hinge")
 """dpo's preference losses (``finetuning.pref_loss``), as LLaMA-Factory and TRL name them."""
@@ -37,7 +50,6 @@ FINETUNING_TYPES = ("full", "lora")
 """Which parameters train: every one (full), or LoRA adapters on the frozen model (lora)."""
 RESERVED_FINETUNING_TYPES: tuple[str, ...] = ()
 DATASET_FORMATS = ("auto", "text", "alpaca", "sharegpt", "indexed")
-TEMPLATES = ("chat", "plain")
 ATTENTION_BACKENDS = ("te", "flash", "torch")
 """Core-attention backends, in the order ``auto`` prefers them (models.attention_backend)."""
 ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)
@@ -170,8 +182,25 @@ class TrainingArguments:
     save_total_limit: int | None = None
     """Keep only the newest N checkpoints in output_dir/checkpoints; None = keep all."""
     resume_from_checkpoint: str = "auto"
-    """auto (continue from output_dir's latest checkpoint when there is one), never, or a
-    checkpoint to start from: its directory, a checkpoints/ directory or a run directory."""
+    """auto (continue from output_dir's latest checkpoint when there is one; YAML null), latest
+    (YAML true: that checkpoint, refused when there is none), never, or a checkpoint to start
+    from: its directory, a checkpoints/ directory or a run directory."""
+    overwrite_output_dir: bool = False
+    """Start afresh: on the first start of a run, an output_dir that already holds a run
+    (checkpoints, progress) is renamed to ``<output_dir>.previous-<UTC time>`` (never deleted)
+    and nothing is resumed; a requeue or resume of the same run leaves it in place."""
+    save_only_model: bool = False
+    """Checkpoints hold the model without the optimizer and LR-scheduler state: smaller, but
+    no run can resume from them (a resume, a Slurm requeue's included, is refused)."""
+    dataloader_num_workers: int = 0
+    """Worker processes of the training and evaluation DataLoaders; 0 = load in the training
+    process. The batches are the same for every value."""
+    plot_loss: bool = False
+    """When ``hpc-mca train`` ends, rank 0 draws the run's curves (loss, eval loss, LR...) into
+    output_dir/training_loss.png, as ``hpc-mca plot`` draws them."""
+    ddp_timeout: int = 1800
+    """Seconds a torch.distributed collective may wait before the process group gives up, on
+    both backends (transformers' default; LLaMA-Factory's examples write 180000000)."""
     async_save: bool = False
     """Write checkpoint shards in a background process; the commit (tracker) follows at a later
     step boundary, only once every rank finished."""
@@ -309,7 +338,8 @@ class TrainConfig:
                        global_batch_size=tr.global_batch_size, max_steps=tr.max_steps,
                        # None only before resolve; data then reads as one data-parallel rank.
                        data_parallel_size=par.data_parallel_size or 1,
-                       context_parallel_size=par.context_parallel_size)
+                       context_parallel_size=par.context_parallel_size,
+                       num_workers=tr.dataloader_num_workers)
 
     @property
     def micro_batches_per_step(self) -> int:
@@ -365,28 +395,75 @@ def load_config(path: str | os.PathLike[str] | None = None,
                 overrides: typing.Iterable[str] = ()) -> TrainConfig:
     """Defaults, then the YAML file at ``path``, then ``key=value`` overrides, in that order.
 
-    Every unknown key and every value of the wrong type is reported at once, one line each
-    (a key set again later, e.g. by an override, counts by its last value)."""
+    Every unknown key, every value of the wrong type or out of its choices and every refused
+    LLaMA-Factory key is reported at once, one line each, in the order written (a key set
+    again later, e.g. by an override, counts by its last value)."""
+    config, problems = _load(path, overrides)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return config
+
+
+def load_resolved(path: str | os.PathLike[str] | None, overrides: typing.Iterable[str],
+                  world_size: int) -> TrainConfig:
+    """:func:`load_config`, then :meth:`TrainConfig.resolve` for ``world_size`` ranks, with
+    the problems of both in one message: the rules also run on a config whose keys had
+    problems (those keys keep their defaults), and a rule's line about a field that already
+    has a line is left out."""
+    config, problems = _load(path, overrides)
+    try:
+        resolved = config.resolve(world_size)
+    except ConfigError as err:
+        named = {line.split("=")[0].split(" ")[0] for line in problems}
+        problems += [line for line in str(err).splitlines()
+                     if line.split("=")[0].split(" ")[0] not in named]
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return resolved
+
+
+def _load(path: str | os.PathLike[str] | None,
+          overrides: typing.Iterable[str]) -> tuple[TrainConfig, list[str]]:
+    """The config and its load problems, one line each, in the order their keys come."""
     config = TrainConfig()
+    items = _items(path, overrides)
+    problems: dict[str, tuple[int, str]] = {}  # by the field a key names (flat and dotted are one)
+    written: dict[str, int] = {}  # field -> the position of the item that set it last
+    lf_items: dict[str, tuple[int, Any]] = {}  # a LLaMA-Factory key -> its last position, value
+    for at, (key, value, base) in enumerate(items):
+        name = lf_name(key, tuple(_SECTION_TYPES))
+        if name is not None:
+            lf_items.pop(name, None)  # re-inserted: they are applied in the order written
+            lf_items[name] = (at, value)
+            continue
+        try:
+            written.update(dict.fromkeys(set_value(config, key, value, base_dir=base), at))
+            problems.pop(_field_of(key), None)
+        except ConfigError as err:
+            problems[_field_of(key)] = (at, str(err))
+    for name, (at, value) in lf_items.items():
+        try:
+            for dotted, field_value in lf_assignments(name, value, config, at, written).items():
+                set_value(config, dotted, field_value)
+                written[dotted] = at
+        except ConfigError as err:
+            problems[name] = (at, str(err))
+    return config, [line for _, line in sorted(problems.values())]
+
+
+def _items(path: str | os.PathLike[str] | None,
+           overrides: typing.Iterable[str]) -> list[tuple[str, Any, Path | None]]:
+    """(key, value, the YAML file's directory or None) for every key, in order."""
     items: list[tuple[str, Any, Path | None]] = []
     if path is not None:
         base = Path(path).resolve().parent
-        items += [(key, value, base) for key, value in _flatten(_read_yaml(Path(path)))]
+        items += [(key, value, base) for key, value in _flatten(read_yaml(Path(path)))]
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not key=value")
-        items.append((key.strip(), _parse_value(key, text), None))
-    problems: dict[str, str] = {}  # by the field a key names (flat and dotted are one)
-    for key, value, base in items:
-        try:
-            set_value(config, key, value, base_dir=base)
-            problems.pop(_field_of(key), None)
-        except ConfigError as err:
-            problems[_field_of(key)] = str(err)
-    if problems:
-        raise ConfigError("\n".join(problems.values()))
-    return config
+        items.append((key.strip(), parse_value(key, text), None))
+    return items
 
 
 def _field_of(key: str) -> str:
@@ -395,20 +472,6 @@ def _field_of(key: str) -> str:
     except ConfigError:
         return key
     return dotted if subkey is None else f"{dotted}.{subkey}"
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise ConfigError(f"{where}: invalid YAML ({getattr(err, 'problem', err)})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of config keys")
-    return data
 
 
 def _flatten(data: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -422,26 +485,36 @@ def _flatten(data: dict[str, Any]) -> list[tuple[str, Any]]:
     return items
 
 
-def _parse_value(key: str, text: str) -> Any:
-    try:
-        return yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
-        raise ConfigError(f"override {key}={text!r}: the value is not valid YAML") from None
+_LOAD_CHOICES: dict[str, tuple[str, ...]] = {"data.template": TEMPLATE_NAMES,
+                                              "training.report_to": REPORT_TO}
+"""Fields whose values are checked against their choices as they are read (so that a typo
+is in the load message, with a close spelling); the rules check the others."""
 
 
 def set_value(config: TrainConfig, key: str, value: Any,
-              base_dir: Path | None = None) -> None:
-    """Set one flat or dotted key (``lr_scheduler_kwargs.min_lr`` sets a kwarg), type-checked."""
+              base_dir: Path | None = None) -> list[str]:
+    """Set one flat or dotted key (``lr_scheduler_kwargs.min_lr`` sets a kwarg), type-checked;
+    returns the dotted fields it set (transformers' ``optim: adamw_torch_fused`` sets two)."""
     dotted, subkey = _lookup(key)
     section, name = dotted.split(".")
     if subkey is not None:
         getattr(getattr(config, section), name)[subkey] = value
-        return
+        return [dotted]
+    if dotted == "training.optim":
+        fields = optimizer_fields(value, OPTIMIZERS)
+        for target, target_value in fields.items():
+            setattr(config.training, target.split(".")[1], target_value)
+        return list(fields)
     hint = typing.get_type_hints(_SECTION_TYPES[section])[name]
     value = coerce(dotted, value, hint)
+    for item in (value if isinstance(value, list) else [value]):
+        problem = choice_message(dotted, item, _LOAD_CHOICES[dotted]) if dotted in _LOAD_CHOICES else None
+        if problem:
+            raise ConfigError(problem)
     if base_dir is not None and dotted in _INPUT_PATHS and value is not None:
         value = _relative_to(base_dir, value)
     setattr(getattr(config, section), name, value)
+    return [dotted]
 
 
 def _lookup(key: str) -> tuple[str, str | None]:

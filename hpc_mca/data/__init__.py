@@ -3,10 +3,14 @@
 Modules, in pipeline order:
 
 * :mod:`.records` - dataset files to records (through :mod:`.tables`, HF datasets, local
-  only); alpaca/sharegpt to messages.
+  only).
 * :mod:`.sources` - direct paths or LLaMA-Factory dataset_info.json entries (columns, tags).
 * :mod:`.mix` - several training datasets concatenated or interleaved by probability.
-* :mod:`.tokenize` - chat-template rendering, response-only labels, the one causal shift.
+* :mod:`.conversation` - alpaca/sharegpt records to LLaMA-Factory's examples (converter rules).
+* :mod:`.templates` - LLaMA-Factory's chat templates (and chat, plain); they fix the tokenizer.
+* :mod:`.samples` - examples to sft samples and dpo pairs (LLaMA-Factory's processors).
+* :mod:`.encode` - records to shifted samples, in one process or several.
+* :mod:`.tokenize` - the tokenizer, pt documents and pieces, the one causal shift.
 * :mod:`.store` - samples in flat arrays, the tokenization cache, Megatron indexed corpora.
 * :mod:`.packing` - best-fit-decreasing packing and its efficiency (no torch).
 * :mod:`.rows` - fixed-length rows (cu_seqlens when packed) and micro-batch collation.

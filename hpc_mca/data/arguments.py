@@ -42,10 +42,16 @@ class DataArguments:
     text_field: str = "text"
     """Field holding the document of a pt record."""
     template: str = "chat"
-    """sft rendering: chat (the tokenizer's chat_template) or plain (prompt + response + eos)."""
+    """Chat template of sft/dpo samples: chat (the tokenizer's chat_template), plain (prompt +
+    response + eos) or one of LLaMA-Factory's template names (``hpc_mca.data.templates``'s
+    TEMPLATE_NAMES: qwen, llama3, ...), which also fix the tokenizer's eos, pad and stop words as
+    LLaMA-Factory does (pt included; llama3 pt documents end with <|end_of_text|>)."""
     cutoff_len: int = 1024
-    """Most tokens one sample keeps (inputs after the causal shift); longer ones are truncated
-    (pt: split into pieces)."""
+    """sft/dpo: most tokens of one sample, as LLaMA-Factory counts them (before the causal
+    shift, so ``cutoff_len - 1`` trained inputs): each turn gets what is left of it (an answer
+    under half keeps all of it, else a prompt under half stays whole, else both shrink in
+    proportion) and a cut sample is kept ("truncated N" in the data line). pt: inputs per
+    piece after the shift; longer documents are split."""
     seq_length: int | None = None
     """Tokens per training row (packed or padded); None = ``cutoff_len``."""
     sequence_packing: bool = False
@@ -60,7 +66,25 @@ class DataArguments:
     """pt only: concat (join documents with eos and cut rows of ``cutoff_len``) or document
     (every document on its own, long ones split)."""
     train_on_prompt: bool = False
-    """sft: also train on prompt tokens (default: loss on responses only)."""
+    """sft: also train on prompt tokens (default: loss on responses only); refused with an
+    efficient_eos template (glm4), as in LLaMA-Factory."""
+    mask_history: bool = False
+    """sft: train on the last answer only; the cutoff_len budget goes to the last turn first
+    (earlier turns keep what is left) and, for reasoning templates, earlier answers lose their
+    thoughts (LLaMA-Factory's mask_history)."""
+    enable_thinking: bool | None = True
+    """Reasoning templates (qwen3, ...): True = answers keep their thought block (an empty one
+    is added where there is none and not trained on), False = an empty thought is written into
+    the prompt, None = answers as written (LLaMA-Factory's enable_thinking)."""
+    default_system: str | None = None
+    """System prompt for conversations without one, replacing the template's default; None =
+    the template's own."""
+    tool_format: str | None = None
+    """How tool definitions and calls are written (LLaMA-Factory's tool formats: default,
+    glm4, llama3, mistral, qwen, ...); None = the template's own."""
+    preprocessing_num_workers: int | None = None
+    """Tokenize sft/dpo records in this many processes (consecutive chunks, put back in order:
+    the samples equal one process's byte for byte); None = one."""
     max_samples: int | None = None
     """Keep at most this many records per dataset file (for quick runs)."""
     preprocessing_cache_dir: str | None = None
@@ -109,3 +133,5 @@ class DataRun:
     """parallel.data_parallel_size (derived by resolve): ranks that read different rows."""
     context_parallel_size: int = 1
     """parallel.context_parallel_size: packed samples start at multiples of 2·CP."""
+    num_workers: int = 0
+    """training.dataloader_num_workers: worker processes of each DataLoader (0 = none)."""

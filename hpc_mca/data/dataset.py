@@ -37,11 +37,12 @@ from hpc_mca.stages import CONVERSATION, PREFERENCE_PAIR, STAGE_NAMES, TEXT, Sta
 
 from .arguments import DataArguments, DataRun
 from .batch import collate_batch
+from .encode import conversation_format, conversation_store, prepare_template, pt_eos_id
 from .errors import DataError
 from .mix import mix_order, parse_probs
 from .packing import pack_alignment
-from .preference import check_pairwise, pair_rows, split_pairs, tokenize_pairs
-from .records import Record, check_dataset_path, detect_sft_format, messages_of, text_of
+from .preference import pair_rows, split_pairs, tokenize_pairs
+from .records import Record, check_dataset_path, text_of
 from .rows import RowDataset
 from .sampler import DataSampler
 from .sources import DatasetSource, resolve_sources, source_records
@@ -57,16 +58,7 @@ from .store import (
     indexed_prefix,
     subset,
 )
-from .tokenize import (
-    encode_documents,
-    encode_rendered,
-    load_tokenizer,
-    pad_id,
-    pt_samples,
-    render,
-    sft_sample,
-    tokenizer_fingerprint,
-)
+from .tokenize import encode_documents, load_tokenizer, pad_id, pt_samples, tokenizer_fingerprint
 
 
 @dataclass
@@ -78,10 +70,13 @@ class TrainingData:
     eval: RowDataset | None
     """Evaluation rows, or None."""
     tokenizer: Any
-    """The tokenizer the rows were made with."""
+    """The tokenizer the rows were made with, as ``data.template`` fixed it (eos, pad, stop
+    words): both backends take their tokenizer from here."""
 
     def describe(self) -> str:
-        """One line per split: samples, rows, packing efficiency, tokenization counts."""
+        """One line per split: samples, rows, packing efficiency, tokenization counts
+        (``invalid``: records dropped for their turn order or a missing answer, ``truncated``:
+        samples shortened to cutoff_len, ``dropped``: samples left with nothing to train)."""
         lines = []
         for name, rows in (("train", self.train), ("eval", self.eval)):
             if rows is not None:
@@ -96,39 +91,20 @@ class TrainingData:
 
 def _tokenize_pt(records: list[Record], tokenizer: Any, data: Any) -> SampleStore:
     texts = [text_of(record, data.text_field) for record in records]
-    documents = list(encode_documents(tokenizer, texts))
+    documents = list(encode_documents(tokenizer, texts, pt_eos_id(tokenizer, data.template)))
     samples = list(pt_samples(documents, data.cutoff_len, data.pt_chunking))
     return SampleStore.from_samples(samples, {"records": len(records), "samples": len(samples)})
 
 
 def _tokenize_sft(records: list[Record], tokenizer: Any, data: Any) -> SampleStore:
-    fmt = data.dataset_format
-    if fmt == "auto" and records:
-        fmt = detect_sft_format(records[0])
-    rendered = [render(tokenizer, messages_of(r, fmt), data.template, data.train_on_prompt,
-                       r.where) for r in records]
-    samples, truncated, dropped = [], 0, 0
-    for tokens, trained in encode_rendered(tokenizer, rendered):
-        sample, cut = sft_sample(tokens, trained, data.cutoff_len)
-        truncated += cut
-        if sample is None:
-            dropped += 1
-        else:
-            samples.append(sample)
-    return SampleStore.from_samples(samples, {"records": len(records), "samples": len(samples),
-                                              "truncated": truncated, "dropped": dropped})
-
-
-def _tokenize_dpo(records: list[Record], tokenizer: Any, data: Any) -> SampleStore:
-    if records:
-        check_pairwise(records[0])
-    return tokenize_pairs(records, tokenizer, data)
+    fmt = conversation_format(records, data)
+    return conversation_store(records, tokenizer, prepare_template(tokenizer, data), data, fmt, ranking=False)
 
 
 _READERS: dict[str, Callable[[list[Record], Any, Any], SampleStore]] = {
     TEXT: _tokenize_pt,
     CONVERSATION: _tokenize_sft,
-    PREFERENCE_PAIR: _tokenize_dpo,
+    PREFERENCE_PAIR: tokenize_pairs,
 }
 """How each kind of row (:attr:`hpc_mca.stages.Stage.reads`) is tokenized."""
 
@@ -142,11 +118,26 @@ def _stage(stage: str) -> Stage:
     return get_stage(stage)
 
 
+CONVERSATION_KEYS = ("template", "train_on_prompt", "mask_history", "enable_thinking", "default_system",
+                     "tool_format")
+"""The ``data.*`` settings that change the tokens of a conversation (sft, dpo)."""
+
+
+def fix_tokenizer(tokenizer: Any, data: Any, stage: str) -> None:
+    """Let ``data.template`` fix the tokenizer in place (eos, pad, stop words), as
+    LLaMA-Factory does before any stage reads data; pt skips chat and plain, which change
+    nothing and need no chat template."""
+    if _stage(stage).reads != TEXT or data.template not in ("chat", "plain"):
+        prepare_template(tokenizer, data)
+
+
 def _settings(stage: str, data: Any) -> dict[str, Any]:
     """The settings a cached tokenization depends on."""
     keys = ("dataset_format", "cutoff_len", "max_samples")
     keys += _stage(stage).data_keys
-    return {"stage": stage, **{key: getattr(data, key) for key in keys}}
+    # The template's settings change token ids (pt: its document end, see encode.PT_EOS).
+    keys += ("template",) if _stage(stage).reads == TEXT else CONVERSATION_KEYS
+    return {"stage": stage, **{key: getattr(data, key, None) for key in dict.fromkeys(keys)}}
 
 
 def _indexed_source(path: str, data: Any, stage: str, field: str) -> str | None:
@@ -168,6 +159,7 @@ def load_samples(path: str, tokenizer: Any, data: Any, stage: str,
     with ``vocab_size``, every token id is checked to be below it (see check_token_ids)."""
     _stage(stage)
     source = source or DatasetSource(path, path)
+    fix_tokenizer(tokenizer, data, stage)  # before the fingerprint, which sees the fixed tokenizer
     prefix = _indexed_source(path, data, stage, field)
     if prefix is not None:
         return IndexedSamples(prefix, data.cutoff_len, data.pt_chunking, vocab_size)
@@ -236,6 +228,7 @@ def build_datasets(data: DataArguments, run: DataRun, tokenizer: Any = None,
     stage = run.stage
     if tokenizer is None:
         tokenizer = load_tokenizer(run.tokenizer_path)
+    fix_tokenizer(tokenizer, data, stage)  # the pad id of the rows and both backends see it fixed
     if getattr(data, "data_path", None) is not None:  # Megatron's weighted blend (pt)
         from .blended import blended_training_data
 
@@ -266,10 +259,13 @@ def build_datasets(data: DataArguments, run: DataRun, tokenizer: Any = None,
 # --- loaders -------------------------------------------------------------------------------
 
 
-def _loader(dataset: RowDataset, sampler: DataSampler) -> torch.utils.data.DataLoader:
+def _loader(dataset: RowDataset, sampler: DataSampler, num_workers: int = 0) -> torch.utils.data.DataLoader:
     # Pair rows (dpo, unpacked) are sampled a pair at a time and collate their two rows each.
     collate = getattr(dataset, "collate", collate_batch)
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
+    # The sampler runs in this process and hands each worker whole micro-batches in order, so
+    # the batches do not depend on the number of workers (the rows are read, not drawn).
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
+                                       num_workers=num_workers)
 
 
 def train_dataloader(dataset: RowDataset, run: DataRun, *, data_parallel_rank: int,
@@ -281,7 +277,7 @@ def train_dataloader(dataset: RowDataset, run: DataRun, *, data_parallel_rank: i
                           data_parallel_size=run.data_parallel_size,
                           global_batch_size=run.global_batch_size, seed=run.seed,
                           consumed_samples=consumed_samples)
-    return _loader(dataset, sampler)
+    return _loader(dataset, sampler, run.num_workers)
 
 
 def check_eval_rows(rows: RowDataset | None, run: DataRun) -> None:
@@ -312,4 +308,4 @@ def eval_dataloader(dataset: RowDataset, run: DataRun, *,
                           data_parallel_rank=data_parallel_rank,
                           data_parallel_size=run.data_parallel_size, shuffle=False,
                           total_samples=len(dataset) // step * step)
-    return _loader(dataset, sampler)
+    return _loader(dataset, sampler, run.num_workers)

@@ -2,7 +2,7 @@
 
 Files and directories are read through HF ``datasets`` (:mod:`.tables`: ``.jsonl``/``.json``,
 ``.parquet``, ``.arrow``, ``.csv``, ``save_to_disk`` directories, directories of data files;
-local only, memory-mapped). Every record keeps where it came from (``path:line`` for jsonl,
+local only, memory-mapped; ``.txt``: one ``text`` record per line). Every record keeps where it came from (``path:line`` for jsonl,
 ``path:record N`` for json, ``path:row N`` otherwise) so a bad one is reported as
 ``path:line: reason`` before training starts. A json file ``datasets`` cannot read as a table
 (invalid JSON, a line that is not an object) is read again line by line to name the bad line.
@@ -10,10 +10,11 @@ local only, memory-mapped). Every record keeps where it came from (``path:line``
 Shapes:
 
 * pt: the document text in ``text_field`` (default ``text``).
-* sft: a list of ``{"role", "content"}`` messages, from alpaca records (``instruction``,
-  optional ``input``, ``output``, optional ``system`` and ``history`` of ``[prompt, response]``
-  pairs) or sharegpt records (``conversations`` of ``{"from", "value"}`` or ``messages`` of
-  ``{"role", "content"}``, optional ``system``).
+* sft/dpo: alpaca records (``instruction``, optional ``input``, ``output`` or ``chosen`` and
+  ``rejected``, optional ``system``, ``history`` of ``[prompt, response]`` pairs and ``tools``)
+  or sharegpt records (``conversations`` of ``{"from", "value"}`` or ``messages`` of
+  ``{"role", "content"}``, optional ``system`` and ``tools``), which :mod:`.conversation`
+  turns into LLaMA-Factory's examples.
 """
 
 from __future__ import annotations
@@ -46,8 +47,6 @@ TEXT_FORMATS = ("text", "indexed")
 FORMATS_BY_READS = {TEXT: TEXT_FORMATS, CONVERSATION: SFT_FORMATS, PREFERENCE_PAIR: SFT_FORMATS}
 """The ``data.dataset_format`` values (besides auto) that fit each way a stage reads its rows
 (:attr:`hpc_mca.stages.Stage.reads`)."""
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-          "model": "assistant", "system": "system"}
 
 
 @dataclass(frozen=True)
@@ -135,9 +134,10 @@ def _records(path: Path, field: str, cache_dir: str | os.PathLike[str] | None
 
 
 def _located(path: Path, table: Any) -> Iterator[Record]:
-    kind = {".jsonl": "", ".json": "record "}.get(path.suffix, "row ") if path.is_file() \
+    kind = {".jsonl": "", ".txt": "", ".json": "record "}.get(path.suffix, "row ") if path.is_file() \
         else "row "
-    lines = jsonl_line_numbers(path, len(table)) if kind == "" else None
+    # A .txt file's rows are its lines, blank ones included; a jsonl file skips blank lines.
+    lines = jsonl_line_numbers(path, len(table)) if path.suffix == ".jsonl" and kind == "" else None
     for index, row in enumerate(table_rows(table)):
         number = lines[index] if lines is not None else index + 1
         yield Record(f"{path}:{kind}{number}", row)
@@ -215,71 +215,6 @@ def text_of(record: Record, text_field: str) -> str:
         raise DataError(f"{record.where}: missing field {text_field!r} (data.text_field); "
                         f"keys: {sorted(record.data)}")
     return _string(record, text_field, record.data[text_field])
-
-
-def messages_of(record: Record, sft_format: str) -> list[dict[str, str]]:
-    """The conversation of an sft record as role/content messages; at least one assistant."""
-    if sft_format == "alpaca":
-        messages = _alpaca(record)
-    elif sft_format == "sharegpt":
-        messages = _sharegpt(record)
-    else:
-        raise DataError(f"data.dataset_format={sft_format!r} is not an sft format; valid: "
-                        + ", ".join(SFT_FORMATS))
-    if not any(m["role"] == "assistant" for m in messages):
-        raise DataError(f"{record.where}: the conversation has no assistant/gpt turn to train on")
-    return messages
-
-
-def _alpaca(record: Record) -> list[dict[str, str]]:
-    data = record.data
-    for key in ("instruction", "output"):
-        if key not in data:
-            raise DataError(f"{record.where}: alpaca record lacks {key!r}; keys: {sorted(data)}")
-    prompt = _string(record, "instruction", data["instruction"])
-    extra = _string(record, "input", data.get("input") or "")
-    messages = _system(record)
-    for pair in data.get("history") or []:
-        if not (isinstance(pair, list) and len(pair) == 2):
-            raise DataError(f"{record.where}: history entries must be [prompt, response] pairs")
-        messages += [{"role": "user", "content": _string(record, "history", pair[0])},
-                     {"role": "assistant", "content": _string(record, "history", pair[1])}]
-    messages.append({"role": "user", "content": f"{prompt}\n{extra}" if extra else prompt})
-    messages.append({"role": "assistant", "content": _string(record, "output", data["output"])})
-    return messages
-
-
-def _sharegpt(record: Record) -> list[dict[str, str]]:
-    data = record.data
-    key = "conversations" if "conversations" in data else "messages"
-    turns = data.get(key)
-    if not isinstance(turns, list) or not turns:
-        raise DataError(f"{record.where}: {key!r} must be a non-empty list of turns")
-    messages = _system(record)
-    for turn in turns:
-        role, content = _turn(record, turn)
-        messages.append({"role": role, "content": content})
-    return messages
-
-
-def _turn(record: Record, turn: Any) -> tuple[str, str]:
-    if isinstance(turn, dict) and "from" in turn and "value" in turn:
-        role, content = turn["from"], turn["value"]
-    elif isinstance(turn, dict) and "role" in turn and "content" in turn:
-        role, content = turn["role"], turn["content"]
-    else:
-        raise DataError(f"{record.where}: a turn must have from/value or role/content; got "
-                        f"{turn!r:.80}")
-    if role not in _ROLES:
-        raise DataError(f"{record.where}: unknown role {role!r}; valid: {', '.join(_ROLES)}")
-    return _ROLES[role], _string(record, "content", content)
-
-
-def _system(record: Record) -> list[dict[str, str]]:
-    system = record.data.get("system")
-    if not system:
-        return []
-    return [{"role": "system", "content": _string(record, "system", system)}]
 
 
 def _string(record: Record, key: str, value: Any) -> str:

@@ -19,8 +19,12 @@ the same as for a direct path. pt entries take their text from the ``prompt`` co
 then random repeats when it asks for more than the file has) with a generator seeded by
 ``training.seed`` (LLaMA-Factory seeds NumPy's global generator with it before loading, so a
 run's first such dataset gets the same records there), before ``data.max_samples`` cuts.
-``split`` may only name ``train``, the one split a local file has. Any other key, and the
-remote-source keys (hub, script and cloud entries: nothing is downloaded), are refused.
+``split`` may only name ``train``, the one split a local file has; ``subset`` and ``folder``
+are read and ignored for a local file, as LLaMA-Factory does. ``history``, ``system`` and
+``tools`` columns are read only when the entry names them (LLaMA-Factory's defaults), and
+``tools`` (JSON text of tool definitions) goes to the template's tool format. An entry with a
+hub, script or cloud source is read from its ``file_name`` when it has one (nothing is
+downloaded), else refused; ``columns.kto_tag`` (stage kto) and any other key are refused.
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ from .errors import DataError
 from .records import SFT_FORMATS, Record, check_dataset_source, columns_of, read_records
 
 ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output",
-                  "history": "history", "system": "system", "chosen": "chosen",
+                  "history": "history", "system": "system", "tools": "tools", "chosen": "chosen",
                   "rejected": "rejected"}
 """LLaMA-Factory's alpaca column names -> the record field each maps to (also the defaults)."""
+OPTIONAL_COLUMNS = ("history", "system", "tools")
+"""Columns LLaMA-Factory reads only when the entry names them (its default is none)."""
 SHAREGPT_COLUMNS = {"messages": "conversations", "system": "system", "tools": "tools",
                     "chosen": "chosen", "rejected": "rejected"}
 """LLaMA-Factory's sharegpt column names and their defaults."""
@@ -50,11 +56,15 @@ SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human"
                  "assistant_tag": "gpt", "observation_tag": "observation",
                  "function_tag": "function_call", "system_tag": "system"}
 """LLaMA-Factory's sharegpt tags and their defaults."""
-ENTRY_KEYS = ("file_name", "formatting", "ranking", "columns", "tags", "num_samples", "split")
-"""The dataset_info.json entry keys read here."""
-_REMOTE_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name",
-                "subset", "folder")
-"""LLaMA-Factory's keys of entries fetched from a hub, a script or the cloud."""
+ENTRY_KEYS = ("file_name", "formatting", "ranking", "columns", "tags", "num_samples", "split",
+              "subset", "folder")
+"""The dataset_info.json entry keys read here (``subset`` and ``folder`` choose a hub
+dataset's configuration and directory; LLaMA-Factory ignores them for a local file, and so
+does this reader)."""
+_REMOTE_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+"""LLaMA-Factory's keys of entries fetched from a hub, a script or the cloud: an entry that
+also has a local ``file_name`` is read from that file (jobs run offline), one without is
+refused."""
 _TAG_ROLES = {"user_tag": "user", "assistant_tag": "assistant", "system_tag": "system",
               "observation_tag": "observation", "function_tag": "function_call"}
 
@@ -127,11 +137,11 @@ def _closest(name: str, known: list[str], n: int = 3, cutoff: float = 0.6) -> st
 
 def _check_entry_keys(entry: dict[str, Any], where: str) -> None:
     remote = [key for key in _REMOTE_KEYS if key in entry]
-    if remote:
+    if remote and "file_name" not in entry:
         raise DataError(f"{where} has {', '.join(remote)}: hub, script and cloud entries are "
                         "not read (nothing is downloaded); valid: a local 'file_name' entry")
     for key in entry:
-        if key not in ENTRY_KEYS:
+        if key not in ENTRY_KEYS + _REMOTE_KEYS:
             raise DataError(f"{where}: unknown key {key!r}"
                             + _closest(key, list(ENTRY_KEYS), n=1, cutoff=0.8))
     split = entry.get("split", "train")
@@ -154,6 +164,9 @@ def _entry(name: str, entry: Any, root: Path, info_path: Path, seed: int) -> Dat
         raise DataError(f"{where}: formatting={formatting!r}; valid: {', '.join(SFT_FORMATS)}")
     defaults = ALPACA_COLUMNS if formatting == "alpaca" else SHAREGPT_COLUMNS
     given = dict(entry.get("columns") or {})
+    if "kto_tag" in given:
+        raise DataError(f"{where}: columns.kto_tag (kto's unpaired feedback) is not supported yet; "
+                        "valid: sft records, or ranking: true with chosen/rejected for dpo")
     unknown = sorted(set(given) - set(defaults))
     if unknown:
         raise DataError(f"{where}: unknown columns key {unknown[0]!r} for {formatting}; "
@@ -162,7 +175,8 @@ def _entry(name: str, entry: Any, root: Path, info_path: Path, seed: int) -> Dat
     if set(tags) - set(SHAREGPT_TAGS):
         raise DataError(f"{where}: unknown tags key {sorted(set(tags) - set(SHAREGPT_TAGS))[0]!r}"
                         f"; valid: {', '.join(SHAREGPT_TAGS)}")
-    columns = {key: given.get(key, default) for key, default in defaults.items()}
+    columns = {key: given.get(key, default) for key, default in defaults.items()
+               if key in given or key not in OPTIONAL_COLUMNS}
     return DatasetSource(name, str(root / entry["file_name"]), formatting,
                          bool(entry.get("ranking", False)), columns, tuple(sorted(given)), tags,
                          entry.get("num_samples"), seed)
@@ -226,7 +240,7 @@ def _needed(source: DatasetSource, stage: str) -> list[str]:
 
 def _alpaca(source: DatasetSource, record: Record) -> dict[str, Any]:
     fields = {"prompt": "instruction", "query": "input", "response": "output",
-              "history": "history", "system": "system", "chosen": "chosen",
+              "history": "history", "system": "system", "tools": "tools", "chosen": "chosen",
               "rejected": "rejected"}
     return {fields[key]: record.data[column] for key, column in source.columns.items()
             if column in record.data}
@@ -234,15 +248,13 @@ def _alpaca(source: DatasetSource, record: Record) -> dict[str, Any]:
 
 def _sharegpt(source: DatasetSource, record: Record) -> dict[str, Any]:
     data, cols = record.data, source.columns
-    if cols["tools"] in data and cols["tools"] in source.given:
-        raise DataError(f"{record.where}: tool definitions (columns.tools) are not supported")
     out: dict[str, Any] = {"messages": data.get(cols["messages"])}
     if isinstance(out["messages"], list):
         out["messages"] = [_turn(source, record, turn) for turn in out["messages"]]
-    for key in ("system", "chosen", "rejected"):
-        if cols[key] in data:
+    for key in ("system", "tools", "chosen", "rejected"):
+        if key in cols and cols[key] in data:
             value = data[cols[key]]
-            out[key] = _turn(source, record, value) if key != "system" else value
+            out[key] = _turn(source, record, value) if key in ("chosen", "rejected") else value
     return out
 
 

@@ -1,6 +1,6 @@
 """Local dataset files and directories read through HF ``datasets``, never from the network.
 
-Readable: ``.jsonl``/``.json``, ``.parquet``, ``.arrow``, ``.csv`` files; a directory written by
+Readable: ``.jsonl``/``.json``, ``.parquet``, ``.arrow``, ``.csv``, ``.txt`` files; a directory written by
 ``Dataset.save_to_disk`` (read with ``datasets.load_from_disk``); a directory of data files of
 one type (read in name order). The tables are Arrow files that ``datasets`` memory-maps; the
 Arrow copies it makes of json/csv files live under the tokenization cache
@@ -23,8 +23,9 @@ from typing import Any
 from .errors import DataError
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow",
-            ".csv": "csv"}
-"""File suffix -> the ``datasets`` packaged builder that reads it."""
+            ".csv": "csv", ".txt": "text"}
+"""File suffix -> the ``datasets`` packaged builder that reads it (``.txt``: one document per
+line in column ``text``, as LLaMA-Factory reads it)."""
 
 
 def is_saved_dataset(path: Path) -> bool:

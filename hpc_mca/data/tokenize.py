@@ -6,11 +6,8 @@ The causal label shift happens here and nowhere else (:func:`causal_shift`): a s
 means a packed row never asks a document's last token to predict the next document's first,
 and packed and padded rows hold the very same (input, label) pairs.
 
-sft conversations are rendered with the tokenizer's chat template (``template: chat``) or
-concatenated (``template: plain``); the response spans are found as character ranges of the
-rendered text (render the conversation up to each assistant turn with and without it) and
-mapped onto tokens with the fast tokenizer's offsets, so merges across a span boundary cannot
-shift the mask.
+sft and dpo samples are built by :mod:`.samples` (LLaMA-Factory's processors, with the templates
+of :mod:`.templates`) and shifted here.
 """
 
 from __future__ import annotations
@@ -25,9 +22,9 @@ import numpy as np
 from .errors import DataError
 
 IGNORE_INDEX = -100
+"""Label of a position without loss (padding, prompts), as in transformers."""
 PT_CHUNKINGS = ("concat", "document")
 """``data.pt_chunking``: one stream of all documents, or each document on its own."""
-"""Label of a position without loss (padding, prompts), as in transformers."""
 _BATCH = 512
 
 
@@ -65,18 +62,22 @@ def pad_id(tokenizer: Any) -> int:
                else eos_id(tokenizer))
 
 
-def causal_shift(tokens: np.ndarray, trained: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(input_ids, labels)`` of one sample: the single place labels are shifted."""
-    labels = np.where(trained[1:], tokens[1:], IGNORE_INDEX)
+def causal_shift(tokens: np.ndarray, trained: np.ndarray,
+                 targets: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(input_ids, labels)`` of one sample: the single place labels are shifted. A trained
+    position's label is its token, or ``targets`` there when given (an efficient_eos template
+    trains eos where the next turn's first prompt token stands)."""
+    wanted = tokens if targets is None else targets
+    labels = np.where(trained[1:], wanted[1:], IGNORE_INDEX)
     return tokens[:-1].astype(np.int32), labels.astype(np.int32)
 
 
 # --- pt ------------------------------------------------------------------------------------
 
 
-def encode_documents(tokenizer: Any, texts: Sequence[str]) -> Iterator[np.ndarray]:
-    """Token ids of each document with eos appended."""
-    eos = eos_id(tokenizer)
+def encode_documents(tokenizer: Any, texts: Sequence[str], end: int | None = None) -> Iterator[np.ndarray]:
+    """Token ids of each document with ``end`` (default: eos) appended."""
+    eos = eos_id(tokenizer) if end is None else end
     for start in range(0, len(texts), _BATCH):
         batch = tokenizer(list(texts[start:start + _BATCH]), add_special_tokens=False)
         for ids in batch["input_ids"]:
@@ -105,84 +106,3 @@ def pt_samples(documents: Sequence[np.ndarray], cutoff_len: int,
         for start, end in windows(len(tokens), cutoff_len):
             piece = tokens[start:end]
             yield causal_shift(piece, np.ones(len(piece), dtype=bool))
-
-
-# --- sft -----------------------------------------------------------------------------------
-
-
-def render(tokenizer: Any, messages: list[dict[str, str]], template: str,
-           train_on_prompt: bool, where: str) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation's text and the character spans that carry loss."""
-    if template == "chat":
-        text, spans = _render_chat(tokenizer, messages, where)
-    elif template == "plain":
-        text, spans = _render_plain(tokenizer, messages)
-    else:
-        raise DataError(f"data.template={template!r} is not valid; valid: chat, plain")
-    return text, ([(0, len(text))] if train_on_prompt else spans)
-
-
-def _render_chat(tokenizer: Any, messages: list[dict[str, str]],
-                 where: str) -> tuple[str, list[tuple[int, int]]]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError("data.template='chat' but the tokenizer has no chat_template; "
-                        "valid: plain, or a tokenizer with a chat template")
-    def chat(upto: int, prompt: bool) -> str:
-        return tokenizer.apply_chat_template(messages[:upto], tokenize=False,
-                                             add_generation_prompt=prompt)
-
-    text = chat(len(messages), False)
-    spans = []
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before, after = chat(index, True), chat(index + 1, False)
-        if not (after.startswith(before) and text.startswith(after)):
-            raise DataError(f"{where}: the chat template does not render turn {index + 1} as "
-                            "a prefix of the whole conversation, so its response tokens "
-                            "cannot be located; valid: a prefix-stable template, or plain")
-        spans.append((len(before), len(after)))
-    return text, spans
-
-
-Spans = list[tuple[int, int]]
-
-
-def _render_plain(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, Spans]:
-    eos = tokenizer.eos_token or ""
-    text, spans = "", []
-    for message in messages:
-        if message["role"] == "assistant":
-            spans.append((len(text), len(text) + len(message["content"]) + len(eos)))
-            text += message["content"] + eos
-        else:
-            text += message["content"] + ("\n" if message["role"] == "system" else "")
-    return text, spans
-
-
-def encode_rendered(tokenizer: Any, rendered: Sequence[tuple[str, list[tuple[int, int]]]]
-                    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """``(tokens, trained)`` per rendered conversation: a token is trained when its first
-    character lies in a loss span."""
-    for start in range(0, len(rendered), _BATCH):
-        chunk = rendered[start:start + _BATCH]
-        batch = tokenizer([text for text, _ in chunk], add_special_tokens=False,
-                          return_offsets_mapping=True)
-        for (_, spans), ids, offsets in zip(chunk, batch["input_ids"], batch["offset_mapping"]):
-            first = np.asarray([o[0] for o in offsets], dtype=np.int64)
-            trained = np.zeros(len(ids), dtype=bool)
-            for lo, hi in spans:
-                trained |= (first >= lo) & (first < hi)
-            yield np.asarray(ids, dtype=np.int32), trained
-
-
-def sft_sample(tokens: np.ndarray, trained: np.ndarray,
-               cutoff_len: int) -> tuple[tuple[np.ndarray, np.ndarray] | None, bool]:
-    """The shifted sample cut to ``cutoff_len`` inputs, and whether it was truncated; None when
-    nothing trainable is left."""
-    truncated = len(tokens) > cutoff_len + 1
-    tokens, trained = tokens[:cutoff_len + 1], trained[:cutoff_len + 1]
-    input_ids, labels = causal_shift(tokens, trained)
-    if not (labels != IGNORE_INDEX).any():
-        return None, truncated
-    return (input_ids, labels), truncated

@@ -9,19 +9,28 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 
+from hpc_mca.checkpoint.afresh import start_afresh
 from hpc_mca.checkpoint.compat import nothing_to_train, resume_check
+from hpc_mca.config.input import ConfigError
 from hpc_mca.config.layout import layout_of
-from hpc_mca.config.sections import DataArguments, ModelArguments, TrainConfig, load_config
+from hpc_mca.config.sections import DataArguments, ModelArguments, TrainConfig, TrainingArguments, load_config
 from hpc_mca.errors import UserError
 from hpc_mca.loop.trackers import skip_unused_tracker_imports
 from hpc_mca.rundir import clear_bad_input
-from hpc_mca.runtime.distributed import RankContext, init_distributed, rank_zero_first, shutdown
-from hpc_mca.runtime.env import from_environ
+from hpc_mca.runtime.distributed import (
+    RankContext,
+    describe_process_group,
+    init_distributed,
+    rank_zero_first,
+    shutdown,
+)
+from hpc_mca.runtime.env import RankEnv, from_environ
 from hpc_mca.runtime.quiet import library_line
 from hpc_mca.topology import ModelShape
 from hpc_mca.trainer.megatron_settings import check_megatron_settings, model_overrides, torch_dtype
@@ -38,6 +47,8 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
         if config.training.use_mca:
             attention_backend_available(config)
             check_megatron_settings(config, layout_of(config.parallel))
+        runtime_settings(config.training)
+        start_afresh_if_asked(config.training, env)  # before anything reads output_dir
         resume_check(config, env.world_size, _shape(config.model))  # before any collective
     except UserError as err:
         err.on_every_rank = True  # every rank read the same inputs and stops here alike
@@ -59,7 +70,8 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
     try:
         ctx = init_distributed(layout_of(config.parallel), model=_shape(config.model), seed=config.training.seed,
                                env=env, global_batch_size=config.training.global_batch_size,
-                               micro_batch_size=config.training.per_device_train_batch_size)
+                               micro_batch_size=config.training.per_device_train_batch_size,
+                               timeout_s=config.training.ddp_timeout)
     except UserError as err:  # a layout or ranks-per-GPU refusal: found alike by every rank
         err.on_every_rank = True
         raise
@@ -84,6 +96,7 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
     if ctx.is_main:
         print(data.describe(), flush=True)
         print(library_line(), flush=True)
+        print(describe_process_group(), flush=True)
         print(attention_backend_available(config), flush=True)
     model_dir = Path(config.model.model_name_or_path)
     # A directory with only config.json (the demo's) trains from a random init.
@@ -129,6 +142,40 @@ def _datasets(objective: Any, ctx: RankContext) -> Any:
         return data
 
     return rank_zero_first(build, ctx.is_main)
+
+
+def runtime_settings(training: TrainingArguments) -> None:
+    """The run-time settings both backends honour, refused in one line before anything runs."""
+    if training.ddp_timeout <= 0:
+        raise ConfigError(f"training.ddp_timeout={training.ddp_timeout} must be a positive number "
+                          "of seconds (default 1800)")
+    if training.dataloader_num_workers < 0:
+        raise ConfigError(f"training.dataloader_num_workers={training.dataloader_num_workers}: "
+                          "valid: 0 (load in the training process) or more worker processes")
+    if training.overwrite_output_dir and training.resume_from_checkpoint == "latest":
+        raise ConfigError("training.resume_from_checkpoint=latest (true) with "
+                          "training.overwrite_output_dir=true: the first start moves output_dir's run "
+                          "aside, leaving nothing to resume; valid: resume_from_checkpoint auto (null) "
+                          "or never, or overwrite_output_dir false")
+
+
+def start_afresh_if_asked(training: TrainingArguments, env: RankEnv) -> None:
+    """``training.overwrite_output_dir``: on a run's first start, an output_dir holding an
+    older run is moved aside by global rank 0 and this run resumes nothing (see
+    :mod:`hpc_mca.checkpoint.afresh`); a requeue or continuation of the run leaves it."""
+    if not training.overwrite_output_dir:
+        return
+    # torchrun's own restarts (--max-restarts) re-run the same command as a Slurm requeue does.
+    restarts = env.restart_count or int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    moved = start_afresh(Path(training.output_dir), job_id=env.job_id, restart_count=restarts,
+                         is_main=env.rank == 0)
+    if moved is None:
+        return
+    if training.resume_from_checkpoint in ("", "auto"):
+        training.resume_from_checkpoint = "never"  # whichever rank looks before the rename
+    if env.rank == 0:
+        print(f"training.overwrite_output_dir: the earlier run in {training.output_dir} was "
+              f"moved to {moved}; this run starts afresh", flush=True)
 
 
 def data_files_exist(data: DataArguments) -> None:

@@ -9,7 +9,8 @@
 3. pick the device and backend: NCCL on CUDA (one GPU per local rank), gloo otherwise, in
    which case the CPU compatibility patches (``runtime.cpu_compat``) are activated;
 4. ``torch.distributed.init_process_group`` over TCP at MASTER_ADDR:MASTER_PORT (a single
-   local process uses an in-memory store instead);
+   local process uses an in-memory store instead), with the collective timeout the caller
+   passes (``training.ddp_timeout``) unless HPC_MCA_DIST_TIMEOUT overrides it;
 5. ``parallel_state.initialize_model_parallel`` for TP/PP/VP/CP/EP/expert-TP;
 6. seeds: Python, NumPy, torch and Megatron's model-parallel RNG tracker.
 """
@@ -32,9 +33,13 @@ from hpc_mca.runtime.env import RankEnv, from_environ
 from hpc_mca.topology import Layout, LayoutError, ModelShape, check_layout
 from hpc_mca.topology.errors import raise_if
 
-__all__ = ["RankContext", "init_distributed", "shutdown"]
+__all__ = ["RankContext", "describe_process_group", "init_distributed", "shutdown"]
 
-_DEFAULT_TIMEOUT_S = 600
+_DEFAULT_TIMEOUT_S = 1800
+"""transformers' ``ddp_timeout`` default, this config's ``training.ddp_timeout`` default too."""
+TIMEOUT_ENV = "HPC_MCA_DIST_TIMEOUT"
+"""Seconds; when set, it wins over the ``timeout_s`` a caller passes (the test suite and the
+smoke scripts shorten every collective's wait so that a hang fails within minutes)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +82,7 @@ def init_distributed(
     layout = layout.resolved(env.world_size)
 
     device, backend = _select_device(env)
-    if timeout_s is None:
-        timeout_s = float(os.environ.get("HPC_MCA_DIST_TIMEOUT", _DEFAULT_TIMEOUT_S))
+    timeout_s = float(os.environ.get(TIMEOUT_ENV) or timeout_s or _DEFAULT_TIMEOUT_S)
     if not dist.is_initialized():
         # A single local process has nobody to meet: an in-process store, no TCP port. (A port
         # found free can be taken by another process before the store binds it: EADDRINUSE,
@@ -96,6 +100,20 @@ def init_distributed(
     _init_model_parallel(layout)
     _seed_everything(seed)
     return RankContext(env=env, layout=layout, device=device, backend=backend, seed=seed)
+
+
+def describe_process_group() -> str:
+    """One line for the run log: the default group's backend, size and the timeout its
+    collectives actually run with (read back from the group, not from the config)."""
+    backend = dist.get_backend()
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    try:  # torch keeps the timeout on the backend object, not on the public group
+        group = dist.distributed_c10d._get_default_group()
+        timeout = group._get_backend(device).options._timeout
+        seconds = f"{int(timeout.total_seconds())} s"
+    except (AttributeError, RuntimeError):  # a torch without these internals: say so
+        seconds = "unknown"
+    return f"process group: {backend}, {dist.get_world_size()} rank(s), collective timeout {seconds}"
 
 
 T = TypeVar("T")

@@ -223,9 +223,10 @@ def _refuse_for_backend(options: PlanOptions, par: ParallelArguments | None,
                                         "the distributed optimizer is Megatron-Core's (the "
                                         "standard backend keeps Adam's state whole on every GPU)"))
     if recompute is not None:
-        lines.append(megatron_only_line(recompute, "none", "activation recompute is "
-                                        "Megatron-Core's (the standard backend keeps every "
-                                        "activation)"))
+        lines.append(megatron_only_line(recompute, "none", "the planner sizes the standard "
+                                        "backend without activation recompute (its gradient "
+                                        "checkpointing of every layer is the config's "
+                                        "gradient_checkpointing=true)"))
     if lines:
         raise OpsError("\n".join(lines))
 
@@ -253,11 +254,10 @@ def _megatron_options(options: PlanOptions, par: ParallelArguments | None,
     elif (options.distributed_optimizer is None and par is not None
           and "use_distributed_optimizer" in explicit and par.use_distributed_optimizer):
         optimizer = "parallel.use_distributed_optimizer=true"
+    # The config's recompute is not refused here: the standard backend runs full recompute
+    # of every layer (gradient checkpointing) and the config's rules refuse any other.
     if options.recompute not in (None, "none"):
         recompute = f"--recompute {options.recompute}"
-    elif (options.recompute is None and par is not None
-          and "recompute_granularity" in explicit and par.recompute_granularity):
-        recompute = f"parallel.recompute_granularity={par.recompute_granularity}"
     return optimizer, recompute
 
 

@@ -40,7 +40,8 @@ def save_checkpoint(trainer: Any, run_dir: Path, info: CheckpointInfo, keep: int
         tmp.mkdir(parents=True)
     _barrier()
     trainer.save_model(str(tmp))
-    save_training_state(trainer, str(tmp))
+    if not info.training.get("save_only_model"):  # such a checkpoint is never resumed from
+        save_training_state(trainer, str(tmp))
     if trainer.args.should_save:
         trainer.state.save_to_json(str(tmp / "trainer_state.json"))
     _barrier()  # every rank's files are in place before the checkpoint is published

@@ -23,7 +23,13 @@ from hpc_mca.loop.boundary import StepBoundary
 from hpc_mca.loop.metrics import MetricsWriter, flops_per_token
 from hpc_mca.loop.trackers import job_fields, open_trackers
 from hpc_mca.rundir import STEPS_FILE, clear_bad_input
-from hpc_mca.runtime.distributed import RankContext, init_distributed, rank_zero_first, shutdown
+from hpc_mca.runtime.distributed import (
+    RankContext,
+    describe_process_group,
+    init_distributed,
+    rank_zero_first,
+    shutdown,
+)
 from hpc_mca.runtime.env import RankEnv
 from hpc_mca.runtime.sequence_parallel import new_sequence_parallel_groups
 from hpc_mca.stages import get_stage, load
@@ -107,7 +113,8 @@ def run_standard(config: TrainConfig, env: RankEnv, shape: ModelShape,
     # rank context's data-parallel size and seeds are those of the standard backend's layout.
     ctx = init_distributed(Layout(cp=sp), model=shape, seed=config.training.seed, env=env,
                            global_batch_size=config.training.global_batch_size,
-                           micro_batch_size=config.training.per_device_train_batch_size)
+                           micro_batch_size=config.training.per_device_train_batch_size,
+                           timeout_s=config.training.ddp_timeout)
     try:
         return _train(config, ctx, shape, callbacks)
     finally:
@@ -125,8 +132,6 @@ def _export_torch_env(env: RankEnv) -> None:
 
 def _train(config: TrainConfig, ctx: RankContext, shape: ModelShape,
            callbacks: Iterable[Any]) -> list[Any]:
-    from hpc_mca.data.tokenize import load_tokenizer
-
     run_dir = Path(config.training.output_dir)
     if ctx.is_main:
         config.save_resolved(run_dir)
@@ -137,7 +142,8 @@ def _train(config: TrainConfig, ctx: RankContext, shape: ModelShape,
         print(f"backend: standard (transformers {_version()}), data parallel "
               f"{config.parallel.data_parallel_size}, Ulysses sequence parallel "
               f"{config.parallel.sequence_parallel_size}", flush=True)
-    tokenizer = load_tokenizer(config.model.tokenizer_name_or_path or config.model.model_name_or_path)
+        print(describe_process_group(), flush=True)
+    tokenizer = data.tokenizer  # as data.template fixed it (eos, pad), like the Megatron backend's
     max_steps = total_training_steps(config.training, len(data.train))
     found = compat.resume_check(config, ctx.env.world_size, shape)
     run = StandardRun(config, ctx, data, max_steps, compat.records(config, ctx.env.world_size, shape),
@@ -184,6 +190,12 @@ def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[Any]) -> S
     config, ctx = run.config, run.ctx
     tr = config.training
     model = build_hf_model(config, ctx.device)
+    if config.parallel.recompute_granularity == "full":
+        # Enabled here, not only by the Trainer when train() starts, so the log says it is on
+        # (transformers' model reports it) before step 1.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if ctx.is_main and model.is_gradient_checkpointing:
+            print("activation recompute: every decoder layer (gradient checkpointing)", flush=True)
     optimizer, scheduler = build_optimizer(model, config, run.max_steps)
     args = _training_args(run)
     signal = StopSignal(run.run_dir, ctx.device, ctx.is_main)
@@ -223,7 +235,12 @@ def _training_args(run: StandardRun) -> Any:
         logging_strategy="no", save_strategy="no", eval_strategy="no", report_to=[],
         seed=tr.seed, ignore_data_skip=True, disable_tqdm=True, bf16=tr.bf16, fp16=tr.fp16,
         use_cpu=ctx.device.type == "cpu", ddp_backend=ctx.backend,
-        ddp_find_unused_parameters=False, save_only_model=False)
+        ddp_find_unused_parameters=False, save_only_model=False,
+        # Every decoder layer recomputed in backward (the rules allow full recompute of each
+        # layer or none); non-reentrant, so frozen LoRA bases need no input gradients.
+        gradient_checkpointing=run.config.parallel.recompute_granularity == "full",
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        ddp_timeout=tr.ddp_timeout)
     if ctx.env.world_size > 1 and args.world_size != ctx.env.world_size:
         raise RuntimeError(f"transformers sees world size {args.world_size}, the job "
                            f"{ctx.env.world_size}: gradients would not be synchronised")

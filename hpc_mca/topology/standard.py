@@ -35,8 +35,8 @@ _WHOLE_MODEL = ("the standard backend keeps a whole model on every GPU (data and
                 "sequence parallelism only)")
 _OPTIMIZER = ("the distributed optimizer is Megatron-Core's (the standard backend keeps Adam's "
               "state whole on every GPU)")
-_RECOMPUTE = ("activation recompute is Megatron-Core's (the standard backend keeps every "
-              "activation)")
+_RECOMPUTE = ("the planner sizes the standard backend without activation recompute (its "
+              "gradient checkpointing of every layer is the config's gradient_checkpointing=true)")
 _MTP = "multi-token prediction layers are Megatron-Core's"
 
 

@@ -1,0 +1,137 @@
+"""Conversation records to shifted samples (sft and dpo), in one process or several.
+
+The template is built once per run (:func:`prepare_template`), which also fixes the tokenizer
+as LLaMA-Factory does (eos, pad, stop words): everything after it (the tokenizer fingerprint of
+the cache key, the pad id of the rows) sees the fixed tokenizer. Records become examples
+(:mod:`.conversation`), examples become samples (:mod:`.samples`). With
+``data.preprocessing_num_workers`` the examples are cut into that many consecutive chunks,
+encoded in forked worker processes and put back in order, so the result is the serial one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from .arguments import DataArguments
+from .conversation import Example, check_kto, example_of
+from .errors import DataError
+from .records import Record, detect_sft_format
+from .samples import Built, check_prompt_training, is_pairwise, is_supervised, pairwise_samples, supervised_sample
+from .store import SampleStore
+from .templates import get_template
+from .tokenize import causal_shift
+
+PT_EOS = {"llama3": "<|end_of_text|>"}
+"""Templates whose pt documents end with another token than the (fixed) eos, as in
+LLaMA-Factory's pretraining processor."""
+
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(DataArguments)}
+_JOB: dict[str, Any] = {}
+"""What forked workers encode: set by the parent just before the pool forks (inherited, so
+neither the tokenizer nor the template is pickled)."""
+
+
+def setting(data: Any, key: str) -> Any:
+    """``data.<key>``, or DataArguments' default when ``data`` (a partial namespace) lacks it."""
+    return getattr(data, key, _DEFAULTS[key])
+
+
+def prepare_template(tokenizer: Any, data: Any) -> Any:
+    """``data.template`` for this tokenizer (fixed in place), checked against train_on_prompt."""
+    template = get_template(setting(data, "template"), tokenizer, enable_thinking=setting(data, "enable_thinking"),
+                            default_system=setting(data, "default_system"),
+                            tool_format=setting(data, "tool_format"))
+    check_prompt_training(template, setting(data, "train_on_prompt"), setting(data, "mask_history"))
+    return template
+
+
+def pt_eos_id(tokenizer: Any, template_name: str) -> int | None:
+    """The id ending a pt document for ``template_name``; None = the tokenizer's eos."""
+    token = PT_EOS.get(template_name)
+    if token is None:
+        return None
+    found = tokenizer.convert_tokens_to_ids(token)
+    if found is None or found == tokenizer.unk_token_id:
+        raise DataError(f"data.template={template_name!r} ends pt documents with {token!r}, which this "
+                        "tokenizer lacks; valid: the template's own model family, or another template")
+    return int(found)
+
+
+def conversation_format(records: list[Record], data: Any) -> str:
+    """``data.dataset_format``, or for auto the format the first record's keys tell."""
+    if records:
+        check_kto(records[0])
+    fmt = setting(data, "dataset_format")
+    return detect_sft_format(records[0]) if fmt == "auto" and records else fmt
+
+
+def examples_of(records: list[Record], fmt: str, ranking: bool) -> tuple[list[Example], int]:
+    """The examples of ``records`` in the shape the stage's processor accepts, and how many
+    records were invalid (broken turn alternation or a missing answer: dropped, as in LLaMA-Factory)."""
+    valid = is_pairwise if ranking else is_supervised
+    examples = []
+    for record in records:
+        example = example_of(record, fmt, ranking)
+        if example is not None and valid(example):
+            examples.append(example)
+    return examples, len(records) - len(examples)
+
+
+def _encode_chunk(bounds: tuple[int, int]) -> list[tuple[Built, ...]]:
+    job = _JOB
+    out = []
+    for example in job["examples"][bounds[0]:bounds[1]]:
+        if job["ranking"]:
+            out.append(pairwise_samples(job["template"], job["tokenizer"], example, job["cutoff_len"]))
+        else:
+            out.append((supervised_sample(job["template"], job["tokenizer"], example, job["cutoff_len"],
+                                          train_on_prompt=job["train_on_prompt"],
+                                          mask_history=job["mask_history"]),))
+    return out
+
+
+def encode_examples(examples: list[Example], tokenizer: Any, template: Any, data: Any,
+                    ranking: bool) -> list[tuple[Built, ...]]:
+    """One tuple of samples per example (sft: one; dpo: chosen, rejected), in order."""
+    _JOB.update(examples=examples, tokenizer=tokenizer, template=template, ranking=ranking,
+                cutoff_len=data.cutoff_len, train_on_prompt=setting(data, "train_on_prompt"),
+                mask_history=setting(data, "mask_history"))
+    try:
+        workers = min(setting(data, "preprocessing_num_workers") or 1, max(len(examples), 1))
+        step = -(-len(examples) // workers) if examples else 1
+        chunks = [(start, start + step) for start in range(0, len(examples), step)]
+        if workers <= 1:
+            return [built for chunk in chunks for built in _encode_chunk(chunk)]
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            return [built for part in pool.map(_encode_chunk, chunks) for built in part]
+    finally:
+        _JOB.clear()
+
+
+def _shifted(built: Built) -> tuple[np.ndarray, np.ndarray] | None:
+    """The causally shifted sample; None when no label is left to train."""
+    input_ids, labels = causal_shift(*built.arrays())
+    return (input_ids, labels) if (labels >= 0).any() else None
+
+
+def conversation_store(records: list[Record], tokenizer: Any, template: Any, data: Any, fmt: str,
+                       ranking: bool) -> SampleStore:
+    """Shifted samples of sft records (or dpo pairs, chosen and rejected interleaved), with the
+    counts the data line reports: records, samples (pairs), invalid, truncated, dropped."""
+    examples, invalid = examples_of(records, fmt, ranking)
+    counts: Counter[str] = Counter(records=len(records), invalid=invalid, truncated=0, dropped=0)
+    samples: list[tuple[np.ndarray, np.ndarray]] = []
+    for built in encode_examples(examples, tokenizer, template, data, ranking):
+        shifted = [_shifted(sample) for sample in built]
+        counts["truncated"] += built[0].truncated
+        if any(sample is None for sample in shifted):
+            counts["dropped"] += 1  # nothing left to train (the budget went to earlier turns)
+            continue
+        samples += shifted  # type: ignore[arg-type]
+    counts["pairs" if ranking else "samples"] = len(samples) // (2 if ranking else 1)
+    return SampleStore.from_samples(samples, dict(counts))
