@@ -3,7 +3,7 @@
 ``bin/setup-env`` installs ``llamafactory==0.9.5`` with ``--no-deps``: its own requirement pins
 (transformers, datasets, gradio, ...) would fight ours, and the data modules the tests compare
 against need nothing beyond what our venv already has, except one package stubbed below.
-Importing this module from a test module skips that test module when LLaMA-Factory is absent.
+Without LLaMA-Factory, importing this module fails (the parity tests never pass by skipping).
 
 Stubs (each only in the test process, installed before LLaMA-Factory is first imported):
 
@@ -28,8 +28,6 @@ import sys
 import types
 from copy import deepcopy
 from typing import Any
-
-import pytest
 
 
 def _stub_torchaudio() -> None:
@@ -63,7 +61,8 @@ def _load_data_arguments() -> type:
     return sys.modules[name].DataArguments
 
 
-pytest.importorskip("llamafactory", reason="LLaMA-Factory 0.9.5 (the peer) is not installed; run bin/setup-env")
+if importlib.util.find_spec("llamafactory") is None:  # an error, not a skip: the parity tests are the contract
+    raise ImportError("LLaMA-Factory 0.9.5, the peer of the data tests, is not installed; run bin/setup-env")
 _stub_torchaudio()
 
 from llamafactory.data import converter as lf_converter

@@ -23,7 +23,7 @@ from hpc_mca.checkpoint import afresh
 from hpc_mca.checkpoint.compat import checkpoint_to_load
 from hpc_mca.config.input import ConfigError
 from hpc_mca.config.sections import load_config
-from hpc_mca.launch.run import runtime_settings, start_afresh_if_asked
+from hpc_mca.launch.run import start_afresh_if_asked
 from hpc_mca.rundir import MANIFEST_FILE, PROGRESS_FILE
 from hpc_mca.runtime.env import from_environ
 
@@ -86,7 +86,7 @@ def test_dataloader_num_workers(runs, tmp_path):
     for mine, ref in zip(steps(lf), steps(reference), strict=True):
         assert (mine["loss"], mine["grad_norm"]) == (ref["loss"], ref["grad_norm"])
     with pytest.raises(ConfigError, match="dataloader_num_workers=-1"):
-        runtime_settings(load_config(DEMO, ["dataloader_num_workers=-1"]).training)
+        load_config(DEMO, ["dataloader_num_workers=-1"]).resolve(1)
 
 
 # --- save_only_model ----------------------------------------------------------------------
@@ -140,7 +140,7 @@ def test_ddp_timeout(runs):
     assert "process group: gloo, 1 rank(s), collective timeout 1800 s" in ref_proc.stdout
     assert "collective timeout 180000000 s" in lf_proc.stdout
     with pytest.raises(ConfigError, match="ddp_timeout=0 must be a positive"):
-        runtime_settings(load_config(DEMO, ["ddp_timeout=0"]).training)
+        load_config(DEMO, ["ddp_timeout=0"]).resolve(1)
 
 
 # --- resume_from_checkpoint: true ---------------------------------------------------------

@@ -156,7 +156,7 @@ def test_none_beside_a_tracker_is_one_line(tmp_path):
         load_config(path, ["training.report_to=none,wandb"]).resolve(world_size=1)
     assert str(err.value) == ("training.report_to=['none', 'wandb'] names none beside a "
                               "tracker; valid: none alone, or trackers without none")
-    with pytest.raises(ConfigError, match="training.report_to='neptune' is not valid"):
+    with pytest.raises(ConfigError, match="training.report_to='neptune': Neptune is not a tracker here; valid: "):
         load_config(path, ["training.report_to=neptune"]).resolve(world_size=1)
 
 

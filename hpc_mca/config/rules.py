@@ -26,6 +26,7 @@ from hpc_mca.topology.memory import CP_COMM_TYPES
 
 from .input import choice_message
 from .layout import layout_of, model_shape, model_type, our_names
+from .run_settings import check_run_settings
 from .schedule import SchedulerError, resolve_warmup_steps, scheduler_spec
 from .scope import check_scopes
 from .sections import (
@@ -522,6 +523,7 @@ RESOLVE_STEPS: tuple[tuple[_Rule, tuple[_Rule, ...]], ...] = (
     (_check_training, ()),
     (_check_schedule, ()),
     (_check_parallel, (_check_model,)),
+    (check_run_settings, ()),
 )
 """The rules in order, each with the steps whose derived values (or model) it needs: a step
 runs unless one of those failed, so one message reports the problems of every section."""

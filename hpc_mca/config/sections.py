@@ -278,7 +278,9 @@ class ParallelArguments:
     off when TP is 1; needed by MoE models under TP; data.seq_length must then be a multiple
     of TP)."""
     use_distributed_optimizer: bool = False
-    """Shard optimizer state over data-parallel ranks."""
+    """Shard optimizer state over data-parallel ranks. resolve turns it on for LoRA with
+    bf16/fp16 on the Megatron backend, whose other mixed-precision optimizer cannot keep the
+    float32 adapters (the resolved config in the run directory says so)."""
     overlap_grad_reduce: bool = False
     """Overlap the gradient reduce-scatter/all-reduce with backward."""
     overlap_param_gather: bool = False

@@ -17,9 +17,8 @@ import torch
 
 from hpc_mca.checkpoint.afresh import start_afresh
 from hpc_mca.checkpoint.compat import nothing_to_train, resume_check
-from hpc_mca.config.input import ConfigError
 from hpc_mca.config.layout import layout_of
-from hpc_mca.config.sections import DataArguments, ModelArguments, TrainConfig, TrainingArguments, load_config
+from hpc_mca.config.sections import DataArguments, ModelArguments, TrainConfig, TrainingArguments, load_resolved
 from hpc_mca.errors import UserError
 from hpc_mca.loop.trackers import skip_unused_tracker_imports
 from hpc_mca.rundir import clear_bad_input
@@ -41,13 +40,12 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
     """Train as configured; return the per-step results (identical on every rank)."""
     env = from_environ()
     try:
-        config = load_config(config_path, overrides).resolve(env.world_size)
+        config = load_resolved(config_path, overrides, env.world_size)
         data_files_exist(config.data)
         tokenizer_fits_model(config.model, _shape(config.model).vocab_size)
         if config.training.use_mca:
             attention_backend_available(config)
             check_megatron_settings(config, layout_of(config.parallel))
-        runtime_settings(config.training)
         start_afresh_if_asked(config.training, env)  # before anything reads output_dir
         resume_check(config, env.world_size, _shape(config.model))  # before any collective
     except UserError as err:
@@ -142,21 +140,6 @@ def _datasets(objective: Any, ctx: RankContext) -> Any:
         return data
 
     return rank_zero_first(build, ctx.is_main)
-
-
-def runtime_settings(training: TrainingArguments) -> None:
-    """The run-time settings both backends honour, refused in one line before anything runs."""
-    if training.ddp_timeout <= 0:
-        raise ConfigError(f"training.ddp_timeout={training.ddp_timeout} must be a positive number "
-                          "of seconds (default 1800)")
-    if training.dataloader_num_workers < 0:
-        raise ConfigError(f"training.dataloader_num_workers={training.dataloader_num_workers}: "
-                          "valid: 0 (load in the training process) or more worker processes")
-    if training.overwrite_output_dir and training.resume_from_checkpoint == "latest":
-        raise ConfigError("training.resume_from_checkpoint=latest (true) with "
-                          "training.overwrite_output_dir=true: the first start moves output_dir's run "
-                          "aside, leaving nothing to resume; valid: resume_from_checkpoint auto (null) "
-                          "or never, or overwrite_output_dir false")
 
 
 def start_afresh_if_asked(training: TrainingArguments, env: RankEnv) -> None:

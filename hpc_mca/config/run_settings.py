@@ -1,0 +1,29 @@
+"""Rules of the settings every run honours at run time whatever its backend (the process-group
+timeout, loader workers, starting afresh), checked by :meth:`TrainConfig.resolve` so that
+``hpc-mca submit`` refuses them on the login node as the ranks would."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .input import ConfigError
+
+if TYPE_CHECKING:
+    from .sections import TrainConfig
+
+
+def check_run_settings(config: TrainConfig, world_size: int) -> None:
+    """training.ddp_timeout, dataloader_num_workers, and overwrite_output_dir against
+    resume_from_checkpoint: one line each, the first found."""
+    training = config.training
+    if training.ddp_timeout <= 0:
+        raise ConfigError(f"training.ddp_timeout={training.ddp_timeout} must be a positive number "
+                          "of seconds (default 1800)")
+    if training.dataloader_num_workers < 0:
+        raise ConfigError(f"training.dataloader_num_workers={training.dataloader_num_workers}: "
+                          "valid: 0 (load in the training process) or more worker processes")
+    if training.overwrite_output_dir and training.resume_from_checkpoint == "latest":
+        raise ConfigError("training.resume_from_checkpoint=latest (true) with "
+                          "training.overwrite_output_dir=true: the first start moves output_dir's run "
+                          "aside, leaving nothing to resume; valid: resume_from_checkpoint auto (null) "
+                          "or never, or overwrite_output_dir false")
