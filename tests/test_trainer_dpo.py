@@ -129,8 +129,8 @@ def test_dpo_resumes_exactly(setup):
 @pytest.mark.parametrize("record, message", [
     ({"instruction": "1+1=", "output": "2"},
      "finetuning.stage='dpo' needs pairwise records ('chosen' and 'rejected' answers)"),
-    ({"instruction": "1+1=", "chosen": "2"}, "a preference pair needs 'chosen' and "
-                                             "'rejected'; missing 'rejected'"),
+    ({"instruction": "1+1=", "chosen": "2"}, "finetuning.stage='dpo' needs pairwise records "
+     "('chosen' and 'rejected' answers); this one has keys ['chosen', 'instruction']"),
 ])
 def test_bad_pairwise_data_stops_every_rank(setup, tmp_path, record, message):
     root, config, _ = setup
