@@ -1,6 +1,6 @@
 """LLaMA-Factory's own example configs run here as its users wrote them (issue #39).
 
-The four YAMLs below are LLaMA-Factory's ``examples/train_full/qwen3_full_sft.yaml`` and
+The four YAMLs (tests/lf_examples.py) are LLaMA-Factory's ``examples/train_full/qwen3_full_sft.yaml`` and
 ``examples/train_lora/qwen3_lora_{sft,dpo,pretrain}.yaml`` (key for key, value for value, comments
 left out). A test changes only what a user moving to this machine must change: the model
 (``model_name_or_path``: the tiny test model), where the data lives (``dataset_dir``: data in
@@ -21,43 +21,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from lf_examples import EXAMPLES
 from trainer_fixtures import make_model_dir, run_ranks, steps
 
 from hpc_mca.data.addition import alpaca_record, make_problems, preference_record
 
 pytestmark = pytest.mark.slow
 
-COMMON = {
-    "trust_remote_code": True, "do_train": True, "cutoff_len": 2048, "max_samples": 1000,
-    "preprocessing_num_workers": 16, "dataloader_num_workers": 4, "logging_steps": 10,
-    "save_steps": 500, "plot_loss": True, "overwrite_output_dir": True, "save_only_model": False,
-    "report_to": "none", "per_device_train_batch_size": 1, "num_train_epochs": 3.0,
-    "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "bf16": True, "ddp_timeout": 180000000,
-    "resume_from_checkpoint": None,
-}
-LORA = {"finetuning_type": "lora", "lora_rank": 8, "lora_target": "all"}
-EXAMPLES = {
-    "qwen3_full_sft": {
-        "model_name_or_path": "Qwen/Qwen3-4B-Instruct-2507", "stage": "sft",
-        "finetuning_type": "full", "deepspeed": "examples/deepspeed/ds_z3_config.json",
-        "dataset": "identity,alpaca_en_demo", "template": "qwen3_nothink",
-        "output_dir": "saves/qwen3-4b/full/sft", "gradient_accumulation_steps": 2,
-        "learning_rate": 1.0e-5, **COMMON},
-    "qwen3_lora_sft": {
-        "model_name_or_path": "Qwen/Qwen3-4B-Instruct-2507", "stage": "sft", **LORA,
-        "dataset": "identity,alpaca_en_demo", "template": "qwen3_nothink",
-        "output_dir": "saves/qwen3-4b/lora/sft", "gradient_accumulation_steps": 8,
-        "learning_rate": 1.0e-4, **COMMON},
-    "qwen3_lora_dpo": {
-        "model_name_or_path": "Qwen/Qwen3-4B-Instruct-2507", "stage": "dpo", **LORA,
-        "pref_beta": 0.1, "pref_loss": "sigmoid", "dataset": "dpo_en_demo",
-        "template": "qwen3_nothink", "output_dir": "saves/qwen3-4b/lora/dpo",
-        "gradient_accumulation_steps": 8, "learning_rate": 5.0e-6, **COMMON},
-    "qwen3_lora_pretrain": {
-        "model_name_or_path": "Qwen/Qwen3-4B-Instruct-2507", "stage": "pt", **LORA,
-        "dataset": "c4_demo", "output_dir": "saves/qwen3-4b/lora/pretrain",
-        "gradient_accumulation_steps": 8, "learning_rate": 1.0e-4, **COMMON},
-}
 DATASET_INFO = {
     "identity": {"file_name": "identity.json"},
     "alpaca_en_demo": {"file_name": "alpaca_en_demo.json"},
@@ -107,7 +77,7 @@ def test_llama_factory_example_runs_unchanged(setup, tmp_path, example, backend)
     config.pop("deepspeed", None)  # refused here: see the module docstring
     config.update(model_name_or_path=str(model_dir), dataset_dir=str(data_dir),
                   output_dir=str(tmp_path / "run"), max_steps=2)
-    path = tmp_path / f"{example}.yaml"
+    path = tmp_path / "example.yaml"
     path.write_text(yaml.safe_dump(config))
     done = run_ranks(2, ["train", str(path), f"use_mca={backend == 'megatron'}"], timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from lf_examples import EXAMPLES
 from trainer_fixtures import CONFIG_ONLY_LLAMA, config_only_run
 
 from hpc_mca.config.input import LF_KEYS
@@ -300,86 +301,12 @@ def test_load_resolved_is_resolve_when_all_is_well(run: Path):
 
 # --- LLaMA-Factory's example YAMLs -----------------------------------------------------------
 
-COMMON = """
-trust_remote_code: true
-do_train: true
-cutoff_len: 2048
-max_samples: 1000
-preprocessing_num_workers: 16
-dataloader_num_workers: 4
-logging_steps: 10
-save_steps: 500
-plot_loss: true
-overwrite_output_dir: true
-save_only_model: false
-report_to: none
-per_device_train_batch_size: 1
-num_train_epochs: 3.0
-lr_scheduler_type: cosine
-warmup_ratio: 0.1
-bf16: true
-ddp_timeout: 180000000
-resume_from_checkpoint: null
-"""
-EXAMPLES = {
-    "train_lora/qwen3_lora_sft.yaml": """
-model_name_or_path: Qwen/Qwen3-4B-Instruct-2507
-stage: sft
-finetuning_type: lora
-lora_rank: 8
-lora_target: all
-dataset: identity,alpaca_en_demo
-template: qwen3_nothink
-output_dir: saves/qwen3-4b/lora/sft
-gradient_accumulation_steps: 8
-learning_rate: 1.0e-4
-""",
-    "train_full/qwen3_full_sft.yaml": """
-model_name_or_path: Qwen/Qwen3-4B-Instruct-2507
-stage: sft
-finetuning_type: full
-deepspeed: examples/deepspeed/ds_z3_config.json
-dataset: identity,alpaca_en_demo
-template: qwen3_nothink
-output_dir: saves/qwen3-4b/full/sft
-gradient_accumulation_steps: 2
-learning_rate: 1.0e-5
-""",
-    "train_lora/qwen3_lora_dpo.yaml": """
-model_name_or_path: Qwen/Qwen3-4B-Instruct-2507
-stage: dpo
-finetuning_type: lora
-lora_rank: 8
-lora_target: all
-pref_beta: 0.1
-pref_loss: sigmoid
-dataset: dpo_en_demo
-template: qwen3_nothink
-output_dir: saves/qwen3-4b/lora/dpo
-gradient_accumulation_steps: 8
-learning_rate: 5.0e-6
-""",
-    "train_lora/qwen3_lora_pretrain.yaml": """
-model_name_or_path: Qwen/Qwen3-4B-Instruct-2507
-stage: pt
-finetuning_type: lora
-lora_rank: 8
-lora_target: all
-dataset: c4_demo
-output_dir: saves/qwen3-4b/lora/pretrain
-gradient_accumulation_steps: 8
-learning_rate: 1.0e-4
-""",
-}
-"""LLaMA-Factory's examples/<name>, key for key and value for value (comments left out)."""
-
-
 def _example(name: str, tmp_path: Path) -> Path:
     """The example with only model_name_or_path, dataset_dir and output_dir changed."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(CONFIG_ONLY_LLAMA))
     (tmp_path / "data").mkdir()
-    config = {**yaml.safe_load(EXAMPLES[name]), **yaml.safe_load(COMMON)}
+    config = dict(EXAMPLES[name])
     config.update(model_name_or_path="model", dataset_dir="data", output_dir=str(tmp_path / "out"))
     path = tmp_path / "example.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
