@@ -8,7 +8,8 @@ arguments live in :mod:`hpc_mca.data.arguments`, the layout arithmetic in
 ``hpc-mca train --help`` and config validation stay instant (:mod:`.schedule` builds its
 Megatron scheduler lazily).
 
-- ``sections``: the dataclasses, YAML loading and the resolved config a run directory keeps.
+- ``sections``: the dataclasses and the resolved config a run directory keeps.
+- ``loading``: YAML and ``key=value`` overrides into the dataclasses, with every problem in one message.
 - ``input``: key aliases, type coercion, the one-line :class:`ConfigError`.
 - ``rules``: the cross-section checks, each naming the dotted field and what is valid.
 - ``scope``: settings that only mean something in a context (a stage, a backend).

@@ -59,7 +59,6 @@ KNOWN_ELSEWHERE: dict[str, str] = {
                         "adapters on the bf16/fp32 base: finetuning_type=lora, bf16=true)",
     "quantization_method": "no quantized training (QLoRA) here: remove the key",
     "max_length": "use data.cutoff_len",
-    "adapter_name_or_path": "no counterpart yet: LoRA starts from fresh adapters",
     # transformers / TRL / peft names
     "per_gpu_train_batch_size": "use training.per_device_train_batch_size",
     "per_gpu_eval_batch_size": "use training.per_device_eval_batch_size",

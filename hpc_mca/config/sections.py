@@ -1,6 +1,6 @@
 """The run configuration: five dataclasses under the names LLaMA-Factory / ROLL users know.
 
-A config is read from YAML plus ``key=value`` overrides (:func:`load_config`); keys are flat
+A config is read from YAML plus ``key=value`` overrides (:func:`load_config`, in :mod:`.loading`); keys are flat
 (``learning_rate``, as LLaMA-Factory YAMLs write them) or dotted (``training.learning_rate``),
 and a YAML file may also nest them under the section names. Values are YAML-typed
 (``bf16=true``, ``lr_scheduler_kwargs={min_lr_rate: 0.1}``, ``lr_scheduler_kwargs.min_lr=1e-5``).
@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,22 +28,11 @@ from typing import Any
 import yaml
 
 from hpc_mca.data.arguments import DataArguments, DataRun
-from hpc_mca.data.templates import TEMPLATE_NAMES
 from hpc_mca.rundir import RESOLVED_CONFIG_FILE, write_atomic
 
-from .input import (
-    ConfigError,
-    choice_message,
-    coerce,
-    lf_assignments,
-    lf_name,
-    optimizer_fields,
-    parse_value,
-    read_yaml,
-    unknown_key_message,
-)
+from .input import ConfigError
 
-PREF_LOSSES = ("sigmoid", "ipo", "hinge")
+PREF_LOSSES = ("sigmoid", "ipo", "hinge", "orpo", "simpo")
 """dpo's preference losses (``finetuning.pref_loss``), as LLaMA-Factory and TRL name them."""
 FINETUNING_TYPES = ("full", "lora")
 """Which parameters train: every one (full), or LoRA adapters on the frozen model (lora)."""
@@ -82,6 +70,11 @@ class ModelArguments:
     (config.json, random init). Nothing is downloaded."""
     tokenizer_name_or_path: str | None = None
     """Tokenizer directory; None = ``model_name_or_path``."""
+    adapter_name_or_path: list[str] | None = None
+    """PEFT adapter directories (LoRA) to load onto the model before training, in order (a
+    comma-separated string works too); with several, every one but the last is merged into the
+    base as LLaMA-Factory merges them, and the last trains on (``finetuning.create_new_adapter``
+    false) or is merged too under a fresh adapter (true). None = start from fresh adapters."""
     attention_backend: str = "auto"
     """Core attention: auto (te, else flash, else torch), te, flash or torch."""
     packed_attention: str = "auto"
@@ -130,6 +123,34 @@ class FinetuningArguments:
     """dpo with sigmoid: the assumed rate of flipped preference labels (cDPO), in [0, 0.5)."""
     pref_ftx: float = 0.0
     """dpo: weight of an SFT term, the chosen answer's mean token NLL, added to each pair."""
+    simpo_gamma: float = 0.5
+    """dpo with pref_loss simpo: the target reward margin γ (LLaMA-Factory's default)."""
+    use_ref_model: bool | None = None
+    """dpo: whether a reference model scores the pairs. None = what the loss needs (sigmoid,
+    ipo, hinge: yes; orpo, simpo: no, they are reference-free); false with sigmoid, ipo or
+    hinge = TRL's ``reference_free`` (the reference log-probabilities are 0), and no reference
+    model is built."""
+    ref_model: str | None = None
+    """dpo: an HF model directory to use as the reference instead of the starting model."""
+    ref_model_adapters: list[str] | None = None
+    """dpo: PEFT adapter directories loaded (merged) onto the reference model (``ref_model``,
+    or the starting model when that is None)."""
+    kto_chosen_weight: float = 1.0
+    """kto: weight of the desirable examples' losses (TRL's ``desirable_weight``)."""
+    kto_rejected_weight: float = 1.0
+    """kto: weight of the undesirable examples' losses (TRL's ``undesirable_weight``)."""
+    freeze_trainable_layers: int = 2
+    """freeze: decoder layers that train, the last N when positive, the first -N when
+    negative (LLaMA-Factory's rule)."""
+    freeze_trainable_modules: list[str] = field(default_factory=lambda: ["all"])
+    """freeze: the modules of those layers that train (HF names below a layer, e.g. mlp,
+    self_attn), or ``all``; a comma-separated string works too."""
+    freeze_extra_modules: list[str] | None = None
+    """freeze: modules outside the decoder layers that train too (HF names, e.g.
+    embed_tokens, norm, lm_head); None = none."""
+    create_new_adapter: bool = False
+    """lora with ``model.adapter_name_or_path``: merge the given adapters into the base and
+    train a fresh adapter on top (true), or train the last given adapter further (false)."""
 
 
 @dataclass
@@ -390,161 +411,5 @@ def _field_index() -> dict[str, str]:
 _FLAT = _field_index()
 
 
-# --- loading -------------------------------------------------------------------------------
-
-
-def load_config(path: str | os.PathLike[str] | None = None,
-                overrides: typing.Iterable[str] = ()) -> TrainConfig:
-    """Defaults, then the YAML file at ``path``, then ``key=value`` overrides, in that order.
-
-    Every unknown key, every value of the wrong type or out of its choices and every refused
-    LLaMA-Factory key is reported at once, one line each, in the order written (a key set
-    again later, e.g. by an override, counts by its last value)."""
-    config, problems = _load(path, overrides)
-    if problems:
-        raise ConfigError("\n".join(problems))
-    return config
-
-
-def load_resolved(path: str | os.PathLike[str] | None, overrides: typing.Iterable[str],
-                  world_size: int) -> TrainConfig:
-    """:func:`load_config`, then :meth:`TrainConfig.resolve` for ``world_size`` ranks, with
-    the problems of both in one message: the rules also run on a config whose keys had
-    problems (those keys keep their defaults), and a rule's line about a field that already
-    has a line is left out."""
-    config, problems = _load(path, overrides)
-    try:
-        resolved = config.resolve(world_size)
-    except ConfigError as err:
-        named = {line.split("=")[0].split(" ")[0] for line in problems}
-        problems += [line for line in str(err).splitlines()
-                     if line.split("=")[0].split(" ")[0] not in named]
-    if problems:
-        raise ConfigError("\n".join(problems))
-    return resolved
-
-
-def _load(path: str | os.PathLike[str] | None,
-          overrides: typing.Iterable[str]) -> tuple[TrainConfig, list[str]]:
-    """The config and its load problems, one line each, in the order their keys come."""
-    config = TrainConfig()
-    items = _items(path, overrides)
-    problems: dict[str, tuple[int, str]] = {}  # by the field a key names (flat and dotted are one)
-    written: dict[str, int] = {}  # field -> the position of the item that set it last
-    lf_items: dict[str, tuple[int, Any]] = {}  # a LLaMA-Factory key -> its last position, value
-    for at, (key, value, base) in enumerate(items):
-        name = lf_name(key, tuple(_SECTION_TYPES))
-        if name is not None:
-            lf_items.pop(name, None)  # re-inserted: they are applied in the order written
-            lf_items[name] = (at, value)
-            continue
-        try:
-            written.update(dict.fromkeys(set_value(config, key, value, base_dir=base), at))
-            problems.pop(_field_of(key), None)
-        except ConfigError as err:
-            problems[_field_of(key)] = (at, str(err))
-    for name, (at, value) in lf_items.items():
-        try:
-            for dotted, field_value in lf_assignments(name, value, config, at, written).items():
-                set_value(config, dotted, field_value)
-                written[dotted] = at
-        except ConfigError as err:
-            problems[name] = (at, str(err))
-    return config, [line for _, line in sorted(problems.values())]
-
-
-def _items(path: str | os.PathLike[str] | None,
-           overrides: typing.Iterable[str]) -> list[tuple[str, Any, Path | None]]:
-    """(key, value, the YAML file's directory or None) for every key, in order."""
-    items: list[tuple[str, Any, Path | None]] = []
-    if path is not None:
-        base = Path(path).resolve().parent
-        items += [(key, value, base) for key, value in _flatten(read_yaml(Path(path)))]
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} is not key=value")
-        items.append((key.strip(), parse_value(key, text), None))
-    return items
-
-
-def _field_of(key: str) -> str:
-    try:
-        dotted, subkey = _lookup(key)
-    except ConfigError:
-        return key
-    return dotted if subkey is None else f"{dotted}.{subkey}"
-
-
-def _flatten(data: dict[str, Any]) -> list[tuple[str, Any]]:
-    """Section mappings (``training: {...}``) become dotted keys; other keys pass through."""
-    items: list[tuple[str, Any]] = []
-    for key, value in data.items():
-        if key in _SECTION_TYPES and isinstance(value, dict):
-            items += [(f"{key}.{sub}", v) for sub, v in value.items()]
-        else:
-            items.append((str(key), value))
-    return items
-
-
-_LOAD_CHOICES: dict[str, tuple[str, ...]] = {"data.template": TEMPLATE_NAMES,
-                                              "training.report_to": REPORT_TO}
-"""Fields whose values are checked against their choices as they are read (so that a typo
-is in the load message, with a close spelling); the rules check the others."""
-
-
-def set_value(config: TrainConfig, key: str, value: Any,
-              base_dir: Path | None = None) -> list[str]:
-    """Set one flat or dotted key (``lr_scheduler_kwargs.min_lr`` sets a kwarg), type-checked;
-    returns the dotted fields it set (transformers' ``optim: adamw_torch_fused`` sets two)."""
-    dotted, subkey = _lookup(key)
-    section, name = dotted.split(".")
-    if subkey is not None:
-        getattr(getattr(config, section), name)[subkey] = value
-        return [dotted]
-    if dotted == "training.optim":
-        fields = optimizer_fields(value, OPTIMIZERS)
-        for target, target_value in fields.items():
-            setattr(config.training, target.split(".")[1], target_value)
-        return list(fields)
-    hint = typing.get_type_hints(_SECTION_TYPES[section])[name]
-    value = coerce(dotted, value, hint)
-    for item in (value if isinstance(value, list) else [value]):
-        problem = choice_message(dotted, item, _LOAD_CHOICES[dotted]) if dotted in _LOAD_CHOICES else None
-        if problem:
-            raise ConfigError(problem)
-    if base_dir is not None and dotted in _INPUT_PATHS and value is not None:
-        value = _relative_to(base_dir, value)
-    setattr(getattr(config, section), name, value)
-    return [dotted]
-
-
-def _lookup(key: str) -> tuple[str, str | None]:
-    """``(dotted field, dict subkey or None)`` for a flat or dotted key."""
-    parts = key.split(".")
-    if parts[0] in _SECTION_TYPES and len(parts) >= 2 and _FLAT.get(parts[1]) == ".".join(
-            parts[:2]):
-        dotted, rest = ".".join(parts[:2]), parts[2:]
-    elif parts[0] in _FLAT:
-        dotted, rest = _FLAT[parts[0]], parts[1:]
-    else:
-        raise ConfigError(_unknown_key_message(key))
-    if not rest:
-        return dotted, None
-    if dotted != "training.lr_scheduler_kwargs" or len(rest) != 1:
-        raise ConfigError(_unknown_key_message(key))
-    return dotted, rest[0]
-
-
-def _unknown_key_message(key: str) -> str:
-    return unknown_key_message(key, _FLAT)
-
-
-def _relative_to(base: Path, value: Any) -> Any:
-    if isinstance(value, list):
-        return [_relative_to(base, v) for v in value]
-    if not isinstance(value, str) or not value or os.path.isabs(value):
-        return value
-    candidate = base / value
-    exists = candidate.exists() or Path(f"{candidate}.idx").exists()
-    return str(candidate) if exists else value
+# Loading lives in .loading (it needs the classes above); re-exported here, where callers look.
+from .loading import load_config, load_resolved, set_value  # noqa: E402,F401
