@@ -30,6 +30,13 @@ EXAMPLES = {
         "pref_beta": 0.1, "pref_loss": "sigmoid", "dataset": "dpo_en_demo",
         "template": "qwen3_nothink", "output_dir": "saves/qwen3-4b/lora/dpo",
         "gradient_accumulation_steps": 8, "learning_rate": 5.0e-6, **COMMON},
+    # LLaMA-Factory's kto example has neither save_only_model nor resume_from_checkpoint.
+    "train_lora/qwen3_lora_kto.yaml": {
+        "model_name_or_path": "Qwen/Qwen3-4B-Instruct-2507", "stage": "kto", **LORA,
+        "pref_beta": 0.1, "dataset": "kto_en_demo", "template": "qwen3_nothink",
+        "output_dir": "saves/qwen3-4b/lora/kto", "gradient_accumulation_steps": 8,
+        "learning_rate": 5.0e-6,
+        **{k: v for k, v in COMMON.items() if k not in ("save_only_model", "resume_from_checkpoint")}},
     "train_lora/qwen3_lora_pretrain.yaml": {
         "model_name_or_path": "Qwen/Qwen3-4B-Instruct-2507", "stage": "pt", **LORA,
         "dataset": "c4_demo", "output_dir": "saves/qwen3-4b/lora/pretrain",

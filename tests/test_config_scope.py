@@ -30,13 +30,22 @@ def _problems(run: Path, overrides: list[str], world_size: int = 1) -> list[str]
 # field its context (checked to be accepted there, so each refusal is the context's doing).
 OUT_OF_CONTEXT = {
     "finetuning.pref_beta": ("0.2", ["stage=dpo"]),
+    "finetuning.kto_chosen_weight": ("0.5", ["stage=kto"]),
+    "finetuning.kto_rejected_weight": ("2.0", ["stage=kto"]),
     "finetuning.pref_loss": ("ipo", ["stage=dpo"]),
     "finetuning.pref_ftx": ("0.5", ["stage=dpo"]),
     "finetuning.dpo_label_smoothing": ("0.1", ["stage=dpo"]),
+    "finetuning.simpo_gamma": ("0.3", ["stage=dpo", "pref_loss=simpo"]),
+    "finetuning.use_ref_model": ("false", ["stage=dpo"]),
+    "finetuning.ref_model": ("model", ["stage=dpo"]),  # the run's own model dir (see below)
     "finetuning.lora_rank": ("4", ["finetuning_type=lora"]),
     "finetuning.lora_alpha": ("32", ["finetuning_type=lora"]),
     "finetuning.lora_dropout": ("0.1", ["finetuning_type=lora"]),
     "finetuning.lora_target": ("q_proj", ["finetuning_type=lora"]),
+    "finetuning.freeze_trainable_layers": ("-1", ["finetuning_type=freeze"]),
+    "finetuning.freeze_trainable_modules": ("mlp", ["finetuning_type=freeze"]),
+    "finetuning.freeze_extra_modules": ("embed_tokens", ["finetuning_type=freeze"]),
+    "finetuning.create_new_adapter": ("true", ["finetuning_type=lora"]),  # + the adapter below
     "data.dataset_format": ("alpaca", None),
     "training.eval_steps": ("5", ["val_size=0.5"]),
     "training.per_device_eval_batch_size": ("2", ["eval_dataset=train.jsonl"]),
@@ -66,6 +75,20 @@ LEAVE_CONTEXT = {
 }
 
 
+def _tiny_adapter(directory: Path) -> Path:
+    """A PEFT LoRA adapter (q_proj of layer 0) for the config-only Llama."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    (directory / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}))
+    name = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{name}.lora_A.weight": torch.zeros(2, 64), f"{name}.lora_B.weight": torch.zeros(64, 2)},
+              str(directory / "adapter_model.safetensors"))
+    return directory
+
+
 def test_every_scoped_field_has_a_case():
     assert {f for scope in SCOPES for f in scope.fields} == set(OUT_OF_CONTEXT)
 
@@ -73,6 +96,8 @@ def test_every_scoped_field_has_a_case():
 @pytest.mark.parametrize("dotted", sorted(OUT_OF_CONTEXT))
 def test_a_setting_outside_its_context_is_refused_and_accepted_inside(run: Path, dotted: str):
     value, context = OUT_OF_CONTEXT[dotted]
+    if dotted == "finetuning.ref_model":
+        value = str(run / value)
     outside = LEAVE_CONTEXT.get(dotted, [])
     if dotted == "data.dataset_format":
         (run / "dataset_info.json").write_text(json.dumps({"t": {"file_name": "train.jsonl"}}))
@@ -81,6 +106,8 @@ def test_a_setting_outside_its_context_is_refused_and_accepted_inside(run: Path,
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"{dotted}=") and " acts only with " in lines[0], lines
     inside = context if context is not None else []
+    if dotted == "finetuning.create_new_adapter":
+        inside = [*inside, f"adapter_name_or_path={_tiny_adapter(run / 'adapter')}"]
     world_size = 2 if "context_parallel_size=2" in inside else 1
     load_config(run / "run.yaml", [*inside, f"{dotted}={value}"]).resolve(world_size)
 

@@ -108,13 +108,18 @@ def test_every_finetuning_type_has_a_converter_of_its_name(name):
     assert set(CONVERTERS) == set(FINETUNING_TYPES)
 
 
-def test_what_full_and_lora_change():
+def test_what_full_lora_and_freeze_change():
     full = converter_for(FinetuningArguments())
     lora = converter_for(FinetuningArguments(finetuning_type="lora"))
+    freeze = converter_for(FinetuningArguments(finetuning_type="freeze"))
     assert (full.trains_adapters, full.can_merge, full.reference_is_base) == (False, False, False)
     assert (lora.trains_adapters, lora.can_merge, lora.reference_is_base) == (True, True, True)
+    # freeze: no adapters (nothing to merge), its reference is a frozen copy of the model.
+    assert (freeze.trains_adapters, freeze.can_merge, freeze.reference_is_base) == (False, False, False)
     assert full.resume_record("/nowhere") == {}
+    assert full.frozen_sizing("/nowhere") is None
     # A name the rules will refuse plans as a full run, as before the rules run.
+    assert not trains_adapters_only(FinetuningArguments(finetuning_type="oft"))
     assert not trains_adapters_only(FinetuningArguments(finetuning_type="freeze"))
     assert trains_adapters_only(FinetuningArguments(finetuning_type="lora"))
 

@@ -195,17 +195,43 @@ def test_llama3_pt_documents_end_with_end_of_text(tmp_path):
     assert tokenizer.eos_token == "<|eot_id|>"  # llama3 replaces the eos; pt ends with end_of_text
 
 
-def test_kto_data_is_refused_in_one_line(tmp_path):
+def test_kto_data_is_read_by_stage_kto_only(tmp_path):
+    """kto_tag: refused in one line outside stage kto (an entry's column, a direct file's
+    field); stage kto needs it, a boolean, and pairs each example with the answer before it in
+    the micro-step for its KL row (the first with the last)."""
+    turns = [[{"from": "human", "value": f"{a}+{b}="}, {"from": "gpt", "value": str(a + b + k % 2)}]
+             for k, (a, b) in enumerate(make_problems(4, seed=2))]
     root = _lf_dir(tmp_path, {"kto": {"file_name": "k.jsonl", "formatting": "sharegpt",
-                                      "columns": {"messages": "conversations", "kto_tag": "label"}}},
-                   {"k.jsonl": [{"conversations": [], "label": True}]})
+                                      "columns": {"messages": "conversations", "kto_tag": "label"}},
+                              "sft": {"file_name": "k.jsonl", "formatting": "sharegpt",
+                                      "columns": {"messages": "conversations"}}},
+                   {"k.jsonl": [{"conversations": t, "label": k % 2 == 0} for k, t in enumerate(turns)]})
     with pytest.raises(DataError) as err:
         _build(tmp_path, f"dataset_dir={root}", "dataset=kto", "cutoff_len=64")
-    assert "columns.kto_tag (kto's unpaired feedback) is not supported yet" in _one_line(err)
-    path = _jsonl(tmp_path / "k.jsonl", [{**alpaca_record(1, 2), "kto_tag": True}])
+    assert "dataset 'kto' has columns.kto_tag, which finetuning.stage='sft' does not read" in _one_line(err)
+    with pytest.raises(DataError) as err:
+        _build(tmp_path, f"dataset_dir={root}", "dataset=sft", "cutoff_len=64", stage="kto")
+    assert "dataset 'sft' lacks columns.kto_tag, which finetuning.stage='kto' needs" in _one_line(err)
+    path = _jsonl(tmp_path / "a.jsonl", [{**alpaca_record(1, 2), "kto_tag": True}])
     with pytest.raises(DataError) as err:
         load_samples(str(path), load_tokenizer(DEMO_DIR), _data(tmp_path), "sft")
-    assert "kto_tag (unpaired feedback, stage kto) is not supported yet" in _one_line(err)
+    assert "kto_tag (unpaired feedback) is read by finetuning.stage='kto' only" in _one_line(err)
+    path = _jsonl(tmp_path / "b.jsonl", [{**alpaca_record(1, 2), "kto_tag": "yes"}])
+    with pytest.raises(DataError) as err:
+        load_samples(str(path), load_tokenizer(DEMO_DIR), _data(tmp_path), "kto")
+    assert "b.jsonl:1: finetuning.stage='kto' needs a boolean kto_tag" in _one_line(err)
+
+    data = _build(tmp_path, f"dataset_dir={root}", "dataset=kto", "cutoff_len=64", stage="kto")
+    store = data.train.samples
+    assert len(data.train) == 4 and store.stats["desirable"] == 2 and store.stats["invalid"] == 0
+    batch = data.train.collate([data.train[(0, 3)], data.train[(1, 0)]])
+    assert batch.tags.tolist() == [1, 0] and batch.rows == 4
+    for row, (own, other) in enumerate([(0, 0), (0, 3), (1, 1), (1, 0)]):
+        prompt, answer = store.sample(2 * own)[0].tolist(), store.sample(2 * other + 1)[0].tolist()
+        ids, labels = batch.input_ids[row].tolist(), batch.labels[row].tolist()
+        whole = prompt + answer
+        assert ids[:len(whole) - 1] == whole[:-1], row  # the prompt, then the row's answer
+        assert [t for t in labels if t != -100] == answer, row  # only the answer is scored
 
 
 def test_a_hub_entry_without_a_local_file_is_refused(tmp_path):

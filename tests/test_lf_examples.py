@@ -1,7 +1,7 @@
 """LLaMA-Factory's own example configs run here as its users wrote them (issue #39).
 
-The four YAMLs (tests/lf_examples.py) are LLaMA-Factory's ``examples/train_full/qwen3_full_sft.yaml`` and
-``examples/train_lora/qwen3_lora_{sft,dpo,pretrain}.yaml`` (key for key, value for value, comments
+The five YAMLs (tests/lf_examples.py) are LLaMA-Factory's ``examples/train_full/qwen3_full_sft.yaml`` and
+``examples/train_lora/qwen3_lora_{sft,dpo,kto,pretrain}.yaml`` (key for key, value for value, comments
 left out). A test changes only what a user moving to this machine must change: the model
 (``model_name_or_path``: the tiny test model), where the data lives (``dataset_dir``: data in
 LLaMA-Factory's formats under its example dataset names, made here), where the run goes
@@ -35,6 +35,10 @@ DATASET_INFO = {
                     "columns": {"messages": "conversations", "chosen": "chosen",
                                 "rejected": "rejected"}},
     "c4_demo": {"file_name": "c4_demo.jsonl", "columns": {"prompt": "text"}},
+    "kto_en_demo": {"file_name": "kto_en_demo.json", "formatting": "sharegpt",
+                    "columns": {"messages": "messages", "kto_tag": "label"},
+                    "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                             "assistant_tag": "assistant"}},
 }
 """LLaMA-Factory's data/dataset_info.json entries of the datasets its examples name."""
 
@@ -53,6 +57,12 @@ def _write_lf_data(root: Path) -> Path:
         {"conversations": [{"from": "human", "value": p["instruction"]}],
          "chosen": {"from": "gpt", "value": p["chosen"]},
          "rejected": {"from": "gpt", "value": p["rejected"]}} for p in pairs], indent=2))
+    # kto_en_demo: sharegpt messages with a boolean label (LLaMA-Factory's 300 examples,
+    # 150 desirable); here the right sum is desirable, a near miss undesirable.
+    (data / "kto_en_demo.json").write_text(json.dumps([
+        {"messages": [{"role": "user", "content": p["instruction"]},
+                      {"role": "assistant", "content": p["chosen"] if k % 2 else p["rejected"]}],
+         "label": bool(k % 2)} for k, p in enumerate(pairs)], indent=2))
     # pt packs documents into rows of cutoff_len (2048) tokens: 2 steps of 16 rows need ~64k.
     sums = [f"{a}+{b}={a + b}." for a, b in make_problems(6000, seed=6)]
     (data / "c4_demo.jsonl").write_text("".join(

@@ -116,7 +116,7 @@ def test_context_parallel_is_planned_with_the_configs_attention_exchange(tmp_pat
     (dict(nodes=0), True, "nodes=0 must be a positive integer"),
     (dict(gpu="X100"), True, "gpu='X100' is not a known GPU preset; valid: A100-40GB"),
     (dict(tp=3), True, "tensor_parallel_size=3 does not divide num_attention_heads=32"),
-    (dict(stage="rlhf"), True, "stage='rlhf' is not valid; valid: pt, sft, dpo"),
+    (dict(stage="rlhf"), True, "stage='rlhf' is not valid; valid: pt, sft, dpo, kto"),
     (dict(), None, "config file"),
     (dict(), False, "no model: give --model"),
 ])

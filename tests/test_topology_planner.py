@@ -296,7 +296,7 @@ def test_missing_config_path(tmp_path):
 def test_other_bad_fields_each_one_line():
     lines = _error_lines(stage="ppo", precision="int4", seq_length=0, recompute="some")
     assert lines == ["seq_length=0 must be a positive integer",
-                     "stage='ppo' is not valid; valid: pt, sft, dpo",
+                     "stage='ppo' is not valid; valid: pt, sft, dpo, kto",
                      "precision='int4' is not valid; valid: bf16, fp16, fp8, fp32",
                      "recompute='some' is not valid; valid: none, selective, full"]
 

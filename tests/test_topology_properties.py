@@ -121,7 +121,7 @@ def plan_inputs(draw):
     return dict(model=draw(shapes), nodes=n, gpus_per_node=gpn, global_batch_size=gbs,
                 seq_length=draw(st.sampled_from([2048, 4096, 8192, 32768, 131072])),
                 gpu=draw(st.sampled_from(["H100-80GB", "H200-141GB", "A100-40GB", "A100-80GB"])),
-                stage=draw(st.sampled_from(["pt", "sft", "dpo"])), lora=draw(st.booleans()),
+                stage=draw(st.sampled_from(["pt", "sft", "dpo", "kto"])), lora=draw(st.booleans()),
                 sequence_packing=draw(st.booleans()))
 
 

@@ -104,9 +104,20 @@ def test_layout_rule_uses_topology_and_model_shape(run: Path):
 
 
 @pytest.mark.parametrize("override, message", [
-    (["stage=ppo"], "finetuning.stage='ppo' is not valid; valid: pt, sft, dpo"),
-    (["stage=dpo", "pref_loss=orpo"], "finetuning.pref_loss='orpo' is not valid; valid: "
-                                      "sigmoid, ipo, hinge"),
+    (["stage=ppo"], "finetuning.stage='ppo' is not valid; valid: pt, sft, dpo, kto"),
+    (["stage=dpo", "pref_loss=dpop"], "finetuning.pref_loss='dpop' is not valid; valid: "
+                                      "sigmoid, ipo, hinge, orpo, simpo"),
+    (["stage=dpo", "simpo_gamma=0.3"], "finetuning.simpo_gamma=0.3 acts only with "
+                                       "pref_loss='simpo', not 'sigmoid'"),
+    (["stage=dpo", "pref_loss=orpo", "use_ref_model=true"],
+     "finetuning.use_ref_model=true with pref_loss='orpo': orpo is reference-free"),
+    (["stage=dpo", "pref_loss=simpo", "ref_model=/nonexistent"],
+     "finetuning.ref_model='/nonexistent' with a reference-free run (pref_loss='simpo'"),
+    (["stage=dpo", "use_ref_model=false", "ref_model=/nonexistent"],
+     "finetuning.ref_model='/nonexistent' with a reference-free run (pref_loss='sigmoid', "
+     "use_ref_model=False)"),
+    (["stage=dpo", "ref_model=/nonexistent"],
+     "finetuning.ref_model='/nonexistent' has no config.json"),
     (["stage=dpo", "pref_beta=0"], "finetuning.pref_beta=0.0 must be > 0"),
     (["stage=dpo", "pref_loss=ipo", "dpo_label_smoothing=0.1"],
      "finetuning.dpo_label_smoothing=0.1 applies to pref_loss='sigmoid' only, not 'ipo'"),

@@ -125,7 +125,9 @@ class Checkpointer:
         model = self.loop.model
         for i, chunk in enumerate(model):
             key = "model" if len(model) == 1 else f"model{i}"
-            load_model(unwrap(chunk), loaded[key])
+            # A chunk with nothing to train (freeze: a virtual pipeline chunk of frozen layers
+            # on a rank that trains others) saved an empty state, which comes back absent.
+            load_model(unwrap(chunk), loaded.get(key, {}))
         load_optimizer(self.loop.optimizer, loaded["optimizer"],
                        model_state(model, sharded_metadata(saved_format)))
         self.loop.load_state_dict(loop_state(loaded, with_rng))

@@ -105,7 +105,8 @@ def training_record(config: TrainConfig, optimizer_format: str) -> dict[str, Any
             # resume point whatever the new run says (check_checkpoint).
             "save_only_model": tr.save_only_model,
             # LoRA: the base model the adapters belong to (a checkpoint holds only them).
-            **converter_for(config.finetuning).resume_record(config.model.model_name_or_path)}
+            **converter_for(config.finetuning, config.model.adapter_name_or_path).resume_record(
+                config.model.model_name_or_path)}
 
 
 def incompatibilities(info: CheckpointInfo, model: dict[str, Any], layout: dict[str, Any],
@@ -152,8 +153,9 @@ def _base_model_changed(info: CheckpointInfo, training: dict[str, Any]) -> list[
     old, new = info.training.get("base_model"), training.get("base_model")
     if not old or not new or old.get("fingerprint") == new.get("fingerprint"):
         return []
+    trained = old.get("trained", "the LoRA adapters")  # freeze records its own words
     return [f"model.model_name_or_path={new['path']!r} has other weights than the base model "
-            f"the LoRA adapters of the checkpoint at step {info.step} were trained on "
+            f"{trained} of the checkpoint at step {info.step} were trained on "
             f"({old['path']}, fingerprint {old['fingerprint'][:12]}, now "
             f"{new['fingerprint'][:12]}); valid: that base model"]
 

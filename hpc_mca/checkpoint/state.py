@@ -109,24 +109,61 @@ def model_state(chunks: list[torch.nn.Module], metadata: dict[str, Any]) -> dict
 
 
 def _trained_only(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """The entries of the parameters that train. Frozen ones (the base model under LoRA) are
-    the base model's: every start loads them from its HF weights (or its seeded init), so a
-    checkpoint holds only the adapters and the run records which base they belong to."""
+    """The entries of the parameters that train. Frozen ones (the base model under LoRA, the
+    untrained layers under freeze) are the base model's: every start loads them from its HF
+    weights (or its seeded init), so a checkpoint holds only the adapters (or the trained
+    layers) and the run records which base they belong to."""
+    from hpc_mca.models.freeze import trains_part
+
     params = list(model.parameters())
-    if all(p.requires_grad for p in params):
+    # finetuning_type freeze: some layers of a stacked layer tensor would be missing, which
+    # Megatron refuses; the trained ones go per layer, on every chunk (a chunk that trains all
+    # it holds too: its job's other chunks do not).
+    partial = trains_part(model)
+    if all(p.requires_grad for p in params) and not partial:
         return state
     trained = {id(p) for p in params if p.requires_grad}
     # Frozen layers' extra states (None for Megatron's local linears) go with them.
-    return {key: value for key, value in state.items()
-            if id(getattr(value, "data", None)) in trained}
+    return {key: _per_layer(value) if partial else value
+            for key, value in state.items() if id(getattr(value, "data", None)) in trained}
+
+
+def _per_layer(item: Any) -> Any:
+    """A ShardedTensor (or the factory that builds them) of one layer of Megatron's stacked
+    ``decoder.layers.*`` tensors as a tensor of that layer alone, keyed by its model-wide
+    number (``decoder.layers.3.mlp...``): a checkpoint of only the trained layers then covers
+    every tensor it holds, and reshards over TP and PP as the stacked one does."""
+    import dataclasses
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    if isinstance(item, ShardedTensorFactory):
+        build = item.build_fn
+        return dataclasses.replace(
+            item, build_fn=lambda *args, **kwargs: _per_layer(build(*args, **kwargs)))
+    if isinstance(item, (list, tuple)):
+        return type(item)(_per_layer(x) for x in item)
+    if isinstance(item, dict):
+        return {k: _per_layer(v) for k, v in item.items()}
+    if not isinstance(item, ShardedTensor) or not item.prepend_axis_num \
+            or "decoder.layers." not in item.key:
+        return item
+    layer = item.global_offset[0]
+    head, tail = item.key.split("decoder.layers.", 1)
+    return dataclasses.replace(
+        item, key=f"{head}decoder.layers.{layer}.{tail}", global_shape=item.global_shape[1:],
+        global_offset=item.global_offset[1:], axis_fragmentations=item.axis_fragmentations[1:],
+        prepend_axis_num=item.prepend_axis_num - 1)
 
 
 def load_model(model: torch.nn.Module, loaded: dict[str, Any]) -> None:
     """Put a loaded model state back; only frozen parameters (and their layers' extra states)
     may be missing from it (see :func:`_trained_only`), anything else is an error."""
+    from hpc_mca.models.freeze import trains_part
+
     missing, unexpected = model.load_state_dict(loaded, strict=False)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-    if frozen:
+    if frozen or trains_part(model):
         frozen |= {key for key in missing if key.endswith("._extra_state")}
     wrong = [f"missing {key}" for key in missing if key not in frozen]
     wrong += [f"unexpected {key}" for key in unexpected]

@@ -59,6 +59,9 @@ KNOWN_ELSEWHERE: dict[str, str] = {
                         "adapters on the bf16/fp32 base: finetuning_type=lora, bf16=true)",
     "quantization_method": "no quantized training (QLoRA) here: remove the key",
     "max_length": "use data.cutoff_len",
+    "use_llama_pro": "no LLaMA Pro (expanded blocks, every k-th layer trains) here: remove the "
+                     "key (finetuning_type=freeze trains the last or first "
+                     "freeze_trainable_layers layers)",
     # transformers / TRL / peft names
     "per_gpu_train_batch_size": "use training.per_device_train_batch_size",
     "per_gpu_eval_batch_size": "use training.per_device_eval_batch_size",
@@ -66,6 +69,8 @@ KNOWN_ELSEWHERE: dict[str, str] = {
     "beta": "use finetuning.pref_beta",
     "loss_type": "use finetuning.pref_loss",
     "label_smoothing": "use finetuning.dpo_label_smoothing",
+    "desirable_weight": "use finetuning.kto_chosen_weight",
+    "undesirable_weight": "use finetuning.kto_rejected_weight",
     "lora_r": "use finetuning.lora_rank",
     "r": "use finetuning.lora_rank",
     "target_modules": "use finetuning.lora_target",

@@ -19,6 +19,7 @@ from typing import Any
 
 from hpc_mca.stages import (
     CONVERSATION_DATA_KEYS,
+    FEEDBACK,
     PREFERENCE_PAIR,
     STAGE_NAMES,
     TEXT,
@@ -87,13 +88,25 @@ def _data_keys_scope(keys: tuple[str, ...], why: str = "") -> Scope:
 
 
 SCOPES: tuple[Scope, ...] = (
-    Scope(("finetuning.pref_beta", "finetuning.pref_loss", "finetuning.pref_ftx",
-           "finetuning.dpo_label_smoothing"),
+    Scope(("finetuning.pref_beta",),  # dpo's β, kto's β
+          _stage_holds(lambda stage: stage.reads in (PREFERENCE_PAIR, FEEDBACK)),
+          stage_context(stages_where("reads", PREFERENCE_PAIR) + stages_where("reads", FEEDBACK))),
+    Scope(("finetuning.kto_chosen_weight", "finetuning.kto_rejected_weight"),
+          _stage_holds(lambda stage: stage.reads == FEEDBACK),
+          stage_context(stages_where("reads", FEEDBACK))),
+    Scope(("finetuning.pref_loss", "finetuning.pref_ftx",
+           "finetuning.dpo_label_smoothing", "finetuning.simpo_gamma",
+           "finetuning.use_ref_model", "finetuning.ref_model"),
           _stage_holds(lambda stage: stage.reads == PREFERENCE_PAIR),
           stage_context(stages_where("reads", PREFERENCE_PAIR))),
     Scope(("finetuning.lora_rank", "finetuning.lora_alpha", "finetuning.lora_dropout",
            "finetuning.lora_target"),
           lambda c: c.finetuning.finetuning_type == "lora", "finetuning.finetuning_type='lora'"),
+    Scope(("finetuning.freeze_trainable_layers", "finetuning.freeze_trainable_modules",
+           "finetuning.freeze_extra_modules"),
+          lambda c: c.finetuning.finetuning_type == "freeze", "finetuning.finetuning_type='freeze'"),
+    Scope(("finetuning.create_new_adapter",), lambda c: bool(c.model.adapter_name_or_path),
+          "model.adapter_name_or_path (adapters to start from)"),
     Scope(("data.dataset_format",), lambda c: not c.data.dataset_dir,
           "direct dataset paths (with data.dataset_dir, each dataset_info.json entry's "
           "'formatting' decides)"),

@@ -34,8 +34,9 @@ from .input import ConfigError
 
 PREF_LOSSES = ("sigmoid", "ipo", "hinge", "orpo", "simpo")
 """dpo's preference losses (``finetuning.pref_loss``), as LLaMA-Factory and TRL name them."""
-FINETUNING_TYPES = ("full", "lora")
-"""Which parameters train: every one (full), or LoRA adapters on the frozen model (lora)."""
+FINETUNING_TYPES = ("full", "lora", "freeze")
+"""Which parameters train: every one (full), LoRA adapters on the frozen model (lora), or some
+decoder layers and modules of the model, the rest frozen (freeze)."""
 RESERVED_FINETUNING_TYPES: tuple[str, ...] = ()
 DATASET_FORMATS = ("auto", "text", "alpaca", "sharegpt", "indexed")
 ATTENTION_BACKENDS = ("te", "flash", "torch")
@@ -103,8 +104,9 @@ class FinetuningArguments:
     """pt (next-token loss on all tokens), sft (loss on responses) or dpo (preference pairs
     against a frozen reference model)."""
     finetuning_type: str = "full"
-    """full (every parameter) or lora (adapters on the frozen model, through peft: only they
-    train and are checkpointed)."""
+    """full (every parameter), lora (adapters on the frozen model, through peft: only they
+    train and are checkpointed) or freeze (the layers and modules ``freeze_*`` pick train, as
+    LLaMA-Factory's rule picks them; the rest is frozen; exported as the whole model)."""
     lora_rank: int = 8
     """LoRA rank r."""
     lora_alpha: float | None = None
@@ -116,9 +118,11 @@ class FinetuningArguments:
     down_proj; MoE experts: gate_up_proj, down_proj), or ``all`` (every one the model has; the
     MoE router is never adapted). A comma-separated string works too."""
     pref_beta: float = 0.1
-    """dpo: β, how far the policy may move from the reference (the rewards' scale)."""
+    """dpo and kto: β, how far the policy may move from the reference (the rewards' scale)."""
     pref_loss: str = "sigmoid"
-    """dpo: sigmoid (DPO), ipo (on per-token mean log-ratios) or hinge."""
+    """dpo: sigmoid (DPO), ipo (on per-token mean log-ratios), hinge, or the reference-free
+    orpo (odds ratio, weight pref_beta, plus the chosen answer's mean token NLL) and simpo
+    (margin simpo_gamma), both on per-token mean log-probabilities as LLaMA-Factory's."""
     dpo_label_smoothing: float = 0.0
     """dpo with sigmoid: the assumed rate of flipped preference labels (cDPO), in [0, 0.5)."""
     pref_ftx: float = 0.0
@@ -131,23 +135,29 @@ class FinetuningArguments:
     hinge = TRL's ``reference_free`` (the reference log-probabilities are 0), and no reference
     model is built."""
     ref_model: str | None = None
-    """dpo: an HF model directory to use as the reference instead of the starting model."""
+    """dpo: an HF model directory to use as the reference instead of the starting model (of
+    the policy's family and shape; built in the policy's layout; under LoRA too, instead of
+    the policy with its adapters off)."""
     ref_model_adapters: list[str] | None = None
-    """dpo: PEFT adapter directories loaded (merged) onto the reference model (``ref_model``,
-    or the starting model when that is None)."""
+    """dpo: PEFT LoRA adapter directories merged, in order, onto the reference model
+    ``ref_model`` (LLaMA-Factory's ``create_ref_model``: read only with ``ref_model``, which
+    may name the policy's own model directory; refused without it)."""
     kto_chosen_weight: float = 1.0
     """kto: weight of the desirable examples' losses (TRL's ``desirable_weight``)."""
     kto_rejected_weight: float = 1.0
     """kto: weight of the undesirable examples' losses (TRL's ``undesirable_weight``)."""
     freeze_trainable_layers: int = 2
     """freeze: decoder layers that train, the last N when positive, the first -N when
-    negative (LLaMA-Factory's rule)."""
+    negative, counted over the whole model (LLaMA-Factory's rule); 0 < |N| <= the model's
+    layers."""
     freeze_trainable_modules: list[str] = field(default_factory=lambda: ["all"])
-    """freeze: the modules of those layers that train (HF names below a layer, e.g. mlp,
-    self_attn), or ``all``; a comma-separated string works too."""
+    """freeze: the modules of those layers that train (HF names directly below a layer:
+    self_attn, mlp, input_layernorm, post_attention_layernorm), or ``all``; a comma-separated
+    string works too. Parts (q_proj...) are refused: Megatron fuses them."""
     freeze_extra_modules: list[str] | None = None
-    """freeze: modules outside the decoder layers that train too (HF names, e.g.
-    embed_tokens, norm, lm_head); None = none."""
+    """freeze: modules outside the decoder layers that train too (HF names: embed_tokens,
+    norm, lm_head when not tied); None = none. As in LLaMA-Factory a parameter trains when the
+    name is part of its name, so ``norm`` also trains every layer's norms."""
     create_new_adapter: bool = False
     """lora with ``model.adapter_name_or_path``: merge the given adapters into the base and
     train a fresh adapter on top (true), or train the last given adapter further (false)."""
@@ -394,7 +404,9 @@ _SECTION_TYPES = {"model": ModelArguments, "data": DataArguments,
                   "finetuning": FinetuningArguments, "training": TrainingArguments,
                   "parallel": ParallelArguments}
 _INPUT_PATHS = {"model.model_name_or_path", "model.tokenizer_name_or_path", "data.dataset",
-                "data.eval_dataset", "data.dataset_dir", "data.data_path"}
+                "data.eval_dataset", "data.dataset_dir", "data.data_path",
+                "model.adapter_name_or_path", "finetuning.ref_model_adapters",
+                "finetuning.ref_model"}
 
 
 def _field_index() -> dict[str, str]:

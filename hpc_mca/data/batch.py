@@ -52,6 +52,9 @@ class PackedBatch:
     """Context-parallel ranks the batch is split over (1: the whole batch)."""
     cp_rank: int = 0
     """Which share this is, once split (:meth:`cp_shard`)."""
+    tags: torch.Tensor | None = None
+    """kto only: int64 [examples], 1 where the example's answer is desirable (its ``kto_tag``);
+    the rows are answer, KL row, answer, KL row, ... (:mod:`hpc_mca.data.feedback`)."""
 
     @classmethod
     def from_collated(cls, batch: Mapping[str, torch.Tensor]) -> PackedBatch:

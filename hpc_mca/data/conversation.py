@@ -161,7 +161,8 @@ def _tools(record: Record) -> str:
 
 
 def check_kto(record: Record) -> None:
-    """kto's feedback column belongs to a later stage: refused in one line."""
+    """kto's feedback column read by another stage: refused in one line (the answer would
+    train whatever its tag says)."""
     if "kto_tag" in record.data:
-        raise DataError(f"{record.where}: kto_tag (unpaired feedback, stage kto) is not supported yet; "
-                        "valid: sft records, or chosen/rejected pairs for dpo")
+        raise DataError(f"{record.where}: kto_tag (unpaired feedback) is read by finetuning.stage='kto' "
+                        "only; valid: stage kto, or sft records / chosen-rejected pairs for dpo")

@@ -15,8 +15,8 @@ The pipeline, one function each:
    rank, in the seed's order, resumable from a consumed-sample count.
 
 Stages are routed by how they read their rows (:attr:`hpc_mca.stages.Stage.reads`, through
-``_READERS``); preference pairs (:mod:`.preference`) also get their own rows and held-out
-split, which keep the two answers of a pair together.
+``_READERS``); preference pairs (:mod:`.preference`) and kto feedback (:mod:`.feedback`)
+also get their own rows and held-out split, which keep an example's two rows together.
 Everything happens before the first training step, so every input error surfaces first.
 Ranks may call :func:`build_datasets` concurrently: cache files are written atomically (a
 launcher can also let rank 0 go first and the others read its cache after a barrier).
@@ -27,18 +27,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from hpc_mca.stages import CONVERSATION, PREFERENCE_PAIR, STAGE_NAMES, TEXT, Stage, get_stage
+from hpc_mca.stages import CONVERSATION, FEEDBACK, PREFERENCE_PAIR, STAGE_NAMES, TEXT, Stage, get_stage
 
 from .arguments import DataArguments, DataRun
 from .batch import collate_batch
 from .encode import conversation_format, conversation_store, prepare_template, pt_eos_id
 from .errors import DataError
+from .feedback import feedback_rows, tokenize_feedback
 from .mix import mix_order, parse_probs
 from .packing import pack_alignment
 from .preference import pair_rows, split_pairs, tokenize_pairs
@@ -105,6 +107,7 @@ _READERS: dict[str, Callable[[list[Record], Any, Any], SampleStore]] = {
     TEXT: _tokenize_pt,
     CONVERSATION: _tokenize_sft,
     PREFERENCE_PAIR: tokenize_pairs,
+    FEEDBACK: tokenize_feedback,
 }
 """How each kind of row (:attr:`hpc_mca.stages.Stage.reads`) is tokenized."""
 
@@ -238,7 +241,7 @@ def build_datasets(data: DataArguments, run: DataRun, tokenizer: Any = None,
     evaluation = None
     if data.eval_dataset:
         evaluation = _load_all(data, "eval_dataset", tokenizer, stage, vocab_size, seed)
-    elif data.val_size and _stage(stage).reads == PREFERENCE_PAIR:
+    elif data.val_size and _stage(stage).rows_per_example == 2:  # pairs, kto examples
         kept, held = split_pairs(train, data.val_size, seed)
         train, evaluation = subset(train, kept), subset(train, held)
     elif data.val_size:
@@ -246,7 +249,8 @@ def build_datasets(data: DataArguments, run: DataRun, tokenizer: Any = None,
     seq_length = data.seq_length or data.cutoff_len
     cp = run.context_parallel_size
     align = pack_alignment(cp, data.pack_alignment) if data.sequence_packing else 1
-    make_rows = pair_rows if _stage(stage).reads == PREFERENCE_PAIR else RowDataset
+    make_rows = {PREFERENCE_PAIR: pair_rows, FEEDBACK: partial(feedback_rows, cutoff_len=data.cutoff_len)
+                 }.get(_stage(stage).reads, RowDataset)
 
     def rows(samples: Samples) -> RowDataset:
         return make_rows(samples, seq_length, pad_id(tokenizer),
@@ -262,6 +266,8 @@ def build_datasets(data: DataArguments, run: DataRun, tokenizer: Any = None,
 def _loader(dataset: RowDataset, sampler: DataSampler, num_workers: int = 0) -> torch.utils.data.DataLoader:
     # Pair rows (dpo, unpacked) are sampled a pair at a time and collate their two rows each.
     collate = getattr(dataset, "collate", collate_batch)
+    # kto rows also need each example's predecessor in the micro-step (its KL row's answer).
+    sampler = getattr(dataset, "batch_sampler", lambda plain: plain)(sampler)
     # The sampler runs in this process and hands each worker whole micro-batches in order, so
     # the batches do not depend on the number of workers (the rows are read, not drawn).
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,

@@ -62,9 +62,10 @@ def pt_eos_id(tokenizer: Any, template_name: str) -> int | None:
     return int(found)
 
 
-def conversation_format(records: list[Record], data: Any) -> str:
-    """``data.dataset_format``, or for auto the format the first record's keys tell."""
-    if records:
+def conversation_format(records: list[Record], data: Any, feedback: bool = False) -> str:
+    """``data.dataset_format``, or for auto the format the first record's keys tell; a
+    ``kto_tag`` outside stage kto (``feedback``) is refused in one line."""
+    if records and not feedback:
         check_kto(records[0])
     fmt = setting(data, "dataset_format")
     return detect_sft_format(records[0]) if fmt == "auto" and records else fmt

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_mca.stages import CONVERSATION, PREFERENCE_PAIR, TEXT
+from hpc_mca.stages import CONVERSATION, FEEDBACK, PREFERENCE_PAIR, TEXT
 
 from .errors import DataError
 from .tables import (
@@ -44,7 +44,8 @@ SFT_FORMATS = ("alpaca", "sharegpt")
 """Formats of conversations (and of preference pairs, which add chosen/rejected answers)."""
 TEXT_FORMATS = ("text", "indexed")
 """Formats of plain text: records with a text field, or a Megatron indexed corpus."""
-FORMATS_BY_READS = {TEXT: TEXT_FORMATS, CONVERSATION: SFT_FORMATS, PREFERENCE_PAIR: SFT_FORMATS}
+FORMATS_BY_READS = {TEXT: TEXT_FORMATS, CONVERSATION: SFT_FORMATS, PREFERENCE_PAIR: SFT_FORMATS,
+                    FEEDBACK: SFT_FORMATS}
 """The ``data.dataset_format`` values (besides auto) that fit each way a stage reads its rows
 (:attr:`hpc_mca.stages.Stage.reads`)."""
 

@@ -24,7 +24,8 @@ are read and ignored for a local file, as LLaMA-Factory does. ``history``, ``sys
 ``tools`` columns are read only when the entry names them (LLaMA-Factory's defaults), and
 ``tools`` (JSON text of tool definitions) goes to the template's tool format. An entry with a
 hub, script or cloud source is read from its ``file_name`` when it has one (nothing is
-downloaded), else refused; ``columns.kto_tag`` (stage kto) and any other key are refused.
+downloaded), else refused; any other key is refused. ``columns.kto_tag`` (a boolean column:
+true = desirable answer) makes the entry kto feedback: read by stage kto only, which needs it.
 """
 
 from __future__ import annotations
@@ -38,19 +39,19 @@ from typing import Any
 
 import numpy as np
 
-from hpc_mca.stages import PREFERENCE_PAIR, TEXT, get_stage, stages_where
+from hpc_mca.stages import FEEDBACK, PREFERENCE_PAIR, TEXT, get_stage, stages_where
 
 from .errors import DataError
 from .records import SFT_FORMATS, Record, check_dataset_source, columns_of, read_records
 
 ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output",
                   "history": "history", "system": "system", "tools": "tools", "chosen": "chosen",
-                  "rejected": "rejected"}
+                  "rejected": "rejected", "kto_tag": "kto_tag"}
 """LLaMA-Factory's alpaca column names -> the record field each maps to (also the defaults)."""
-OPTIONAL_COLUMNS = ("history", "system", "tools")
+OPTIONAL_COLUMNS = ("history", "system", "tools", "kto_tag")
 """Columns LLaMA-Factory reads only when the entry names them (its default is none)."""
 SHAREGPT_COLUMNS = {"messages": "conversations", "system": "system", "tools": "tools",
-                    "chosen": "chosen", "rejected": "rejected"}
+                    "chosen": "chosen", "rejected": "rejected", "kto_tag": "kto_tag"}
 """LLaMA-Factory's sharegpt column names and their defaults."""
 SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human",
                  "assistant_tag": "gpt", "observation_tag": "observation",
@@ -164,9 +165,6 @@ def _entry(name: str, entry: Any, root: Path, info_path: Path, seed: int) -> Dat
         raise DataError(f"{where}: formatting={formatting!r}; valid: {', '.join(SFT_FORMATS)}")
     defaults = ALPACA_COLUMNS if formatting == "alpaca" else SHAREGPT_COLUMNS
     given = dict(entry.get("columns") or {})
-    if "kto_tag" in given:
-        raise DataError(f"{where}: columns.kto_tag (kto's unpaired feedback) is not supported yet; "
-                        "valid: sft records, or ranking: true with chosen/rejected for dpo")
     unknown = sorted(set(given) - set(defaults))
     if unknown:
         raise DataError(f"{where}: unknown columns key {unknown[0]!r} for {formatting}; "
@@ -205,6 +203,7 @@ def source_records(source: DatasetSource, stage: str, max_samples: int | None, f
         raise DataError(f"{field_name}: dataset {source.name!r} has ranking={source.ranking}, "
                         f"which does not fit finetuning.stage={stage!r} ({pairs} needs ranking: "
                         "true, the other stages ranking: false)")
+    _check_feedback(source, stage, field_name)
     present = columns_of(source.path, field_name, cache_dir)
     for key in _needed(source, stage):
         column = source.columns[key]
@@ -215,6 +214,19 @@ def source_records(source: DatasetSource, stage: str, max_samples: int | None, f
         return [Record(r.where, {"text": r.data.get(source.columns["prompt"])}) for r in records]
     convert = _alpaca if source.formatting == "alpaca" else _sharegpt
     return [Record(r.where, convert(source, r)) for r in records]
+
+
+def _check_feedback(source: DatasetSource, stage: str, field_name: str) -> None:
+    """An entry with ``columns.kto_tag`` is kto's, and kto reads no other (one line each)."""
+    feedback = "kto_tag" in source.columns
+    wanted = get_stage(stage).reads == FEEDBACK
+    if feedback != wanted:
+        kto = " and ".join(stages_where("reads", FEEDBACK))
+        raise DataError(f"{field_name}: dataset {source.name!r} "
+                        + (f"has columns.kto_tag, which finetuning.stage={stage!r} does not read; "
+                           f"valid: stage {kto}, or an entry without kto_tag" if feedback else
+                           f"lacks columns.kto_tag, which finetuning.stage={stage!r} needs; valid: "
+                           "an entry naming its boolean feedback column as columns.kto_tag"))
 
 
 def _drawn(records: list[Record], count: int, seed: int) -> list[Record]:
@@ -241,7 +253,7 @@ def _needed(source: DatasetSource, stage: str) -> list[str]:
 def _alpaca(source: DatasetSource, record: Record) -> dict[str, Any]:
     fields = {"prompt": "instruction", "query": "input", "response": "output",
               "history": "history", "system": "system", "tools": "tools", "chosen": "chosen",
-              "rejected": "rejected"}
+              "rejected": "rejected", "kto_tag": "kto_tag"}
     return {fields[key]: record.data[column] for key, column in source.columns.items()
             if column in record.data}
 
@@ -251,7 +263,7 @@ def _sharegpt(source: DatasetSource, record: Record) -> dict[str, Any]:
     out: dict[str, Any] = {"messages": data.get(cols["messages"])}
     if isinstance(out["messages"], list):
         out["messages"] = [_turn(source, record, turn) for turn in out["messages"]]
-    for key in ("system", "tools", "chosen", "rejected"):
+    for key in ("system", "tools", "chosen", "rejected", "kto_tag"):
         if key in cols and cols[key] in data:
             value = data[cols[key]]
             out[key] = _turn(source, record, value) if key in ("chosen", "rejected") else value

@@ -99,8 +99,10 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
     model_dir = Path(config.model.model_name_or_path)
     # A directory with only config.json (the demo's) trains from a random init.
     has_weights = any(model_dir.glob("*.safetensors"))
-    build = functools.partial(build_model, model_dir, ctx, seq_length=_seq_length(config.data),
-                              load_weights=has_weights,
+    # build(): the policy's chunks; build(dir, load_weights=...) another model of the same
+    # shape in the same layout (dpo's finetuning.ref_model).
+    build = functools.partial(_build_from, build_model, model_dir, has_weights, ctx,
+                              seq_length=_seq_length(config.data),
                               attention_backend=config.model.attention_backend,
                               packed_attention=config.model.packed_attention,
                               dtype=torch_dtype(config.training),
@@ -108,7 +110,7 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
                                                                config.training),
                               compile_layers="layer" in config.model.fusions)
     # What the finetuning type trains (LoRA adapters on a frozen base…): before DDP wraps them.
-    chunks = converter_for(config.finetuning).convert_chunks(
+    chunks = converter_for(config.finetuning, config.model.adapter_name_or_path).convert_chunks(
         build(), model_path=config.model.model_name_or_path, seed=config.training.seed)
     objective.attach(chunks, build)  # dpo's reference: a frozen copy of the starting model
     shape = _shape(config.model)
@@ -126,6 +128,15 @@ def _train(config: TrainConfig, ctx: RankContext, callbacks: Iterable[Any]) -> l
         return trainer.train()
     finally:
         gc.unfreeze()
+
+
+def _build_from(build_model: Any, model_dir: Path, has_weights: bool, ctx: RankContext, *args: Any,
+                load_weights: bool | None = None, **kwargs: Any) -> Any:
+    """``build_model`` of ``args[0]`` (default: the policy's ``model_dir``), loading weights when
+    ``load_weights`` (default: whether the policy's directory has them)."""
+    source = args[0] if args else model_dir
+    weights = has_weights if load_weights is None else load_weights
+    return build_model(source, ctx, load_weights=weights, **kwargs)
 
 
 def _datasets(objective: Any, ctx: RankContext) -> Any:

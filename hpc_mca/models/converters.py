@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -37,8 +38,10 @@ from hpc_mca.config.sections import FinetuningArguments
 if TYPE_CHECKING:  # imported lazily, inside the methods that use them
     import torch
 
-__all__ = ["CONVERTERS", "FullFinetuning", "LoraFinetuning", "ModelConverter", "converter_for",
-           "trains_adapters_only"]
+    from hpc_mca.topology.freeze import FreezeSizing
+
+__all__ = ["CONVERTERS", "FreezeFinetuning", "FullFinetuning", "LoraFinetuning", "ModelConverter", "converter_for",
+           "frozen_sizing", "trains_adapters_only"]
 
 
 class ModelConverter:
@@ -52,6 +55,9 @@ class ModelConverter:
     """Whether a merged export (``training.export_merged_dir``) has anything to merge."""
     reference_is_base: ClassVar[bool] = False
     """dpo: True when the policy with its adapters off is the reference (no second copy)."""
+    adapters: tuple[str, ...] = ()
+    """``model.adapter_name_or_path``: PEFT adapters the model starts from (set by
+    :func:`converter_for`; only LoRA accepts them, as the config rules say)."""
 
     def __init__(self, finetuning: FinetuningArguments) -> None:
         self.finetuning = finetuning
@@ -103,6 +109,13 @@ class ModelConverter:
         those every run records (compared by ``checkpoint.compat``)."""
         return {}
 
+    # ---- the planner ----------------------------------------------------------------------------
+
+    def frozen_sizing(self, model_path: str) -> FreezeSizing | None:
+        """What trains when only part of the model does (freeze), in the planner's terms;
+        None: every parameter (or, with :attr:`trains_adapters`, the adapters only)."""
+        return None
+
     # ---- dpo's reference ----------------------------------------------------------------------
 
     def adapters_off(self, chunks: list[torch.nn.Module]) -> contextlib.AbstractContextManager:
@@ -134,19 +147,37 @@ class LoraFinetuning(ModelConverter):
 
     def convert_chunks(self, chunks: list[torch.nn.Module], *, model_path: str,
                        seed: int) -> list[torch.nn.Module]:
+        """Adapters given as input first (LLaMA-Factory's order: every one but the last merged
+        into the base, the last trained on; all merged under ``create_new_adapter``), then the
+        adapter that trains: the last given one (the config rules gave ``finetuning`` its
+        rank, alpha and targets) or a fresh one."""
+        from hpc_mca.models.adapter_import import load_adapter, merge_adapters, split_adapters
+        from hpc_mca.models.hf_config import read_hf_config
         from hpc_mca.models.lora import apply_lora
 
-        return apply_lora(chunks, self.finetuning, model_path=model_path, seed=seed)
+        merged, resumed = split_adapters(self.adapters, self.finetuning.create_new_adapter)
+        merge_adapters(chunks, self.finetuning, merged, model_path=model_path, seed=seed)
+        chunks = apply_lora(chunks, self.finetuning, model_path=model_path, seed=seed)
+        if resumed is not None:
+            load_adapter(chunks, resumed, read_hf_config(model_path))
+        return chunks
 
     def convert_hf_model(self, model: torch.nn.Module, *, model_path: str,
                          seed: int) -> torch.nn.Module:
-        """peft's LoRA on the modules (and, for MoE experts, the parameters) the targets
-        name, each A seeded as the Megatron backend draws it."""
-        from peft import LoraConfig, get_peft_model
+        """Adapters given as input with peft, as LLaMA-Factory loads them (every one but the
+        last merged with ``merge_and_unload``, the last loaded trainable; all merged under
+        ``create_new_adapter``); else peft's LoRA on the modules (and, for MoE experts, the
+        parameters) the targets name, each A seeded as the Megatron backend draws it."""
+        from peft import LoraConfig, PeftModel, get_peft_model
 
+        from hpc_mca.models.adapter_import import split_adapters
         from hpc_mca.models.hf_config import read_hf_config
         from hpc_mca.topology.lora import resolve_lora_targets
 
+        merged, resumed = split_adapters(self.adapters, self.finetuning.create_new_adapter)
+        model = merge_hf_adapters(model, merged)
+        if resumed is not None:
+            return PeftModel.from_pretrained(model, resumed, is_trainable=True)
         ft = self.finetuning
         spec = read_hf_config(model_path)
         targets = resolve_lora_targets(ft.lora_target, is_moe=spec.is_moe)
@@ -181,9 +212,19 @@ class LoraFinetuning(ModelConverter):
 
     def resume_record(self, model_path: str) -> dict[str, Any]:
         """The base model the adapters belong to (a checkpoint holds only the adapters): its
-        path, and the fingerprint of its weights that a resume must match."""
+        path, and the fingerprint of its weights that a resume must match. Adapters merged
+        into it (``model.adapter_name_or_path``) change it: their fingerprints join the
+        base's, and the record names them beside the path."""
         path = str(Path(model_path).resolve())
-        return {"base_model": {"path": path, "fingerprint": _fingerprint(path)}}
+        fingerprint = _fingerprint(path)
+        merged = _merged_adapters(self.adapters, self.finetuning.create_new_adapter)
+        if merged:
+            digest = hashlib.sha256(fingerprint.encode())
+            for adapter in merged:
+                digest.update(_adapter_fingerprint(adapter).encode())
+            path = f"{path} + merged adapters {', '.join(merged)}"
+            fingerprint = digest.hexdigest()
+        return {"base_model": {"path": path, "fingerprint": fingerprint}}
 
     def adapters_off(self, chunks: list[torch.nn.Module]) -> contextlib.AbstractContextManager:
         from hpc_mca.models.lora import adapters_disabled
@@ -194,13 +235,81 @@ class LoraFinetuning(ModelConverter):
         return model.disable_adapter()  # peft's switch
 
 
-CONVERTERS: dict[str, type[ModelConverter]] = {"full": FullFinetuning, "lora": LoraFinetuning}
+class FreezeFinetuning(ModelConverter):
+    """LLaMA-Factory's partial fine-tuning: the decoder layers and modules
+    ``finetuning.freeze_*`` pick train, everything else is frozen (:mod:`.freeze`). Exported
+    as the whole HF model (nothing to merge); a Megatron checkpoint holds only the trainable
+    parameters, so a resume must find the same base weights; dpo's reference is a frozen copy
+    of the starting model (the policy's frozen part alone is not one)."""
+
+    name: ClassVar[str] = "freeze"
+
+    def convert_chunks(self, chunks: list[torch.nn.Module], *, model_path: str,
+                       seed: int) -> list[torch.nn.Module]:
+        from hpc_mca.models.freeze import freeze_chunks
+
+        return freeze_chunks(chunks, self.finetuning, model_path=model_path)
+
+    def convert_hf_model(self, model: torch.nn.Module, *, model_path: str,
+                         seed: int) -> torch.nn.Module:
+        from hpc_mca.models.freeze import freeze_hf_model
+
+        return freeze_hf_model(model, self.finetuning)
+
+    def resume_record(self, model_path: str) -> dict[str, Any]:
+        """The base model the frozen parameters come from (a Megatron checkpoint holds only
+        the trainable ones): its path and the fingerprint a resume must match."""
+        path = str(Path(model_path).resolve())
+        return {"base_model": {"path": path, "fingerprint": _fingerprint(path),
+                               "trained": "the freeze-trained layers"}}
+
+    def frozen_sizing(self, model_path: str) -> FreezeSizing | None:
+        from hpc_mca.topology import ModelShape
+        from hpc_mca.topology.freeze import freeze_rule, freeze_sizing, hf_parameter_sizes
+
+        ft, shape = self.finetuning, ModelShape.from_hf_config(model_path)
+        rule = freeze_rule(hf_parameter_sizes(shape), shape.num_layers, ft.freeze_trainable_layers,
+                           ft.freeze_trainable_modules, ft.freeze_extra_modules)
+        return freeze_sizing(shape, rule)
+
+
+CONVERTERS: dict[str, type[ModelConverter]] = {"full": FullFinetuning, "lora": LoraFinetuning,
+                                               "freeze": FreezeFinetuning}
 """``finetuning.finetuning_type`` -> its converter (the config accepts exactly these names)."""
 
 
-def converter_for(finetuning: FinetuningArguments) -> ModelConverter:
-    """The converter ``finetuning.finetuning_type`` names, bound to that section."""
-    return CONVERTERS[finetuning.finetuning_type](finetuning)
+def converter_for(finetuning: FinetuningArguments,
+                  adapters: list[str] | None = None) -> ModelConverter:
+    """The converter ``finetuning.finetuning_type`` names, bound to that section and to the
+    adapters the model starts from (``model.adapter_name_or_path``; the model and the resume
+    record need them, dpo's reference and the export do not)."""
+    converter = CONVERTERS[finetuning.finetuning_type](finetuning)
+    converter.adapters = tuple(adapters or ())
+    return converter
+
+
+def frozen_sizing(finetuning: FinetuningArguments, model_path: str | None) -> FreezeSizing | None:
+    """The planner's freeze sizing for a config the rules may not have checked yet: None for
+    a name without a converter, a missing model or settings the rules will refuse."""
+    from hpc_mca.errors import UserError
+
+    converter = CONVERTERS.get(finetuning.finetuning_type)
+    if converter is None or not model_path:
+        return None
+    try:
+        return converter(finetuning).frozen_sizing(model_path)
+    except (UserError, OSError):
+        return None
+
+
+def merge_hf_adapters(model: torch.nn.Module, paths: list[str] | tuple[str, ...]) -> torch.nn.Module:
+    """The transformers ``model`` with the PEFT adapters at ``paths`` merged in, in order, as
+    LLaMA-Factory merges them (peft's ``merge_and_unload``)."""
+    from peft import PeftModel
+
+    for path in paths:
+        model = PeftModel.from_pretrained(model, path).merge_and_unload()
+    return model
 
 
 def trains_adapters_only(finetuning: FinetuningArguments) -> bool:
@@ -216,6 +325,21 @@ def _fingerprint(path: str) -> str:
     from hpc_mca.models.checkpoint import weights_fingerprint
 
     return weights_fingerprint(path)
+
+
+def _merged_adapters(adapters: tuple[str, ...], create_new: bool) -> list[str]:
+    """The adapters merged into the base (LLaMA-Factory's split; the same as
+    ``adapter_import.split_adapters``, which needs torch)."""
+    return list(adapters) if create_new else list(adapters[:-1])
+
+
+@functools.cache
+def _adapter_fingerprint(path: str) -> str:
+    """sha256 of an adapter directory's config and weights."""
+    digest = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        digest.update((Path(path) / name).read_bytes())
+    return digest.hexdigest()
 
 
 def _seed_hf_adapters(model: torch.nn.Module, seed: int) -> None:

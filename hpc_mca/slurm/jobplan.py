@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_mca.stages import RESERVED_STAGES, STAGE_NAMES
+from hpc_mca.stages import RESERVED_STAGES, STAGE_NAMES, reference_runs
 from hpc_mca.topology import Layout, LayoutError, Plan, PlanRequest, plan
 from hpc_mca.topology.standard import megatron_only_line, sp_with_megatron_line
 
@@ -264,7 +264,7 @@ def _megatron_options(options: PlanOptions, par: ParallelArguments | None,
 def _from_config(config: TrainConfig, explicit: set[str],
                  options: PlanOptions) -> dict[str, Any]:
     """Planner inputs the config states (the caller lets CLI options win)."""
-    from hpc_mca.models.converters import trains_adapters_only
+    from hpc_mca.models.converters import frozen_sizing, trains_adapters_only
 
     tr, par, data, ft = config.training, config.parallel, config.data, config.finetuning
     fields: dict[str, Any] = {
@@ -274,6 +274,9 @@ def _from_config(config: TrainConfig, explicit: set[str],
         "precision": "bf16" if tr.bf16 else "fp16" if tr.fp16 else "fp32",
         "lora": trains_adapters_only(ft),
         "lora_rank": ft.lora_rank,
+        "freeze": frozen_sizing(ft, config.model.model_name_or_path),
+        "reference": reference_runs(ft.stage, ft.pref_loss, ft.use_ref_model)
+        if ft.stage in STAGE_NAMES else True,
         "sequence_packing": data.sequence_packing,
     }
     if "per_device_train_batch_size" in explicit:

@@ -16,8 +16,8 @@ Adding a stage is one module plus one row:
 2. the row: a :class:`Stage` in :data:`STAGES` naming them by dotted path, with its traits
    (and the name out of :data:`RESERVED_STAGES` if it was reserved).
 
-A stage that reads rows in a way none reads yet (kto's unpaired feedback, say) also adds its
-kind here, its tokenizer to ``hpc_mca.data.dataset._READERS`` and its dataset formats to
+A stage that reads rows in a way none reads yet (as kto's unpaired feedback did: FEEDBACK)
+also adds its kind here, its tokenizer to ``hpc_mca.data.dataset._READERS`` and its dataset formats to
 ``hpc_mca.data.records.FORMATS_BY_READS``.
 
 The implementations are named by strings and imported only by :func:`load`, which the
@@ -30,9 +30,9 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-__all__ = ["CONVERSATION", "CONVERSATION_DATA_KEYS", "PREFERENCE_PAIR", "RESERVED_STAGES",
-           "STAGES", "STAGE_NAMES", "TEXT", "TEXT_DATA_KEYS", "Stage", "get_stage", "load",
-           "stage_context", "stages_where"]
+__all__ = ["CONVERSATION", "CONVERSATION_DATA_KEYS", "FEEDBACK", "PREFERENCE_PAIR", "REFERENCE_FREE_LOSSES",
+           "RESERVED_STAGES", "STAGES", "STAGE_NAMES", "TEXT", "TEXT_DATA_KEYS", "Stage", "get_stage", "load",
+           "reference_runs", "stage_context", "stages_where"]
 
 # How a stage's data rows are read and tokenized (hpc_mca.data routes on these, not on names).
 TEXT = "text"
@@ -41,6 +41,10 @@ CONVERSATION = "conversation"
 """A supervised conversation (alpaca or sharegpt), the answers trained."""
 PREFERENCE_PAIR = "preference_pair"
 """A prompt with a chosen and a rejected answer (a dataset_info entry with ranking: true)."""
+FEEDBACK = "feedback"
+"""A prompt, one answer and a boolean ``kto_tag`` (true = desirable): LLaMA-Factory's unpaired
+feedback (a dataset_info entry with ``columns.kto_tag``). Each example is two rows, the answer
+and a mismatched answer to the same prompt (kto's KL row)."""
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,11 @@ class Stage:
     name: str
     """The ``finetuning.stage`` value (and ``--stage``)."""
     reads: str
-    """How a data row is read and tokenized: TEXT, CONVERSATION or PREFERENCE_PAIR."""
+    """How a data row is read and tokenized: TEXT, CONVERSATION, PREFERENCE_PAIR or FEEDBACK."""
     rows_per_example: int
     """Rows one example takes, kept together through mixing, held-out splits and batching
-    (2 for a preference pair: chosen then rejected); the planner's micro-batch counts them."""
+    (2 for a preference pair: chosen then rejected; 2 for feedback: the answer then its KL
+    row); the planner's micro-batch counts them."""
     reference_model: bool
     """A frozen reference policy scores every batch. Its weights cost memory unless LoRA (the
     base with the adapters off is the reference then)."""
@@ -87,6 +92,11 @@ STAGES: tuple[Stage, ...] = (
           data_keys=CONVERSATION_DATA_KEYS, exact_match=False,
           megatron="hpc_mca.trainer.dpo:DpoObjective",
           standard="hpc_mca.standard.dpo:StandardDpoTrainer"),
+    # kto: the reference scores the answer and KL rows (the policy's own pass scores both).
+    Stage("kto", FEEDBACK, 2, reference_model=True, extra_forwards=1,
+          data_keys=CONVERSATION_DATA_KEYS, exact_match=False,
+          megatron="hpc_mca.trainer.kto:KtoObjective",
+          standard="hpc_mca.standard.kto:StandardKtoTrainer"),
 )
 """Every stage a run can train, in the order the valid choices are listed."""
 
@@ -103,6 +113,21 @@ def get_stage(name: str) -> Stage:
     """The stage called ``name``; KeyError for any other (the config rules have refused it by
     the time anything else asks)."""
     return _BY_NAME[name]
+
+
+REFERENCE_FREE_LOSSES = ("orpo", "simpo")
+"""Preference losses of the policy alone (``finetuning.pref_loss``): no reference model."""
+
+
+def reference_runs(stage: str, pref_loss: str = "sigmoid", use_ref_model: bool | None = None
+                   ) -> bool:
+    """Whether a run of ``stage`` holds and runs a frozen reference model: the stage's trait,
+    unless the preference loss is reference-free (orpo, simpo) or ``use_ref_model`` is false
+    (TRL's ``reference_free``). Both backends and the planner ask this one function, so a
+    reference-free run neither builds a reference nor is sized with one."""
+    if not get_stage(stage).reference_model:
+        return False
+    return pref_loss not in REFERENCE_FREE_LOSSES and use_ref_model is not False
 
 
 def stages_where(trait: str, value: object) -> tuple[str, ...]:

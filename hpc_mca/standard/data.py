@@ -33,20 +33,21 @@ def stream_of(batch: PackedBatch, *, sp_rank: int = 0, sp_size: int = 1,
     ``labels``, each ``[1, B·S / sp]`` (the stream padded to a multiple of ``sp_size``); for
     the per-document sums of dpo also ``documents`` (the document of each slot, numbered 0..
     over the micro-batch; SP padding counts to document 0 and carries no label) and
-    ``num_documents``."""
+    ``num_documents``; for kto ``tags``."""
     ids, pos, labels = (getattr(batch, key).reshape(1, -1)
                         for key in ("input_ids", "position_ids", "labels"))
     documents = batch.document_index().reshape(1, -1)
     count = torch.tensor(batch.num_documents)
+    extra = {"tags": batch.tags} if batch.tags is not None else {}  # kto's feedback
     if sp_size == 1:
         return {"input_ids": ids, "position_ids": pos, "labels": labels,
-                "documents": documents, "num_documents": count}
+                "documents": documents, "num_documents": count, **extra}
     part = slice_and_pad(ids, pos, labels, rank=sp_rank, size=sp_size, pad_token_id=pad_token_id)
     width = part.input_ids.size(1)
     documents = torch.cat([documents, documents.new_zeros(1, part.pad)], dim=1)
     return {"input_ids": part.input_ids, "position_ids": part.position_ids,
             "labels": part.labels, "documents": documents[:, sp_rank * width:(sp_rank + 1) * width],
-            "num_documents": count}
+            "num_documents": count, **extra}
 
 
 class StreamLoader:

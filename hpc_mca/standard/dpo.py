@@ -15,8 +15,9 @@ its answer tokens. What differs is where the numbers come from:
 * **the reference** is a frozen copy of the starting model (the directory's weights, or the
   seeded init), taken before a checkpoint is loaded, in eval mode, outside DDP and the
   optimizer. With LoRA it is the policy itself with its adapters switched off (peft's
-  ``disable_adapter``), in eval mode: no second copy. It runs on each micro-batch just before
-  the policy does.
+  ``disable_adapter``), in eval mode: no second copy. With ``finetuning.ref_model`` it is that
+  directory's model (LoRA or not); a reference-free run has none and runs no reference
+  forward (:func:`frozen_reference`). It runs on each micro-batch just before the policy does.
 * **the loss contract**: a micro-batch returns its summed pair losses times ``W/P`` (world size
   over the global batch's pairs, counted on SP rank 0 of every group before the step); DDP's
   gradient average divides ``W`` back out, so the gradient is that of the mean over pairs.
@@ -26,13 +27,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hpc_mca.loop.preference import METRICS, preference_loss, sum_over_group
+from hpc_mca.loop.preference import metric_names, preference_loss, sum_over_group, uses_reference
+from hpc_mca.models import hf_attention
 from hpc_mca.models.converters import converter_for
 from hpc_mca.runtime.sequence_parallel import IGNORE_INDEX
 
@@ -41,15 +44,38 @@ from .trainer import StandardTrainer, _count
 __all__ = ["StandardDpoTrainer", "frozen_reference"]
 
 
-def frozen_reference(model: torch.nn.Module, base_is_reference: bool) -> torch.nn.Module | None:
-    """The reference model of a run starting from ``model``: a frozen copy, or None when the
-    finetuning type's frozen base is the reference (LoRA: the policy with its adapters off;
-    :attr:`hpc_mca.models.converters.ModelConverter.reference_is_base`)."""
-    if base_is_reference:
+def frozen_reference(model: torch.nn.Module, ft: Any, base_is_reference: bool
+                     ) -> torch.nn.Module | None:
+    """The reference model of a run starting from ``model``: ``ft.ref_model``'s directory
+    (loaded as the policy's is: float32, our packed attention; a config-only directory gets
+    transformers' init, seeded by the caller as the policy's is), a frozen copy of ``model``
+    (taken before any checkpoint is loaded), or None when there is no separate one: a
+    reference-free run (:func:`~hpc_mca.loop.preference.uses_reference`), or the finetuning
+    type's frozen base is the reference (LoRA: the policy with its adapters off;
+    :attr:`hpc_mca.models.converters.ModelConverter.reference_is_base`). The one place a
+    reference is made: adapters onto it would be loaded here."""
+    if not uses_reference(ft):
         return None
-    reference = copy.deepcopy(model).eval()
+    if ft.ref_model is not None:
+        reference = _load_hf(Path(ft.ref_model), next(model.parameters()).device)
+    elif base_is_reference:
+        return None
+    else:
+        reference = copy.deepcopy(model)
+    reference.eval()
     reference.requires_grad_(False)
     return reference
+
+
+def _load_hf(path: Path, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    name = hf_attention.register()
+    if any(path.glob("*.safetensors")):
+        return AutoModelForCausalLM.from_pretrained(path, attn_implementation=name,
+                                                    dtype=torch.float32).to(device)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path),
+                                            attn_implementation=name, dtype=torch.float32).to(device)
 
 
 class StandardDpoTrainer(StandardTrainer):
@@ -61,10 +87,19 @@ class StandardDpoTrainer(StandardTrainer):
     def __init__(self, *, reference: torch.nn.Module | None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.reference = reference
+        ft = self.run.config.finetuning
+        # Reference-free (orpo, simpo, use_ref_model false): no reference forward at all.
+        self.with_reference = uses_reference(ft)
         # What trains decides how the policy runs as the reference (LoRA: adapters off).
-        self.converter = converter_for(self.run.config.finetuning)
-        # Summed over the step's micro-batches: the per-pair METRICS (SP rank 0 only).
-        self.pref_sums = torch.zeros(len(METRICS), dtype=torch.float64)
+        self.converter = converter_for(ft)
+        self.metric_names = metric_names(ft)
+        # Summed over the step's micro-batches: the per-pair metrics (SP rank 0 only).
+        self.pref_sums = torch.zeros(len(self.metric_names), dtype=torch.float64)
+        if self.run.ctx.is_main:
+            policy = sum(p.numel() for p in self.model.parameters())
+            held = sum(p.numel() for p in reference.parameters()) if reference is not None else 0
+            print(f"dpo reference: {'yes' if self.with_reference else 'none'}; parameters held "
+                  f"on rank 0: policy {policy}, reference {held}", flush=True)
 
     def count_items(self, batch_samples: list) -> float:
         """Pairs of this rank's micro-batches, counted once per SP group."""
@@ -91,13 +126,17 @@ class StandardDpoTrainer(StandardTrainer):
         self.pref_sums.zero_()
         if dist.is_initialized():
             dist.all_reduce(sums)
-        return {name: float(value) / (count or float("nan")) for name, value in zip(METRICS, sums)}
+        return {name: float(value) / (count or float("nan"))
+                for name, value in zip(self.metric_names, sums)}
 
     # ---- the two models -----------------------------------------------------------------------
 
     def reference_logps(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]
-                        ) -> torch.Tensor:
-        """The reference's summed log-probability of each document, for the policy ``model``."""
+                        ) -> torch.Tensor | None:
+        """The reference's summed log-probability of each document, for the policy ``model``;
+        None for a reference-free run."""
+        if not self.with_reference:
+            return None
         reference = self.reference if self.reference is not None else model
         with self.reference_mode(reference):
             logps, _ = self.document_logps(reference, inputs, grad=False)
@@ -146,7 +185,7 @@ class StandardDpoTrainer(StandardTrainer):
 
     def eval_sums(self, model: torch.nn.Module, batch: Any, stream: dict[str, torch.Tensor]
                   ) -> torch.Tensor:
-        """[pair losses, pairs, *METRICS] of one eval micro-batch (SP rank 0 counts)."""
+        """[pair losses, pairs, *metrics] of one eval micro-batch (SP rank 0 counts)."""
         reference = self.reference_logps(model, stream)
         policy, lengths = self.document_logps(model, stream, grad=False)
         losses, metrics = preference_loss(policy, reference, lengths,
@@ -159,7 +198,7 @@ class StandardDpoTrainer(StandardTrainer):
         loss, pairs, *values = sums.tolist()
         pairs = pairs or float("nan")
         return {"eval/loss": loss / pairs,
-                **{f"eval/{name}": value / pairs for name, value in zip(METRICS, values)}}
+                **{f"eval/{name}": value / pairs for name, value in zip(self.metric_names, values)}}
 
 
 def _summed(x: torch.Tensor, run: Any) -> torch.Tensor:

@@ -39,7 +39,7 @@ def build_hf_model(config: TrainConfig, device: torch.device) -> torch.nn.Module
         torch.manual_seed(config.training.seed)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path),
                                                  attn_implementation=name, dtype=torch.float32)
-    model = converter_for(config.finetuning).convert_hf_model(
+    model = converter_for(config.finetuning, config.model.adapter_name_or_path).convert_hf_model(
         model, model_path=config.model.model_name_or_path, seed=config.training.seed)
     return model.to(device)
 

@@ -213,8 +213,10 @@ def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[Any]) -> S
 
         from .dpo import frozen_reference
 
+        if config.finetuning.ref_model:  # a config-only one: initialised as the policy is
+            torch.manual_seed(config.training.seed)
         common["reference"] = frozen_reference(
-            model, converter_for(config.finetuning).reference_is_base)
+            model, config.finetuning, converter_for(config.finetuning).reference_is_base)
     trainer = load(stage.standard)(**common)
     # The run log has hpc-mca's progress line; transformers' printer would repeat it as a dict.
     trainer.remove_callback(PrinterCallback)

@@ -40,11 +40,13 @@ from dataclasses import dataclass, fields, replace
 
 from hpc_mca.stages import get_stage
 
+from .freeze import layer_ids_on_rank
 from .hardware import GpuSpec
 from .layout import Layout
 from .memory import (
     Workload,
     busiest_ranks,
+    frozen_trainable,
     layer_bytes_per_token,
     layers_on_rank,
     microbatch_tokens,
@@ -262,7 +264,10 @@ def _compute(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
     out_gemm, loss = (_output_layer_seconds(model, layout, work, gpu, tokens)
                       if rank == layout.pp - 1 else (0.0, 0.0))
     out_gemm, loss = (1 + depths) * out_gemm, (1 + depths) * loss
-    weight_grads = 0 if work.lora else 1  # LoRA: frozen weights need no weight gradient
+    weight_grads = 0.0 if work.lora else 1.0  # LoRA: frozen weights need no weight gradient
+    if work.freeze is not None and not work.lora and layers:  # freeze: the trained share
+        weight_grads = sum(work.freeze.layer_shares[i]
+                           for i in layer_ids_on_rank(model, layout, rank)) / layers
     flash_bwd = FLASH_BACKWARD_FACTOR if work.flash_attention else 2.0
     forward = layers * (gemm + attn + elem) + out_gemm + loss
     backward = (layers * ((1 + weight_grads) * gemm + flash_bwd * attn + 2 * elem)
@@ -273,11 +278,18 @@ def _compute(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
     elif work.recompute == "selective":
         extra += layers * attn
     # E.g. dpo's frozen reference: its log-probabilities, forward only.
-    extra += get_stage(work.stage).extra_forwards * forward
+    extra += _extra_forwards(work) * forward
     return forward, backward, forward + backward + extra, attn
 
 
 # --- communication -----------------------------------------------------------------------------
+
+def _extra_forwards(work: Workload) -> int:
+    """The stage's extra forward passes; none for a reference-free run (its only one is the
+    reference's)."""
+    stage = get_stage(work.stage)
+    return 0 if stage.reference_model and not work.reference else stage.extra_forwards
+
 
 def _micro_batch(model: ModelShape, layout: Layout, work: Workload, net: Network,
                  rank: int) -> _Pass:
@@ -286,7 +298,7 @@ def _micro_batch(model: ModelShape, layout: Layout, work: Workload, net: Network
     layers = layers_on_rank(model, layout, rank)
     width = weight_bytes(work.precision)
     activation = tokens * model.hidden_size * width  # one layer's input for the TP group
-    forward_passes = 1 + (work.recompute == "full") + get_stage(work.stage).extra_forwards
+    forward_passes = 1 + (work.recompute == "full") + _extra_forwards(work)
     tp = layout.tp
     # 4 collectives a forward pass and 4 a backward, each moving (TP−1)/TP of the activation.
     tp_each = net.ring(tp, (tp - 1) / tp * activation, tp)
@@ -355,8 +367,7 @@ def _data_parallel(model: ModelShape, layout: Layout, work: Workload, net: Netwo
                    mb: _Pass, overlap_grad_reduce: bool, overlap_param_gather: bool) -> float:
     """Exposed seconds of gradient reduction (and parameter all-gather) on pipeline rank
     ``rank``: dense weights over DP·CP, experts over the expert-data-parallel ranks."""
-    counts = stage_counts(model, layout, rank, work.lora_rank, mtp_on_rank(layout, work, rank))
-    dense, expert = (counts.adapters, 0) if work.lora else (counts.dense, counts.expert)
+    dense, expert = _trained_counts(model, layout, work, rank)
     dp = layout.dp or 1
     span = layout.tp * layout.cp * dp
     width = weight_bytes(work.precision)
@@ -381,8 +392,7 @@ def _data_parallel(model: ModelShape, layout: Layout, work: Workload, net: Netwo
 
 def _optimizer(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
                rank: int) -> float:
-    counts = stage_counts(model, layout, rank, work.lora_rank, mtp_on_rank(layout, work, rank))
-    dense, expert = (counts.adapters, 0) if work.lora else (counts.dense, counts.expert)
+    dense, expert = _trained_counts(model, layout, work, rank)
     shard = dense + expert
     if work.use_distributed_optimizer:
         dp = layout.dp or 1
@@ -390,3 +400,14 @@ def _optimizer(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
             1, layout.tp * layout.cp * dp // (layout.ep * layout.etp))
     traffic = GRAD_BUFFER_BYTES_PER_PARAM * (dense + expert) + ADAM_BYTES_PER_SHARD_PARAM * shard
     return traffic / (gpu.memory_gbps * 1e9)
+
+
+def _trained_counts(model: ModelShape, layout: Layout, work: Workload, rank: int) -> tuple[int, int]:
+    """(dense, expert) parameters of pipeline rank ``rank`` whose gradients are reduced and
+    updated: LoRA's adapters, freeze's trained part, or every weight."""
+    counts = stage_counts(model, layout, rank, work.lora_rank, mtp_on_rank(layout, work, rank))
+    if work.lora:
+        return counts.adapters, 0
+    if work.freeze is not None:
+        return frozen_trainable(model, layout, rank, work.freeze), 0
+    return counts.dense, counts.expert

@@ -18,7 +18,9 @@ The estimate is the sum of four parts, each per GPU and in bytes:
   saved tensor over TP and context parallelism splits the sequence, so the total is divided by
   TP·CP. Full recompute keeps only each layer's input plus one layer's working set.
 
-With LoRA only the adapters are trainable: the frozen base costs its weights and nothing else.
+With LoRA only the adapters are trainable: the frozen base costs its weights and nothing else;
+with freeze (LLaMA-Factory's partial fine-tuning) only the layers and tables it trains, on the
+pipeline ranks that hold them.
 Vocabulary padding (to a multiple of 128·TP, as Megatron does) is included; small items
 (norm weights counted, router/bias buffers, RNG states, the CUDA context) are left to the
 headroom in :class:`hpc_mca.topology.hardware.GpuSpec`.
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 from hpc_mca.stages import get_stage
 
+from .freeze import FreezeSizing, layer_ids_on_rank
 from .layout import Layout
 from .model import ModelShape
 
@@ -70,6 +73,12 @@ class Workload:
     mtp_num_layers: int = 0
     """Multi-token prediction depths: one transformer layer, a 2h→h projection, norms and
     one more output-layer pass each, on the last pipeline stage."""
+    freeze: FreezeSizing | None = None
+    """finetuning_type freeze: the parts that train (gradients and optimizer state for them
+    only); None = every parameter trains (or only LoRA's adapters, with ``lora``)."""
+    reference: bool = True
+    """Whether the stage's frozen reference runs (false: a reference-free dpo, orpo or simpo;
+    :func:`hpc_mca.stages.reference_runs`): no reference weights, no reference forward."""
 
 
 @dataclass(frozen=True)
@@ -173,14 +182,29 @@ def weight_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def _state_memory(counts: ParamCounts, layout: Layout, work: Workload) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes for the parameters in ``counts``."""
+def frozen_trainable(model: ModelShape, layout: Layout, rank: int, sizing: FreezeSizing) -> int:
+    """Trainable dense parameters on one GPU of pipeline rank ``rank`` under freeze: the
+    trained share of its layers, and the tables it holds that train (norms: headroom)."""
+    per_layer = _layer_counts(model, layout, 1).dense
+    layers = sum(sizing.layer_shares[i] for i in layer_ids_on_rank(model, layout, rank))
+    table = padded_vocab(model, layout.tp) * model.hidden_size // layout.tp
+    output_here = rank == layout.pp - 1 and (layout.pp > 1 or not model.tie_word_embeddings)
+    tables = int(rank == 0 and sizing.embedding) + int(output_here and sizing.output)
+    return int(layers * per_layer) + tables * table
+
+
+def _state_memory(counts: ParamCounts, layout: Layout, work: Workload,
+                  trainable: int | None = None) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes for the parameters in ``counts``; ``trainable``: the
+    dense parameters that train, when not all of them do (freeze)."""
     w = weight_bytes(work.precision)
     base = counts.dense + counts.expert
     params = base * w + (counts.adapters * w if work.lora else 0)
-    if get_stage(work.stage).reference_model and not work.lora:
+    if get_stage(work.stage).reference_model and work.reference and not work.lora:
         params += base * w  # frozen reference model (with LoRA the base itself is the reference)
     dense, expert = (counts.adapters, 0) if work.lora else (counts.dense, counts.expert)
+    if trainable is not None:
+        dense = trainable  # freeze: dense models only (the config rules refuse MoE)
     grads = 4 * (dense + expert)
     per_param = 8 if work.precision == "fp32" else 12
     dp = layout.dp or 1
@@ -284,7 +308,9 @@ def estimate_memory(model: ModelShape, layout: Layout, work: Workload) -> Memory
     for rank in busiest_ranks(model, layout):
         counts = stage_counts(model, layout, rank, work.lora_rank,
                               mtp_on_rank(layout, work, rank))
-        params, grads, optimizer = _state_memory(counts, layout, work)
+        trainable = (frozen_trainable(model, layout, rank, work.freeze)
+                     if work.freeze is not None and not work.lora else None)
+        params, grads, optimizer = _state_memory(counts, layout, work, trainable)
         estimates.append(MemoryEstimate(params, grads, optimizer,
                                         _activation_memory(model, layout, work, rank)))
     return max(estimates, key=lambda e: e.total)

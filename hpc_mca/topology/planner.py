@@ -25,6 +25,7 @@ from hpc_mca.stages import STAGE_NAMES
 
 from .cost import StepTime
 from .errors import LayoutError, raise_if
+from .freeze import FreezeSizing
 from .hardware import GPU_PRESETS, GiB, GpuSpec, get_gpu
 from .layout import FIELD_NAMES, Layout, balanced_pipeline_layout
 from .memory import CP_COMM_TYPES, PRECISIONS, RECOMPUTE, MemoryEstimate
@@ -73,6 +74,12 @@ class PlanRequest:
     """Train LoRA adapters instead of all weights."""
     lora_rank: int = 16
     """LoRA rank, for the adapter parameter count."""
+    reference: bool = True
+    """Whether the stage's frozen reference runs (false: reference-free dpo; see
+    :func:`hpc_mca.stages.reference_runs`)."""
+    freeze: FreezeSizing | None = None
+    """finetuning_type freeze: what trains (gradients and optimizer state for it only);
+    None = every weight (or LoRA's adapters)."""
     sequence_packing: bool = False
     """Pack several documents per sequence (CP then needs 2·CP-aligned documents)."""
     flash_attention: bool = True

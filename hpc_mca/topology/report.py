@@ -13,7 +13,7 @@ def _gib(n: int) -> str:
 def _header(plan: Plan) -> str:
     req = plan.request
     name = req.shape.name or f"{req.shape.num_layers}-layer model"
-    lora = " LoRA" if req.lora else ""
+    lora = " LoRA" if req.lora else " freeze" if req.freeze is not None else ""
     packed = " packed" if req.sequence_packing else ""
     return (f"plan for {name}: {req.nodes} node(s) × {req.node_size} {req.gpu_spec.name} "
             f"(world {req.world_size}), {req.stage}{lora} {req.precision}, seq {req.seq_length}"

@@ -14,7 +14,10 @@ log-probability of its answer tokens, under the policy and under the reference:
   from the policy before any checkpoint is loaded (so it is the starting model, HF weights or
   the seeded random init alike), frozen, kept in eval mode and outside DDP and the optimizer.
   With LoRA it is the policy itself with its adapters switched off (the frozen base is the
-  starting model), so there is no second copy.
+  starting model), so there is no second copy. With ``finetuning.ref_model`` it is that
+  directory's model, built and loaded in the same layout (LoRA or not). A reference-free run
+  (orpo, simpo, ``use_ref_model: false``) has none: no chunks, no reference pass
+  (:func:`reference_chunks` builds all of these).
   Before each step (and each eval batch) it runs its own forward-only pass of Megatron's
   schedule over the same micro-batches (pipeline exchanges included), and its per-document
   sums wait, keyed by micro-batch, for the policy's loss function.
@@ -31,22 +34,27 @@ CP rank (each holds its share).
 Losses (``finetuning.pref_loss``), with ``d = (π_c − ref_c) − (π_r − ref_r)`` in summed
 log-probabilities: sigmoid ``−(1−ε)·logσ(βd) − ε·logσ(−βd)`` (ε = ``dpo_label_smoothing``),
 hinge ``relu(1 − βd)``, ipo ``(d' − 1/(2β))²`` where d' divides each side's log-ratio by its
-answer length. ``pref_ftx`` adds the chosen answer's mean token NLL. The metrics are TRL's:
-``rewards/chosen`` and ``rewards/rejected`` = β·(π − ref), ``rewards/accuracies``,
-``rewards/margins``, ``logps/chosen``, ``logps/rejected``, each a mean over the pairs.
+answer length; reference-free (see :mod:`hpc_mca.loop.preference`): orpo and simpo on per-token
+mean log-probabilities, and the three above with reference log-probabilities 0 under
+``use_ref_model: false``. ``pref_ftx`` adds the chosen answer's mean token NLL. The metrics are
+TRL's: ``rewards/chosen`` and ``rewards/rejected`` = β·(π − ref) (orpo, simpo: β times the mean
+log-probability), ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
+``logps/rejected``, each a mean over the pairs; orpo adds ``nll_loss``, ``log_odds_ratio`` and
+``log_odds_chosen``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from hpc_mca.data.batch import PackedBatch
-from hpc_mca.loop.preference import METRICS, document_logps, preference_loss
+from hpc_mca.loop.preference import document_logps, metric_names, preference_loss, uses_reference
 from hpc_mca.models.converters import converter_for
 
 from .objective import ForwardStep, Objective
@@ -69,20 +77,25 @@ class DpoObjective(Objective):
         self._tokens_per_pair = 1.0
         # What trains decides what the reference is (LoRA: the policy's own frozen base).
         self._converter = converter_for(self.config.finetuning)
+        self._metrics = metric_names(self.config.finetuning)
+        self._reference_is_policy = False
 
-    def attach(self, chunks: list[torch.nn.Module], build: Callable[[], list[torch.nn.Module]]
+    @property
+    def _has_reference(self) -> bool:
+        return bool(self.reference)
+
+    def attach(self, chunks: list[torch.nn.Module], build: Callable[..., list[torch.nn.Module]]
                ) -> None:
-        """Build the reference: the same layout, the policy's starting weights, frozen. With
-        LoRA the starting model is the policy's own frozen base: the reference is the policy
-        with its adapters switched off, no second copy."""
-        if self._converter.reference_is_base:
-            self.reference = chunks
-            return
-        self.reference = build()
-        for ref, policy in zip(self.reference, chunks):
-            ref.load_state_dict(policy.state_dict())
-            ref.eval()
-            ref.requires_grad_(False)
+        """The reference (:func:`reference_chunks`), or none for a reference-free run; the
+        parameters this rank then holds are logged (rank 0)."""
+        self.reference = reference_chunks(chunks, build, self.config.finetuning, self._converter)
+        self._reference_is_policy = self.reference is chunks
+        if self.ctx.is_main:
+            policy = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+            held = 0 if self._reference_is_policy else sum(
+                p.numel() for chunk in self.reference for p in chunk.parameters())
+            print(f"dpo reference: {_describe(self.config.finetuning, self._reference_is_policy)}; "
+                  f"parameters held on rank 0: policy {policy}, reference {held}", flush=True)
 
     def auxiliary_models(self) -> list[torch.nn.Module]:
         return self.reference
@@ -98,9 +111,11 @@ class DpoObjective(Objective):
                               dtype=torch.float64, device=self.ctx.device)
         dist.all_reduce(counts, group=mpu.get_data_parallel_group(with_context_parallel=True))
         self._tokens_per_pair = float(counts[0] / counts[1]) if counts[1] else 1.0
+        self._reference_logps = {}
+        if not self._has_reference:  # reference-free: no reference forward at all
+            return
         with torch.no_grad(), self._reference_mode():
             outputs = schedule(self.reference, self._reference_step, micro_batches)
-        self._reference_logps = {}
         if outputs:  # the last pipeline stage, where the policy's loss needs them
             for batch, out in zip(micro_batches, outputs):
                 self._reference_logps[id(batch)] = out["reference"]
@@ -109,7 +124,7 @@ class DpoObjective(Objective):
     def _reference_mode(self) -> Iterator[None]:
         """LoRA: the shared chunks as the reference, adapters off and in eval mode (dropout
         off), back to what they were afterwards. A separate reference is always so."""
-        if not self._converter.reference_is_base:
+        if not self._reference_is_policy:
             yield
             return
         modes = [chunk.training for chunk in self.reference]
@@ -147,7 +162,8 @@ class DpoObjective(Objective):
         from megatron.core import parallel_state as mpu
 
         logps, lengths = document_logps(batch, per_token, mpu.get_context_parallel_group())
-        reference = self._reference_logps.pop(id(batch)).to(logps.device)
+        reference = (self._reference_logps.pop(id(batch)).to(logps.device)
+                     if self._has_reference else None)
         losses, metrics = preference_loss(logps, reference, lengths, self.config.finetuning)
         counted = float(mpu.get_context_parallel_rank() == 0)  # CP peers hold the same pairs
         report = torch.cat([torch.stack([losses.detach().sum(), torch.tensor(
@@ -167,13 +183,13 @@ class DpoObjective(Objective):
         """TRL's reward and log-probability means over the pairs of ``outputs``, on every rank."""
         sums = self._sums(outputs, 0)
         pairs = float(sums[1]) or float("nan")
-        return {name: float(value) / pairs for name, value in zip(METRICS, sums[2:-1])}
+        return {name: float(value) / pairs for name, value in zip(self._metrics, sums[2:-1])}
 
     def _sums(self, outputs: list[dict[str, torch.Tensor]], input_tokens: int) -> torch.Tensor:
-        """[loss, pairs, *METRICS, input tokens] summed over micro-batches, DP×CP and PP."""
+        """[loss, pairs, *metrics, input tokens] summed over micro-batches, DP×CP and PP."""
         from megatron.core import parallel_state as mpu
 
-        sums = torch.zeros(3 + len(METRICS), dtype=torch.float64, device=self.ctx.device)
+        sums = torch.zeros(3 + len(self._metrics), dtype=torch.float64, device=self.ctx.device)
         if mpu.is_pipeline_last_stage(ignore_virtual=True):
             if outputs:
                 sums[:-1] = torch.stack([out["dpo"] for out in outputs]).sum(dim=0).to(sums)
@@ -186,3 +202,40 @@ class DpoObjective(Objective):
 def _forward(model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
     return model(inputs["input_ids"], inputs["position_ids"], None, labels=inputs["labels"],
                  loss_mask=inputs["loss_mask"], packed_seq_params=inputs["packed_seq_params"])
+
+
+def reference_chunks(chunks: list[torch.nn.Module], build: Callable[..., list[torch.nn.Module]],
+                     ft: Any, converter: Any) -> list[torch.nn.Module]:
+    """The frozen reference model's chunks, in the policy's layout (TP/PP/EP): none for a
+    reference-free run (:func:`~hpc_mca.loop.preference.uses_reference`); ``ft.ref_model``'s
+    directory, built and loaded as the policy is from ``model_name_or_path`` (``build`` takes
+    the directory and whether to load weights; a config-only directory gets the seeded init,
+    as a config-only policy does); else with LoRA the policy's own chunks (its frozen base,
+    adapters switched off while it runs); else a copy of the policy's starting weights (called
+    before any checkpoint is loaded). Frozen and in eval mode, outside DDP and the optimizer.
+    The one place a reference is made: adapters onto it would be loaded here."""
+    if not uses_reference(ft):
+        return []
+    if ft.ref_model is not None:
+        source = Path(ft.ref_model)
+        reference = build(source, load_weights=any(source.glob("*.safetensors")))
+    elif converter.reference_is_base:
+        return chunks
+    else:
+        reference = build()
+        for ref, policy in zip(reference, chunks):
+            ref.load_state_dict(policy.state_dict())
+    for ref in reference:
+        ref.eval()
+        ref.requires_grad_(False)
+    return reference
+
+
+def _describe(ft: Any, is_policy: bool) -> str:
+    if not uses_reference(ft):
+        why = (f"pref_loss {ft.pref_loss!r} is reference-free" if ft.use_ref_model is not False
+               else "use_ref_model is false")
+        return f"none ({why})"
+    if ft.ref_model is not None:
+        return f"ref_model {ft.ref_model}"
+    return "the policy with its adapters off" if is_policy else "a frozen copy of the starting model"

@@ -1,4 +1,4 @@
-"""Training objectives: what a stage (pt, sft, dpo; and the MTP loss) brings to the loop.
+"""Training objectives: what a stage (pt, sft, dpo, kto; and the MTP loss) brings to the loop.
 
 The loop (:class:`hpc_mca.trainer.trainer.Trainer`) knows Megatron's schedules, DDP, the
 optimizer and checkpoints; it does not know what a batch means. An :class:`Objective` owns
