@@ -42,4 +42,7 @@ EXAMPLES = {
         "dataset": "c4_demo", "output_dir": "saves/qwen3-4b/lora/pretrain",
         "gradient_accumulation_steps": 8, "learning_rate": 1.0e-4, **COMMON},
 }
-"""LLaMA-Factory's examples/<name> as a dict each."""
+# LLaMA-Factory ships no orpo YAML: its README has users switch the dpo example's pref_loss.
+EXAMPLES["train_lora/qwen3_lora_dpo.yaml with pref_loss: orpo"] = {
+    **EXAMPLES["train_lora/qwen3_lora_dpo.yaml"], "pref_loss": "orpo"}
+"""LLaMA-Factory's examples/<name> as a dict each (and the dpo one as its users turn it into orpo)."""

@@ -16,7 +16,9 @@ in an adapter, so the honest comparison is the first step after loading, whose l
 gradient norm are computed from the adapter alone: every step sees the same whole dataset (8
 examples, one micro-batch), so a run started from the export computes at its step 1 what the
 resumed run computes at step 4. Both backends continue the same curve from the same adapter
-(each with a fresh optimizer). The config rules refuse what an adapter cannot be in one line.
+(each with a fresh optimizer). dpo's LoRA reference is the base with the merged adapters, and
+``ref_model_adapters`` are merged onto ``ref_model`` (both backends). The config rules refuse
+what an adapter cannot be in one line.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """LLaMA-Factory's own example configs run here as its users wrote them (issue #39).
 
-The five YAMLs (tests/lf_examples.py) are LLaMA-Factory's ``examples/train_full/qwen3_full_sft.yaml`` and
+The six YAMLs (tests/lf_examples.py) are LLaMA-Factory's ``examples/train_full/qwen3_full_sft.yaml`` and
 ``examples/train_lora/qwen3_lora_{sft,dpo,kto,pretrain}.yaml`` (key for key, value for value, comments
-left out). A test changes only what a user moving to this machine must change: the model
+left out), and the dpo one with ``pref_loss: orpo`` (LLaMA-Factory has no orpo YAML; its README
+says to set that key). A test changes only what a user moving to this machine must change: the model
 (``model_name_or_path``: the tiny test model), where the data lives (``dataset_dir``: data in
 LLaMA-Factory's formats under its example dataset names, made here), where the run goes
 (``output_dir``), and a small ``max_steps`` so that the test ends. The full-sft example also

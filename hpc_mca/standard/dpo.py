@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from hpc_mca.loop.preference import metric_names, preference_loss, sum_over_group, uses_reference
 from hpc_mca.models import hf_attention
-from hpc_mca.models.converters import converter_for
+from hpc_mca.models.converters import converter_for, merge_hf_adapters
 from hpc_mca.runtime.sequence_parallel import IGNORE_INDEX
 
 from .trainer import StandardTrainer, _count
@@ -53,11 +53,12 @@ def frozen_reference(model: torch.nn.Module, ft: Any, base_is_reference: bool
     reference-free run (:func:`~hpc_mca.loop.preference.uses_reference`), or the finetuning
     type's frozen base is the reference (LoRA: the policy with its adapters off;
     :attr:`hpc_mca.models.converters.ModelConverter.reference_is_base`). The one place a
-    reference is made: adapters onto it would be loaded here."""
+    reference is made: ``ft.ref_model_adapters`` are merged onto ``ref_model`` here."""
     if not uses_reference(ft):
         return None
     if ft.ref_model is not None:
-        reference = _load_hf(Path(ft.ref_model), next(model.parameters()).device)
+        reference = merge_hf_adapters(_load_hf(Path(ft.ref_model), next(model.parameters()).device),
+                                      ft.ref_model_adapters or [])  # LLaMA-Factory's, in order
     elif base_is_reference:
         return None
     else:

@@ -213,12 +213,18 @@ def reference_chunks(chunks: list[torch.nn.Module], build: Callable[..., list[to
     as a config-only policy does); else with LoRA the policy's own chunks (its frozen base,
     adapters switched off while it runs); else a copy of the policy's starting weights (called
     before any checkpoint is loaded). Frozen and in eval mode, outside DDP and the optimizer.
-    The one place a reference is made: adapters onto it would be loaded here."""
+    The one place a reference is made: ``ft.ref_model_adapters`` are merged onto ``ref_model``
+    here (LLaMA-Factory reads them only with it)."""
     if not uses_reference(ft):
         return []
     if ft.ref_model is not None:
+        from hpc_mca.models.adapter_import import merge_adapters
+
         source = Path(ft.ref_model)
         reference = build(source, load_weights=any(source.glob("*.safetensors")))
+        # ref_model_adapters merged onto it in order (the seed only draws A factors that the
+        # adapters' own replace).
+        merge_adapters(reference, ft, ft.ref_model_adapters or [], model_path=str(source), seed=0)
     elif converter.reference_is_base:
         return chunks
     else:
