@@ -32,6 +32,13 @@ from hpc_mca.rundir import RESOLVED_CONFIG_FILE, write_atomic
 
 from .input import ConfigError
 
+__all__ = ["ATTENTION_BACKENDS", "ATTENTION_CHOICES", "DATASET_FORMATS", "FINETUNING_TYPES",
+           "KERNEL_FUSIONS", "OPTIMIZERS", "OPTIMIZER_FORMATS", "PACKED_ATTENTION", "PACKED_KERNELS",
+           "PREF_LOSSES", "REPORT_TO", "RESERVED_FINETUNING_TYPES", "RESHARDABLE_FORMATS",
+           "TRACKER_PACKAGES", "ConfigError", "DataArguments", "FinetuningArguments", "ModelArguments",
+           "ParallelArguments", "TrainConfig", "TrainingArguments", "load_config", "load_resolved",
+           "set_value"]
+
 PREF_LOSSES = ("sigmoid", "ipo", "hinge", "orpo", "simpo")
 """dpo's preference losses (``finetuning.pref_loss``), as LLaMA-Factory and TRL name them."""
 FINETUNING_TYPES = ("full", "lora", "freeze")
@@ -424,4 +431,4 @@ _FLAT = _field_index()
 
 
 # Loading lives in .loading (it needs the classes above); re-exported here, where callers look.
-from .loading import load_config, load_resolved, set_value  # noqa: E402,F401
+from .loading import load_config, load_resolved, set_value  # noqa: E402
