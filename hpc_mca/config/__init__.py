@@ -12,6 +12,7 @@ Megatron scheduler lazily).
 - ``loading``: YAML and ``key=value`` overrides into the dataclasses, with every problem in one message.
 - ``input``: key aliases, type coercion, the one-line :class:`ConfigError`.
 - ``rules``: the cross-section checks, each naming the dotted field and what is valid.
+- ``finetuning_rules``: the checks of what trains (LoRA, freeze, adapters) and of each stage's losses.
 - ``scope``: settings that only mean something in a context (a stage, a backend).
 - ``layout``: the parallel layout and model shape a config asks for.
 - ``schedule``: LR schedule names, their arguments and shapes.
