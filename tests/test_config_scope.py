@@ -30,8 +30,9 @@ def _problems(run: Path, overrides: list[str], world_size: int = 1) -> list[str]
 # field its context (checked to be accepted there, so each refusal is the context's doing).
 OUT_OF_CONTEXT = {
     "finetuning.pref_beta": ("0.2", ["stage=dpo"]),
-    "finetuning.kto_chosen_weight": ("0.5", ["stage=kto"]),
-    "finetuning.kto_rejected_weight": ("2.0", ["stage=kto"]),
+    # kto needs two examples per micro-step (its KL rows pair them)
+    "finetuning.kto_chosen_weight": ("0.5", ["stage=kto", "per_device_train_batch_size=2"]),
+    "finetuning.kto_rejected_weight": ("2.0", ["stage=kto", "per_device_train_batch_size=2"]),
     "finetuning.pref_loss": ("ipo", ["stage=dpo"]),
     "finetuning.pref_ftx": ("0.5", ["stage=dpo"]),
     "finetuning.dpo_label_smoothing": ("0.1", ["stage=dpo"]),

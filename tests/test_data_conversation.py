@@ -41,7 +41,9 @@ def _build(tmp_path: Path, *overrides: str, stage: str = "sft"):
     config = load_config(None, [
         f"model_name_or_path={DEMO_DIR}", f"output_dir={tmp_path / 'out'}",
         f"preprocessing_cache_dir={tmp_path / 'cache'}", "seq_length=256",
-        "per_device_train_batch_size=1", "max_steps=2", f"stage={stage}", *overrides]).resolve(world_size=1)
+        # kto's KL rows pair the examples of a micro-step: it needs two
+        f"per_device_train_batch_size={2 if stage == 'kto' else 1}", "max_steps=2", f"stage={stage}",
+        *overrides]).resolve(world_size=1)
     return build_datasets(config.data, config.data_run())
 
 

@@ -265,6 +265,9 @@ def test_kto_loss_by_hand():
     ("train_on_prompt=true", "data.train_on_prompt=true with finetuning.stage='kto'"),
     ("desirable_weight=2", "use finetuning.kto_chosen_weight"),  # TRL's names
     ("undesirable_weight=2", "use finetuning.kto_rejected_weight"),
+    # one example per micro-step: its KL row would be its own answer (TRL refuses it too)
+    ("per_device_train_batch_size=1", "training.per_device_train_batch_size=1 on 1 data-parallel "
+                                      "rank(s) with finetuning.stage='kto'"),
 ])
 def test_bad_kto_settings_are_refused_in_one_line(tmp_path, override, message):
     from hpc_mca.config.sections import ConfigError, load_config
@@ -274,7 +277,8 @@ def test_bad_kto_settings_are_refused_in_one_line(tmp_path, override, message):
     data.write_text(json.dumps(_examples(1)[0]) + "\n")
     with pytest.raises(ConfigError) as err:
         load_config(None, [f"model_name_or_path={DEMO_DIR}", f"output_dir={tmp_path / 'o'}",
-                           f"dataset={data}", "stage=kto", override]).resolve(world_size=1)
+                           f"dataset={data}", "stage=kto", "per_device_train_batch_size=2",
+                           override]).resolve(world_size=1)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 

@@ -324,7 +324,17 @@ def test_llama_factory_examples_load(tmp_path: Path, name: str, use_mca: str):
         assert len(str(err.value).splitlines()) == 1
         path.write_text("\n".join(line for line in path.read_text().splitlines()
                                   if not line.startswith("deepspeed:")))
-    config = load_resolved(path, [f"use_mca={use_mca}"], 1)
+    world = 1
+    if EXAMPLES[name]["stage"] == "kto":
+        # one example per device: on one rank its KL row would be its own answer (refused, as
+        # TRL refuses it); on two data-parallel ranks the example runs as written
+        with pytest.raises(ConfigError) as err:
+            load_resolved(path, [f"use_mca={use_mca}"], 1)
+        assert str(err.value).startswith("training.per_device_train_batch_size=1 on 1 "
+                                         "data-parallel rank(s) with finetuning.stage='kto'")
+        assert len(str(err.value).splitlines()) == 1
+        world = 2
+    config = load_resolved(path, [f"use_mca={use_mca}"], world)
     tr, data = config.training, config.data
     assert (tr.overwrite_output_dir, tr.plot_loss, tr.save_only_model) == (True, True, False)
     assert (tr.ddp_timeout, tr.dataloader_num_workers) == (180000000, 4)

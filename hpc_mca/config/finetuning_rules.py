@@ -28,7 +28,7 @@ from .checks import choice as _choice
 from .layout import model_shape, model_type
 from .sections import PREF_LOSSES, ConfigError, TrainConfig
 
-__all__ = ["check_finetuning"]
+__all__ = ["check_finetuning", "check_kto_micro_step"]
 
 
 def check_finetuning(config: TrainConfig, world_size: int) -> None:
@@ -211,3 +211,19 @@ def _check_reference(config: TrainConfig) -> None:
         raise ConfigError(f"finetuning.ref_model={ft.ref_model!r} is a {model_type(theirs)} "
                           f"of another shape than model.model_name_or_path ({model_type(policy)}); "
                           "valid: a model of the same family, sizes and vocabulary")
+
+
+def check_kto_micro_step(config: TrainConfig, world_size: int) -> None:
+    """kto pairs each example's KL row with another example's answer within the micro-step
+    (``per_device_train_batch_size`` × data-parallel ranks, hpc_mca.data.feedback): with one
+    example there it would pair with itself, and the KL estimate would be its own reward
+    (TRL's KTOTrainer refuses that micro-batch too). Run after the parallel rules derive the
+    data-parallel size."""
+    if get_stage(config.finetuning.stage).reads != FEEDBACK:
+        return
+    micro, dp = config.training.per_device_train_batch_size, config.parallel.data_parallel_size or 1
+    if micro * dp < 2:
+        raise ConfigError(f"training.per_device_train_batch_size={micro} on {dp} data-parallel "
+                          "rank(s) with finetuning.stage='kto': a micro-step of one example pairs "
+                          "its KL row with its own answer, so the KL estimate is its own reward; "
+                          "valid: per_device_train_batch_size >= 2, or 2 or more data-parallel ranks")

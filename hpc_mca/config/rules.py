@@ -32,6 +32,7 @@ from hpc_mca.topology.memory import CP_COMM_TYPES
 from .checks import at_least as _at_least
 from .checks import choice as _choice
 from .finetuning_rules import check_finetuning as _check_finetuning
+from .finetuning_rules import check_kto_micro_step
 from .layout import layout_of, model_shape, model_type, our_names
 from .run_settings import check_run_settings
 from .schedule import SchedulerError, resolve_warmup_steps, scheduler_spec
@@ -444,6 +445,7 @@ RESOLVE_STEPS: tuple[tuple[_Rule, tuple[_Rule, ...]], ...] = (
     (_check_training, ()),
     (_check_schedule, ()),
     (_check_parallel, (_check_model,)),
+    (check_kto_micro_step, (_check_stage, _check_parallel)),
     (check_run_settings, ()),
 )
 """The rules in order, each with the steps whose derived values (or model) it needs: a step
