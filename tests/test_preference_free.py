@@ -101,6 +101,11 @@ def test_the_planner_sizes_no_reference_for_a_reference_free_run():
     free = Workload(seq_length=64, stage="dpo", precision="fp32", reference=False)
     with_ref, without = estimate_memory(shape, layout, work), estimate_memory(shape, layout, free)
     assert with_ref.params == 2 * without.params  # the reference's copy of every weight
+    # LoRA: the frozen base is the reference, unless ref_model makes it a model of its own
+    lora, own = (estimate_memory(shape, layout, Workload(
+        seq_length=64, stage="dpo", precision="fp32", lora=True, separate_reference=separate))
+        for separate in (False, True))
+    assert own.params - lora.params == without.params  # one more copy of the base weights
     assert _extra_forwards(work) == 1 and _extra_forwards(free) == 0
 
 
@@ -113,8 +118,13 @@ def test_hpc_mca_plan_asks_the_config_whether_a_reference_runs(tmp_path, overrid
     from hpc_mca.config.sections import load_config
     from hpc_mca.slurm.jobplan import PlanOptions, _from_config
 
-    config = load_config(config_only_run(tmp_path) / "run.yaml", overrides).resolve(1)
+    root = config_only_run(tmp_path)
+    config = load_config(root / "run.yaml", overrides).resolve(1)
     assert _from_config(config, set(), PlanOptions())["reference"] is reference
+    assert _from_config(config, set(), PlanOptions())["separate_reference"] is False
+    if reference:  # a ref_model of its own (the run's model dir: same shape) is sized as one
+        config = load_config(root / "run.yaml", [*overrides, f"ref_model={root / 'model'}"]).resolve(1)
+        assert _from_config(config, set(), PlanOptions())["separate_reference"] is True
 
 
 def test_a_ref_model_of_another_shape_is_refused(tmp_path):

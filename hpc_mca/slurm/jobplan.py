@@ -277,6 +277,7 @@ def _from_config(config: TrainConfig, explicit: set[str],
         "freeze": frozen_sizing(ft, config.model.model_name_or_path),
         "reference": reference_runs(ft.stage, ft.pref_loss, ft.use_ref_model)
         if ft.stage in STAGE_NAMES else True,
+        "separate_reference": ft.ref_model is not None,
         "sequence_packing": data.sequence_packing,
     }
     if "per_device_train_batch_size" in explicit:

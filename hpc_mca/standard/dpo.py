@@ -99,7 +99,7 @@ class StandardDpoTrainer(StandardTrainer):
         if self.run.ctx.is_main:
             policy = sum(p.numel() for p in self.model.parameters())
             held = sum(p.numel() for p in reference.parameters()) if reference is not None else 0
-            print(f"dpo reference: {'yes' if self.with_reference else 'none'}; parameters held "
+            print(f"{ft.stage} reference: {'yes' if self.with_reference else 'none'}; parameters held "
                   f"on rank 0: policy {policy}, reference {held}", flush=True)
 
     def count_items(self, batch_samples: list) -> float:

@@ -79,6 +79,9 @@ class Workload:
     reference: bool = True
     """Whether the stage's frozen reference runs (false: a reference-free dpo, orpo or simpo;
     :func:`hpc_mca.stages.reference_runs`): no reference weights, no reference forward."""
+    separate_reference: bool = False
+    """The reference is a model of its own even with ``lora`` (``finetuning.ref_model``): its
+    weights count; otherwise a LoRA run's reference is its own frozen base."""
 
 
 @dataclass(frozen=True)
@@ -200,8 +203,9 @@ def _state_memory(counts: ParamCounts, layout: Layout, work: Workload,
     w = weight_bytes(work.precision)
     base = counts.dense + counts.expert
     params = base * w + (counts.adapters * w if work.lora else 0)
-    if get_stage(work.stage).reference_model and work.reference and not work.lora:
-        params += base * w  # frozen reference model (with LoRA the base itself is the reference)
+    if get_stage(work.stage).reference_model and work.reference and (
+            not work.lora or work.separate_reference):
+        params += base * w  # frozen reference model (with LoRA the base itself is, unless ref_model)
     dense, expert = (counts.adapters, 0) if work.lora else (counts.dense, counts.expert)
     if trainable is not None:
         dense = trainable  # freeze: dense models only (the config rules refuse MoE)

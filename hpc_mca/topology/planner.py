@@ -77,6 +77,8 @@ class PlanRequest:
     reference: bool = True
     """Whether the stage's frozen reference runs (false: reference-free dpo; see
     :func:`hpc_mca.stages.reference_runs`)."""
+    separate_reference: bool = False
+    """The reference is a model of its own even with ``lora`` (``finetuning.ref_model``)."""
     freeze: FreezeSizing | None = None
     """finetuning_type freeze: what trains (gradients and optimizer state for it only);
     None = every weight (or LoRA's adapters)."""

@@ -100,7 +100,8 @@ def workload(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Work
         stage=req.stage, precision=req.precision, lora=req.lora, lora_rank=req.lora_rank,
         recompute=recompute, use_distributed_optimizer=distributed_optimizer(req, layout),
         flash_attention=req.flash_attention, cp_comm_type=cp_comm_type,
-        mtp_num_layers=req.mtp_num_layers, freeze=req.freeze, reference=req.reference)
+        mtp_num_layers=req.mtp_num_layers, freeze=req.freeze, reference=req.reference,
+        separate_reference=req.separate_reference)
 
 
 def memory_workload(req: PlanRequest, work: Workload) -> Workload:
