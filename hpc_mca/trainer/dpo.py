@@ -185,14 +185,18 @@ class DpoObjective(Objective):
         pairs = float(sums[1]) or float("nan")
         return {name: float(value) / pairs for name, value in zip(self._metrics, sums[2:-1])}
 
+    def _report_width(self) -> int:
+        """Metric sums in a micro-batch's report, after its loss and count."""
+        return len(self._metrics)
+
     def _sums(self, outputs: list[dict[str, torch.Tensor]], input_tokens: int) -> torch.Tensor:
-        """[loss, pairs, *metrics, input tokens] summed over micro-batches, DP×CP and PP."""
+        """[loss, count, *metric sums, input tokens] summed over micro-batches, DP×CP and PP."""
         from megatron.core import parallel_state as mpu
 
-        sums = torch.zeros(3 + len(self._metrics), dtype=torch.float64, device=self.ctx.device)
+        sums = torch.zeros(3 + self._report_width(), dtype=torch.float64, device=self.ctx.device)
         if mpu.is_pipeline_last_stage(ignore_virtual=True):
-            if outputs:
-                sums[:-1] = torch.stack([out["dpo"] for out in outputs]).sum(dim=0).to(sums)
+            if outputs:  # each micro-batch's report, under the objective's name
+                sums[:-1] = torch.stack([out[self.name] for out in outputs]).sum(dim=0).to(sums)
             sums[-1] = input_tokens
             dist.all_reduce(sums, group=mpu.get_data_parallel_group(with_context_parallel=True))
         dist.all_reduce(sums, group=mpu.get_pipeline_model_parallel_group())

@@ -58,16 +58,6 @@ class KtoObjective(DpoObjective):
         """TRL's reward, log-probability and KL means over the micro-steps of ``outputs``."""
         return step_metrics(self._sums(outputs, 0)[2:-1].tolist())
 
-    def _sums(self, outputs: list[dict[str, torch.Tensor]], input_tokens: int) -> torch.Tensor:
-        """[loss, examples, *micro-step metric pairs, input tokens] summed over micro-batches,
-        DP×CP and PP."""
-        from megatron.core import parallel_state as mpu
-
-        sums = torch.zeros(3 + 2 * len(METRICS), dtype=torch.float64, device=self.ctx.device)
-        if mpu.is_pipeline_last_stage(ignore_virtual=True):
-            if outputs:
-                sums[:-1] = torch.stack([out["kto"] for out in outputs]).sum(dim=0).to(sums)
-            sums[-1] = input_tokens
-            dist.all_reduce(sums, group=mpu.get_data_parallel_group(with_context_parallel=True))
-        dist.all_reduce(sums, group=mpu.get_pipeline_model_parallel_group())
-        return sums
+    def _report_width(self) -> int:
+        """Each micro-step metric as a (sum, count) pair (hpc_mca.loop.kto)."""
+        return 2 * len(METRICS)
