@@ -24,10 +24,12 @@ LAYERS = {
     "config": 2,
     # 3-7: the rank side, bottom up: what both backends' loops share (3-6), then the backends.
     "runtime": 3, "models": 4, "checkpoint": 5, "loop": 6, "trainer": 7, "standard": 7,
-    # 8: from a config to the backend it names.
-    "launch": 8,
-    # 9-10: the login side and the entry points.
-    "slurm": 9, "cli": 10, "assets": 10, "__main__": 11, "__init__": 11,
+    # 8: the Python API (TrainingArguments, AutoModel, McaTrainer) over the Megatron backend.
+    "api": 8,
+    # 9: from a config to the backend it names (the Megatron one through the API).
+    "launch": 9,
+    # 10-11: the login side and the entry points.
+    "slurm": 10, "cli": 11, "assets": 11, "__main__": 12, "__init__": 12,
 }
 
 
@@ -136,7 +138,7 @@ def test_the_rule_catches_an_upward_import(tmp_path):
         "from .store import read_tracker\n")
     (fake / "standard" / "bad.py").write_text("from hpc_mca.trainer.dpo import METRICS\n")
     assert violations(fake) == [
-        "hpc_mca/checkpoint/bad.py:1: checkpoint.bad (layer 5) imports slurm.commands (layer 9)",
+        "hpc_mca/checkpoint/bad.py:1: checkpoint.bad (layer 5) imports slurm.commands (layer 10)",
         "hpc_mca/checkpoint/bad.py:2: checkpoint.bad (layer 5) imports trainer (layer 7)",
         "hpc_mca/standard/bad.py:1: standard.bad (layer 7) imports trainer.dpo (layer 7)",
     ]

@@ -26,8 +26,7 @@ from .input import (
 )
 from .sections import _FLAT, _INPUT_PATHS, _SECTION_TYPES, OPTIMIZERS, REPORT_TO, TrainConfig
 
-__all__ = ["load_config", "load_resolved", "set_value"]
-
+__all__ = ["config_items", "load_config", "load_items", "load_resolved", "set_value"]
 
 
 def load_config(path: str | os.PathLike[str] | None = None,
@@ -64,8 +63,14 @@ def load_resolved(path: str | os.PathLike[str] | None, overrides: typing.Iterabl
 def _load(path: str | os.PathLike[str] | None,
           overrides: typing.Iterable[str]) -> tuple[TrainConfig, list[str]]:
     """The config and its load problems, one line each, in the order their keys come."""
+    return load_items(config_items(path, overrides))
+
+
+def load_items(items: list[tuple[str, Any, Path | None]]) -> tuple[TrainConfig, list[str]]:
+    """A config from ``(key, value, base directory of relative paths or None)`` items, in
+    order, and its load problems, one line each (the Python API's keyword arguments come
+    this way, so they get the YAML's key aliases, types and messages)."""
     config = TrainConfig()
-    items = _items(path, overrides)
     problems: dict[str, tuple[int, str]] = {}  # by the field a key names (flat and dotted are one)
     written: dict[str, int] = {}  # field -> the position of the item that set it last
     lf_items: dict[str, tuple[int, Any]] = {}  # a LLaMA-Factory key -> its last position, value
@@ -90,8 +95,8 @@ def _load(path: str | os.PathLike[str] | None,
     return config, [line for _, line in sorted(problems.values())]
 
 
-def _items(path: str | os.PathLike[str] | None,
-           overrides: typing.Iterable[str]) -> list[tuple[str, Any, Path | None]]:
+def config_items(path: str | os.PathLike[str] | None,
+                 overrides: typing.Iterable[str]) -> list[tuple[str, Any, Path | None]]:
     """(key, value, the YAML file's directory or None) for every key, in order."""
     items: list[tuple[str, Any, Path | None]] = []
     if path is not None:

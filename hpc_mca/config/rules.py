@@ -158,7 +158,7 @@ def _check_data(config: TrainConfig, world_size: int) -> None:
     elif data.split is not None:
         raise ConfigError(f"data.split={data.split!r} without data.data_path; valid: data.split "
                           "with data.data_path, or data.val_size for data.dataset")
-    elif not data.dataset:
+    elif not data.dataset and not config.datasets_in_code:
         raise ConfigError("data.dataset is required (one or more dataset files)")
     _choice("data.dataset_format", data.dataset_format, DATASET_FORMATS)
     _choice("data.template", data.template, TEMPLATE_NAMES)

@@ -51,8 +51,8 @@ def has_eval_data(config: TrainConfig) -> bool:
     """Eval data: an eval dataset, a held-out share of the train set, or (with Megatron's
     blend) a validation share in ``data.split``."""
     data = config.data
-    if data.eval_dataset or data.val_size > 0:
-        return True
+    if data.eval_dataset or data.val_size > 0 or config.datasets_in_code:
+        return True  # (in code: McaTrainer checks the eval settings against its eval_dataset)
     if data.data_path is None or data.split is None:
         return False
     from hpc_mca.data.blended import parse_split

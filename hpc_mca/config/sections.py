@@ -23,7 +23,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -355,6 +355,12 @@ class TrainConfig:
     """Optimisation and logging."""
     parallel: ParallelArguments = field(default_factory=ParallelArguments)
     """Megatron parallelism."""
+
+    datasets_in_code: ClassVar[bool] = False
+    """Set on a config of the Python API (:mod:`hpc_mca.api`), whose script may hand the trainer
+    its datasets as objects: ``data.dataset`` is then not required, and eval settings may stand
+    without eval files (``McaTrainer`` checks both against what it is given). Not a field: it is
+    how the config was made, not a setting, and the resolved YAML does not hold it."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -44,6 +45,40 @@ def exact_match_accuracy(model: list[torch.nn.Module], eval_rows: Any, run: Data
         counts.zero_()
     dist.all_reduce(counts, group=mpu.get_pipeline_model_parallel_group())
     return {"eval/accuracy": float(counts[0] / counts[1]) if counts[1] else 0.0}
+
+
+def eval_predictions(model: list[torch.nn.Module], eval_rows: Any, run: DataRun,
+                     vocab_size: int, device: torch.device) -> tuple[np.ndarray, np.ndarray]:
+    """``(predictions, label_ids)`` over the eval rows of every data-parallel rank, the same
+    on every rank: ``[rows, seq]`` int64, the greedy (argmax) token at each slot and the token
+    it is trained to predict there (-100 where nothing is), in the eval loader's order, rank
+    after rank. What transformers' ``compute_metrics`` gets as ``EvalPrediction``."""
+    from megatron.core import parallel_state as mpu
+
+    chunks = [unwrap(m) for m in model]
+    loader = eval_dataloader(eval_rows, run, data_parallel_rank=mpu.get_data_parallel_rank())
+    cp, cp_rank = mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank()
+    last = mpu.is_pipeline_last_stage(ignore_virtual=True)
+    predictions, labels = [], []
+    for batch in loader:
+        share = batch.cp_shard(cp, cp_rank)
+        logits = _logits(chunks, share, vocab_size)
+        whole = torch.zeros(batch.labels.shape, dtype=torch.long, device=device)
+        if logits is not None:
+            whole = _whole_batch(logits.argmax(dim=-1).reshape(share.labels.shape), batch,
+                                 mpu.get_context_parallel_group()).to(device)
+        predictions.append(whole)
+        labels.append(batch.labels.to(device))
+    mine = torch.stack([torch.cat(predictions), torch.cat(labels)])  # [2, rows, seq]
+    # The last pipeline stage has the predictions: every stage gets them from it (a sum: the
+    # others hold zeros), then every data-parallel rank gets every rank's rows.
+    if not last:
+        mine[0].zero_()
+    dist.all_reduce(mine[0], group=mpu.get_pipeline_model_parallel_group())
+    shares = [torch.empty_like(mine) for _ in range(mpu.get_data_parallel_world_size())]
+    dist.all_gather(shares, mine, group=mpu.get_data_parallel_group())
+    every = torch.cat(shares, dim=1).cpu().numpy()
+    return every[0], every[1]
 
 
 def _whole_batch(share: torch.Tensor, batch: PackedBatch, group: Any) -> torch.Tensor:

@@ -19,7 +19,7 @@ loss and its reduction, eval metric) is the stage's :class:`~hpc_mca.trainer.obj
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from transformers.trainer_callback import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
@@ -54,7 +54,8 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, ctx: RankContext, chunks: list[torch.nn.Module],
                  data: TrainingData, *, objective: Objective, run_dir: Path, model_shape: ModelShape,
-                 callbacks: Iterable[TrainerCallback] = ()) -> None:
+                 callbacks: Iterable[TrainerCallback] = (),
+                 compute_metrics: Callable[[Any], dict[str, float]] | None = None) -> None:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -79,6 +80,8 @@ class Trainer:
         self.objective = objective
         self.forward_step = objective.forward_step()
         self.eval_metric = objective.eval_metric()
+        self.compute_metrics = compute_metrics
+        """transformers' ``compute_metrics``: ``EvalPrediction`` of the eval rows -> metrics."""
         self.state = TrainerState(max_steps=self.max_steps, logging_steps=config.training.logging_steps,
                                   eval_steps=config.training.eval_steps or 0, is_world_process_zero=ctx.is_main)
         self.control = TrainerControl()
@@ -249,7 +252,21 @@ class Trainer:
         metrics.update({f"eval/{k}": v for k, v in self.objective.step_metrics(every).items()})
         if self.eval_metric is not None:
             metrics.update(self.eval_metric(self.model, self.data.eval))
+        if self.compute_metrics is not None:
+            metrics.update(self._computed_metrics())
         return metrics
+
+    def _computed_metrics(self) -> dict[str, float]:
+        """The script's ``compute_metrics`` over the greedy predictions and labels of the
+        whole eval set (every rank calls it with the same arrays)."""
+        from transformers.trainer_utils import EvalPrediction
+
+        from hpc_mca.trainer.evaluation import eval_predictions
+
+        predictions, labels = eval_predictions(self.model, self.data.eval, self.config.data_run(),
+                                               self.objective.vocab_size, self.ctx.device)
+        computed = self.compute_metrics(EvalPrediction(predictions=predictions, label_ids=labels))
+        return {f"eval/{key.removeprefix('eval_')}": float(value) for key, value in computed.items()}
 
     # ---- helpers ----------------------------------------------------------------------------
 
