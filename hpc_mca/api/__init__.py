@@ -18,8 +18,11 @@ before the process group, the process group), :mod:`.model` (``AutoModel``, ``Mc
 ``hpc-mca submit script.py``): a bad input then ends every rank with exit 2 and one line.
 """
 
-from .arguments import Seq2SeqTrainingArguments, TrainingArguments
-from .model import AutoModel, McaModel
-from .trainer import McaTrainer
+from hpc_mca.runtime.quiet import quiet_library_noise
+
+quiet_library_noise()  # before megatron is imported, as hpc-mca train does
+from .arguments import Seq2SeqTrainingArguments, TrainingArguments  # noqa: E402
+from .model import AutoModel, McaModel  # noqa: E402
+from .trainer import McaTrainer  # noqa: E402
 
 __all__ = ["AutoModel", "McaModel", "McaTrainer", "Seq2SeqTrainingArguments", "TrainingArguments"]

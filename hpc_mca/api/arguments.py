@@ -113,8 +113,9 @@ class _Arguments:
         defaults = TrainConfig()
         for section in _SECTION_TYPES:
             for name, value in dataclasses.asdict(self._sections_of(section)).items():
-                if value == getattr(getattr(defaults, section), name):
-                    continue
+                default = getattr(getattr(defaults, section), name)
+                if value == default or (value is None and isinstance(default, list)):
+                    continue  # (None for a list: the empty list, e.g. no dataset files)
                 try:
                     set_value(config, name, value)
                 except ConfigError as err:

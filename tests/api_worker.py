@@ -1,0 +1,164 @@
+"""A script of the Python API, run on every rank by tests/test_api.py:
+
+    python tests/api_worker.py MODE OUT [key=value ...]
+
+MODE ``sft``: the demo's addition problems as the script's own ``torch.utils.data.Dataset`` of
+token dicts (tokenized here, as the demo's ``chat`` template renders them), its own padding
+collator, a recording callback and a ``compute_metrics``; train, evaluate, save the model.
+MODE ``dpo``: the demo's preference pairs as pair dicts through the default collator.
+MODE ``refusals``: what McaTrainer refuses, each message recorded.
+Rank 0 writes ``OUT/api_report.json``: the TrainOutput, the callback's records, evaluate().
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, TrainerCallback
+
+import hpc_mca
+from hpc_mca import AutoModel, McaTrainer, TrainingArguments
+
+DEMO = Path(hpc_mca.__file__).parent / "assets" / "demo"
+TOKENIZER = AutoTokenizer.from_pretrained(DEMO)
+
+
+def encode(prompt: str, answer: str) -> dict[str, list[int]]:
+    """One example as the chat template renders it: <|user|>PROMPT<|assistant|>ANSWER<|end|>,
+    the loss on the answer and its end token."""
+    head = TOKENIZER.encode(f"<|user|>{prompt}<|assistant|>", add_special_tokens=False)
+    tail = TOKENIZER.encode(f"{answer}<|end|>", add_special_tokens=False)
+    return {"input_ids": head + tail, "labels": [-100] * len(head) + tail}
+
+
+class Problems(torch.utils.data.Dataset):
+    """The script's own dataset: one token dict per alpaca record of ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        self.examples = [encode(r["instruction"], r["output"]) for r in records]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return self.examples[index]
+
+
+class Pairs(Problems):
+    def __init__(self, path: Path) -> None:
+        self.examples = []
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            chosen, rejected = encode(r["instruction"], r["chosen"]), encode(r["instruction"], r["rejected"])
+            self.examples.append({"chosen_input_ids": chosen["input_ids"], "chosen_labels": chosen["labels"],
+                                  "rejected_input_ids": rejected["input_ids"],
+                                  "rejected_labels": rejected["labels"]})
+
+
+class PadTo:
+    """The script's own collator: rows padded to ``length`` slots."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __call__(self, examples: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        ids = torch.full((len(examples), self.length), TOKENIZER.pad_token_id or 0)
+        labels = torch.full((len(examples), self.length), -100)
+        mask = torch.zeros((len(examples), self.length), dtype=torch.long)
+        for row, example in enumerate(examples):
+            n = len(example["input_ids"])
+            ids[row, :n] = torch.tensor(example["input_ids"])
+            labels[row, :n] = torch.tensor(example["labels"])
+            mask[row, :n] = 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+class Recorder(TrainerCallback):
+    """What a script's callback sees: steps, logged losses, evaluations."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.logs: list[dict] = []
+        self.evals: list[dict] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append({"step": state.global_step, "loss": logs["loss"]})
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.evals.append({"step": state.global_step, **metrics})
+
+
+def exact_and_token_accuracy(prediction) -> dict[str, float]:
+    """compute_metrics: a row is right when every trained slot's greedy token is its label."""
+    predictions, labels = prediction.predictions, prediction.label_ids
+    trained = labels != -100
+    right = ((predictions == labels) | ~trained).all(axis=1)
+    rows = trained.any(axis=1)
+    return {"exact": float(right[rows].mean()),
+            "token_accuracy": float((predictions == labels)[trained].mean())}
+
+
+def main(mode: str, out: str, overrides: list[str]) -> None:
+    yaml = "dpo_addition.yaml" if mode == "dpo" else "sft_addition.yaml"
+    args = TrainingArguments.from_yaml(DEMO / yaml, ["dataset=[]", "eval_dataset=[]", f"output_dir={out}",
+                                                     "report_to=none", *overrides])
+    model = AutoModel.from_pretrained(args.model_name_or_path, args)
+    if mode == "refusals":
+        return refusals(model, args, Path(out))
+    recorder = Recorder()
+    if mode == "dpo":
+        trainer = McaTrainer(model=model, args=args, train_dataset=Pairs(DEMO / "dpo_train.jsonl"),
+                             eval_dataset=Pairs(DEMO / "dpo_eval.jsonl"), callbacks=[recorder])
+    else:
+        collator = None if args.sequence_packing else PadTo(args.seq_length or args.cutoff_len)
+        trainer = McaTrainer(model=model, args=args, tokenizer=TOKENIZER, data_collator=collator,
+                             train_dataset=Problems(DEMO / "train.jsonl"),
+                             eval_dataset=Problems(DEMO / "eval.jsonl"), callbacks=[recorder],
+                             compute_metrics=exact_and_token_accuracy)
+    output = trainer.train()
+    evaluated = trainer.evaluate()
+    trainer.save_model(Path(out) / "saved")
+    if torch.distributed.get_rank() == 0:
+        report = {"global_step": output.global_step, "training_loss": output.training_loss,
+                  "metrics": output.metrics, "steps": recorder.steps, "logs": recorder.logs,
+                  "evals": recorder.evals, "evaluate": evaluated.metrics,
+                  "num_samples": evaluated.num_samples}
+        (Path(out) / "api_report.json").write_text(json.dumps(report))
+
+
+def refusals(model, args, out: Path) -> None:
+    """Each McaTrainer refusal's message (rank 0 writes them)."""
+    from dataclasses import replace
+
+    from hpc_mca.errors import UserError
+
+    data = Problems(DEMO / "eval.jsonl")
+    cases = {
+        "collator_with_packing": lambda: McaTrainer(model, replace(args, sequence_packing=True),
+                                                    train_dataset=data, data_collator=PadTo(64)),
+        "no_data": lambda: McaTrainer(model, args),
+        "eval_steps_without_eval": lambda: McaTrainer(model, replace(args, eval_steps=5), train_dataset=data),
+        "other_layout": lambda: McaTrainer(model, replace(args, tensor_model_parallel_size=2), train_dataset=data),
+        "missing_key": lambda: McaTrainer(model, args, train_dataset=[{"ids": [1, 2]}]).train(),
+    }
+    messages = {}
+    for name, make in cases.items():
+        try:
+            make()
+            messages[name] = None
+        except UserError as err:
+            messages[name] = str(err)
+    if torch.distributed.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "api_report.json").write_text(json.dumps(messages))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])

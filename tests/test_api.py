@@ -1,0 +1,188 @@
+"""The Python API (``TrainingArguments``, ``AutoModel``, ``McaTrainer``) against ``hpc-mca train``.
+
+A script (tests/api_worker.py) with its own ``torch.utils.data.Dataset`` of token dicts and its
+own padding collator trains the demo's addition task to the same losses and gradient norms,
+bit for bit, as ``hpc-mca train`` of the demo config on the same data and seed (rows unpacked:
+the collator pads), on 1 rank, DP2 and TP2; with the default collator and packing it equals
+the packed YAML run. ``TrainOutput`` and the script's callback agree with steps.jsonl. The
+model ``save_model`` writes, loaded by transformers, gives ``evaluate()``'s eval loss and the
+token accuracy ``compute_metrics`` computed from the trainer's predictions. dpo through the
+API equals the YAML dpo run. The arguments read like the YAML (aliases, one-line errors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from trainer_fixtures import run_ranks, run_train, steps
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "hpc_mca" / "assets" / "demo"
+WORKER = Path(__file__).parent / "api_worker.py"
+SHORT = ["max_steps=4", "eval_steps=2", "logging_steps=1", "per_device_eval_batch_size=16", "report_to=none"]
+UNPACKED = ["sequence_packing=false"]
+LAYOUTS = {"one_rank": (1, []), "dp2": (2, []), "tp2": (2, ["tensor_model_parallel_size=2"])}
+
+
+def _api_run(root: Path, name: str, nproc: int, mode: str, *overrides: str) -> Path:
+    out = root / f"api_{name}"
+    proc = run_ranks(nproc, [str(WORKER), mode, str(out), *overrides], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def _yaml_run(root: Path, name: str, nproc: int, config: Path, *overrides: str) -> Path:
+    out = root / f"yaml_{name}"
+    proc = run_train(config, out, nproc, *overrides, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def _numbers(run_dir: Path) -> list[tuple[float, float]]:
+    return [(row["loss"], row["grad_norm"]) for row in steps(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> dict[str, Path]:
+    """The script and the YAML run on one rank, unpacked (shared by the tests below)."""
+    root = tmp_path_factory.mktemp("api")
+    return {"api": _api_run(root, "one", 1, "sft", *SHORT, *UNPACKED),
+            "yaml": _yaml_run(root, "one", 1, DEMO / "sft_addition.yaml", *SHORT, *UNPACKED)}
+
+
+def test_script_trains_as_hpc_mca_train_on_one_rank(one_rank):
+    api, yaml = _numbers(one_rank["api"]), _numbers(one_rank["yaml"])
+    assert len(api) == 4 and api == yaml  # bit for bit: losses and gradient norms
+    report = json.loads((one_rank["api"] / "api_report.json").read_text())
+    losses = [loss for loss, _ in yaml]
+    assert report["global_step"] == steps(one_rank["yaml"])[-1]["step"] == 4
+    assert report["training_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-12)
+    # the script's callback: every step end, every logged loss, the evaluations at 2 and 4
+    assert report["steps"] == [1, 2, 3, 4]
+    assert [log["loss"] for log in report["logs"]] == losses
+    assert [e["step"] for e in report["evals"]] == [2, 4, 4]  # the last: evaluate() itself
+
+
+def test_evaluate_compute_metrics_and_saved_model_agree_with_transformers(one_rank):
+    """Two measurements of one model: Megatron's eval loss and the greedy token accuracy
+    compute_metrics got, against transformers running the model save_model wrote."""
+    import api_worker
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    report = json.loads((one_rank["api"] / "api_report.json").read_text())
+    evaluated = report["evaluate"]
+    assert report["num_samples"] == 512  # every eval problem: 512 = 32 steps of 16
+    assert evaluated["eval_loss"] == report["evals"][1]["eval/loss"]  # the model of step 4
+    assert evaluated["eval_exact"] == evaluated["eval_accuracy"]  # compute_metrics vs the sft metric
+    model = AutoModelForCausalLM.from_pretrained(one_rank["api"] / "saved").eval()
+    examples = api_worker.Problems(DEMO / "eval.jsonl")
+    batch = api_worker.PadTo(64)([examples[i] for i in range(len(examples))])
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["labels"][:, 1:]
+    trained = targets != -100
+    losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets, reduction="none",
+                                               ignore_index=-100)
+    assert float(losses[trained].mean()) == pytest.approx(evaluated["eval_loss"], rel=1e-5)
+    accuracy = float((logits[:, :-1].argmax(-1) == targets)[trained].double().mean())
+    assert accuracy == pytest.approx(evaluated["eval_token_accuracy"], abs=1e-9)
+    assert 0.1 < accuracy < 0.9  # a model part way: the comparison can tell
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_script_trains_as_hpc_mca_train_on_two_ranks(tmp_path, layout):
+    nproc, extra = LAYOUTS[layout]
+    api = _api_run(tmp_path, layout, nproc, "sft", *SHORT, *UNPACKED, *extra)
+    yaml = _yaml_run(tmp_path, layout, nproc, DEMO / "sft_addition.yaml", *SHORT, *UNPACKED, *extra)
+    assert _numbers(api) == _numbers(yaml) and len(_numbers(api)) == 4
+
+
+@pytest.mark.slow
+def test_default_collator_packs_as_hpc_mca_train(tmp_path):
+    api = _api_run(tmp_path, "packed", 1, "sft", *SHORT[:1], "report_to=none")
+    yaml = _yaml_run(tmp_path, "packed", 1, DEMO / "sft_addition.yaml", *SHORT[:1], "report_to=none")
+    assert _numbers(api) == _numbers(yaml) and len(_numbers(api)) == 4
+
+
+def test_dpo_through_the_api_equals_the_yaml_run(tmp_path):
+    overrides = ["max_steps=3", "eval_steps=3", "logging_steps=1", "per_device_eval_batch_size=16",
+                 "report_to=none"]
+    api = _api_run(tmp_path, "dpo", 1, "dpo", *overrides)
+    yaml = _yaml_run(tmp_path, "dpo", 1, DEMO / "dpo_addition.yaml", *overrides)
+    keys = ("loss", "grad_norm", "rewards/accuracies", "rewards/margins", "logps/chosen")
+    assert [[row[k] for k in keys] for row in steps(api)] == [[row[k] for k in keys] for row in steps(yaml)]
+    report = json.loads((api / "api_report.json").read_text())
+    assert report["evaluate"]["eval_rewards/accuracies"] == report["evals"][0]["eval/rewards/accuracies"]
+    # the pairs in the packed rows one evaluation covers: whole steps of 16 rows (the tail left out)
+    assert 200 < report["num_samples"] <= 256
+
+
+def test_trainer_refuses_in_one_line(tmp_path):
+    out = _api_run(tmp_path, "refusals", 1, "refusals", "max_steps=2", "eval_steps=null", *UNPACKED)
+    messages = json.loads((out / "api_report.json").read_text())
+    expected = {"collator_with_packing": "data.sequence_packing=True with a data_collator",
+                "no_data": "no train_dataset and data.dataset is empty",
+                "eval_steps_without_eval": "training.eval_steps=5 without eval data",
+                "other_layout": "does not divide world_size=1",
+                "missing_key": "has no 'input_ids'"}
+    for case, words in expected.items():
+        assert messages[case] is not None and words in messages[case], (case, messages[case])
+        assert "\n" not in messages[case] and "valid" in messages[case]
+
+
+# ---- the arguments (no process group) --------------------------------------------------------
+
+
+def test_arguments_read_like_the_yaml(monkeypatch):
+    from hpc_mca.api.arguments import PLAN_ENV, RUN_DIR_ENV, Seq2SeqTrainingArguments, TrainingArguments
+    from hpc_mca.config.sections import load_config
+
+    monkeypatch.delenv(RUN_DIR_ENV, raising=False)
+    monkeypatch.delenv(PLAN_ENV, raising=False)
+    assert Seq2SeqTrainingArguments is TrainingArguments
+    args = TrainingArguments(output_dir="runs/x", tensor_model_parallel_size=2, packing=True,
+                             learning_rate="1e-3", optim="adamw_torch")
+    assert (args.tensor_model_parallel_size, args.sequence_packing, args.learning_rate) == (2, True, 1e-3)
+    assert dataclasses.replace(args, max_steps=7).max_steps == 7
+    yaml = DEMO / "sft_addition.yaml"
+    from_yaml = TrainingArguments.from_yaml(yaml, ["max_steps=3"]).to_config()
+    assert from_yaml.to_dict() == load_config(yaml, ["max_steps=3"]).to_dict()
+    parsed = TrainingArguments.parse_args([str(yaml), "max_steps=3", "--bf16", "--seed", "5", "--cutoff_len=8"])
+    assert (parsed.max_steps, parsed.bf16, parsed.seed, parsed.cutoff_len) == (3, True, 5, 8)
+    assert parsed.model_name_or_path == str(DEMO)
+
+
+def test_arguments_refuse_in_one_line_per_problem():
+    from hpc_mca.api.arguments import TrainingArguments
+    from hpc_mca.errors import UserError
+
+    with pytest.raises(UserError, match=r"^unknown config key 'lerning_rate'; did you mean 'training.learning_rate'\?$"):
+        TrainingArguments(lerning_rate=1e-3)
+    with pytest.raises(UserError) as err:
+        TrainingArguments(learning_rate="fast", tensor_model_parallel_size="two")
+    assert str(err.value).splitlines() == ["training.learning_rate='fast' must be a number",
+                                           "parallel.tensor_model_parallel_size='two' must be an integer"]
+    args = TrainingArguments(output_dir="x", model_name_or_path=str(DEMO), dataset=["a.jsonl"])
+    args.tensor_model_parallel_size = 3
+    with pytest.raises(UserError, match="tensor_model_parallel_size"):
+        args.resolve(2)
+
+
+def test_batch_script_environment_sets_run_dir_and_planned_layout(monkeypatch, tmp_path):
+    """Under hpc-mca submit: the job's run dir and the planned layout reach a script's
+    arguments; a layout the script chose itself stays; another output_dir is refused."""
+    from hpc_mca.api.arguments import PLAN_ENV, RUN_DIR_ENV, TrainingArguments
+    from hpc_mca.errors import UserError
+
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(PLAN_ENV, "tensor_model_parallel_size=2 pipeline_model_parallel_size=2")
+    config = TrainingArguments(pipeline_model_parallel_size=4).to_config()
+    assert config.training.output_dir == str(tmp_path)
+    assert (config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size) == (2, 4)
+    with pytest.raises(UserError, match=f"but this job's run directory is {RUN_DIR_ENV}="):
+        TrainingArguments(output_dir=str(tmp_path / "elsewhere")).to_config()
