@@ -5,7 +5,8 @@
 MODE ``sft``: the demo's addition problems as the script's own ``torch.utils.data.Dataset`` of
 token dicts (tokenized here, as the demo's ``chat`` template renders them), its own padding
 collator, a recording callback and a ``compute_metrics``; train, evaluate, save the model.
-MODE ``dpo``: the demo's preference pairs as pair dicts through the default collator.
+MODE ``dpo``: the demo's preference pairs as pair dicts through the default collator;
+``dpo_ref REF_DIR``: the same against ``ref_model=AutoModel.from_pretrained(REF_DIR, args)``.
 MODE ``refusals``: what McaTrainer refuses, each message recorded.
 Rank 0 writes ``OUT/api_report.json``: the TrainOutput, the callback's records, evaluate().
 """
@@ -106,16 +107,19 @@ def exact_and_token_accuracy(prediction) -> dict[str, float]:
 
 
 def main(mode: str, out: str, overrides: list[str]) -> None:
-    yaml = "dpo_addition.yaml" if mode == "dpo" else "sft_addition.yaml"
+    reference = overrides.pop(0) if mode == "dpo_ref" else None
+    yaml = "sft_addition.yaml" if mode in ("sft", "refusals") else "dpo_addition.yaml"
     args = TrainingArguments.from_yaml(DEMO / yaml, ["dataset=[]", "eval_dataset=[]", f"output_dir={out}",
                                                      "report_to=none", *overrides])
     model = AutoModel.from_pretrained(args.model_name_or_path, args)
     if mode == "refusals":
         return refusals(model, args, Path(out))
     recorder = Recorder()
-    if mode == "dpo":
+    if mode.startswith("dpo"):
+        ref_model = AutoModel.from_pretrained(reference, args) if reference else None
         trainer = McaTrainer(model=model, args=args, train_dataset=Pairs(DEMO / "dpo_train.jsonl"),
-                             eval_dataset=Pairs(DEMO / "dpo_eval.jsonl"), callbacks=[recorder])
+                             eval_dataset=Pairs(DEMO / "dpo_eval.jsonl"), callbacks=[recorder],
+                             ref_model=ref_model)
     else:
         collator = None if args.sequence_packing else PadTo(args.seq_length or args.cutoff_len)
         trainer = McaTrainer(model=model, args=args, tokenizer=TOKENIZER, data_collator=collator,

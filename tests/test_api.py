@@ -122,6 +122,18 @@ def test_dpo_through_the_api_equals_the_yaml_run(tmp_path):
     assert 200 < report["num_samples"] <= 256
 
 
+def test_dpo_reference_from_automodel_equals_the_yaml_ref_model(tmp_path, one_rank):
+    """ref_model=AutoModel.from_pretrained(dir) as the reference: the YAML run with
+    ``ref_model: dir`` (here the sft run's saved model: weights unlike the policy's start)."""
+    reference = one_rank["api"] / "saved"
+    overrides = ["max_steps=2", "logging_steps=1", "eval_steps=null", "report_to=none"]
+    api = _api_run(tmp_path, "dpo_ref", 1, "dpo_ref", str(reference), *overrides)
+    yaml = _yaml_run(tmp_path, "dpo_ref", 1, DEMO / "dpo_addition.yaml", *overrides, f"ref_model={reference}")
+    keys = ("loss", "rewards/margins", "logps/chosen")
+    assert [[row[k] for k in keys] for row in steps(api)] == [[row[k] for k in keys] for row in steps(yaml)]
+    assert steps(api)[0]["loss"] != pytest.approx(0.6931471805599453)  # the reference is not the policy
+
+
 def test_trainer_refuses_in_one_line(tmp_path):
     out = _api_run(tmp_path, "refusals", 1, "refusals", "max_steps=2", "eval_steps=null", *UNPACKED)
     messages = json.loads((out / "api_report.json").read_text())

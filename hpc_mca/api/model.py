@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from hpc_mca.config.input import ConfigError
 from hpc_mca.config.sections import TrainConfig
 from hpc_mca.models.converters import converter_for
 from hpc_mca.models.weights import unwrap
@@ -76,14 +75,11 @@ class AutoModel:
     def from_pretrained(cls, model_name_or_path: str | Path, args: TrainingArguments) -> McaModel:
         """The model of an HF directory (``config.json``; ``*.safetensors`` weights when there
         are any, else the seeded random init) in ``args``' layout. ``args.model_name_or_path``
-        is set to the directory when empty; naming another one is refused."""
+        (the run's model: its tokenizer, the planner's shape) is set to the directory when
+        empty; another directory builds another model for the run, e.g. dpo's reference."""
         path = str(model_name_or_path)
         if not args.model_name_or_path:
             args.model_name_or_path = path
-        elif Path(args.model_name_or_path).resolve() != Path(path).resolve():
-            raise ConfigError(f"AutoModel.from_pretrained({path!r}) with model_name_or_path="
-                              f"{args.model_name_or_path!r}; valid: the same directory (or leave "
-                              f"model_name_or_path unset)")
         return pretrained_model(_session(args), path)
 
     @classmethod

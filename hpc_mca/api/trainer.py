@@ -58,7 +58,7 @@ class McaTrainer:
                  ref_model: McaModel | None = None, *, config: TrainConfig | None = None) -> None:
         self.model, self.args = model, args
         config = config or _config_of(args, model)
-        _check_inputs(config, data_collator, train_dataset, eval_dataset, ref_model)
+        _check_inputs(config, model, data_collator, train_dataset, eval_dataset, ref_model)
         self.session = open_session(config) if config is not model.run_config else model.session
         self.config, ctx = config, self.session.ctx
         self.data_collator = data_collator
@@ -194,7 +194,8 @@ def _config_of(args: TrainingArguments, model: McaModel) -> TrainConfig:
     return config
 
 
-def _check_inputs(config: TrainConfig, collator: Any, train: Any, evaluation: Any, ref_model: Any) -> None:
+def _check_inputs(config: TrainConfig, model: McaModel, collator: Any, train: Any, evaluation: Any,
+                  ref_model: Any) -> None:
     """What only the trainer can check: the datasets it is given against the config."""
     data, training = config.data, config.training
     problems = []
@@ -215,6 +216,11 @@ def _check_inputs(config: TrainConfig, collator: Any, train: Any, evaluation: An
     if train is not None and (data.eval_dataset or data.val_size):
         problems.append("train_dataset given with data.eval_dataset / data.val_size in the args; "
                         "valid: eval_dataset= beside train_dataset")
+    if model.name_or_path is not None and Path(model.name_or_path).resolve() != Path(
+            config.model.model_name_or_path).resolve():
+        problems.append(f"the model to train was built from {model.name_or_path!r} but "
+                        f"model_name_or_path={config.model.model_name_or_path!r}; valid: the "
+                        "run's own model (a ref_model= may come from another directory)")
     if ref_model is not None and not isinstance(ref_model, torch.nn.Module):
         problems.append(f"ref_model is a {type(ref_model).__name__}; valid: an AutoModel model")
     elif ref_model is not None and not uses_reference(config.finetuning):
