@@ -17,12 +17,13 @@ import json
 from pathlib import Path
 
 import pytest
-from trainer_fixtures import run_ranks, run_train, steps
+from trainer_fixtures import rewind, run_ranks, run_train, steps
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "hpc_mca" / "assets" / "demo"
 WORKER = Path(__file__).parent / "api_worker.py"
-SHORT = ["max_steps=4", "eval_steps=2", "logging_steps=1", "per_device_eval_batch_size=16", "report_to=none"]
+SHORT = ["max_steps=4", "eval_steps=2", "save_steps=2", "logging_steps=1", "per_device_eval_batch_size=16",
+         "report_to=none"]
 UNPACKED = ["sequence_packing=false"]
 LAYOUTS = {"one_rank": (1, []), "dp2": (2, []), "tp2": (2, ["tensor_model_parallel_size=2"])}
 
@@ -91,6 +92,18 @@ def test_evaluate_compute_metrics_and_saved_model_agree_with_transformers(one_ra
     accuracy = float((logits[:, :-1].argmax(-1) == targets)[trained].double().mean())
     assert accuracy == pytest.approx(evaluated["eval_token_accuracy"], abs=1e-9)
     assert 0.1 < accuracy < 0.9  # a model part way: the comparison can tell
+
+
+def test_script_resumes_its_run_dir(tmp_path, one_rank):
+    """The script started again on a run that died after its step-2 checkpoint goes on from
+    there (training.resume_from_checkpoint auto, as hpc-mca train) to the uninterrupted run's
+    numbers."""
+    resumed = rewind(one_rank["api"], tmp_path / "api_resumed", 2)
+    proc = run_ranks(1, [str(WORKER), "sft", str(resumed), *SHORT, *UNPACKED], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _numbers(resumed) == _numbers(one_rank["api"])
+    report = json.loads((resumed / "api_report.json").read_text())
+    assert report["steps"] == [3, 4] and report["global_step"] == 4
 
 
 @pytest.mark.slow
