@@ -8,6 +8,8 @@ collator, a recording callback and a ``compute_metrics``; train, evaluate, save 
 MODE ``dpo``: the demo's preference pairs as pair dicts through the default collator;
 ``dpo_ref REF_DIR``: the same against ``ref_model=AutoModel.from_pretrained(REF_DIR, args)``.
 MODE ``refusals``: what McaTrainer refuses, each message recorded.
+MODE ``from_config`` / ``from_pretrained``: the demo's model built one way or the other (its
+directory has no weights: the seeded init), written by ``save_pretrained`` to ``OUT/init``.
 Rank 0 writes ``OUT/api_report.json``: the TrainOutput, the callback's records, evaluate().
 """
 
@@ -111,7 +113,14 @@ def main(mode: str, out: str, overrides: list[str]) -> None:
     yaml = "sft_addition.yaml" if mode in ("sft", "refusals") else "dpo_addition.yaml"
     args = TrainingArguments.from_yaml(DEMO / yaml, ["dataset=[]", "eval_dataset=[]", f"output_dir={out}",
                                                      "report_to=none", *overrides])
-    model = AutoModel.from_pretrained(args.model_name_or_path, args)
+    if mode == "from_config":
+        from transformers import AutoConfig
+
+        model = AutoModel.from_config(AutoConfig.from_pretrained(DEMO), args)
+    else:
+        model = AutoModel.from_pretrained(args.model_name_or_path, args)
+    if mode.startswith("from_"):
+        return model.save_pretrained(Path(out) / "init")
     if mode == "refusals":
         return refusals(model, args, Path(out))
     recorder = Recorder()

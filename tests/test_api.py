@@ -147,6 +147,22 @@ def test_dpo_reference_from_automodel_equals_the_yaml_ref_model(tmp_path, one_ra
     assert steps(api)[0]["loss"] != pytest.approx(0.6931471805599453)  # the reference is not the policy
 
 
+def test_from_config_builds_the_seeded_init_and_save_pretrained_writes_it(tmp_path):
+    """AutoModel.from_config(transformers' config) and from_pretrained(its config-only
+    directory) build the same seeded model; save_pretrained writes it as an HF model that
+    transformers loads with those tensors."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    built = {mode: _api_run(tmp_path, mode, 1, mode, "max_steps=1") / "init"
+             for mode in ("from_config", "from_pretrained")}
+    tensors = {mode: load_file(path / "model.safetensors") for mode, path in built.items()}
+    assert tensors["from_config"].keys() == tensors["from_pretrained"].keys()
+    assert all(tensors["from_config"][k].equal(tensors["from_pretrained"][k]) for k in tensors["from_config"])
+    loaded = AutoModelForCausalLM.from_pretrained(built["from_config"]).state_dict()
+    assert loaded["model.embed_tokens.weight"].equal(tensors["from_config"]["model.embed_tokens.weight"])
+
+
 def test_trainer_refuses_in_one_line(tmp_path):
     out = _api_run(tmp_path, "refusals", 1, "refusals", "max_steps=2", "eval_steps=null", *UNPACKED)
     messages = json.loads((out / "api_report.json").read_text())
@@ -177,6 +193,11 @@ def test_arguments_read_like_the_yaml(monkeypatch):
     yaml = DEMO / "sft_addition.yaml"
     from_yaml = TrainingArguments.from_yaml(yaml, ["max_steps=3"]).to_config()
     assert from_yaml.to_dict() == load_config(yaml, ["max_steps=3"]).to_dict()
+    from transformers import HfArgumentParser
+
+    (hf,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--max_steps", "3", "--dataset", "a.jsonl", "b.jsonl", "--bf16", "true"])
+    assert (hf.max_steps, hf.dataset, hf.bf16) == (3, ["a.jsonl", "b.jsonl"], True)
     parsed = TrainingArguments.parse_args([str(yaml), "max_steps=3", "--bf16", "--seed", "5", "--cutoff_len=8"])
     assert (parsed.max_steps, parsed.bf16, parsed.seed, parsed.cutoff_len) == (3, True, 5, 8)
     assert parsed.model_name_or_path == str(DEMO)
