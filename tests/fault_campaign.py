@@ -75,8 +75,10 @@ def prepare(root: Path) -> tuple[Path, list[dict]]:
 
 def _job_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPC_MCA_", "SLURM_"))}
+    # HPC_MCA_PLAN=given: compared with a reference run that has no job-start plan.
     env.update(HPC_MCA_HOME=str(REPO), PYTHONWARNINGS="ignore", HPC_MCA_DIST_TIMEOUT="120",
-               PYTHONPATH=str(HOOKS), HPC_MCA_TEST_STEP_SLEEP="0.25", **extra)
+               PYTHONPATH=str(HOOKS), HPC_MCA_TEST_STEP_SLEEP="0.25", HPC_MCA_PLAN="given",
+               **extra)
     return env
 
 

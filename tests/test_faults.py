@@ -48,8 +48,10 @@ def setup(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 def _sbatch(work: Path, name: str, tasks_per_node: int, config: Path, **env_extra: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPC_MCA_", "SLURM_"))}
+    # HPC_MCA_PLAN=given: the ranks' own bad-input lines and a reference run without a plan
+    # (the job-start planner's refusals: tests/test_sbatch_plan.py).
     env.update(HPC_MCA_HOME=str(REPO), PYTHONWARNINGS="ignore", HPC_MCA_DIST_TIMEOUT="120",
-               HPC_MCA_RUNS_ROOT=str(work / "runs"), **env_extra)
+               HPC_MCA_RUNS_ROOT=str(work / "runs"), HPC_MCA_PLAN="given", **env_extra)
     done = subprocess.run(["sbatch", "--parsable", f"--job-name={name}", "--nodes=2",
                            f"--ntasks-per-node={tasks_per_node}", "--time=10",
                            f"--output={work}/%x_%j.out", f"--chdir={work}",

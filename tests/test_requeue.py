@@ -46,8 +46,10 @@ def numbers(run_dir: Path) -> list[dict]:
 
 def job_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPC_MCA_", "SLURM_"))}
+    # HPC_MCA_PLAN=given: the arguments as they are (a reference run without a plan, or a
+    # stand-in launcher); the job-start plan has its own tests (tests/test_sbatch_plan.py).
     env.update(HPC_MCA_HOME=str(REPO), PYTHONWARNINGS="ignore", HPC_MCA_DIST_TIMEOUT="120",
-               **extra)
+               HPC_MCA_PLAN="given", **extra)
     return env
 
 

@@ -186,7 +186,9 @@ def _fake_slurm(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HPC_MCA_"))}
     env.update(PATH=f"{fake}:{env['PATH']}", FAKE_DIR=str(fake), SLURM_JOB_ID="4242",
                SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_NUM_NODES="2", SLURM_NTASKS="4",
-               SLURM_NTASKS_PER_NODE="2", SLURM_JOB_NODELIST="n[1-2]")
+               SLURM_NTASKS_PER_NODE="2", SLURM_JOB_NODELIST="n[1-2]",
+               # Their configs are placeholders: no job-start planning (tests/test_sbatch_plan.py).
+               HPC_MCA_PLAN="given")
     return env
 
 

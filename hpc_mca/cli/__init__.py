@@ -18,6 +18,7 @@ _COMMANDS: dict[str, str] = {
     "plan": "hpc_mca.cli.plan:plan",
     "plot": "hpc_mca.cli.plot:plot",
     "resume": "hpc_mca.cli.resume:resume",
+    "run": "hpc_mca.cli.run:run",
     "smoke": "hpc_mca.cli.smoke:smoke",
     "status": "hpc_mca.cli.status:status",
     "submit": "hpc_mca.cli.submit:submit",
@@ -48,6 +49,6 @@ class LazyGroup(click.Group):
 def main() -> None:
     """hpc-mca: Megatron-Core training on Slurm clusters.
 
-    Login-node commands plan and submit jobs; rank commands (smoke, train) are what every
+    Login-node commands plan and submit jobs; rank commands (smoke, train, run) are what every
     process of a job runs, under srun or torchrun.
     """

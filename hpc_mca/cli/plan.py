@@ -3,6 +3,7 @@ nothing."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -17,21 +18,40 @@ from ._options import ops_errors, plan_options, plan_options_from, slurm_options
 @slurm_options
 @click.option("--sbatch", "show_sbatch", is_flag=True,
               help="Print the exact batch script submit would submit (the table goes to stderr).")
-def plan(config: Path | None, overrides: tuple[str, ...], show_sbatch: bool, **options) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the plan and the trainer overrides as JSON instead of the table.")
+@click.option("--at-job-start", is_flag=True, hidden=True,
+              help="Inside a batch job (the raw template): plan for its allocation, record "
+                   "$HPC_MCA_RUN_DIR/job_plan.json, print the overrides (hpc_mca/slurm/startplan.py).")
+def plan(config: Path | None, overrides: tuple[str, ...], show_sbatch: bool, as_json: bool,
+         at_job_start: bool, **options) -> None:
     """Plan TP/PP/CP/EP/DP, micro-batch, recompute and memory for a job; submit nothing.
 
     CONFIG is a run config (YAML) with key=value OVERRIDES, as for submit; without one, give
     --model. Sizes set on the command line or in the config are checked, not searched.
     """
-    from hpc_mca.slurm.jobplan import make_job_plan
+    if at_job_start:  # the size comes from the allocation, not from these options
+        from hpc_mca.slurm.startplan import main
+
+        raise SystemExit(main(config, overrides))
+    if as_json and show_sbatch:
+        raise click.UsageError("--json and --sbatch print different things; valid: one of them")
+    from hpc_mca.slurm.jobplan import make_job_plan, make_script_plan, plan_summary
     from hpc_mca.slurm.submit import checked_job
     from hpc_mca.topology import format_plan_table
 
     with ops_errors():
-        job = make_job_plan(plan_options_from(options), config, overrides)
+        if config is not None and config.suffix == ".py":  # a script: see hpc-mca submit --help
+            job = make_script_plan(plan_options_from(options), config, overrides)
+        else:
+            job = make_job_plan(plan_options_from(options), config, overrides)
         # The same checks as submit: a plan is only shown for a job that would be submitted.
         rendered = (checked_job(job, submit_options_from(options))
                     if config is not None or show_sbatch else None)
+        if as_json:
+            click.echo(json.dumps({"plan": plan_summary(job.plan),
+                                   "plan_overrides": list(job.plan_overrides)}, indent=1))
+            return
         table = format_plan_table(job.plan)
         if job.plan_overrides:
             table += "\n  trainer     " + " ".join(job.plan_overrides)

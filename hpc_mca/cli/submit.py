@@ -23,6 +23,12 @@ def submit(config: Path, overrides: tuple[str, ...], wait: bool, interval: float
            **options) -> None:
     """Submit a training job: every rank runs `hpc-mca train CONFIG OVERRIDES...`.
 
+    CONFIG may instead be a Python script (SCRIPT.py ARGS...: one using hpc-mca's API, e.g.
+    hpc_mca/assets/demo/api_sft.py); every rank then runs `hpc-mca run SCRIPT.py ARGS...`,
+    the planner needs --model (the model the script trains), and the planned layout reaches
+    the script's TrainingArguments through $HPC_MCA_PLAN_OVERRIDES, its run dir through
+    $HPC_MCA_RUN_DIR.
+
     The layout is planned from the config's model and the job size (see hpc-mca plan); the
     run directory <runs root>/<job name>_<job id> gets the script, a manifest, the log and
     everything the trainer writes.
@@ -30,11 +36,14 @@ def submit(config: Path, overrides: tuple[str, ...], wait: bool, interval: float
     With --wait, a progress bar follows the job until it ends; the exit status is its final
     state's (0 COMPLETED; the others as hpc-mca watch documents).
     """
-    from hpc_mca.slurm.jobplan import make_job_plan
+    from hpc_mca.slurm.jobplan import make_job_plan, make_script_plan
     from hpc_mca.slurm.submit import submit as submit_job
 
     with ops_errors():
-        job = make_job_plan(plan_options_from(options), config, overrides)
+        if config.suffix == ".py":
+            job = make_script_plan(plan_options_from(options), config, overrides)
+        else:
+            job = make_job_plan(plan_options_from(options), config, overrides)
         done = submit_job(job, submit_options_from(options), ["hpc-mca", *sys.argv[1:]])
     req = job.plan.request
     click.echo(f"submitted job {done.job_id}: {req.nodes} node(s) × {req.node_size} "

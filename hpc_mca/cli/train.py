@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
+
+from ._rank_errors import exit_bad_input, global_rank
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -27,18 +28,12 @@ def train(config: Path, overrides: tuple[str, ...]) -> None:
     quiet_library_noise()  # before megatron is imported
     from hpc_mca.errors import UserError
     from hpc_mca.launch.run import run_training
-    from hpc_mca.rundir import EXIT_BAD_INPUT, record_bad_input
 
     try:
         run_training(config, overrides)
     except UserError as err:
-        if not (err.on_every_rank and _global_rank() != 0):  # then rank 0 reports it
-            message = "; ".join(str(err).splitlines() or [type(err).__name__])
-            # For the batch script: this job cannot succeed, whatever srun makes of the exit codes.
-            record_bad_input(message)
-            click.echo(f"hpc-mca train: error: {message}", err=True)
-        sys.exit(EXIT_BAD_INPUT)
-    if _global_rank() == 0:
+        exit_bad_input("train", err)
+    if global_rank() == 0:
         _plot_loss(config, overrides)
 
 
@@ -66,12 +61,3 @@ def _plot_loss(config: Path, overrides: tuple[str, ...]) -> None:
         click.echo(f"hpc-mca train: training.plot_loss: no plot ({err})", err=True)
         return
     click.echo(f"training.plot_loss: wrote {run_dir / PLOT_FILE}: {', '.join(titles)}")
-
-
-def _global_rank() -> int:
-    from hpc_mca.runtime.env import from_environ
-
-    try:
-        return from_environ().rank
-    except Exception:  # an environment it cannot read: report on every rank, to be safe
-        return 0

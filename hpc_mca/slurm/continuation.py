@@ -45,6 +45,7 @@ from .jobplan import JobPlan, PlanOptions, load_train_config, make_job_plan
 from .manifest import Run, find_run, read_manifest, write_manifest
 from .quoting import filename_pattern
 from .script import RUN_DIR_PATTERN, render_script
+from .startplan import read_plan_record
 from .submit import SubmitOptions, render_job
 
 _LAYOUT_FLAGS = ("tp", "pp", "vp", "cp", "ep", "etp")
@@ -165,6 +166,11 @@ def _config_of(run: Run) -> tuple[Path, list[str]]:
     manifest = run.manifest or {}
     if manifest.get("config"):
         return Path(manifest["config"]), [str(o) for o in manifest.get("overrides") or []]
+    # A raw-template job that planned at its start recorded what it planned from: replan the
+    # same way for the new size (its old sizes were the planner's, not the user's).
+    started = read_plan_record(run.run_dir) or {}
+    if started.get("config"):
+        return Path(started["config"]), [str(o) for o in started.get("overrides") or []]
     resolved = run.run_dir / "resolved_config.yaml"
     if not resolved.is_file():
         raise OpsError(f"run {run.run_dir} has neither a manifest naming its config nor a "
@@ -177,7 +183,8 @@ def _config_of(run: Run) -> tuple[Path, list[str]]:
 def _plan_options(run: Run, nodes: int | None, changes: dict[str, Any]) -> PlanOptions:
     """The first job's planner inputs (hardware, stage, precision, LoRA) with the new size;
     the layout is planned anew unless --tp/--pp/... force it."""
-    request = ((run.manifest or {}).get("plan") or {}).get("request") or {}
+    recorded = (run.manifest or {}).get("plan") or (read_plan_record(run.run_dir) or {}).get("plan")
+    request = (recorded or {}).get("request") or {}
     gpu, memory = _gpu(str(request.get("gpu") or "H100-80GB"))
     fields: dict[str, Any] = {
         "nodes": nodes or request.get("nodes") or 1, "gpus_per_node": request.get("gpus_per_node"),

@@ -77,6 +77,10 @@ class JobPlan:
     """``key=value`` pairs as given."""
     plan_overrides: tuple[str, ...]
     """What the plan and the CLI options add (stage, precision, layout, batch)."""
+    script: Path | None = None
+    """A Python training script the ranks run (``hpc-mca run``) instead of a config; then
+    ``user_overrides`` are its arguments and ``plan_overrides`` reach it through the
+    environment (:func:`make_script_plan`)."""
 
     @property
     def world_size(self) -> int:
@@ -138,6 +142,30 @@ def make_job_plan(options: PlanOptions, config_path: Path | None = None,
         raise OpsError(str(err)) from None
     extra = _plan_overrides(result, options, explicit) if config is not None else ()
     return JobPlan(result, config_path, overrides, tuple(extra))
+
+
+SCRIPT_BATCH_KEYS = frozenset({"per_device_train_batch_size", "global_batch_size"})
+"""Left to a script unless given on the command line: the planner cannot see its batch."""
+
+
+def make_script_plan(options: PlanOptions, script: Path, args: Iterable[str] = ()) -> JobPlan:
+    """Plan a job whose ranks run the Python ``script`` with ``args``: the planner reads the
+    model from ``--model`` (there is no config to read it from) and the plan's layout goes
+    to the script as overrides of the fields it leaves at their defaults (the
+    ``HPC_MCA_PLAN_OVERRIDES`` the batch script exports), batch sizes only when given here."""
+    if not script.is_file():
+        raise OpsError(f"script {str(script)!r} does not exist; valid: a Python training script "
+                       "(e.g. hpc_mca/assets/demo/api_sft.py) or a run CONFIG YAML")
+    if not options.model:
+        raise OpsError(f"the script {script.name!r} needs --model HF_DIR (the model it trains: "
+                       "the planner has no config to read it from); valid: --model DIR|config.json")
+    request = _request(options, None, set())
+    try:
+        result = plan(request)
+    except LayoutError as err:
+        raise OpsError(str(err)) from None
+    extra = _plan_overrides(result, options, set(SCRIPT_BATCH_KEYS))
+    return JobPlan(result, None, tuple(args), tuple(extra), script=script)
 
 
 def _request(options: PlanOptions, config: TrainConfig | None,

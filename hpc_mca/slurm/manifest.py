@@ -8,7 +8,9 @@
       "run_dir": "/abs/runs/sft_addition_123", "runs_root": "/abs/runs",
       "log": "/abs/runs/sft_addition_123/sft_addition_123.out",
       "script": "/abs/runs/sft_addition_123/job.sbatch",
-      "config": "/abs/sft_addition.yaml",
+      "config": "/abs/sft_addition.yaml",         # null for a Python script's job, which has
+      "train_script": null,                        # "/abs/train.py" (hpc-mca run); its args
+                                                   # are "overrides", its layout "plan_overrides"
       "overrides": ["learning_rate=1e-4"],          # as given on the command line
       "resolved_overrides": [...],                  # given + stage + plan, what train gets
       "rank_command": ["train", "/abs/sft_addition.yaml", ..., "output_dir=/abs/runs/..."],

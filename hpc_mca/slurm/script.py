@@ -57,6 +57,10 @@ KNOBS: tuple[Knob, ...] = (
          "where run directories are created"),
     Knob("HPC_MCA_RUN_DIR", "${HPC_MCA_RUNS_ROOT}/${SLURM_JOB_NAME}_${SLURM_JOB_ID}",
          "this run's directory (train's output_dir; a continuation job passes the old one)"),
+    Knob("HPC_MCA_PLAN_OVERRIDES", "",
+         "run: the planned layout as space-separated key=value pairs (hpc-mca submit "
+         "SCRIPT.py sets it); the script's TrainingArguments apply them to the fields it "
+         "left at their defaults"),
     Knob("HPC_MCA_VENV", "",
          "virtual environment of the ranks (empty: $HPC_MCA_HOME/.venv; see bin/hpc-mca-rank)"),
     Knob("HPC_MCA_FORWARD_SIGNAL", "",
@@ -67,6 +71,15 @@ KNOBS: tuple[Knob, ...] = (
     Knob("HPC_MCA_REQUEUE_ON_FAILURE", "1",
          "train: 1 = also requeue (within that budget) when the ranks fail with an exit code "
          "other than 2 (bad input); 0 = only on the lead-time signal"),
+    Knob("HPC_MCA_PLAN", "start",
+         "train: start = plan the layout for this allocation at every start of the job, as "
+         "hpc-mca plan would (the sizes the config or the overrides set stay as given), log it "
+         "and record it in $HPC_MCA_RUN_DIR/job_plan.json (hpc_mca/slurm/startplan.py); given "
+         "= run the arguments as they are (hpc-mca submit/resume scripts carry their plan)"),
+    Knob("HPC_MCA_GPU", "",
+         "train with HPC_MCA_PLAN=start: the GPU preset to plan for, as hpc-mca plan --gpu "
+         "(empty: CPU when the allocation has no GPUs, else H100-80GB); the ranks per node are "
+         "the allocation's tasks per node"),
 )
 KNOB_NAMES = tuple(k.name for k in KNOBS)
 
@@ -217,7 +230,15 @@ _USAGE = """\
 #   sbatch --nodes 2 --ntasks-per-node 8 --gpus-per-node 8 sbatch/train.sbatch CONFIG.yaml [key=value ...]
 #   HPC_MCA_RANK_CMD=smoke sbatch --nodes 2 --ntasks-per-node 2 sbatch/train.sbatch --tp 2
 # Arguments go to the rank command: for train, the run config and key=value overrides, with
-# output_dir=<run dir> appended; any other command gets them as its own options.
+# output_dir=<run dir> appended; for run, the Python script and its arguments (the script's
+# TrainingArguments read the run dir and the planned layout from the environment);
+# any other command gets them as its own options.
+# train plans its layout at every start of the job (HPC_MCA_PLAN=start): for the allocation
+# (SLURM_JOB_NUM_NODES, its tasks per node as the ranks per node, the GPU preset HPC_MCA_GPU)
+# and the config's model, with the planner of hpc-mca plan; the sizes the config or the
+# overrides set stay as given. The plan is logged, recorded in $HPC_MCA_RUN_DIR/job_plan.json
+# and passed to the ranks as key=value overrides; a model that fits no layout is bad input
+# (exit 2, never requeued). Scripts from hpc-mca submit/resume carry their plan (given).
 #
 # The lead-time signal (--signal=B:USR1@lead) reaches only this shell: it appends a line to
 # $HPC_MCA_RUN_DIR/signal_received (exported to the ranks as HPC_MCA_SIGNAL_FILE) and, if
@@ -254,6 +275,10 @@ _BODY = r"""if [[ ! "${HPC_MCA_MAX_REQUEUES}" =~ ^[0-9]+$ ]]; then  # it meets b
     echo "hpc-mca: HPC_MCA_MAX_REQUEUES='${HPC_MCA_MAX_REQUEUES}' must be a whole number" >&2
     exit 2
 fi
+if [[ ! "${HPC_MCA_PLAN}" =~ ^(start|given)$ ]]; then
+    echo "hpc-mca: HPC_MCA_PLAN='${HPC_MCA_PLAN}' is not valid; valid: start, given" >&2
+    exit 2
+fi
 
 # --- environment ------------------------------------------------------------------------
 launcher="${HPC_MCA_HOME}/bin/hpc-mca-rank"
@@ -270,7 +295,14 @@ if [[ "${HPC_MCA_RANK_CMD}" == train ]]; then
         exit 2
     fi
     rank_args+=("output_dir=${HPC_MCA_RUN_DIR}")
+elif [[ "${HPC_MCA_RANK_CMD}" == run ]] && { (($# == 0)) || [[ ! -f "$1" ]]; }; then
+    echo "hpc-mca: usage: HPC_MCA_RANK_CMD=run sbatch [options] train.sbatch SCRIPT.py [ARGS ...]" \
+        "(script '${1:-}' not found)" >&2
+    exit 2
 fi
+# train and run (a script through hpc-mca's API) keep the requeue contract below.
+trains=0
+[[ "${HPC_MCA_RANK_CMD}" != train && "${HPC_MCA_RANK_CMD}" != run ]] || trains=1
 mkdir -p "${HPC_MCA_RUN_DIR}"
 export HPC_MCA_SIGNAL_FILE="${HPC_MCA_RUN_DIR}/signal_received"
 bad_input_file="${HPC_MCA_RUN_DIR}/bad_input"
@@ -293,6 +325,24 @@ banner "ranks" "${SLURM_NTASKS:-?} (${SLURM_NTASKS_PER_NODE:-?} per node)"
 banner "run dir" "${HPC_MCA_RUN_DIR}"
 banner "hpc-mca home" "${HPC_MCA_HOME}"
 banner "container" "${HPC_MCA_CONTAINER_RUNTIME:-none} ${HPC_MCA_CONTAINER_IMAGE:-}"
+
+# --- layout (train from the raw template: planned for this allocation at every start) -------
+if [[ "${HPC_MCA_RANK_CMD}" == train && "${HPC_MCA_PLAN}" == start ]]; then
+    plan_rc=0
+    plan_out=$("${launcher}" plan --at-job-start "$@") || plan_rc=$?
+    if ((plan_rc != 0)); then  # the planner printed why; bad input is recorded (exit code 2)
+        reason="the job-start planner failed, not requeued"
+        [[ ! -s "${bad_input_file}" ]] || reason="bad input, not requeued: $(head -n 1 "${bad_input_file}")"
+        banner "end" "${reason}; exit code ${plan_rc} after $((SECONDS - started)) s"
+        exit "${plan_rc}"
+    fi
+    plan_text=""
+    plan_args=()
+    { read -r plan_text && read -r -a plan_args; } <<<"${plan_out}" || true
+    banner "plan" "${plan_text}; recorded in ${HPC_MCA_RUN_DIR}/job_plan.json"
+    # The plan's keys go after the user's overrides and before output_dir (the last argument).
+    rank_args=("${rank_args[@]:0:${#rank_args[@]}-1}" "${plan_args[@]}" "${rank_args[-1]}")
+fi
 banner "rank command" "$(printf '%q ' "${rank_args[@]}")"
 banner "start" "$(date '+%Y-%m-%d %H:%M:%S %Z') on $(hostname)"
 
@@ -351,10 +401,10 @@ while true; do
     ((interrupted)) || break
 done
 
-# --- requeue (train; contract: hpc_mca/checkpoint/requeue.py) -------------------------------
+# --- requeue (train, run; contract: hpc_mca/checkpoint/requeue.py) --------------------------
 why=""
 outcome=""
-if [[ "${HPC_MCA_RANK_CMD}" == train ]]; then
+if ((trains)); then
     verdict=$(slurm_verdict)
     ! cancel_asked || verdict=cancelled
     if [[ -f "${HPC_MCA_RUN_DIR}/finished" ]]; then
@@ -395,7 +445,7 @@ if [[ -n "${why}" ]]; then
         banner "requeue" "${why}: not requeued, retry budget spent (${restarts} restarts)"
     fi
 fi
-if [[ "${HPC_MCA_RANK_CMD}" == train && ! -f "${HPC_MCA_RUN_DIR}/finished" ]] && ((rc == 0)); then
+if ((trains)) && [[ ! -f "${HPC_MCA_RUN_DIR}/finished" ]] && ((rc == 0)); then
     rc=75  # the ranks stopped early and the job is not coming back: not a success
 fi
 banner "end" "${outcome:+${outcome}; }exit code ${rc} after $((SECONDS - started)) s"

@@ -79,14 +79,17 @@ def render_job(job: JobPlan, options: SubmitOptions) -> RenderedJob:
     if not options.rank_command:
         raise OpsError("rank command is empty; valid: train, or e.g. 'smoke --tp 2'")
     command, *command_args = options.rank_command
-    if command == "train":
+    if job.script is not None:
+        command, rank_args = _script_rank_args(job.script, job.user_overrides, options)
+    elif command == "train":
         if job.config_path is None:
             raise OpsError("the train rank command needs a run CONFIG (hpc-mca plan --sbatch "
                            "CONFIG.yaml ...)")
         rank_args = (str(job.config_path.absolute()), *command_args, *job.train_overrides)
     else:
         rank_args = tuple(command_args)
-    name = options.job_name or (job.config_path.stem if job.config_path else command)
+    source = job.script or job.config_path
+    name = options.job_name or (source.stem if source else command)
     runs_root = options.runs_root.expanduser().absolute()
     req = job.plan.request
     gpu = not req.gpu_spec.name.startswith("CPU")
@@ -100,10 +103,25 @@ def render_job(job: JobPlan, options: SubmitOptions) -> RenderedJob:
         extra=tuple(options.sbatch_args))
     knobs = {"HPC_MCA_HOME": str(options.home), "HPC_MCA_RANK_CMD": command,
              "HPC_MCA_RUNS_ROOT": str(runs_root)}
+    if command == "train":  # its rank arguments carry the plan: the job must not replan
+        knobs["HPC_MCA_PLAN"] = "given"
+    if job.script is not None:  # the script's TrainingArguments read the plan from here
+        knobs["HPC_MCA_PLAN_OVERRIDES"] = " ".join(job.plan_overrides)
     if options.venv:
         knobs["HPC_MCA_VENV"] = options.venv
     script = render_script(sbatch, knobs, rank_args)
     return RenderedJob(script, sbatch, knobs, rank_args, name, runs_root)
+
+
+def _script_rank_args(script: Path, args: Sequence[str],
+                      options: SubmitOptions) -> tuple[str, tuple[str, ...]]:
+    """``run`` and its arguments for a job of a Python script: the script, then its own
+    arguments (the plan goes through the environment, not its command line)."""
+    if options.rank_command not in (("train",), ("run",)):
+        raise OpsError(f"--rank-command {' '.join(options.rank_command)!r} with the script "
+                       f"{script.name!r}; valid: leave --rank-command out (a script runs "
+                       "with hpc-mca run)")
+    return "run", (str(script.absolute()), *args)
 
 
 @dataclass(frozen=True)
@@ -127,7 +145,8 @@ def submit(job: JobPlan, options: SubmitOptions, argv: Sequence[str]) -> Submitt
     """Submit ``job``; returns where it lives. Raises OpsError with nothing left queued."""
     rendered = checked_job(job, options)
     rendered.runs_root.mkdir(parents=True, exist_ok=True)
-    env = commands.sbatch_env(drop=[*rendered.knobs, "HPC_MCA_RUN_DIR"])
+    # The run dir and a script's layout are the job's own, never the submitting shell's.
+    env = commands.sbatch_env(drop=[*rendered.knobs, "HPC_MCA_RUN_DIR", "HPC_MCA_PLAN_OVERRIDES"])
 
     def record(job_id: str) -> None:
         run_dir = rendered.run_dir(job_id)
@@ -152,6 +171,8 @@ def _manifest(job: JobPlan, rendered: RenderedJob, options: SubmitOptions, job_i
         "runs_root": str(rendered.runs_root), "log": str(rendered.log(job_id)),
         "script": str(run_dir / SCRIPT_FILE),
         "config": str(job.config_path.absolute()) if job.config_path else None,
+        "train_script": str(job.script.absolute()) if job.script else None,
+        "plan_overrides": list(job.plan_overrides),
         "overrides": list(job.user_overrides), "resolved_overrides": job.train_overrides,
         "rank_command": rank, "plan": plan_summary(job.plan),
         "sbatch": asdict(rendered.sbatch), "knobs": rendered.knobs,
