@@ -5,8 +5,9 @@
   (bash with stand-ins for srun/squeue/scontrol, as tests/test_sbatch_render.py); the refusals
   at submit; ``hpc-mca run``'s exit codes; the demo script's token dicts equal the data
   pipeline's samples.
-* ``@slurm``: the demo API script through ``hpc-mca submit --nodes 2`` with a 1-minute limit is
-  requeued by it and finishes with an uninterrupted run's numbers.
+* ``@slurm``: the demo API script through ``hpc-mca submit --nodes 2`` with a 2-minute limit is
+  requeued by it and finishes with an uninterrupted run's numbers; ``hpc-mca resume`` of its
+  finished run is refused until max_steps is raised, then runs the script on in its run dir.
 """
 
 from __future__ import annotations
@@ -278,3 +279,20 @@ def test_submitted_script_requeued_by_its_time_limit_finishes_as_uninterrupted(
     assert len(ours) == STEPS and ours == theirs
     print(f"\n{stopped[0]}\njob {job_id}: {restarts} requeue(s), {STEPS} steps, final loss {ours[-1]['loss']:.6f} "
           f"(uninterrupted: {theirs[-1]['loss']:.6f}), {time.monotonic() - started:.0f} s; plan {plan}")
+
+    # hpc-mca resume of the script's finished run: refused while it would add nothing; with
+    # max_steps raised, the script again in the same run dir, planned for its nodes.
+    plain = _env(HPC_MCA_HOME=str(REPO), HPC_MCA_DIST_TIMEOUT="120")
+    runs = ["--runs-root", str(tmp_path / "runs")]
+    refused = subprocess.run([HPC_MCA, "resume", job_id, *runs, "--dry-run"], env=plain, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and f"finished at step {STEPS}; nothing to resume" in refused.stderr
+    more = subprocess.run([HPC_MCA, "resume", job_id, f"max_steps={STEPS + 10}", *runs], env=plain,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert more.returncode == 0, more.stdout + more.stderr
+    new_id = re.match(r"submitted job (\d+):", more.stdout).group(1)
+    assert slurm.wait_for_job(new_id, timeout=600) == "COMPLETED", (run_dir / f"api_sft_{new_id}.out").read_text()[-4000:]
+    extended = _numbers(run_dir)
+    assert len(extended) == STEPS + 10 and extended[:STEPS] == ours
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert new_id in manifest["job_ids"] and (run_dir / "finished").is_file()

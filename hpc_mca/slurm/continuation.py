@@ -41,7 +41,7 @@ from hpc_mca.config.sections import TrainConfig, TrainingArguments
 from . import commands
 from .errors import OpsError
 from .index import record_job
-from .jobplan import JobPlan, PlanOptions, load_train_config, make_job_plan
+from .jobplan import JobPlan, PlanOptions, load_train_config, make_job_plan, make_script_plan
 from .manifest import Run, find_run, read_manifest, write_manifest
 from .quoting import filename_pattern
 from .script import RUN_DIR_PATTERN, render_script
@@ -85,7 +85,6 @@ def plan_continuation(job_id: str, runs_root: Path, *, nodes: int | None = None,
     run = find_run(job_id, runs_root)
     _check_idle(run)
     checkpoint, info = _checkpoint(run.run_dir)
-    config_path, user_overrides = _config_of(run)
     # What the checkpoint fixes (the planner would otherwise re-derive them for the new size),
     # and resuming itself, whatever the config says.
     pins = [f"global_batch_size={info.training['global_batch_size']}",
@@ -96,10 +95,15 @@ def plan_continuation(job_id: str, runs_root: Path, *, nodes: int | None = None,
     if not _given(overrides, "gradient_accumulation_steps"):
         pins.append("gradient_accumulation_steps=null")
     options = _plan_options(run, nodes, plan_changes or {})
-    job = make_job_plan(options, config_path, [*user_overrides, *pins, *overrides])
+    script = (run.manifest or {}).get("train_script")
+    if script:
+        job = _script_job(run, options, Path(script), pins, overrides)
+    else:
+        config_path, user_overrides = _config_of(run)
+        job = make_job_plan(options, config_path, [*user_overrides, *pins, *overrides])
+        config = _check_loadable(job, config_path, run.run_dir, job.world_size)
+        _check_extends(run, config.training, overrides)
     world = job.world_size
-    config = _check_loadable(job, config_path, run.run_dir, world)
-    _check_extends(run, config.training, overrides)
     submit_options = _submit_options(run, runs_root, slurm_changes or {})
     rendered = render_job(job, submit_options)
     knobs = {**rendered.knobs, "HPC_MCA_RUN_DIR": str(run.run_dir)}
@@ -123,6 +127,28 @@ def submit_continuation(cont: Continuation) -> str:
 
 
 # ---- checks ---------------------------------------------------------------------------------
+
+
+def _script_job(run: Run, options: PlanOptions, script: Path, pins: Sequence[str],
+                overrides: Sequence[str]) -> JobPlan:
+    """The continuation of a job that ran a Python script (``hpc-mca submit SCRIPT.py``): the
+    script again, with its first arguments and ``overrides`` after them, in the old run
+    directory; the plan for the new size and the checkpoint's pins reach its
+    ``TrainingArguments`` through ``HPC_MCA_PLAN_OVERRIDES`` (fields it leaves at their
+    defaults). Its config lives in the script, so the ranks make the checkpoint check (a
+    layout the checkpoint cannot load stops every rank with exit 2, nothing trained)."""
+    manifest = run.manifest or {}
+    if not manifest.get("model"):
+        raise OpsError(f"run {run.run_dir} ran the script {script} but its manifest names no "
+                       "model to plan for (a job of an older hpc-mca); valid: hpc-mca submit "
+                       "--model DIR of the script again")
+    _check_extends(run, None, overrides)
+    # The stage, precision and LoRA are the script's: the first plan's were the planner's
+    # defaults, which would reach the script's fields left at theirs.
+    options = dataclasses.replace(options, model=str(manifest["model"]), stage=None, precision=None, lora=None)
+    job = make_script_plan(options, script,
+                           [*(manifest.get("overrides") or []), *overrides])
+    return dataclasses.replace(job, plan_overrides=(*job.plan_overrides, *pins))
 
 
 def _job_ids(run: Run) -> list[str]:
@@ -221,9 +247,10 @@ def _check_loadable(job: JobPlan, config_path: Path, run_dir: Path, world: int) 
     return config
 
 
-def _check_extends(run: Run, training: TrainingArguments, overrides: Sequence[str]) -> None:
+def _check_extends(run: Run, training: TrainingArguments | None, overrides: Sequence[str]) -> None:
     """A finished run continues only when the new settings make it longer (the LR schedule
-    is then re-derived for the new total; see hpc_mca.config.schedule)."""
+    is then re-derived for the new total; see hpc_mca.config.schedule). ``training``: the
+    new config's (None for a script's run: its ranks find a length that adds nothing)."""
     done = finished_step(run.run_dir)
     if done is None:
         return
@@ -231,7 +258,7 @@ def _check_extends(run: Run, training: TrainingArguments, overrides: Sequence[st
         raise OpsError(f"run {run.run_dir} finished at step {done}; nothing to resume; valid: "
                        f"extend it with max_steps=N (N > {done}) or num_train_epochs=E, e.g. "
                        f"hpc-mca resume {run.job_id or 'JOBID'} max_steps={2 * done}")
-    idle = compat.nothing_to_train(training)
+    idle = compat.nothing_to_train(training) if training is not None else None
     if idle is not None:
         raise OpsError(idle)
 

@@ -81,6 +81,9 @@ class JobPlan:
     """A Python training script the ranks run (``hpc-mca run``) instead of a config; then
     ``user_overrides`` are its arguments and ``plan_overrides`` reach it through the
     environment (:func:`make_script_plan`)."""
+    model: str | None = None
+    """With ``script``: the model directory the plan was made for (``--model``; the manifest
+    keeps it, so that ``hpc-mca resume`` can plan again)."""
 
     @property
     def world_size(self) -> int:
@@ -165,7 +168,7 @@ def make_script_plan(options: PlanOptions, script: Path, args: Iterable[str] = (
     except LayoutError as err:
         raise OpsError(str(err)) from None
     extra = _plan_overrides(result, options, set(SCRIPT_BATCH_KEYS))
-    return JobPlan(result, None, tuple(args), tuple(extra), script=script)
+    return JobPlan(result, None, tuple(args), tuple(extra), script=script, model=options.model)
 
 
 def _request(options: PlanOptions, config: TrainConfig | None,

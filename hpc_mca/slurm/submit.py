@@ -172,6 +172,7 @@ def _manifest(job: JobPlan, rendered: RenderedJob, options: SubmitOptions, job_i
         "script": str(run_dir / SCRIPT_FILE),
         "config": str(job.config_path.absolute()) if job.config_path else None,
         "train_script": str(job.script.absolute()) if job.script else None,
+        "model": job.model,
         "plan_overrides": list(job.plan_overrides),
         "overrides": list(job.user_overrides), "resolved_overrides": job.train_overrides,
         "rank_command": rank, "plan": plan_summary(job.plan),
