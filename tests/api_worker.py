@@ -160,6 +160,8 @@ def refusals(model, args, out: Path) -> None:
         "eval_steps_without_eval": lambda: McaTrainer(model, replace(args, eval_steps=5), train_dataset=data),
         "other_layout": lambda: McaTrainer(model, replace(args, tensor_model_parallel_size=2), train_dataset=data),
         "missing_key": lambda: McaTrainer(model, args, train_dataset=[{"ids": [1, 2]}]).train(),
+        "files_beside_dataset": lambda: McaTrainer(model, replace(args, dataset=["train.jsonl"]),
+                                                   train_dataset=data),
     }
     messages = {}
     for name, make in cases.items():

@@ -170,7 +170,8 @@ def test_trainer_refuses_in_one_line(tmp_path):
                 "no_data": "no train_dataset and data.dataset is empty",
                 "eval_steps_without_eval": "training.eval_steps=5 without eval data",
                 "other_layout": "does not divide world_size=1",
-                "missing_key": "has no 'input_ids'"}
+                "missing_key": "has no 'input_ids'",
+                "files_beside_dataset": "the files would not be read"}
     for case, words in expected.items():
         assert messages[case] is not None and words in messages[case], (case, messages[case])
         assert "\n" not in messages[case] and "valid" in messages[case]

@@ -213,6 +213,10 @@ def _check_inputs(config: TrainConfig, model: McaModel, collator: Any, train: An
     if training.eval_steps and not has_eval:
         problems.append(f"training.eval_steps={training.eval_steps} without eval data; valid: an "
                         "eval_dataset, or eval_steps unset")
+    if train is not None and (data.dataset or data.data_path is not None):
+        problems.append(f"train_dataset given with data.dataset={data.dataset or data.data_path!r} in "
+                        "the args: the files would not be read; valid: no dataset files in the "
+                        "args (dataset=[]) beside a train_dataset")
     if train is not None and (data.eval_dataset or data.val_size):
         problems.append("train_dataset given with data.eval_dataset / data.val_size in the args; "
                         "valid: eval_dataset= beside train_dataset")

@@ -101,10 +101,14 @@ def main(argv: Sequence[str]) -> None:
     from transformers import AutoTokenizer
 
     args = arguments(argv)
+    # This script reads the config's data files itself (its own Dataset), so the arguments
+    # name none: the trainer refuses files it would not read beside dataset objects.
+    train_files, eval_files = args.dataset, args.eval_dataset
+    args.dataset, args.eval_dataset = [], None
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, local_files_only=True)
     model = AutoModel.from_pretrained(args.model_name_or_path, args)
-    train = AdditionProblems(args.dataset[0], tokenizer, args.cutoff_len)
-    held_out = AdditionProblems(args.eval_dataset[0], tokenizer, args.cutoff_len) if args.eval_dataset else None
+    train = AdditionProblems(train_files[0], tokenizer, args.cutoff_len)
+    held_out = AdditionProblems(eval_files[0], tokenizer, args.cutoff_len) if eval_files else None
     # The trainer shifts the labels, so a row of seq_length tokens holds a whole problem of
     # up to cutoff_len tokens.
     collator = PadToLength(tokenizer.pad_token_id, args.seq_length or args.cutoff_len)
