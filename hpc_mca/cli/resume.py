@@ -17,7 +17,7 @@ from .watch import follow_job, interval_option
 @click.option("--gpus-per-node", type=int, default=None, help="Ranks per node; default: as before.")
 @click.option("--gpu", default=None,
               help="GPU preset (H100-80GB, ..., CPU); default: as before (a raw-template job "
-                   "records none: H100-80GB).")
+                   "records its preset in job_plan.json; one from before that: H100-80GB).")
 @click.option("--tp", type=int, default=None, help="Force the tensor-parallel size.")
 @click.option("--pp", type=int, default=None, help="Force the pipeline-parallel size.")
 @click.option("--vp", type=int, default=None, help="Force the virtual-pipeline size.")
