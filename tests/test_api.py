@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
-from trainer_fixtures import rewind, run_ranks, run_train, steps
+from trainer_fixtures import launch_ranks, rewind, run_ranks, run_train, steps
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "hpc_mca" / "assets" / "demo"
@@ -175,6 +175,23 @@ def test_trainer_refuses_in_one_line(tmp_path):
     for case, words in expected.items():
         assert messages[case] is not None and words in messages[case], (case, messages[case])
         assert "\n" not in messages[case] and "valid" in messages[case]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("tensor_model_parallel_size=3", "tensor_model_parallel_size=3 does not divide"),  # AutoModel: the rules
+    ("per_device_eval_batch_size=512", "fewer than one evaluation step"),  # McaTrainer: the eval rows
+])
+def test_bad_input_through_the_api_stops_every_rank_with_one_line(tmp_path, override, message):
+    """Under ``hpc-mca run`` on 2 ranks: every rank exits 2, rank 0 alone prints the line,
+    nothing trains."""
+    out = tmp_path / "run"
+    ranks = launch_ranks(2, ["run", str(WORKER), "sft", str(out), *SHORT, *UNPACKED, override])
+    errors = [[line for line in rank.stderr.splitlines() if line.startswith("hpc-mca run: error: ")]
+              for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [2, 2], [rank.stderr[-2000:] for rank in ranks]
+    assert [len(lines) for lines in errors] == [1, 0] and message in errors[0][0]
+    assert not any("Traceback" in rank.stderr for rank in ranks)
+    assert not (out / "steps.jsonl").exists()
 
 
 # ---- the arguments (no process group) --------------------------------------------------------

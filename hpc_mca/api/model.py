@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from hpc_mca.config.sections import TrainConfig
+from hpc_mca.errors import UserError
 from hpc_mca.models.converters import converter_for
 from hpc_mca.models.weights import unwrap
 from hpc_mca.trainer.megatron_settings import model_overrides, torch_dtype
@@ -101,7 +102,12 @@ def _session(args: TrainingArguments) -> Session:
     from hpc_mca.runtime.env import from_environ
 
     env = from_environ()
-    return open_session(args.resolve(env.world_size), env)
+    try:
+        config = args.resolve(env.world_size)
+    except UserError as err:
+        err.on_every_rank = True  # every rank has the same arguments
+        raise
+    return open_session(config, env)
 
 
 def _built(session: Session, source: str | Mapping[str, Any], load_weights: bool) -> McaModel:

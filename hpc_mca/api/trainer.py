@@ -31,6 +31,7 @@ from hpc_mca.config.layout import layout_of
 from hpc_mca.config.sections import TrainConfig
 from hpc_mca.data.dataset import TrainingData, check_eval_rows, fix_tokenizer
 from hpc_mca.data.tokenize import load_tokenizer, pad_id
+from hpc_mca.errors import UserError
 from hpc_mca.loop.preference import uses_reference
 from hpc_mca.loop.records import StepResult
 from hpc_mca.rundir import EXIT_STOPPED, clear_bad_input
@@ -57,8 +58,12 @@ class McaTrainer:
                  compute_metrics: Callable[[Any], dict[str, float]] | None = None,
                  ref_model: McaModel | None = None, *, config: TrainConfig | None = None) -> None:
         self.model, self.args = model, args
-        config = config or _config_of(args, model)
-        _check_inputs(config, model, data_collator, train_dataset, eval_dataset, ref_model)
+        try:
+            config = config or _config_of(args, model)
+            _check_inputs(config, model, data_collator, train_dataset, eval_dataset, ref_model)
+        except UserError as err:
+            err.on_every_rank = True  # every rank has the same arguments and objects
+            raise
         self.session = open_session(config) if config is not model.run_config else model.session
         self.config, ctx = config, self.session.ctx
         self.data_collator = data_collator
@@ -145,21 +150,32 @@ class McaTrainer:
     # ---- helpers ------------------------------------------------------------------------------
 
     def _training_data(self, objective: Any, tokenizer: Any, train: Any, evaluation: Any) -> TrainingData:
-        """The rows: the script's datasets, or (None) the files the config names, tokenized by
-        rank 0 first (bad data stops every rank: see rank_zero_first)."""
+        """The rows: the config's files (None), tokenized by rank 0 first, or the script's
+        datasets, read by every rank alike; bad data stops every rank with one line. Eval rows
+        too few for one evaluation step are bad data too, found here rather than at the first
+        evaluation."""
         run = self.config.data_run()
         if train is None:
-            data = rank_zero_first(objective.build_data, self.session.ctx.is_main)
-        else:
-            if tokenizer is None:
-                tokenizer = load_tokenizer(run.tokenizer_path)
-                fix_tokenizer(tokenizer, self.config.data, run.stage)  # its pad id, as the YAML path's
-            self.tokenizer = tokenizer
+            def build() -> TrainingData:
+                data = objective.build_data()
+                check_eval_rows(data.eval, run)
+                return data
+
+            data = rank_zero_first(build, self.session.ctx.is_main)  # shared: see rank_zero_first
+            self.tokenizer = data.tokenizer
+            return data
+        if tokenizer is None:
+            tokenizer = load_tokenizer(run.tokenizer_path)
+            fix_tokenizer(tokenizer, self.config.data, run.stage)  # its pad id, as the YAML path's
+        self.tokenizer = tokenizer
+        try:
             data = TrainingData(self._rows(train, "train_dataset"), None, tokenizer)
             if evaluation is not None:
                 data.eval = self._rows(evaluation, "eval_dataset")
-        self.tokenizer = data.tokenizer
-        check_eval_rows(data.eval, run)
+            check_eval_rows(data.eval, run)
+        except UserError as err:
+            err.on_every_rank = True  # every rank read the same objects
+            raise
         return data
 
     def _rows(self, dataset: Any, what: str) -> Any:
