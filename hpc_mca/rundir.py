@@ -25,6 +25,9 @@ coming back (no requeue budget left, or only a TERM asked them to stop)."""
 
 RUN_DIR_ENV = "HPC_MCA_RUN_DIR"
 """Exported by the batch script: the run directory of this job."""
+PLAN_OVERRIDES_ENV = "HPC_MCA_PLAN_OVERRIDES"
+"""A job of a Python script: the planned layout as ``key=value`` pairs, exported by its batch
+script; the script's ``TrainingArguments`` apply them to the fields it leaves at their defaults."""
 
 SIGNAL_FILE = "signal_received"
 """Batch shell: one line per USR1/TERM it received (removed at each start)."""

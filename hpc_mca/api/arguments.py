@@ -34,14 +34,14 @@ from typing import Any
 from hpc_mca.config.input import ConfigError
 from hpc_mca.config.loading import config_items, load_items, set_value
 from hpc_mca.config.sections import _SECTION_TYPES, TrainConfig
+from hpc_mca.rundir import PLAN_OVERRIDES_ENV, RUN_DIR_ENV
 
 __all__ = ["PLAN_ENV", "RUN_DIR_ENV", "Seq2SeqTrainingArguments", "TrainingArguments"]
 
-RUN_DIR_ENV = "HPC_MCA_RUN_DIR"
-"""The batch script's run directory: ``output_dir`` when a script leaves it unset."""
-PLAN_ENV = "HPC_MCA_PLAN_OVERRIDES"
+PLAN_ENV = PLAN_OVERRIDES_ENV
 """The planned layout as ``key=value`` pairs (space-separated): applied to the fields a
-script left at their defaults."""
+script left at their defaults. (``RUN_DIR_ENV``: the batch script's run directory, the
+``output_dir`` of a script that leaves it unset.)"""
 
 
 def _section_fields() -> list[tuple[str, Any, dataclasses.Field[Any]]]:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import hpc_mca
+from hpc_mca.rundir import PLAN_OVERRIDES_ENV, RUN_DIR_ENV
 
 from . import commands
 from .errors import OpsError
@@ -106,7 +107,7 @@ def render_job(job: JobPlan, options: SubmitOptions) -> RenderedJob:
     if command == "train":  # its rank arguments carry the plan: the job must not replan
         knobs["HPC_MCA_PLAN"] = "given"
     if job.script is not None:  # the script's TrainingArguments read the plan from here
-        knobs["HPC_MCA_PLAN_OVERRIDES"] = " ".join(job.plan_overrides)
+        knobs[PLAN_OVERRIDES_ENV] = " ".join(job.plan_overrides)
     if options.venv:
         knobs["HPC_MCA_VENV"] = options.venv
     script = render_script(sbatch, knobs, rank_args)
@@ -146,7 +147,7 @@ def submit(job: JobPlan, options: SubmitOptions, argv: Sequence[str]) -> Submitt
     rendered = checked_job(job, options)
     rendered.runs_root.mkdir(parents=True, exist_ok=True)
     # The run dir and a script's layout are the job's own, never the submitting shell's.
-    env = commands.sbatch_env(drop=[*rendered.knobs, "HPC_MCA_RUN_DIR", "HPC_MCA_PLAN_OVERRIDES"])
+    env = commands.sbatch_env(drop=[*rendered.knobs, RUN_DIR_ENV, PLAN_OVERRIDES_ENV])
 
     def record(job_id: str) -> None:
         run_dir = rendered.run_dir(job_id)
