@@ -245,8 +245,19 @@ def resume_check(config: TrainConfig, world_size: int,
     if 0 < max_steps < info.step:
         raise CheckpointMismatch(f"training.max_steps={max_steps} is below the step of the "
                                  f"checkpoint to resume from ({path}, step {info.step}); valid: "
-                                 f"max_steps >= {info.step}")
+                                 f"max_steps >= {lowest_max_steps(config.training, info.step)}")
     return ResumePoint(path, info)
+
+
+def lowest_max_steps(training: TrainingArguments, checkpoint_step: int) -> int:
+    """The smallest max_steps that resuming from a checkpoint at ``checkpoint_step`` accepts.
+    The step itself for a run that has not finished (a requeue after the final save trains
+    nothing more and finishes); one more than the last step of a finished run, because
+    :func:`nothing_to_train` refuses a length that adds no step to it."""
+    done = read_finished(training.output_dir)
+    if done is None or training.resume_from_checkpoint not in ("", "auto", "latest"):
+        return checkpoint_step
+    return max(checkpoint_step, done["step"] + 1)
 
 
 def nothing_to_train(training: TrainingArguments, total_steps: int | None = None) -> str | None:

@@ -9,11 +9,14 @@ practice, so names with spaces or ``|`` parse.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import shlex
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import OpsError
 
@@ -88,10 +91,17 @@ class JobState:
     """Runs before the current one (sacct REQUEUED records)."""
     source: str
     """squeue (pending/running), scontrol (ended recently) or sacct (older)."""
+    total_elapsed_s: int | None = None
+    """Run time of every run of this job id (earlier runs from sacct's records, then this
+    one), or None where unknown; ``elapsed`` is this run's only."""
 
     @property
     def finished(self) -> bool:
         return self.state in TERMINAL_STATES
+
+    @property
+    def runs(self) -> int:
+        return self.requeues + 1
 
 
 _SQUEUE_FIELDS = ("%i", "%T", "%r", "%M", "%l", "%D", "%N", "%Z", "%j")
@@ -139,7 +149,8 @@ def job_state(job_id: str) -> JobState | None:
     Sources in order: squeue (pending/running), ``scontrol show job`` (exact for a job that
     ended recently: slurmctld keeps it for MinJobAge), sacct (older jobs; its first record of a
     job can be a placeholder named "allocation", and it stores '"' in names as '`'). The
-    requeue count comes from sacct's REQUEUED records and scontrol's Restarts.
+    requeue count comes from sacct's REQUEUED records and scontrol's Restarts; the exit code
+    of an ended job from :func:`batch_exit`, whichever source gave the state.
     """
     live = squeue_row(job_id)
     records = sacct_rows(job_id)
@@ -147,22 +158,100 @@ def job_state(job_id: str) -> JobState | None:
     if live is not None:
         return JobState(job_id, live["name"], live["state"], _reason(live), live["elapsed"],
                         live["time_limit"], live["nodes"], live["node_list"], live["work_dir"],
-                        "", requeues, "squeue")
+                        "", requeues, "squeue", _total_elapsed(records, live["elapsed"]))
     info = scontrol_job(job_id)
     if info.get("JobState"):
         restarts = int(info["Restarts"]) if info.get("Restarts", "").isdigit() else 0
-        return JobState(job_id, info.get("JobName", ""), info["JobState"], "",
-                        info.get("RunTime", ""), info.get("TimeLimit", ""),
-                        info.get("NumNodes", ""), info.get("NodeList", ""),
-                        info.get("WorkDir", ""), info.get("ExitCode", ""),
-                        max(requeues, restarts), "scontrol")
+        state = JobState(job_id, info.get("JobName", ""), info["JobState"], "",
+                         info.get("RunTime", ""), info.get("TimeLimit", ""),
+                         info.get("NumNodes", ""), info.get("NodeList", ""),
+                         info.get("WorkDir", ""), info.get("ExitCode", ""),
+                         max(requeues, restarts), "scontrol",
+                         # without sacct's record of every earlier run the total is unknown
+                         _total_elapsed(records, info.get("RunTime", "")) if requeues >= restarts
+                         else None)
+        return _with_batch_exit(state)
     if not records:
         return None
     last = records[-1]
     # "CANCELLED by 0" -> "CANCELLED"
-    return JobState(job_id, last["JobName"], last["State"].split()[0], "", last["Elapsed"],
-                    last["Timelimit"], last["NNodes"], last["NodeList"], last["WorkDir"],
-                    last["ExitCode"], requeues, "sacct")
+    return _with_batch_exit(JobState(
+        job_id, last["JobName"], last["State"].split()[0], "", last["Elapsed"], last["Timelimit"],
+        last["NNodes"], last["NodeList"], last["WorkDir"], last["ExitCode"], requeues, "sacct",
+        _total_elapsed(records, last["Elapsed"])))
+
+
+def _with_batch_exit(state: JobState) -> JobState:
+    """An ended job with the exit code of its batch step; COMPLETING while that step (the
+    batch script) is still ending, so no caller reports an exit code that is not final."""
+    if not state.finished:
+        return state
+    batch = batch_exit(state.job_id)
+    if batch is None:
+        return state  # no batch step recorded (accounting off, or cancelled while pending)
+    code, ended = batch
+    if ended:
+        return dataclasses.replace(state, exit_code=code)
+    # A step whose end accounting never got (its node died) must not hold watch forever.
+    if state.state == "NODE_FAIL":
+        return state
+    return dataclasses.replace(state, state="COMPLETING", exit_code="")
+
+
+def batch_exit(job_id: str) -> tuple[str, bool] | None:
+    """sacct's ExitCode of the newest run's batch step and whether that step has ended, or
+    None when the newest run has no batch step (accounting off, cancelled while pending).
+
+    Why the batch step and not the job (``sacct -X``) or scontrol: a job's exit code is what
+    its batch script returned. For a cancelled job, sacct's job record keeps the 0:0 written
+    when the cancel was accepted, before the script ended (and returned 143 from its TERM
+    handler), and scontrol's ExitCode is gone after MinJobAge; the batch step is written when
+    the script ends and stays, so ``watch`` at the end and ``status`` at any time later read
+    the same value. The price: sacct (22.05 measured) keeps exit codes modulo 128, so a
+    script's exit 143 reads ``15:0`` (as exit 15 does), where scontrol said 143:0 for a few
+    minutes; one value that never changes beats an exact one that does."""
+    done = run(["sacct", "-j", check_job_id(job_id), "--duplicates", "-n", "-P",
+                f"--delimiter={SEP}", "-o", "JobID,ExitCode,End"], check=False)
+    if done.returncode != 0:
+        return None
+    newest: tuple[str, bool] | None = None
+    # Each run's record comes before its steps: a run without a batch step resets it.
+    for fields in (line.split(SEP) for line in done.stdout.splitlines()):
+        if len(fields) != 3:
+            continue
+        if fields[0] == job_id:
+            newest = None
+        elif fields[0] == f"{job_id}.batch":
+            newest = (fields[1], fields[2] not in ("", "Unknown", "None"))
+    return newest
+
+
+def duration_s(text: str) -> int | None:
+    """Slurm's ``[D-][H:]M:SS`` (squeue %M, sacct Elapsed, scontrol RunTime) in seconds, or
+    None for anything else (``INVALID``, empty)."""
+    match = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text.strip())
+    if match is None:
+        return None
+    days, hours, minutes, seconds = (int(g) if g else 0 for g in match.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def format_duration(seconds: int) -> str:
+    """``2:40``, ``1:02:03``, ``2-01:00:00``: Slurm's own way of writing a duration."""
+    days, rest = divmod(max(0, int(seconds)), 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    text = f"{hours}:{minutes:02d}:{secs:02d}" if hours or days else f"{minutes}:{secs:02d}"
+    return f"{days}-{hours:02d}:{minutes:02d}:{secs:02d}" if days else text
+
+
+def _total_elapsed(records: Sequence[Mapping[str, str]], current: str) -> int | None:
+    """Earlier runs' sacct Elapsed (every record but the newest, which is this run) plus this
+    run's ``current`` elapsed; None when this run's is unreadable."""
+    now = duration_s(current)
+    if now is None:
+        return None
+    return sum(duration_s(r["Elapsed"]) or 0 for r in records[:-1]) + now
 
 
 def _reason(row: Mapping[str, str]) -> str:
@@ -182,6 +271,56 @@ def scontrol_job(job_id: str) -> dict[str, str]:
         end = after.start() if after is not None else len(text)
         fields[here.group(1)] = text[here.end():end]
     return fields
+
+
+def job_log(job_id: str) -> Path | None:
+    """Where the job's batch output goes, or None when Slurm knows nothing of the job.
+
+    scontrol's StdOut while slurmctld holds the job; once it forgot it (MinJobAge), the
+    accounting record: this sacct has no StdOut field (Slurm < 23.02), so the ``--output``
+    of sbatch's command line (SubmitLine), else the raw template's own ``%x_%j.out``,
+    relative to the job's WorkDir."""
+    info = scontrol_job(job_id)
+    if info.get("StdOut"):
+        return Path(info["StdOut"])
+    records = sacct_rows(job_id)
+    if not records:
+        return None
+    last = records[-1]
+    given = _submit_output(job_id)
+    path = expand_output(given, job_id, last["JobName"]) if given else None
+    if path is None:
+        path = Path(f"{last['JobName']}_{job_id}.out")
+    return path if path.is_absolute() else Path(last["WorkDir"] or ".") / path
+
+
+def _submit_output(job_id: str) -> str | None:
+    """The ``-o``/``--output`` value on the job's sbatch command line (sacct SubmitLine)."""
+    done = run(["sacct", "-j", check_job_id(job_id), "-X", "-n", "-P", "-o", "SubmitLine"],
+               check=False)
+    lines = done.stdout.strip().splitlines() if done.returncode == 0 else []
+    try:
+        words = shlex.split(lines[-1]) if lines else []
+    except ValueError:
+        return None
+    for word, after in zip(words, [*words[1:], ""]):
+        if word in ("-o", "--output"):
+            return after or None
+        if word.startswith("--output="):
+            return word.split("=", 1)[1]
+        if word.startswith("-o") and not word.startswith("--"):
+            return word[2:]
+    return None
+
+
+def expand_output(pattern: str, job_id: str, name: str) -> Path | None:
+    """sbatch's output file name pattern with ``%j %A %x %u %%`` filled in; None when it holds
+    another replacement (``%N``, ``%t``, ...), which names a file only the job itself knew."""
+    known = {"j": job_id, "A": job_id, "x": name, "u": current_user(), "%": "%"}
+    parts = re.split(r"%(.)", pattern)
+    if any(key not in known for key in parts[1::2]):
+        return None
+    return Path("".join(part if i % 2 == 0 else known[part] for i, part in enumerate(parts)))
 
 
 def current_user() -> str:

@@ -150,9 +150,7 @@ def _run_from_index(job_id: str) -> Run | None:
     if manifest is not None:
         # Slurm reuses job ids after a cluster is rebuilt: the manifest must name this one.
         return run_from_manifest(run_dir, manifest, job_id) if job_id in _job_ids(manifest) else None
-    info = commands.scontrol_job(job_id)
-    log = Path(info["StdOut"]) if info.get("StdOut") else None
-    return Run(run_dir, job_id, log, None, how="index")
+    return Run(run_dir, job_id, commands.job_log(job_id), None, how="index")
 
 
 def _run_from_slurm(job_id: str, root: Path) -> Run | None:
@@ -166,8 +164,7 @@ def _run_from_slurm(job_id: str, root: Path) -> Run | None:
     base = f"{name}_{job_id}"
     candidates = [root / base, work_dir / "runs" / base]
     run_dir = next((c for c in candidates if c.is_dir()), candidates[-1])
-    std_out = info.get("StdOut")
-    log = Path(std_out) if std_out else work_dir / f"{base}.out"
+    log = commands.job_log(job_id) or work_dir / f"{base}.out"
     manifest = read_manifest(run_dir)
     return Run(run_dir, job_id, log, manifest, how="slurm")
 

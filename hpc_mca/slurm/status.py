@@ -29,6 +29,11 @@ class RunStatus:
     current_job: JobState | None = None
     bad_input: str | None = None
     """Why a rank stopped on bad input (the run directory's record), if one did."""
+    total_elapsed_s: int | None = None
+    """Run time of every run of the run: each job's requeues and the continuations (None
+    where Slurm's records do not cover them all)."""
+    runs: int | None = None
+    """How many runs that total covers (restarts + 1)."""
 
     @property
     def state(self) -> str:
@@ -46,6 +51,7 @@ class RunStatus:
             "current_job_id": self.current_job_id,
             "current_state": self.current_job.state if self.current_job else None,
             "bad_input": self.bad_input,
+            "total_elapsed_s": self.total_elapsed_s, "runs": self.runs,
         }
 
 
@@ -63,9 +69,25 @@ def job_status(job_id: str, runs_root: Path) -> RunStatus:
     progress = read_progress(run.run_dir) if run is not None else None
     bad = read_bad_input(run.run_dir) if run is not None else None
     current = current_job_id(run.manifest) if run is not None and run.manifest else None
+    total, runs = run_totals(job_id, job, run)
     if current is None or current == job_id:
-        return RunStatus(job_id, job, run, progress, bad_input=bad)
-    return RunStatus(job_id, job, run, progress, current, commands.job_state(current), bad)
+        return RunStatus(job_id, job, run, progress, bad_input=bad, total_elapsed_s=total, runs=runs)
+    return RunStatus(job_id, job, run, progress, current, commands.job_state(current), bad,
+                     total, runs)
+
+
+def run_totals(job_id: str, job: JobState | None, run: Run | None) -> tuple[int | None, int | None]:
+    """Run time and number of runs over every job of the run (the first and each
+    continuation, each with its requeues), or (None, None) when one of them is unknown."""
+    manifest = run.manifest if run is not None and run.manifest else {}
+    ids = [str(i) for i in [manifest.get("job_id"), *(manifest.get("job_ids") or [])] if i]
+    total, runs = 0, 0
+    for other in dict.fromkeys(ids or [job_id]):
+        state = job if other == job_id else commands.job_state(other)
+        if state is None or state.total_elapsed_s is None:
+            return None, None
+        total, runs = total + state.total_elapsed_s, runs + state.runs
+    return total, runs
 
 
 def recent_statuses(runs_root: Path, limit: int = 10) -> list[RunStatus]:
@@ -145,7 +167,7 @@ def format_status(status: RunStatus, now: float | None = None) -> str:
         reason = f" ({job.reason})" if job.reason else ""
         exit_code = f" exit {job.exit_code}" if job.finished and job.exit_code else ""
         head = (f"job {status.job_id}  {job.name}  {job.state}{reason}{exit_code}  "
-                f"elapsed {job.elapsed} of {job.time_limit}  nodes {job.nodes}"
+                f"elapsed {job.elapsed} of {job.time_limit}{_all_runs(status)}  nodes {job.nodes}"
                 f"{' (' + job.node_list + ')' if job.node_list and job.node_list != 'None assigned' else ''}"
                 f"  requeues {job.requeues}")
     else:
@@ -164,6 +186,14 @@ def format_status(status: RunStatus, now: float | None = None) -> str:
     if status.run is not None and status.run.log is not None:
         lines.append(f"  log         {status.run.log}")
     return "\n".join(lines)
+
+
+def _all_runs(status: RunStatus) -> str:
+    """`` (all 4 runs: 2:40, 3 restarts)``: "elapsed" is the last run's only."""
+    if status.total_elapsed_s is None or not status.runs or status.runs < 2:
+        return ""
+    return (f" (all {status.runs} runs: {commands.format_duration(status.total_elapsed_s)}, "
+            f"{status.runs - 1} restart{'s' if status.runs > 2 else ''})")
 
 
 def format_table(statuses: list[RunStatus], now: float | None = None) -> str:
