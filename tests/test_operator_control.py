@@ -198,7 +198,9 @@ def test_cancel_while_pending_between_requeues(setup: dict) -> None:
     assert done.stdout.strip() == f"cancelled job {job_id} (config, was PENDING; now CANCELLED)"
     assert_cancelled_for_good(job_id, restarts=1)
     log = (run_dir / f"config_{job_id}.out").read_text()
-    assert "requeue        time limit ahead (SIGUSR1): restart 1 of at most 10" in log
+    assert re.search(r"requeue        SIGUSR1 \d+ s before the time limit, not the lead-time "
+                     r"signal \(lead 120 s\): sent by hand \(scancel --signal=USR1\): restart 1 "
+                     r"of at most 10", log), log[-3000:]
     assert f"job            {job_id} (config) restart 1" not in log  # never started again
     assert_checkpoints_intact(run_dir)
 
@@ -213,8 +215,8 @@ def test_a_lead_that_does_not_fit_the_limit_is_refused(setup: dict) -> None:
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip() == (
         "Error: --signal-lead 120 s does not fit --time 1 (60 s): the job would stop to save "
-        "right after it started; valid: --signal-lead 1..30 (at most half the limit), or leave "
-        "it out (then 15 s)")
+        "right after it started; valid: --signal-lead 1..15 (the lead plus Slurm's 30 s check "
+        "interval must leave a quarter of the limit to train), or leave it out (then 15 s)")
     assert not (work / "runs").exists()  # nothing was submitted
     for time_limit, lead in (("1", 15), ("2", 30), ("01:00:00", 120)):
         script = hpc_mca("plan", config, *CPU_2X1, "--time", time_limit, "--sbatch", cwd=work)

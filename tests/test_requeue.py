@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -138,7 +139,8 @@ def _time_limit_requeue(training: dict, name: str) -> None:
     restarts = slurm.job_restart_count(job_id)
     assert restarts >= 1, log[-4000:]
     assert "hpc-mca | job            " + f"{job_id} ({name}) restart 1" in log
-    assert "requeue        time limit ahead (SIGUSR1): restart 1 of at most 10" in log
+    assert re.search(r"requeue        time limit ahead \(SIGUSR1 \d+ s before the limit\): "
+                     r"restart 1 of at most 10", log), log[-4000:]
     stopped = [line for line in log.splitlines() if line.startswith("stop requested by")]
     saved = [line for line in log.splitlines() if "saved (signal)" in line]
     assert len(stopped) == restarts and len(saved) == restarts, log[-4000:]
@@ -236,7 +238,10 @@ def test_stop_without_budget_is_not_requeued(fake_home: Path) -> None:
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
     assert slurm.wait_for_job(job_id) == "FAILED"
     log = log_of(work, "stop_on_signal", job_id)
-    assert "time limit ahead (SIGUSR1): not requeued, retry budget spent (0 restarts)" in log
+    # A manual USR1 with minutes left (--time=5, lead 120 s) is named as such.
+    assert re.search(r"SIGUSR1 \d+ s before the time limit, not the lead-time signal \(lead 120 "
+                     r"s\): sent by hand \(scancel --signal=USR1\): not requeued, retry budget "
+                     r"spent \(0 restarts\)", log), log
     assert "exit code 75" in log and slurm.job_restart_count(job_id) == 0
 
 
@@ -246,5 +251,8 @@ def test_retry_budget_stops_a_job_that_keeps_failing(fake_home: Path) -> None:
     log = log_of(work, "fail", job_id)
     assert (run_dir / "starts").read_text().split() == ["0", "1", "2"], log
     assert slurm.job_restart_count(job_id) == 2
-    assert "ranks failed with exit code 1: restart 2 of at most 2" in log
-    assert "ranks failed with exit code 1: not requeued, retry budget spent (2 restarts)" in log
+    # srun's own line names the task and node that failed.
+    assert re.search(r"task 0 on n\d failed: exit code 1 \(srun exit code 1\): restart 2 of at "
+                     r"most 2", log), log
+    assert re.search(r"task 0 on n\d failed: exit code 1 \(srun exit code 1\): not requeued, "
+                     r"retry budget spent \(2 restarts\)", log), log

@@ -162,9 +162,12 @@ FAKE_SCANCEL = """#!/bin/bash
 printf '%s\\0' "$@" >>"${FAKE_DIR}/scancel.args"
 echo "$*" >>"${FAKE_DIR}/scancel.calls"
 """
-# squeue answers what the test wrote into squeue.out (State|Reason|RestartCnt|, or nothing).
+# squeue answers what the test wrote into squeue.out (State|Reason|RestartCnt|, or nothing),
+# or, asked for the EndTime, endtime.out.
 FAKE_SQUEUE = """#!/bin/bash
-cat "${FAKE_DIR}/squeue.out" 2>/dev/null || true
+[[ -s "${FAKE_DIR}/squeue.out" ]] || exit 0  # the controller does not answer
+if [[ "$*" == *EndTime* ]]; then cat "${FAKE_DIR}/endtime.out" 2>/dev/null || true; exit 0; fi
+cat "${FAKE_DIR}/squeue.out"
 """
 # scontrol records its arguments; FAKE_CANCEL_ON_REQUEUE plays a cancel racing the requeue.
 FAKE_SCONTROL = """#!/bin/bash
@@ -179,6 +182,9 @@ def _fake_slurm(tmp_path: Path) -> dict[str, str]:
     fake = tmp_path / "fake"
     fake.mkdir()
     (fake / "squeue.out").write_text("RUNNING|None|0|\n")
+    # The time limit 100 s away: a USR1 now is the lead-time signal (lead 120 s).
+    end = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 100))
+    (fake / "endtime.out").write_text(f"{end}\n")
     for name, text in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL), ("squeue", FAKE_SQUEUE),
                        ("scontrol", FAKE_SCONTROL)):
         (fake / name).write_text(text)
@@ -333,7 +339,7 @@ VERDICTS = {
     # name: (signals sent, squeue's answer when the TERM comes / after srun, cancel record,
     #        expected scontrol calls, expected scancel calls, line in the log)
     "lead signal": (["USR1"], None, False, ["requeue 4242"], [],
-                    "requeue        time limit ahead (SIGUSR1): restart 1 of at most 10"),
+                    "requeue        time limit ahead (SIGUSR1 "),
     "scancel after the lead signal": (["USR1", "TERM"], "COMPLETING|None|0|", False, [], [],
                                       "end            cancelled: not requeued"),
     "hpc-mca cancel after the lead signal": (["USR1"], None, True, [], [],
@@ -343,7 +349,7 @@ VERDICTS = {
     "time limit reached": (["USR1", "TERM"], "COMPLETING|TimeLimit|0|", False,
                            ["requeue 4242"], [], "time limit reached (SIGTERM): restart 1"),
     "controller unreachable": (["USR1"], "", False, ["requeue 4242"], [],
-                               "time limit ahead (SIGUSR1)"),
+                               "SIGUSR1 (Slurm did not say when the job ends"),
     "cancel racing the requeue": (["USR1"], None, False, ["requeue 4242"], ["4242"],
                                   "cancelled while being requeued: the requeued job is cancelled"),
     # A rank stopped on bad input; srun killed the others: exit 143, but never requeued.

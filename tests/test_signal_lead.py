@@ -26,7 +26,7 @@ def test_bad_time_limits_are_one_line(text):
 
 @pytest.mark.parametrize("given, limit, lead", [
     (None, "1", 15), (None, "2", 30), (None, "7", 105), (None, "8", 120), (None, "2-00:00:00", 120),
-    (None, None, 120), (None, "UNLIMITED", 120), (30, "1", 30), (300, "02:00:00", 300),
+    (None, None, 120), (None, "UNLIMITED", 120), (15, "1", 15), (300, "02:00:00", 300),
     (500, None, 500),
 ])
 def test_lead_default_scales_and_a_given_one_is_kept(given, limit, lead):

@@ -258,7 +258,8 @@ def test_submitted_script_requeued_by_its_time_limit_finishes_as_uninterrupted(
     assert state == "COMPLETED", log[-4000:]
     restarts = slurm.job_restart_count(job_id)
     assert restarts >= 1 and f"{job_id} (api_sft) restart 1" in log, log[-4000:]
-    assert "requeue        time limit ahead (SIGUSR1): restart 1 of at most 10" in log
+    assert re.search(r"requeue        time limit ahead \(SIGUSR1 \d+ s before the limit\): "
+                     r"restart 1 of at most 10", log), log[-4000:]
     stopped = [line for line in log.splitlines() if line.startswith("stop requested by USR1")]
     saved = [line for line in log.splitlines() if "saved (signal)" in line]
     assert len(stopped) == len(saved) == restarts, log[-4000:]

@@ -10,7 +10,9 @@ This docstring is the contract between the batch script (``sbatch/train.sbatch``
    Only the batch shell gets it, and torchrun would not forward it anyway.
 2. Batch shell, on USR1 or TERM: appends ``<SIG> <unix time> job=<id> restart=<n>`` to
    ``signal_received`` ($HPC_MCA_SIGNAL_FILE, removed when the job (re)starts), for a TERM
-   followed by ``cause=<verdict>`` (Slurm's reason, below), and keeps waiting for srun. (With
+   followed by ``cause=<verdict>`` (Slurm's reason, below), for a USR1 with ``left=<s>``
+   after the time (seconds to the time limit, squeue's EndTime; empty when Slurm does not
+   say), and keeps waiting for srun. (With
    HPC_MCA_FORWARD_SIGNAL=USR1 it also signals the tasks; only for srun-launched ranks: a
    USR1 before a rank's handler is installed would kill it.)
 3. Ranks: at every step boundary, global rank 0 looks for ``signal_received`` (one stat per
@@ -50,6 +52,13 @@ This docstring is the contract between the batch script (``sbatch/train.sbatch``
      is being made still wins: the shell cancels the requeued job.
    * only a TERM was recorded (``scancel --signal=TERM``): no requeue; exit 75 if the ranks
      stopped early.
+
+   The requeue line names the reason: a USR1 is the lead-time signal when it came at most
+   lead + 60 s before the limit (the lead from the script's ``#SBATCH --signal`` line; Slurm
+   checks every 30 s), else one sent by hand (``scancel --signal=USR1``); ranks that exited
+   non-zero are named first, from srun's own line on the first failed task (``task 1 on n2
+   failed: killed by SIGKILL (srun exit code 143)``: srun's exit code alone can say 143 for
+   a SIGKILLed rank), else by srun's exit code and its signal (``137 (SIGKILL)``).
    * rc != 0 and rc != 2 (2 = bad input; retrying cannot help) and
      HPC_MCA_REQUEUE_ON_FAILURE=1: requeue within the same budget, so a crash on a flaky node
      resumes from the last checkpoint while a job that keeps failing stops after
@@ -97,7 +106,9 @@ class StopSignal:
 
     @staticmethod
     def describe(code: int) -> str:
-        return {1: "USR1 (time limit ahead)", 2: "TERM"}.get(code, "")
+        # A USR1 is Slurm's lead-time signal or one sent by hand: the batch shell's requeue
+        # line says which (it asks Slurm how far the limit is).
+        return {1: "USR1", 2: "TERM"}.get(code, "")
 
     def _install(self) -> None:
         for name in _CODES:

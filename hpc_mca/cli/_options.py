@@ -89,7 +89,9 @@ def runs_root_option(func: F) -> F:
 signal_lead_option = click.option(
     "--signal-lead", type=int, default=None,
     help="Seconds before the time limit the job gets SIGUSR1 to save and requeue; at most half "
-         "the limit. Default: 120, or a quarter of a limit under 8 minutes.")
+         "the limit, and the lead plus Slurm's 30 s check interval must leave a quarter of the "
+         "limit to train. Default: 120, or a quarter of a limit under 8 minutes. resume warns "
+         "when the time left before the signal is less than the run's last start-up took.")
 
 
 def slurm_options(func: F) -> F:

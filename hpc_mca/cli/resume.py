@@ -49,6 +49,7 @@ def resume(job_id: str, overrides: tuple[str, ...], nodes: int | None, gpus_per_
     submitted and nothing deleted.
     """
     from hpc_mca.slurm.continuation import plan_continuation, submit_continuation
+    from hpc_mca.slurm.timelimit import continuation_warning
 
     changes = {"gpus_per_node": gpus_per_node, "gpu": gpu, "tp": tp, "pp": pp, "vp": vp, "ep": ep,
                "distributed_optimizer": distributed_optimizer}
@@ -57,6 +58,9 @@ def resume(job_id: str, overrides: tuple[str, ...], nodes: int | None, gpus_per_
                                  overrides=overrides, plan_changes=changes,
                                  slurm_changes={"time": time, "partition": partition,
                                                 "signal_lead_s": signal_lead})
+        warning = continuation_warning(cont.run.run_dir, cont.script)
+        if warning:  # a lead that fits the limit but not the run's start-up (timelimit.py)
+            click.echo(warning, err=True)
         if dry_run:
             click.echo(cont.script, nl=False)
             click.echo(f"# would continue {cont.describe()}")

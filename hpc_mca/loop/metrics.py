@@ -9,7 +9,13 @@ skipped): the exact record that resume and layout-equivalence checks compare.
 ``<run_dir>/progress.json`` is the contract with ``hpc-mca status`` on the login node: a small
 JSON object rewritten atomically at every logging step (fields: step, max_steps, loss, lr,
 grad_norm, tokens_per_s, eta_s, skipped_iters, eval_loss, updated, plus whatever else
-``write_progress`` is given).
+``write_progress`` is given). The figures always belong to the step written with them: a
+``step`` written between logging steps (a signal's save, the end of the run, a restart) takes
+that step's own loss, LR and gradient norm from its steps.jsonl record, and the throughput and
+ETA of the steps since the last logging step; a step whose record is unknown drops them rather
+than showing another step's. ``startup_s``, written at this process's first step, is the time
+from the rank's start to that step's end: ``hpc-mca resume`` warns when a lead-time signal
+would leave less than that to train (:func:`hpc_mca.slurm.timelimit.startup_warning`).
 """
 
 from __future__ import annotations
@@ -78,6 +84,12 @@ class MetricsWriter:
         self.peak = peak_flops_per_device()
         self.trackers = list(trackers) if enabled else []
         self.progress: dict[str, Any] = {}
+        if enabled:  # the last start's start-up stays known until this one's first step
+            self.progress.update(_previous_startup(run_dir))
+        self._last: dict[str, Any] = {}
+        """The newest steps.jsonl record this process wrote."""
+        self._since_log = [0, 0.0, 0]
+        """Input tokens, seconds and steps recorded since the last logging step."""
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """``values`` at ``step`` to every tracker (:mod:`.trackers`)."""
@@ -108,6 +120,7 @@ class MetricsWriter:
             parts.append(f"skipped {int(values['train/skipped_iters'])}")
         parts.append(f"eta {_duration(eta)}")
         print(" | ".join(parts), flush=True)
+        self._since_log = [0, 0.0, 0]
         self.write_progress(step=step, max_steps=self.max_steps, loss=values["train/loss"],
                             lr=values["train/lr"], grad_norm=values["train/grad_norm"],
                             tokens_per_s=values["perf/tokens_per_s"], eta_s=eta,
@@ -118,18 +131,84 @@ class MetricsWriter:
         if self.enabled:
             with open(self.run_dir / STEPS_FILE, "a", encoding="utf-8") as out:
                 out.write(json.dumps(fields) + "\n")
+            first = not self._last
+            self._last = fields
+            tokens, seconds, steps = self._since_log
+            self._since_log = [tokens + int(fields.get("input_tokens") or 0),
+                               seconds + float(fields.get("seconds") or 0.0), steps + 1]
+            started = _process_start()
+            if first and started is not None:
+                self.write_progress(startup_s=round(time.time() - started, 3))
 
     def write_progress(self, **fields: Any) -> None:
-        """Merge ``fields`` into progress.json (write to a temp file, then rename)."""
+        """Merge ``fields`` into progress.json (write to a temp file, then rename). A ``step``
+        given without its loss brings that step's own figures (see the module doc)."""
         if not self.enabled:
             return
+        step = fields.get("step")
+        if step is not None and step != self.progress.get("step") and "loss" not in fields:
+            fields = {**self._figures_of(int(step)), **fields}
         self.progress.update(fields, updated=time.time())
         write_atomic(self.run_dir / PROGRESS_FILE,
                      json.dumps(self.progress, indent=1, default=_jsonable))
 
+    def _figures_of(self, step: int) -> dict[str, Any]:
+        """``step``'s loss, lr, grad_norm, tokens_per_s and eta_s: from this process's record
+        of it, else from steps.jsonl (a restart resumes at a checkpoint's step, whose line is
+        the file's last); None where unknown, so no other step's figures stay beside it."""
+        record = self._last if self._last.get("step") == step else _record_of(self.run_dir, step)
+        tokens, seconds, steps = self._since_log if record is self._last else (0, 0.0, 0)
+        if record is not None and not steps:  # one step's own time and tokens
+            tokens, seconds = int(record.get("input_tokens") or 0), float(record.get("seconds") or 0.0)
+            steps = 1 if seconds > 0 else 0
+        figures: dict[str, Any] = {key: (record or {}).get(key) for key in ("loss", "lr", "grad_norm")}
+        figures["tokens_per_s"] = tokens / seconds if steps and seconds > 0 else None
+        figures["eta_s"] = (max(0, self.max_steps - step) * seconds / steps
+                            if steps and seconds > 0 else None)
+        return figures
+
     def close(self) -> None:
         for tracker in self.trackers:
             tracker.close()
+
+
+def _record_of(run_dir: Path, step: int, tail_bytes: int = 65536) -> dict[str, Any] | None:
+    """``step``'s line in steps.jsonl, looked for in the file's last ``tail_bytes`` only (a
+    long run's file is large; the step wanted is the last one written)."""
+    try:
+        with open(run_dir / STEPS_FILE, "rb") as steps:
+            steps.seek(0, os.SEEK_END)
+            steps.seek(max(0, steps.tell() - tail_bytes))
+            lines = steps.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a partial first line of the tail
+        if isinstance(record, dict) and record.get("step") == step:
+            return record
+    return None
+
+
+def _previous_startup(run_dir: Path) -> dict[str, Any]:
+    """``startup_s`` of the progress file a previous start of the run wrote, if any."""
+    try:
+        value = json.loads((run_dir / PROGRESS_FILE).read_text()).get("startup_s")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {"startup_s": value} if isinstance(value, (int, float)) else {}
+
+
+def _process_start() -> float | None:
+    """This process's start (unix time), or None where psutil cannot tell."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - a missing start time only drops startup_s
+        return None
 
 
 def _jsonable(value: Any) -> Any:

@@ -9,10 +9,11 @@ be added without a version bump::
     {
       "step": 120,                  # optimizer steps done (global step)
       "max_steps": 1000,            # steps the run will take
-      "loss": 1.2345,               # training loss of the last logged step
+      "loss": 1.2345,               # training loss of step "step" (null when unknown)
       "lr": 0.0003,                 # its learning rate
       "grad_norm": 0.87,
-      "tokens_per_s": 15234.5,      # throughput over the last logging interval, whole job
+      "tokens_per_s": 15234.5,      # throughput over the steps up to "step" since the last
+                                    # logging step, whole job
       "eta_s": 750.0,               # seconds left at that speed, as of "updated"
       "eval_loss": 1.1,             # last evaluation, when there is one
       "updated": 1732190000.5,      # unix time of this write
@@ -21,7 +22,8 @@ be added without a version bump::
       "last_checkpoint": {          # newest checkpoint that is durable (tracker advanced)
         "step": 100, "path": "/runs/x_123/checkpoints/iter_0000100", "time": 1732189900.0
       },
-      "finished": false             # true once the last step (and its checkpoint) is done
+      "finished": false,            # true once the last step (and its checkpoint) is done
+      "startup_s": 41.5             # the writer's start to its first step's end (last start)
     }
 
 ``total_steps`` and ``time`` are read as aliases of ``max_steps`` and ``updated``; without
@@ -70,6 +72,8 @@ class Progress:
     restart_count: int | None = None
     last_checkpoint: Checkpoint | None = None
     finished: bool = False
+    startup_s: float | None = None
+    """How long the last start of the run took to its first step's end."""
 
     @property
     def fraction(self) -> float | None:
@@ -111,7 +115,7 @@ def read_progress(run_dir: str | os.PathLike[str]) -> Progress | None:
         job_id=None if data.get("job_id") is None else str(data.get("job_id")),
         restart_count=_int(data.get("restart_count")),
         last_checkpoint=_checkpoint(data.get("last_checkpoint")),
-        finished=finished)
+        finished=finished, startup_s=_float(data.get("startup_s")))
 
 
 def _first(data: Mapping[str, Any], *names: str) -> Any:

@@ -306,8 +306,9 @@ trains=0
 mkdir -p "${HPC_MCA_RUN_DIR}"
 export HPC_MCA_SIGNAL_FILE="${HPC_MCA_RUN_DIR}/signal_received"
 bad_input_file="${HPC_MCA_RUN_DIR}/bad_input"
+tasks_file="${HPC_MCA_RUN_DIR}/srun_task_errors"  # srun's lines on tasks that failed
 # A request, or a rank's bad-input verdict, belongs to the run that wrote it.
-rm -f "${HPC_MCA_SIGNAL_FILE}" "${bad_input_file}"
+rm -f "${HPC_MCA_SIGNAL_FILE}" "${bad_input_file}" "${tasks_file}"
 # The user's job index (hpc_mca/slurm/index.py), so hpc-mca status JOBID finds this run from
 # anywhere; best effort.
 state_dir=${HPC_MCA_STATE_DIR:-${XDG_STATE_HOME:-${HOME:-/nonexistent}/.local/state}/hpc-mca}
@@ -369,6 +370,65 @@ slurm_verdict() {
         echo cancelled
     fi
 }
+# The lead this script asks for (its #SBATCH line: sbatch's command line is not visible here)
+# and the time left at a USR1 tell Slurm's lead-time signal (it checks every 30 s: up to ~60 s
+# before lead) from a manual `scancel --signal=USR1`.
+signal_lead=$(sed -n 's/^#SBATCH --signal=B:USR1@\([0-9][0-9]*\)$/\1/p' "$0" 2>/dev/null) || true
+signal_lead=${signal_lead%%$'\n'*}
+time_left() {  # seconds until the job's time limit (squeue's EndTime); empty if Slurm does not say
+    local end=""
+    end=$(squeue -h -j "${SLURM_JOB_ID}" -O 'EndTime' 2>/dev/null || true)
+    end=${end//[[:space:]]/}
+    [[ "${end}" =~ ^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9:]+$ ]] || return 0
+    end=$(date -d "${end}" +%s 2>/dev/null) || return 0
+    echo $((end - $(date +%s)))
+}
+usr1_reason() {  # why the recorded USR1 came, as the requeue banner says it
+    local left=""
+    left=$(sed -n 's/^USR1 [^ ]* left=\(-\{0,1\}[0-9][0-9]*\) .*$/\1/p' \
+        "${HPC_MCA_SIGNAL_FILE}" 2>/dev/null) || true
+    left=${left%%$'\n'*}
+    if [[ -z "${left}" ]]; then
+        echo "SIGUSR1 (Slurm did not say when the job ends: the time limit's or a manual one)"
+    elif [[ "${signal_lead}" =~ ^[0-9]+$ ]] && ((left > signal_lead + 60)); then
+        echo "SIGUSR1 ${left} s before the time limit, not the lead-time signal" \
+            "(lead ${signal_lead} s): sent by hand (scancel --signal=USR1)"
+    else
+        echo "time limit ahead (SIGUSR1 ${left} s before the limit)"
+    fi
+}
+# srun's stderr (the ranks' too) goes on to the log; srun's own lines on failed tasks
+# ("srun: error: n1: task 0: Killed") are kept to name the rank and how it ended: srun's exit
+# code alone says 143 for a rank SIGKILLed while it terminated the others.
+srun_stderr() {
+    local line=""
+    while IFS= read -r line || [[ -n "${line}" ]]; do
+        printf '%s\n' "${line}" >&2
+        [[ ! "${line}" =~ ^srun:\ error:\ [^:]+:\ tasks?\ [0-9,-]+:\  ]] ||
+            printf '%s\n' "${line}" >>"${tasks_file}"
+    done
+    echo "end" >>"${tasks_file}"
+}
+ranks_failure() {  # the first failed task as srun saw it, and srun's exit code
+    local first="" node="" task="" how="" code=""
+    first=$(grep -m 1 '^srun: error: ' "${tasks_file}" 2>/dev/null) || true
+    if [[ -z "${first}" ]]; then
+        ((rc <= 128)) || code=" (SIG$(kill -l "$((rc - 128))" 2>/dev/null || echo "?"))"
+        echo "ranks failed with exit code ${rc}${code}"
+        return 0
+    fi
+    first=${first#srun: error: }
+    node=${first%%: *}
+    first=${first#*: }
+    task=${first%%: *}
+    how=${first#*: }
+    case "${how}" in
+        Killed*) how="killed by SIGKILL" ;;
+        Terminated*) how="terminated by SIGTERM" ;;
+        "Exited with exit code "*) how="exit code ${how#Exited with exit code }" ;;
+    esac
+    echo "${task} on ${node} failed: ${how} (srun exit code ${rc})"
+}
 cancel_file="${HPC_MCA_RUN_DIR}/cancel_requested"
 cancel_asked() {  # hpc-mca cancel writes "job=<id> ..." here before it calls scancel
     grep -qs "^job=${SLURM_JOB_ID} " "${cancel_file}"
@@ -377,12 +437,17 @@ cancel_asked() {  # hpc-mca cancel writes "job=<id> ..." here before it calls sc
 interrupted=0
 # shellcheck disable=SC2317  # invoked by the traps below
 on_signal() {  # the hook for a requeue protocol: record the request, optionally forward it
-    local cause=""
+    local cause="" left="" note=""
     interrupted=1
     [[ "$1" != TERM ]] || cause=" cause=$(slurm_verdict)"
-    printf '%s %s job=%s restart=%s%s\n' "$1" "$(date +%s.%N)" "${SLURM_JOB_ID}" \
+    if [[ "$1" == USR1 ]]; then  # left= seconds to the time limit (empty: Slurm did not say)
+        left=$(time_left)
+        note=" (${left:-?} s before the time limit)"
+        left=" left=${left}"
+    fi
+    printf '%s %s%s job=%s restart=%s%s\n' "$1" "$(date +%s.%N)" "${left}" "${SLURM_JOB_ID}" \
         "${SLURM_RESTART_COUNT:-0}" "${cause}" >>"${HPC_MCA_SIGNAL_FILE}"
-    banner "signal" "SIG$1${cause:+ (${cause# })} at $(date '+%H:%M:%S'); recorded in ${HPC_MCA_SIGNAL_FILE}"
+    banner "signal" "SIG$1${cause:+ (${cause# })}${note} at $(date '+%H:%M:%S'); recorded in ${HPC_MCA_SIGNAL_FILE}"
     if [[ "$1" == USR1 && -n "${HPC_MCA_FORWARD_SIGNAL}" ]]; then
         scancel --signal="${HPC_MCA_FORWARD_SIGNAL}" "${SLURM_JOB_ID}" || true
     fi
@@ -392,13 +457,17 @@ trap 'on_signal TERM' TERM
 ((held_usr1 == 0)) || on_signal USR1  # it came before the handler
 
 # srun runs in the background so the traps fire at once; wait again after each signal.
-srun --unbuffered --kill-on-bad-exit=1 "${launcher}" "${rank_args[@]}" &
+srun --unbuffered --kill-on-bad-exit=1 "${launcher}" "${rank_args[@]}" 2> >(srun_stderr) &
 srun_pid=$!
 while true; do
     interrupted=0
     rc=0
     wait "${srun_pid}" || rc=$?
     ((interrupted)) || break
+done
+for _ in {1..50}; do  # srun's last lines reach the log and ${tasks_file} (at most 5 s)
+    ! grep -qsx end "${tasks_file}" || break
+    sleep 0.1
 done
 
 # --- requeue (train, run; contract: hpc_mca/checkpoint/requeue.py) --------------------------
@@ -423,10 +492,15 @@ if ((trains)); then
     elif [[ "${verdict}" == preempted ]]; then
         why="preempted (SIGTERM)"
     elif grep -qs '^USR1 ' "${HPC_MCA_SIGNAL_FILE}"; then
-        why="time limit ahead (SIGUSR1)"
+        why=$(usr1_reason)
+        # The ranks save and exit 0 (a script's run: 75, stopped) on a USR1: another exit code
+        # is a failure, named first.
+        first=$(grep -m 1 '^srun: error: ' "${tasks_file}" 2>/dev/null) || true
+        ((rc == 0 || rc == 75)) || [[ "${first}" == *": Exited with exit code 75" ]] ||
+            why="$(ranks_failure), after ${why}"
     elif ((rc != 0 && rc != 2)) && [[ "${HPC_MCA_REQUEUE_ON_FAILURE}" == 1 ]] &&
         [[ ! -s "${HPC_MCA_SIGNAL_FILE}" ]]; then
-        why="ranks failed with exit code ${rc}"  # after a TERM, Slurm or the user decided
+        why=$(ranks_failure)  # after a TERM, Slurm or the user decided
     fi
 fi
 if [[ -n "${why}" ]]; then
