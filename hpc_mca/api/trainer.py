@@ -179,7 +179,7 @@ class McaTrainer:
         return data
 
     def _rows(self, dataset: Any, what: str) -> Any:
-        pad = pad_id(self.tokenizer) if getattr(self, "tokenizer", None) is not None else 0
+        pad = pad_id(self.tokenizer)
         if self.data_collator is not None:
             return CollatedRows(dataset, self.data_collator, pad, self.vocab_size, what)
         return example_rows(dataset, self.config, pad, self.vocab_size, what)
@@ -192,9 +192,8 @@ class McaTrainer:
                                            else str(value))
         try:
             resume_check(self.config, self.session.ctx.env.world_size, model_shape(self.config.model))
-        except Exception as err:  # found alike by every rank: a UserError stops each of them
-            if hasattr(err, "on_every_rank"):
-                err.on_every_rank = True  # type: ignore[attr-defined]
+        except UserError as err:
+            err.on_every_rank = True  # found alike by every rank
             raise
 
 

@@ -25,6 +25,7 @@ from hpc_mca.api.session import (
 )
 from hpc_mca.checkpoint.compat import nothing_to_train
 from hpc_mca.config.sections import load_resolved
+from hpc_mca.errors import UserError
 from hpc_mca.loop.trackers import skip_unused_tracker_imports
 from hpc_mca.runtime.env import from_environ
 
@@ -39,9 +40,8 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
     env = from_environ()
     try:
         config = load_resolved(config_path, overrides, env.world_size)
-    except Exception as err:
-        if hasattr(err, "on_every_rank"):
-            err.on_every_rank = True  # type: ignore[attr-defined]  # every rank read the same file
+    except UserError as err:
+        err.on_every_rank = True  # every rank read the same file
         raise
     check_inputs(config, env)
     skip_unused_tracker_imports(config.training.report_to)  # before megatron is imported
