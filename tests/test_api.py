@@ -61,6 +61,10 @@ def test_script_trains_as_hpc_mca_train_on_one_rank(one_rank):
     losses = [loss for loss, _ in yaml]
     assert report["global_step"] == steps(one_rank["yaml"])[-1]["step"] == 4
     assert report["training_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-12)
+    # the run's wall time holds every step's own time (steps.jsonl's seconds, a second clock)
+    seconds = sum(row["seconds"] for row in steps(one_rank["api"]))
+    assert seconds <= report["metrics"]["train_runtime"]
+    assert report["metrics"]["train_steps_per_second"] == round(4 / report["metrics"]["train_runtime"], 3)
     # the script's callback: every step end, every logged loss, the evaluations at 2 and 4
     assert report["steps"] == [1, 2, 3, 4]
     assert [log["loss"] for log in report["logs"]] == losses

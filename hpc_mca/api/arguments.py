@@ -31,9 +31,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpc_mca.config.input import ConfigError
+from hpc_mca.config.input import ConfigError, parse_value
 from hpc_mca.config.loading import config_items, load_items, set_value
-from hpc_mca.config.sections import _SECTION_TYPES, TrainConfig
+from hpc_mca.config.sections import _FLAT, _SECTION_TYPES, TrainConfig
 from hpc_mca.rundir import PLAN_OVERRIDES_ENV, RUN_DIR_ENV
 
 __all__ = ["PLAN_ENV", "RUN_DIR_ENV", "Seq2SeqTrainingArguments", "TrainingArguments"]
@@ -154,8 +154,6 @@ def _apply_environment(config: TrainConfig) -> list[str]:
         section, name = _dotted(key)
         if getattr(getattr(config, section), name) != getattr(getattr(defaults, section), name):
             continue  # the script chose this one itself
-        from hpc_mca.config.input import parse_value
-
         try:
             set_value(config, key, parse_value(key, text))
         except ConfigError as err:
@@ -164,8 +162,6 @@ def _apply_environment(config: TrainConfig) -> list[str]:
 
 
 def _dotted(key: str) -> tuple[str, str]:
-    from hpc_mca.config.sections import _FLAT
-
     name = key.split(".")[-1]
     if name not in _FLAT:
         raise ConfigError(f"{PLAN_ENV}: unknown key {key!r}; valid: layout fields such as "
