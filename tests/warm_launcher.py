@@ -40,10 +40,15 @@ from pathlib import Path
 
 RUN_TIME_PREFIXES = ("HPC_MCA_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                      "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
-                     "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+                     "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                     "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 """Variables a launch may set differently from the server's environment: nothing reads them
 while the stack is imported. pytest sets PYTEST_CURRENT_TEST for each test; torch.compile's
-first use in the pytest process puts its default cache directories into ``os.environ``."""
+first use in the pytest process puts its default cache directories into ``os.environ``, and
+the first compiled C++ kernel it loads (test_rope.py compiles one) an address of its own
+process, which inductor writes again, with the loading process's address, right before each
+kernel module's init reads it (a launch's stale copy is never read). Kept out, that address
+started every later trainer launch fresh (162 of them in the CI run before this was added)."""
 
 _server: dict[str, object] = {}
 fresh: dict[str, int] = {}
