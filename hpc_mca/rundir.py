@@ -48,6 +48,29 @@ MANIFEST_FILE = "manifest.json"
 """``hpc-mca submit``/``resume``: how the run was submitted (hpc_mca.slurm.manifest)."""
 RESOLVED_CONFIG_FILE = "resolved_config.yaml"
 """Rank 0: the run config as the ranks resolved it."""
+HEARTBEAT_DIR = "heartbeat"
+"""Every rank under a batch script: ``rank-<5 digits>.json``, rewritten every few seconds by a
+thread (its last finished step, what it is doing, its node); read by the batch node's hang
+watchdog (hpc_mca.runtime.heartbeat, hpc_mca.slurm.watchdog). Removed at each start."""
+HEARTBEAT_ENV = "HPC_MCA_HEARTBEAT_DIR"
+"""Exported by the batch script when its watchdog runs: where the ranks write heartbeats."""
+HANGS_FILE = "hangs.jsonl"
+"""The watchdog: one JSON line per hang it stopped (when, how long, the ranks and nodes it
+named, what was excluded)."""
+EXCLUDED_FILE = "excluded_nodes.json"
+"""The nodes this run excluded from its next starts (hang or failed preflight), with why
+(hpc_mca.slurm.exclusion); ``status`` shows them."""
+REQUEUE_VERDICT_FILE = "requeue_verdict"
+"""The watchdog or the preflight, for the batch shell: ``why=``, ``exclude=`` (the job's whole
+ExcNodeList to set once it is requeued) and ``end=`` (set when the job must not come back)
+lines. Removed at each start."""
+PREFLIGHT_DIR = "preflight"
+"""The preflight (``HPC_MCA_PREFLIGHT=1``): ``<node>.json`` per node, its checks and their
+times (hpc_mca.runtime.node_check), read by the verdict on the batch node
+(hpc_mca.slurm.preflight). Removed at each start."""
+JOB_NODES_ENV = "HPC_MCA_JOB_NODES"
+"""Exported by the batch script (train, run): the job's nodes, expanded, comma-separated, in
+Slurm's order (``SLURM_NODEID`` indexes it)."""
 
 
 def write_atomic(path: Path, text: str, *, durable: bool = False) -> Path:

@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import slurm_cluster as slurm
-from trainer_fixtures import (make_model_dir, make_sft_data, processes_with_env, run_train,
-                              steps, write_config)
+from trainer_fixtures import make_model_dir, make_sft_data, processes_with_env, run_train, steps, write_config
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "sbatch" / "train.sbatch"
@@ -61,13 +60,13 @@ def numbers(run_dir: Path) -> list[dict]:
     return [{k: s[k] for k in COMPARED} for s in steps(run_dir)]
 
 
-def prepare(root: Path) -> tuple[Path, list[dict]]:
-    """The run config and its uninterrupted 2-rank numbers (torchrun, no Slurm)."""
+def prepare(root: Path, ranks: int = 2) -> tuple[Path, list[dict]]:
+    """The run config and its uninterrupted numbers on ``ranks`` ranks (torchrun, no Slurm)."""
     config = write_config(root, make_model_dir(root, layers=2),
                           make_sft_data(root, 256, seed=1, name="train"),
                           training={"max_steps": STEPS, "logging_steps": 1,
                                     "save_steps": SAVE_EVERY, "report_to": ["none"]})
-    proc = run_train(config, root / "reference", 2)
+    proc = run_train(config, root / "reference", ranks)
     if proc.returncode != 0:
         raise RuntimeError(f"reference run failed:\n{proc.stderr[-3000:]}")
     return config, numbers(root / "reference")

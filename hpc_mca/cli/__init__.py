@@ -17,6 +17,7 @@ _COMMANDS: dict[str, str] = {
     "logs": "hpc_mca.cli.logs:logs",
     "plan": "hpc_mca.cli.plan:plan",
     "plot": "hpc_mca.cli.plot:plot",
+    "preflight": "hpc_mca.cli.preflight:preflight",
     "resume": "hpc_mca.cli.resume:resume",
     "run": "hpc_mca.cli.run:run",
     "smoke": "hpc_mca.cli.smoke:smoke",
@@ -25,6 +26,7 @@ _COMMANDS: dict[str, str] = {
     "tensorboard": "hpc_mca.cli.tensorboard:tensorboard",
     "train": "hpc_mca.cli.train:train",
     "watch": "hpc_mca.cli.watch:watch",
+    "watchdog": "hpc_mca.cli.watchdog:watchdog",
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -16,11 +17,15 @@ from .watch import follow_job, interval_option
 @click.argument("overrides", nargs=-1)
 @plan_options
 @slurm_options
+@click.option("--preflight", is_flag=True, envvar="HPC_MCA_SUBMIT_PREFLIGHT",
+              help="Before training, at every start of the job, each node checks its devices "
+                   "(count, free memory, a matmul) and joins an all-reduce across the job; a "
+                   "failing node is excluded and the job requeued [$HPC_MCA_SUBMIT_PREFLIGHT].")
 @click.option("--wait", is_flag=True,
               help="Then follow the job like hpc-mca watch and exit with its final state.")
 @interval_option
-def submit(config: Path, overrides: tuple[str, ...], wait: bool, interval: float,
-           **options) -> None:
+def submit(config: Path, overrides: tuple[str, ...], preflight: bool, wait: bool,
+           interval: float, **options) -> None:
     """Submit a training job: every rank runs `hpc-mca train CONFIG OVERRIDES...`.
 
     CONFIG may instead be a Python script (SCRIPT.py ARGS...: one using hpc-mca's API, e.g.
@@ -44,7 +49,8 @@ def submit(config: Path, overrides: tuple[str, ...], wait: bool, interval: float
             job = make_script_plan(plan_options_from(options), config, overrides)
         else:
             job = make_job_plan(plan_options_from(options), config, overrides)
-        done = submit_job(job, submit_options_from(options), ["hpc-mca", *sys.argv[1:]])
+        submit_options = dataclasses.replace(submit_options_from(options), preflight=preflight)
+        done = submit_job(job, submit_options, ["hpc-mca", *sys.argv[1:]])
     req = job.plan.request
     click.echo(f"submitted job {done.job_id}: {req.nodes} node(s) × {req.node_size} "
                f"{req.gpu_spec.name}, {job.plan.describe()}")

@@ -13,12 +13,17 @@ if TYPE_CHECKING:
 
 
 def check_run_settings(config: TrainConfig, world_size: int) -> None:
-    """training.ddp_timeout, dataloader_num_workers, and overwrite_output_dir against
+    """training.ddp_timeout, hang_timeout, dataloader_num_workers, and overwrite_output_dir against
     resume_from_checkpoint: one line each, the first found."""
     training = config.training
     if training.ddp_timeout <= 0:
         raise ConfigError(f"training.ddp_timeout={training.ddp_timeout} must be a positive number "
                           "of seconds (default 1800)")
+    hang = training.hang_timeout
+    if hang is not None and (hang < 0 or 0 < training.ddp_timeout <= hang):
+        raise ConfigError(f"training.hang_timeout={hang} must be 0 (no watchdog), null (automatic) "
+                          f"or a number of seconds below training.ddp_timeout={training.ddp_timeout} "
+                          "(the collective timeout would end the job first, without naming the node)")
     if training.dataloader_num_workers < 0:
         raise ConfigError(f"training.dataloader_num_workers={training.dataloader_num_workers}: "
                           "valid: 0 (load in the training process) or more worker processes")

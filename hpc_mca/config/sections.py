@@ -239,6 +239,14 @@ class TrainingArguments:
     ddp_timeout: int = 1800
     """Seconds a torch.distributed collective may wait before the process group gives up, on
     both backends (transformers' default; LLaMA-Factory's examples write 180000000)."""
+    hang_timeout: int | None = None
+    """Under a batch script: seconds without a finished optimizer step on some rank after which
+    the job's watchdog names the stalled rank(s) and node(s), kills the ranks and requeues the
+    job without those nodes (hpc_mca/slurm/watchdog.py). None = automatic: the larger of 300 s
+    and 10 times the median step time so far, kept below ddp_timeout; 0 = no watchdog. The
+    first step of each start, saves and evaluations get ddp_timeout instead (a collective in
+    them waits that long anyway). Must be below ddp_timeout, whose collective timeout would
+    otherwise end the job first, without naming the node."""
     async_save: bool = False
     """Write checkpoint shards in a background process; the commit (tracker) follows at a later
     step boundary, only once every rank finished."""

@@ -25,6 +25,7 @@ What a backend supplies is :class:`LoopBackend`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -38,6 +39,8 @@ from transformers.trainer_callback import CallbackHandler, TrainerControl, Train
 from hpc_mca.checkpoint.store import export_targets, mark_finished
 from hpc_mca.config.sections import TrainingArguments
 from hpc_mca.rundir import STEPS_FILE
+from hpc_mca.runtime.distributed import collective_timeout_s
+from hpc_mca.runtime.heartbeat import Heartbeat
 
 from .boundary import Decision, StepBoundary
 from .metrics import MetricsWriter
@@ -82,11 +85,12 @@ class RunLoop:
     ``unit``: what the loss is a mean over (steps.jsonl's count field); ``skipped_iters``:
     steps without an update before this process started (from the checkpoint).
     ``boundary`` may come later (before the first step): its stop signal takes over
-    SIGTERM/USR1 from when it is made until :meth:`close`."""
+    SIGTERM/USR1 from when it is made until :meth:`close`. ``hang_timeout``: the config's
+    ``training.hang_timeout``, for the heartbeat the batch script's watchdog reads."""
 
     def __init__(self, backend: LoopBackend, *, events: CallbackHandler, args: Any,
                  metrics: MetricsWriter, device: torch.device, boundary: StepBoundary | None = None,
-                 unit: str = "tokens", skipped_iters: int = 0) -> None:
+                 unit: str = "tokens", skipped_iters: int = 0, hang_timeout: int | None = None) -> None:
         self.backend, self.events, self.args = backend, events, args
         self.metrics, self.device, self.unit = metrics, device, unit
         self.boundary = boundary
@@ -95,6 +99,8 @@ class RunLoop:
         self.requeue = False
         self.window = Window(time.perf_counter())
         self.step_end = self.window.start  # where the next step's time starts
+        self.hang_timeout = hang_timeout
+        self.heartbeat: Heartbeat | None = None
 
     # ---- around the run ---------------------------------------------------------------------
 
@@ -110,6 +116,12 @@ class RunLoop:
                                     job_id=job_id, restart_count=restart_count)
         self.window = Window(time.perf_counter())
         self.step_end = self.window.start
+        if self.heartbeat is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self.heartbeat = Heartbeat.from_env(rank, hang_timeout=self.hang_timeout,
+                                                ddp_timeout=collective_timeout_s())
+        if self.heartbeat is not None:
+            self.heartbeat.start(step)
 
     def run(self, take_step: Callable[[], StepResult]) -> None:
         """Own the loop (a backend without one of its own): steps until ``max_steps`` or the
@@ -148,6 +160,8 @@ class RunLoop:
         """Always, however the run ended: the signal handlers go back, the trackers close."""
         if self.boundary is not None:
             self.boundary.signal.restore()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         self.metrics.close()
 
     # ---- the step end -----------------------------------------------------------------------
@@ -160,6 +174,8 @@ class RunLoop:
             torch.cuda.synchronize(self.device)  # a step ends when its kernels do
         now = time.perf_counter()
         result.seconds, self.step_end = now - self.step_end, now
+        if self.heartbeat is not None:
+            self.heartbeat.step_done(step, result.seconds)
         self.history.append(result)
         self.skipped_iters += int(result.skipped)
         self.window.input_tokens += result.input_tokens
@@ -178,9 +194,11 @@ class RunLoop:
         if log:
             self._log(result, lr, now)
         if evaluate:
-            self.evaluate()
+            with self._phase("eval"):
+                self.evaluate()
         if decision.save:
-            backend.save(decision)
+            with self._phase("save"):
+                backend.save(decision)
             backend.control = self.events.on_save(self.args, backend.state, backend.control)
         if log or evaluate or decision.save:
             self.window = Window(time.perf_counter())
@@ -201,6 +219,9 @@ class RunLoop:
         backend.control = self.events.on_evaluate(self.args, backend.state, backend.control,
                                                   metrics=metrics)
         return metrics
+
+    def _phase(self, name: str) -> contextlib.AbstractContextManager:
+        return self.heartbeat.phase(name) if self.heartbeat is not None else contextlib.nullcontext()
 
     def _log(self, result: StepResult, lr: float, now: float) -> None:
         backend, window = self.backend, self.window

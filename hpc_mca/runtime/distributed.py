@@ -33,7 +33,7 @@ from hpc_mca.runtime.env import RankEnv, from_environ
 from hpc_mca.topology import Layout, LayoutError, ModelShape, check_layout
 from hpc_mca.topology.errors import raise_if
 
-__all__ = ["RankContext", "describe_process_group", "init_distributed", "shutdown"]
+__all__ = ["RankContext", "collective_timeout_s", "describe_process_group", "init_distributed", "shutdown"]
 
 _DEFAULT_TIMEOUT_S = 1800
 """transformers' ``ddp_timeout`` default, this config's ``training.ddp_timeout`` default too."""
@@ -105,15 +105,23 @@ def init_distributed(
 def describe_process_group() -> str:
     """One line for the run log: the default group's backend, size and the timeout its
     collectives actually run with (read back from the group, not from the config)."""
-    backend = dist.get_backend()
-    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    timeout = collective_timeout_s()
+    seconds = "unknown" if timeout is None else f"{int(timeout)} s"
+    return (f"process group: {dist.get_backend()}, {dist.get_world_size()} rank(s), "
+            f"collective timeout {seconds}")
+
+
+def collective_timeout_s() -> float | None:
+    """The default group's collective timeout in seconds, read back from the group; None
+    without a group or on a torch without these internals."""
+    if not dist.is_initialized():
+        return None
+    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
     try:  # torch keeps the timeout on the backend object, not on the public group
         group = dist.distributed_c10d._get_default_group()
-        timeout = group._get_backend(device).options._timeout
-        seconds = f"{int(timeout.total_seconds())} s"
-    except (AttributeError, RuntimeError):  # a torch without these internals: say so
-        seconds = "unknown"
-    return f"process group: {backend}, {dist.get_world_size()} rank(s), collective timeout {seconds}"
+        return group._get_backend(device).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return None
 
 
 T = TypeVar("T")

@@ -62,6 +62,14 @@ BODY = r"""if [[ ! "${HPC_MCA_MAX_REQUEUES}" =~ ^[0-9]+$ ]]; then  # it meets ba
     echo "hpc-mca: HPC_MCA_MAX_REQUEUES='${HPC_MCA_MAX_REQUEUES}' must be a whole number" >&2
     exit 2
 fi
+if [[ ! "${HPC_MCA_MAX_EXCLUDED_NODES}" =~ ^[0-9]+$ ]]; then
+    echo "hpc-mca: HPC_MCA_MAX_EXCLUDED_NODES='${HPC_MCA_MAX_EXCLUDED_NODES}' must be a whole number" >&2
+    exit 2
+fi
+if [[ ! "${HPC_MCA_PREFLIGHT}" =~ ^[01]$ ]]; then
+    echo "hpc-mca: HPC_MCA_PREFLIGHT='${HPC_MCA_PREFLIGHT}' is not valid; valid: 0, 1" >&2
+    exit 2
+fi
 if [[ ! "${HPC_MCA_PLAN}" =~ ^(start|given)$ ]]; then
     echo "hpc-mca: HPC_MCA_PLAN='${HPC_MCA_PLAN}' is not valid; valid: start, given" >&2
     exit 2
@@ -94,8 +102,13 @@ mkdir -p "${HPC_MCA_RUN_DIR}"
 export HPC_MCA_SIGNAL_FILE="${HPC_MCA_RUN_DIR}/signal_received"
 bad_input_file="${HPC_MCA_RUN_DIR}/bad_input"
 tasks_file="${HPC_MCA_RUN_DIR}/srun_task_errors"  # srun's lines on tasks that failed
-# A request, or a rank's bad-input verdict, belongs to the run that wrote it.
-rm -f "${HPC_MCA_SIGNAL_FILE}" "${bad_input_file}" "${tasks_file}"
+verdict_file="${HPC_MCA_RUN_DIR}/requeue_verdict"  # the watchdog's or the preflight's
+# A request, a rank's bad-input verdict, heartbeats and verdicts belong to the run that wrote them.
+rm -f "${HPC_MCA_SIGNAL_FILE}" "${bad_input_file}" "${tasks_file}" "${verdict_file}"
+rm -rf "${HPC_MCA_RUN_DIR}/heartbeat" "${HPC_MCA_RUN_DIR}/preflight"
+if ((trains)); then  # the ranks' heartbeats, for the hang watchdog (hpc_mca/slurm/watchdog.py)
+    export HPC_MCA_HEARTBEAT_DIR="${HPC_MCA_RUN_DIR}/heartbeat"
+fi
 # The user's job index (hpc_mca/slurm/index.py), so hpc-mca status JOBID finds this run from
 # anywhere; best effort.
 state_dir=${HPC_MCA_STATE_DIR:-${XDG_STATE_HOME:-${HOME:-/nonexistent}/.local/state}/hpc-mca}
@@ -221,6 +234,45 @@ cancel_asked() {  # hpc-mca cancel writes "job=<id> ..." here before it calls sc
     grep -qs "^job=${SLURM_JOB_ID} " "${cancel_file}"
 }
 
+# For hpc_mca/slurm/exclusion.py, gathered here (squeue, sinfo and scontrol may be missing in
+# a container): the partition's nodes that can run jobs, the job's ExcNodeList and its nodes,
+# expanded (comma-separated names).
+node_facts() {
+    local usable="" excluded="" nodes=""
+    usable=$(sinfo -h -N -p "${SLURM_JOB_PARTITION:-}" -o '%N %t' 2>/dev/null |
+        awk '$2 !~ /(down|drain|drng|fail|maint|boot|futr|inval|\*)/ {print $1}' |
+        sort -u | paste -sd, -) || true
+    excluded=$(scontrol show job -o "${SLURM_JOB_ID}" 2>/dev/null |
+        sed -n 's/.* ExcNodeList=\([^ ]*\).*/\1/p') || true
+    if [[ -n "${excluded}" && "${excluded}" != "(null)" ]]; then
+        excluded=$(scontrol show hostnames "${excluded}" 2>/dev/null | paste -sd, -) || excluded=""
+    else
+        excluded=""
+    fi
+    nodes=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd, -) || true
+    export HPC_MCA_USABLE_NODES="${usable}" HPC_MCA_JOB_EXCLUDED="${excluded}" HPC_MCA_JOB_NODES="${nodes}"
+}
+# shellcheck disable=SC2317  # invoked by on_hang
+kill_ranks() {  # every job step but this shell's: SIGKILL reaches a stopped (frozen) rank too
+    local step=""
+    while read -r step; do
+        [[ "${step}" == *.batch || "${step}" == *.extern ]] || scancel --signal=KILL "${step}" || true
+    done < <(squeue -h -s -j "${SLURM_JOB_ID}" -o '%i' 2>/dev/null || true)
+}
+v_why=""
+v_exclude=""
+v_end=""
+read_verdict() {  # requeue_verdict's why=, exclude= and end= lines
+    local key="" value=""
+    while IFS='=' read -r key value; do
+        case "${key}" in
+            why) v_why=${value} ;;
+            exclude) v_exclude=${value} ;;
+            end) v_end=${value} ;;
+        esac
+    done <"${verdict_file}"
+}
+
 interrupted=0
 # shellcheck disable=SC2317  # invoked by the traps below
 on_signal() {  # the hook for a requeue protocol: record the request, optionally forward it
@@ -243,23 +295,75 @@ trap 'on_signal USR1' USR1
 trap 'on_signal TERM' TERM
 ((held_usr1 == 0)) || on_signal USR1  # it came before the handler
 
-# srun runs in the background so the traps fire at once; wait again after each signal.
-srun --unbuffered --kill-on-bad-exit=1 "${launcher}" "${rank_args[@]}" 2> >(srun_stderr) &
-srun_pid=$!
-while true; do
-    interrupted=0
-    rc=0
-    wait "${srun_pid}" || rc=$?
-    ((interrupted)) || break
-done
-for _ in {1..50}; do  # srun's last lines reach the log and ${tasks_file} (at most 5 s)
-    ! grep -qsx end "${tasks_file}" || break
-    sleep 0.1
-done
+((trains == 0)) || node_facts
+
+# --- preflight (train, HPC_MCA_PREFLIGHT=1): every node checks itself before training ----------
+rc=0
+skip=0
+if ((trains)) && [[ "${HPC_MCA_PREFLIGHT}" == 1 ]]; then
+    # One task per node; each bounds its own checks and the all-reduce. A node that fails (or
+    # never reports) is excluded and the job requeued by the verdict below.
+    srun --unbuffered --ntasks-per-node=1 --ntasks="${SLURM_JOB_NUM_NODES:-1}" \
+        --kill-on-bad-exit=0 --time=10 "${launcher}" preflight || true
+    pre_rc=0
+    "${launcher}" preflight --verdict || pre_rc=$?
+    if ((pre_rc == 3)); then  # failed nodes: ${verdict_file} says which and what to exclude
+        skip=1
+    elif ((pre_rc != 0)); then
+        banner "end" "the preflight's verdict failed (exit code ${pre_rc}), not requeued"
+        exit "${pre_rc}"
+    fi
+fi
+
+# --- training -------------------------------------------------------------------------------
+# srun runs in the background so the traps fire at once; wait again after each signal. The
+# hang watchdog (train, run) reads the ranks' heartbeats beside it: after it left a verdict
+# for a job that stopped making progress it exits 3, and its subshell (outside any container)
+# tells this shell with USR2: the ranks are killed here. (wait -n PID needs bash 5.1.)
+hung=0
+# shellcheck disable=SC2317  # invoked by the trap below
+on_hang() {
+    interrupted=1
+    ((hung == 0)) || return 0
+    hung=1
+    read_verdict
+    banner "hang" "${v_why}; killing the ranks at $(date '+%H:%M:%S')"
+    kill_ranks
+}
+if ((skip == 0)); then
+    trap 'on_hang' USR2
+    srun --unbuffered --kill-on-bad-exit=1 "${launcher}" "${rank_args[@]}" 2> >(srun_stderr) &
+    srun_pid=$!
+    watch_pid=""
+    if ((trains)); then
+        (
+            watch_rc=0
+            "${launcher}" watchdog || watch_rc=$?
+            ((watch_rc != 3)) || kill -USR2 "$$"
+        ) &
+        watch_pid=$!
+    fi
+    while true; do
+        interrupted=0
+        rc=0
+        wait "${srun_pid}" || rc=$?
+        ((interrupted)) || break
+    done
+    if [[ -n "${watch_pid}" ]]; then  # the ranks ended: nothing left to watch
+        pkill -TERM -P "${watch_pid}" 2>/dev/null || true
+        wait "${watch_pid}" 2>/dev/null || true
+    fi
+    trap - USR2
+    for _ in {1..50}; do  # srun's last lines reach the log and ${tasks_file} (at most 5 s)
+        ! grep -qsx end "${tasks_file}" || break
+        sleep 0.1
+    done
+fi
 
 # --- requeue (train, run; contract: hpc_mca/checkpoint/requeue.py) --------------------------
 why=""
 outcome=""
+exclude=""
 if ((trains)); then
     verdict=$(slurm_verdict)
     ! cancel_asked || verdict=cancelled
@@ -274,6 +378,15 @@ if ((trains)); then
         outcome="cancelled: not requeued"
     elif [[ "${verdict}" == requeued ]]; then
         outcome="requeued by Slurm (scontrol requeue or preemption)"
+    elif ((hung || skip)); then  # the watchdog's or the preflight's verdict
+        read_verdict
+        if [[ -n "${v_end}" ]]; then
+            outcome="${v_why}: ${v_end}"
+            rc=75
+        else
+            why=${v_why}
+            exclude=${v_exclude}
+        fi
     elif [[ "${verdict}" == timelimit ]]; then
         why="time limit reached (SIGTERM)"
     elif [[ "${verdict}" == preempted ]]; then
@@ -297,6 +410,15 @@ if [[ -n "${why}" ]]; then
         if ! scontrol requeue "${SLURM_JOB_ID}"; then
             banner "requeue" "scontrol requeue failed: not requeued"
         elif ! cancel_asked; then
+            # Slurm takes an ExcNodeList only while the job is pending: now. The requeue's TERM
+            # reaches this shell (trapped) and its children: scontrol runs with TERM ignored.
+            if [[ -n "${exclude}" ]]; then
+                if (trap '' TERM && scontrol update job="${SLURM_JOB_ID}" ExcNodeList="${exclude}"); then
+                    banner "exclude" "the next start runs without ${exclude}"
+                else
+                    banner "exclude" "scontrol update ExcNodeList=${exclude} failed: the next start may use them"
+                fi
+            fi
             exit 0
         else  # a cancel that raced the requeue (asked after the checks above) still wins
             scancel "${SLURM_JOB_ID}" || true

@@ -277,7 +277,9 @@ def _submit_options(run: Run, runs_root: Path, changes: dict[str, Any]) -> Submi
         "qos": sbatch.get("qos"), "time": sbatch.get("time") or "01:00:00",
         "cpus_per_task": sbatch.get("cpus_per_task"),
         "signal_lead_s": lead,
-        "sbatch_args": tuple(_extra_args(sbatch.get("extra") or ()))}
+        "sbatch_args": tuple(_extra_args(sbatch.get("extra") or ())),
+        # A run submitted with --preflight keeps checking its nodes at every start.
+        "preflight": (manifest.get("knobs") or {}).get("HPC_MCA_PREFLIGHT") == "1"}
     fields.update({k: v for k, v in changes.items() if v is not None})
     return SubmitOptions(**fields)
 

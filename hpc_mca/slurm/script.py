@@ -72,6 +72,13 @@ KNOBS: tuple[Knob, ...] = (
     Knob("HPC_MCA_REQUEUE_ON_FAILURE", "1",
          "train: 1 = also requeue (within that budget) when the ranks fail with an exit code "
          "other than 2 (bad input); 0 = only on the lead-time signal"),
+    Knob("HPC_MCA_MAX_EXCLUDED_NODES", "2",
+         "train: how many nodes the run may exclude from its next starts in all: a node named "
+         "by the hang watchdog or failing the preflight (hpc_mca/slurm/exclusion.py)"),
+    Knob("HPC_MCA_PREFLIGHT", "0",
+         "train: 1 = before training, every node checks its devices and joins an all-reduce "
+         "across the job; a failing node is excluded and the job requeued (hpc-mca submit "
+         "--preflight sets it)"),
     Knob("HPC_MCA_PLAN", "start",
          "train: start = plan the layout for this allocation at every start of the job, as "
          "hpc-mca plan would (the sizes the config or the overrides set stay as given), log it "

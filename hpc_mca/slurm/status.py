@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_mca.rundir import read_bad_input
+from hpc_mca.rundir import HANGS_FILE, read_bad_input
 
 from . import commands
 from .commands import JobState
 from .errors import OpsError
+from .exclusion import read_excluded
 from .manifest import Run, current_job_id, find_run, iter_manifests, run_from_manifest
 from .progress import Progress, read_progress
 
@@ -34,6 +36,10 @@ class RunStatus:
     where Slurm's records do not cover them all)."""
     runs: int | None = None
     """How many runs that total covers (restarts + 1)."""
+    hangs: tuple[dict, ...] = ()
+    """The hang watchdog's records (hangs.jsonl), oldest first."""
+    excluded: tuple[dict, ...] = ()
+    """The nodes the run excluded from its next starts, with why (excluded_nodes.json)."""
 
     @property
     def state(self) -> str:
@@ -52,6 +58,7 @@ class RunStatus:
             "current_state": self.current_job.state if self.current_job else None,
             "bad_input": self.bad_input,
             "total_elapsed_s": self.total_elapsed_s, "runs": self.runs,
+            "hangs": list(self.hangs), "excluded_nodes": list(self.excluded),
         }
 
 
@@ -70,10 +77,27 @@ def job_status(job_id: str, runs_root: Path) -> RunStatus:
     bad = read_bad_input(run.run_dir) if run is not None else None
     current = current_job_id(run.manifest) if run is not None and run.manifest else None
     total, runs = run_totals(job_id, job, run)
+    faults = dict(hangs=read_hangs(run.run_dir), excluded=tuple(read_excluded(run.run_dir))) if run else {}
     if current is None or current == job_id:
-        return RunStatus(job_id, job, run, progress, bad_input=bad, total_elapsed_s=total, runs=runs)
+        return RunStatus(job_id, job, run, progress, bad_input=bad, total_elapsed_s=total, runs=runs,
+                         **faults)
     return RunStatus(job_id, job, run, progress, current, commands.job_state(current), bad,
-                     total, runs)
+                     total, runs, **faults)
+
+
+def read_hangs(run_dir: Path) -> tuple[dict, ...]:
+    """The watchdog's records of the run (hangs.jsonl; a torn last line is skipped)."""
+    try:
+        lines = (Path(run_dir) / HANGS_FILE).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return ()
+    hangs = []
+    for line in lines:
+        try:
+            hangs.append(json.loads(line))
+        except ValueError:
+            continue
+    return tuple(h for h in hangs if isinstance(h, dict))
 
 
 def run_totals(job_id: str, job: JobState | None, run: Run | None) -> tuple[int | None, int | None]:
@@ -179,6 +203,7 @@ def format_status(status: RunStatus, now: float | None = None) -> str:
                      f"{status.current_job_id}")
     if status.bad_input is not None:
         lines.append(f"  bad input   {status.bad_input} (not requeued)")
+    lines += fault_lines(status)
     if status.run is not None:
         lines.append(f"  run dir     {status.run.run_dir}")
     lines.append(f"  progress    {progress_text(status.progress, now)}")
@@ -186,6 +211,24 @@ def format_status(status: RunStatus, now: float | None = None) -> str:
     if status.run is not None and status.run.log is not None:
         lines.append(f"  log         {status.run.log}")
     return "\n".join(lines)
+
+
+def fault_lines(status: RunStatus) -> list[str]:
+    """The hangs the watchdog stopped (the last three) and the nodes the run excluded."""
+    lines = []
+    for hang in status.hangs[-3:]:
+        ranks = ", ".join(f"rank {r.get('rank')} on {r.get('node')}" for r in hang.get("ranks", [])[:4])
+        after = (f"excluded {','.join(hang['excluded'])}" if hang.get("excluded")
+                 else hang.get("end") or "no node excluded")
+        lines.append(f"  hang        restart {hang.get('restart', '?')}, after step {hang.get('step', '?')}: "
+                     f"no progress for {hang.get('stalled_s', '?')} s, {ranks or 'no rank to blame'}; {after}")
+    if len(status.hangs) > 3:
+        lines.append(f"  hangs       {len(status.hangs)} in all (hangs.jsonl)")
+    if status.excluded:
+        nodes = ", ".join(f"{r['node']} (restart {r.get('restart', '?')}: "
+                          f"{str(r.get('reason', '')).split(':')[0] or '?'})" for r in status.excluded)
+        lines.append(f"  excluded    {nodes}")
+    return lines
 
 
 def _all_runs(status: RunStatus) -> str:

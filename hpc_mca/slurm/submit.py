@@ -52,6 +52,9 @@ class SubmitOptions:
     """hpc-mca subcommand (and, for anything but train, its arguments) every rank runs."""
     home: Path = REPO_ROOT
     venv: str | None = sys.prefix if sys.prefix != sys.base_prefix else None
+    preflight: bool = False
+    """Set the knob HPC_MCA_PREFLIGHT=1: every node checks itself before training (train and
+    run only; hpc_mca/slurm/preflight.py)."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,11 @@ def render_job(job: JobPlan, options: SubmitOptions) -> RenderedJob:
         knobs[PLAN_OVERRIDES_ENV] = " ".join(job.plan_overrides)
     if options.venv:
         knobs["HPC_MCA_VENV"] = options.venv
+    if options.preflight:
+        if command not in ("train", "run"):
+            raise OpsError(f"--preflight with the rank command {command!r}; valid: train or a "
+                           "script (the batch script checks the nodes only before training)")
+        knobs["HPC_MCA_PREFLIGHT"] = "1"
     script = render_script(sbatch, knobs, rank_args)
     return RenderedJob(script, sbatch, knobs, rank_args, name, runs_root)
 

@@ -83,7 +83,7 @@ class StandardTrainer(AdaptedTrainer):
         self.tally = StepTally()
         self.loop = RunLoop(self, events=self.callback_handler, args=self.args, metrics=metrics,
                             boundary=boundary, device=run.device, unit=self.unit,
-                            skipped_iters=run.skipped_iters)
+                            skipped_iters=run.skipped_iters, hang_timeout=tr.hang_timeout)
         # Last, so that every other callback's should_save/should_training_stop is in.
         self.add_callback(StepEndCallback(self))
         self.optimizer.register_step_pre_hook(self.skip_non_finite)

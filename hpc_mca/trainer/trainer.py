@@ -95,7 +95,7 @@ class Trainer:
         self.metrics = MetricsWriter(run_dir, ctx.is_main, trackers, self.max_steps,
                                      flops_per_token(model_shape, seq), ctx.env.world_size)
         self.loop = RunLoop(self, events=self.callbacks, args=tr, metrics=self.metrics,
-                            device=ctx.device, unit=objective.unit)
+                            device=ctx.device, unit=objective.unit, hang_timeout=tr.hang_timeout)
         self.checkpointer = Checkpointer(config, ctx, run_dir, model_shape, loop=self,
                                          progress=self.metrics.write_progress)
 

@@ -15,6 +15,15 @@ HPC_MCA_TEST_KILL=STEP:POINT:RANK[@R]  SIGKILL global rank RANK during the save 
                                before_tracker (rank 0: checkpoint renamed into place, tracker
                                not yet replaced); only while SLURM_RESTART_COUNT is R when
                                given (a requeued job then gets past that save).
+HPC_MCA_TEST_BLOCK=STEP:RANK[@R]  global rank RANK, at the end of step STEP (before the loop
+                               marks the step done), enters a barrier of a process group that
+                               no other rank ever enters: it blocks inside a collective while
+                               its heartbeat thread lives (the watchdog's "behind" case).
+HPC_MCA_TEST_RANK_SLEEP=S:RANK  global rank RANK sleeps S seconds at the end of every step: a
+                               slow rank that still makes progress.
+HPC_MCA_TEST_PREFLIGHT_FAIL=NODEID@R  the preflight's matmul on the node with SLURM_NODEID
+                               NODEID comes back with one entry off by 1, only while
+                               SLURM_RESTART_COUNT is R: that node fails its node check.
 """
 
 from __future__ import annotations
@@ -30,7 +39,16 @@ _PATCHES = {}
 
 
 def _patch_after_import(module_name, patch):
-    _PATCHES[module_name] = patch
+    earlier = _PATCHES.get(module_name)
+    if earlier is None:
+        _PATCHES[module_name] = patch
+        return
+
+    def both(module):  # several hooks may patch one module
+        earlier(module)
+        patch(module)
+
+    _PATCHES[module_name] = both
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -172,11 +190,78 @@ def _install_save_sleep(spec: str) -> None:
     _patch_after_import("hpc_mca.checkpoint.checkpointer", patch)
 
 
+def _install_block(spec: str) -> None:
+    spec, _, restart = spec.partition("@")
+    step, rank = (int(v) for v in spec.split(":"))
+    if restart and os.environ.get("SLURM_RESTART_COUNT", "0") != restart:
+        return
+
+    def patch(module):
+        import torch.distributed as dist
+
+        original_begin, original_end = module.RunLoop.begin, module.RunLoop.end_step
+
+        def begin(self, *args, **kwargs):
+            self._test_block_group = dist.new_group(backend="gloo")  # a collective: every rank
+            return original_begin(self, *args, **kwargs)
+
+        def end_step(self, result):
+            if _rank() == rank and self.backend.state.global_step == step:
+                print(f"test hook: rank {rank} blocks in a barrier at step {step}", flush=True)
+                dist.barrier(group=self._test_block_group)
+            return original_end(self, result)
+
+        module.RunLoop.begin, module.RunLoop.end_step = begin, end_step
+
+    _patch_after_import("hpc_mca.loop.driver", patch)
+
+
+def _install_rank_sleep(spec: str) -> None:
+    seconds, rank = spec.split(":")
+    if _rank() != int(rank):
+        return
+
+    def patch(module):
+        original = module.RunLoop.end_step
+
+        def end_step(self, result):
+            time.sleep(float(seconds))
+            return original(self, result)
+
+        module.RunLoop.end_step = end_step
+
+    _patch_after_import("hpc_mca.loop.driver", patch)
+
+
+def _install_preflight_fail(spec: str) -> None:
+    node, _, restart = spec.partition("@")
+    if os.environ.get("SLURM_NODEID") != node or os.environ.get("SLURM_RESTART_COUNT", "0") != restart:
+        return
+
+    def patch(module):
+        original = module._product
+
+        def wrong_product(a, b, device):
+            out = original(a, b, device)
+            out[0, 0] += 1.0  # one entry, as a faulty device would return it
+            return out
+
+        module._product = wrong_product
+
+    _patch_after_import("hpc_mca.runtime.node_check", patch)
+
+
 if os.environ.get("HPC_MCA_TEST_STEP_SLEEP"):
     _install_sleep(os.environ["HPC_MCA_TEST_STEP_SLEEP"])
 if os.environ.get("HPC_MCA_TEST_KILL"):
     _install_kill(os.environ["HPC_MCA_TEST_KILL"])
 if os.environ.get("HPC_MCA_TEST_SAVE_SLEEP"):
     _install_save_sleep(os.environ["HPC_MCA_TEST_SAVE_SLEEP"])
+if os.environ.get("HPC_MCA_TEST_BLOCK"):
+    _install_block(os.environ["HPC_MCA_TEST_BLOCK"])
+if os.environ.get("HPC_MCA_TEST_RANK_SLEEP"):
+    _install_rank_sleep(os.environ["HPC_MCA_TEST_RANK_SLEEP"])
+if os.environ.get("HPC_MCA_TEST_PREFLIGHT_FAIL"):
+    _install_preflight_fail(os.environ["HPC_MCA_TEST_PREFLIGHT_FAIL"])
 if _PATCHES:
     sys.meta_path.insert(0, _Finder())

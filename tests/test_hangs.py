@@ -1,0 +1,214 @@
+"""The hang watchdog and node exclusion (issue #42): which rank a hang is blamed on, the
+allowances, the exclusion budget, the heartbeat files, the config's refusal, and on the real
+local Slurm a frozen rank, a rank blocked in a collective and a slow rank (2-node jobs; the
+4-node figures: benchmarks/hang_campaign.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_mca.config.input import ConfigError
+from hpc_mca.config.run_settings import check_run_settings
+from hpc_mca.config.sections import TrainConfig
+from hpc_mca.rundir import EXCLUDED_FILE, HANGS_FILE, HEARTBEAT_ENV, REQUEUE_VERDICT_FILE
+from hpc_mca.runtime.heartbeat import Heartbeat, beat_interval, heartbeat_file
+from hpc_mca.slurm import exclusion, watchdog
+from hpc_mca.slurm.watchdog import Beat, read_beats, timeout_s, verdict
+
+NOW = 1_000_000.0
+
+
+def beat(rank: int, *, step: int = 10, ago: float = 1.0, step_ago: float = 1.0, phase: str = "step",
+         phase_ago: float | None = None, hang: float | None = 20, ddp: float | None = 120,
+         median: float | None = 0.5, node: str | None = None) -> Beat:
+    """A heartbeat as a rank writes it, ``ago`` seconds old, its step ``step_ago`` old."""
+    phase_ago = step_ago if phase_ago is None else phase_ago
+    return Beat(rank=rank, node=node or f"n{rank + 1}", pid=100 + rank, time=NOW - ago, step=step,
+                step_time=NOW - step_ago, phase=phase, phase_time=NOW - phase_ago,
+                median_step_s=median, hang_timeout=hang, ddp_timeout=ddp,
+                interval=beat_interval(int(hang) if hang else None))
+
+
+def test_a_frozen_rank_is_named_by_its_stale_heartbeat() -> None:
+    beats = [beat(0, step_ago=25), beat(1, ago=24, step_ago=25)]
+    hang = verdict(beats, NOW)
+    assert hang is not None and [b.rank for b, _ in hang.named] == [1]
+    assert hang.nodes == ["n2"] and hang.step == 10 and hang.timeout_s == 20
+    assert "rank 1 on n2" in hang.line() and "no heartbeat for 24 s" in hang.line()
+
+
+def test_a_rank_blocked_in_a_collective_is_named_by_its_step() -> None:
+    beats = [beat(0, step=11, step_ago=22), beat(1, step=10, step_ago=23), beat(2, step=11, step_ago=22)]
+    hang = verdict(beats, NOW)
+    assert hang is not None and [b.rank for b, _ in hang.named] == [1]
+    assert "stuck in step 11, which the others finished" in hang.line()
+
+
+def test_every_rank_alive_at_one_step_blames_no_node() -> None:
+    hang = verdict([beat(0, step_ago=30), beat(1, step_ago=30)], NOW)
+    assert hang is not None and hang.named == () and hang.nodes == []
+    assert "no node is to blame" in hang.line()
+
+
+def test_progress_within_the_timeout_is_no_hang() -> None:
+    # A slow rank: each step takes 15 s, the last finished 15 s ago (timeout 20 s).
+    assert verdict([beat(0, step_ago=15, median=15), beat(1, step_ago=15, median=15)], NOW) is None
+    assert verdict([], NOW) is None
+
+
+def test_first_step_saves_and_evaluations_get_the_collective_timeout() -> None:
+    for phase in ("first", "save", "eval"):
+        beats = [beat(0, phase=phase, step_ago=100), beat(1, phase=phase, step_ago=100)]
+        assert verdict(beats, NOW) is None, phase
+        beats = [beat(0, phase=phase, step_ago=121), beat(1, phase=phase, step_ago=121)]
+        assert verdict(beats, NOW) is not None, phase
+    # ... but a rank whose heartbeat stopped is stopped, whatever it was doing
+    hang = verdict([beat(0, phase="save", step_ago=30), beat(1, phase="save", step_ago=30, ago=25)], NOW)
+    assert hang is not None and hang.nodes == ["n2"]
+
+
+def test_the_automatic_timeout_follows_the_median_step_below_the_collective_timeout() -> None:
+    auto = dict(hang=None, ddp=1800)
+    assert timeout_s([beat(0, median=2.0, **auto)]) == 300  # the floor
+    assert timeout_s([beat(0, median=2.0, **auto), beat(1, median=50.0, **auto)]) == 500
+    assert timeout_s([beat(0, median=200.0, **auto)]) == 0.8 * 1800
+    assert timeout_s([beat(0, hang=0)]) is None and verdict([beat(0, hang=0, step_ago=1e6)], NOW) is None
+    assert timeout_s([beat(0, hang=45)]) == 45
+
+
+def test_exclusion_respects_the_budget_and_the_nodes_left() -> None:
+    usable = [f"n{i}" for i in range(1, 7)]
+    ex = exclusion.decide(["n2"], usable=usable, job_excluded=["n9"], already=[], budget=2,
+                          job_nodes=4, job_id="7")
+    assert ex.exclude == ("n9", "n2") and ex.added == ("n2",) and ex.end is None
+    ex = exclusion.decide(["n2", "n3"], usable=usable, job_excluded=["n5"], already=["n5"], budget=2,
+                          job_nodes=2, job_id="7")
+    assert ex.added == ("n2",) and ex.over_budget == ("n3",) and ex.exclude == ("n5", "n2")
+    assert "n3 not excluded: the budget" in ex.summary()
+    ex = exclusion.decide(["n2"], usable=usable[:4], job_excluded=[], already=[], budget=2,
+                          job_nodes=4, job_id="7")
+    assert ex.end == ("excluding n2 would leave 3 usable node(s) (n1,n3,n4) for a 4-node job: not "
+                      "requeued; continue on fewer nodes with: hpc-mca resume 7 --nodes 3")
+
+
+def test_the_verdict_and_records_for_the_batch_shell(tmp_path: Path) -> None:
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_RESTART_COUNT": "1",
+           exclusion.USABLE_ENV: "n1,n2,n3,n4", exclusion.JOB_EXCLUDED_ENV: "",
+           exclusion.BUDGET_ENV: "1"}
+    exclusion.decide_for_job(tmp_path, ["n2"], "hang: x", env)
+    assert (tmp_path / REQUEUE_VERDICT_FILE).read_text() == ("why=hang: x; excluding n2 from the next "
+                                                             "start\nexclude=n2\nend=\n")
+    records = exclusion.read_excluded(tmp_path)
+    assert [(r["node"], r["reason"], r["restart"]) for r in records] == [("n2", "hang: x", 1)]
+    exclusion.decide_for_job(tmp_path, ["n3"], "hang: y", {**env, exclusion.JOB_EXCLUDED_ENV: "n2"})
+    assert "exclude=\n" in (tmp_path / REQUEUE_VERDICT_FILE).read_text()  # budget spent
+    assert [r["node"] for r in exclusion.read_excluded(tmp_path)] == ["n2"]
+
+
+def test_the_heartbeat_files_the_watchdog_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(HEARTBEAT_ENV, str(tmp_path))
+    monkeypatch.setenv("SLURMD_NODENAME", "n7")
+    hb = Heartbeat.from_env(3, hang_timeout=20, ddp_timeout=120.0)
+    assert hb is not None and hb.interval == 2.0
+    hb.start(5)
+    hb.step_done(6, 0.5)
+    hb.step_done(7, 1.5)
+    with hb.phase("save"):
+        hb._write()
+        [saving] = read_beats(tmp_path)
+    hb._write()
+    [after] = read_beats(tmp_path)
+    assert (saving.rank, saving.node, saving.step, saving.phase) == (3, "n7", 7, "save")
+    assert (after.phase, after.median_step_s, after.hang_timeout, after.ddp_timeout) == ("step", 1.0, 20, 120.0)
+    hb.close()
+    assert not heartbeat_file(tmp_path, 3).exists()  # an ended rank is never taken for a frozen one
+    assert Heartbeat.from_env(0, hang_timeout=0, ddp_timeout=None) is None
+    [off] = read_beats(tmp_path)
+    assert off.hang_timeout == 0 and timeout_s([off]) is None
+
+
+def test_watch_records_a_hang_and_exits_3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_RESTART_COUNT": "0",
+                       exclusion.USABLE_ENV: "n1,n2,n3", exclusion.JOB_EXCLUDED_ENV: ""}.items():
+        monkeypatch.setenv(key, value)
+    beats = tmp_path / "heartbeat"
+    beats.mkdir()
+    for b in (beat(0, step_ago=25), beat(1, ago=24, step_ago=25)):
+        (beats / f"rank-{b.rank:05d}.json").write_text(json.dumps(dataclasses.asdict(b)))
+    assert watchdog.watch(tmp_path, clock=lambda: NOW, sleep=lambda s: None) == 3
+    [record] = [json.loads(line) for line in (tmp_path / HANGS_FILE).read_text().splitlines()]
+    assert record["ranks"][0]["node"] == "n2" and record["excluded"] == ["n2"] and record["step"] == 10
+    assert json.loads((tmp_path / EXCLUDED_FILE).read_text())["nodes"][0]["node"] == "n2"
+    # Healthy ranks that then end (each removes its heartbeat): the watchdog ends too.
+    for b in (beat(0), beat(1)):
+        (beats / f"rank-{b.rank:05d}.json").write_text(json.dumps(dataclasses.asdict(b)))
+
+    def ranks_end(seconds: float) -> None:
+        assert seconds == 2.0  # a beat interval
+        for path in beats.iterdir():
+            path.unlink()
+
+    assert watchdog.watch(tmp_path, clock=lambda: NOW, sleep=ranks_end) == 0
+
+
+@pytest.mark.parametrize("value", [-1, 120, 500])
+def test_a_hang_timeout_the_collective_timeout_would_beat_is_refused(value: int) -> None:
+    config = TrainConfig()
+    config.training.ddp_timeout, config.training.hang_timeout = 120, value
+    with pytest.raises(ConfigError, match=rf"training.hang_timeout={value} must be 0 .* below "
+                                          r"training.ddp_timeout=120"):
+        check_run_settings(config, 1)
+    config.training.hang_timeout = 119
+    check_run_settings(config, 1)
+
+
+# ---- on the local Slurm ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def setup(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    import fault_campaign
+
+    root = tmp_path_factory.mktemp("hangs")
+    config, reference = fault_campaign.prepare(root)
+    return {"root": root, "config": config, "reference": reference}
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["freeze", "block"])
+def test_a_hung_rank_is_requeued_without_its_node_and_the_run_stays_exact(setup: dict, kind: str) -> None:
+    import hang_campaign as campaign
+
+    t = campaign.trial(kind, setup["config"], setup["reference"], setup["root"] / kind, random.Random())
+    print(f"\n{t}\n{campaign.table([t])}")
+    assert t.state == "COMPLETED" and t.equal and t.restarts == 1, t
+    assert t.node in t.excluded and t.restart_nodes and t.node not in t.restart_nodes, t
+    assert t.requeue_s is not None and t.requeue_s <= campaign.HANG_TIMEOUT_S + 60, t
+    [hang] = t.hangs
+    assert [(r["rank"], r["node"]) for r in hang["ranks"]] == [(t.rank, t.node)], hang
+    why = "no heartbeat" if kind == "freeze" else "stuck in step"
+    assert why in hang["ranks"][0]["why"] and hang["excluded"] == [t.node], hang
+    hpc_mca = str(Path(sys.executable).with_name("hpc-mca"))
+    shown = subprocess.run([hpc_mca, "status", t.job_id, "--runs-root", str(setup["root"] / kind / "runs")],
+                           capture_output=True, text=True)
+    assert f"rank {t.rank} on {t.node}" in shown.stdout and f"excluded    {t.node} (restart 0: hang)" \
+        in shown.stdout, shown.stdout + shown.stderr
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_slow_rank_that_progresses_is_not_stopped(setup: dict) -> None:
+    import hang_campaign as campaign
+
+    t = campaign.trial("slow", setup["config"], setup["reference"], setup["root"] / "slow", random.Random())
+    # 40 steps of at least SLOW_S s each: far longer in all than the 8 s hang timeout
+    assert t.state == "COMPLETED" and t.equal and t.restarts == 0 and t.hangs == [], t
