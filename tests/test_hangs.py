@@ -212,3 +212,16 @@ def test_a_slow_rank_that_progresses_is_not_stopped(setup: dict) -> None:
     t = campaign.trial("slow", setup["config"], setup["reference"], setup["root"] / "slow", random.Random())
     # 40 steps of at least SLOW_S s each: far longer in all than the 8 s hang timeout
     assert t.state == "COMPLETED" and t.equal and t.restarts == 0 and t.hangs == [], t
+
+
+def test_a_continuation_keeps_the_excluded_nodes_away(tmp_path: Path) -> None:
+    from hpc_mca.slurm.continuation import _submit_options
+    from hpc_mca.slurm.manifest import Run
+
+    (tmp_path / EXCLUDED_FILE).write_text(json.dumps({"nodes": [
+        {"node": "n2", "reason": "hang: x", "restart": 0}, {"node": "n4", "reason": "preflight: y"}]}))
+    run = Run(tmp_path, "7", None, {"sbatch": {"time": "00:10:00", "extra": ["--exclude=n9",
+                                                                             "--exclusive"]}})
+    assert _submit_options(run, tmp_path, {}).sbatch_args == ("--exclusive", "--exclude=n9,n2,n4")
+    (tmp_path / EXCLUDED_FILE).unlink()
+    assert _submit_options(run, tmp_path, {}).sbatch_args == ("--exclude=n9", "--exclusive")

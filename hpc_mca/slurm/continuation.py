@@ -40,6 +40,7 @@ from hpc_mca.config.sections import TrainConfig, TrainingArguments
 
 from . import commands
 from .errors import OpsError
+from .exclusion import read_excluded
 from .index import record_job
 from .jobplan import JobPlan, PlanOptions, load_train_config, make_job_plan, make_script_plan
 from .manifest import Run, find_run, read_manifest, write_manifest
@@ -277,16 +278,24 @@ def _submit_options(run: Run, runs_root: Path, changes: dict[str, Any]) -> Submi
         "qos": sbatch.get("qos"), "time": sbatch.get("time") or "01:00:00",
         "cpus_per_task": sbatch.get("cpus_per_task"),
         "signal_lead_s": lead,
-        "sbatch_args": tuple(_extra_args(sbatch.get("extra") or ())),
+        "sbatch_args": tuple(_extra_args(sbatch.get("extra") or (), run.run_dir)),
         # A run submitted with --preflight keeps checking its nodes at every start.
         "preflight": (manifest.get("knobs") or {}).get("HPC_MCA_PREFLIGHT") == "1"}
     fields.update({k: v for k, v in changes.items() if v is not None})
     return SubmitOptions(**fields)
 
 
-def _extra_args(extra: Sequence[Any]) -> list[str]:
-    # SbatchOptions.extra holds "--name[=value]" strings as given to submit.
-    return [str(arg) for arg in extra]
+def _extra_args(extra: Sequence[Any], run_dir: Path) -> list[str]:
+    """SbatchOptions.extra as given to submit ("--name[=value]" strings), with the nodes the
+    run excluded after a hang or a failed preflight added to its ``--exclude``: a
+    continuation keeps away from them too."""
+    args = [str(arg) for arg in extra]
+    excluded = [record["node"] for record in read_excluded(run_dir)]
+    if not excluded:
+        return args
+    given = [a.split("=", 1)[1] for a in args if a.startswith("--exclude=")]
+    nodes = list(dict.fromkeys([n for value in given for n in value.split(",") if n] + excluded))
+    return [a for a in args if not a.startswith("--exclude=")] + [f"--exclude={','.join(nodes)}"]
 
 
 def _job_name(run: Run) -> str:
