@@ -407,13 +407,16 @@ if [[ -n "${why}" ]]; then
     restarts=${SLURM_RESTART_COUNT:-0}
     if ((restarts < HPC_MCA_MAX_REQUEUES)); then
         banner "requeue" "${why}: restart $((restarts + 1)) of at most ${HPC_MCA_MAX_REQUEUES}"
+        # The requeue TERMs every process of the job, this shell and its children included:
+        # ignored from here (children inherit it), so that neither scontrol below dies
+        # mid-call; Slurm's SIGKILL follows only KillWait later.
+        trap '' TERM
         if ! scontrol requeue "${SLURM_JOB_ID}"; then
             banner "requeue" "scontrol requeue failed: not requeued"
         elif ! cancel_asked; then
-            # Slurm takes an ExcNodeList only while the job is pending: now. The requeue's TERM
-            # reaches this shell (trapped) and its children: scontrol runs with TERM ignored.
+            # Slurm takes an ExcNodeList only while the job is pending: now.
             if [[ -n "${exclude}" ]]; then
-                if (trap '' TERM && scontrol update job="${SLURM_JOB_ID}" ExcNodeList="${exclude}"); then
+                if scontrol update job="${SLURM_JOB_ID}" ExcNodeList="${exclude}"; then
                     banner "exclude" "the next start runs without ${exclude}"
                 else
                     banner "exclude" "scontrol update ExcNodeList=${exclude} failed: the next start may use them"
