@@ -225,3 +225,58 @@ def test_a_continuation_keeps_the_excluded_nodes_away(tmp_path: Path) -> None:
     assert _submit_options(run, tmp_path, {}).sbatch_args == ("--exclusive", "--exclude=n9,n2,n4")
     (tmp_path / EXCLUDED_FILE).unlink()
     assert _submit_options(run, tmp_path, {}).sbatch_args == ("--exclude=n9", "--exclusive")
+
+
+# ---- the batch shell's side (stand-ins for srun, squeue, scontrol, scancel and the watchdog) ----
+
+SHELL_FAKES = {
+    # srun holds until scancel kills the step
+    "srun": '#!/bin/bash\ntouch "${FAKE_DIR}/started"\n'
+            'while [[ -e "${FAKE_DIR}/hold" ]]; do sleep 0.05; done\nexit 137\n',
+    "squeue": '#!/bin/bash\nif [[ "$*" == *" -s "* ]]; then printf "4242.0\\n4242.batch\\n"; '
+              'else echo "RUNNING|None|0|"; fi\n',
+    "scontrol": '#!/bin/bash\necho "$*" >>"${FAKE_DIR}/scontrol.calls"\n'
+                'if [[ "$1 $2" == "show hostnames" ]]; then echo n1; echo n2; fi\n',
+    "sinfo": '#!/bin/bash\nprintf "n1 alloc\\nn2 alloc\\nn3 idle\\n"\n',
+    "scancel": '#!/bin/bash\necho "$*" >>"${FAKE_DIR}/scancel.calls"\nrm -f "${FAKE_DIR}/hold"\n',
+}
+# The watchdog: once the ranks run, it leaves the verdict FAKE_VERDICT and exits 3 (a hang).
+FAKE_LAUNCHER = ('#!/bin/bash\n[[ "$1" == watchdog ]] || exit 1\n'
+                 'while [[ ! -e "${FAKE_DIR}/started" ]]; do sleep 0.05; done\n'
+                 'printf "%b" "${FAKE_VERDICT}" >"${HPC_MCA_RUN_DIR}/requeue_verdict"\nexit 3\n')
+
+
+@pytest.mark.parametrize("end", [False, True])
+def test_the_batch_shell_kills_the_ranks_requeues_then_excludes(tmp_path: Path, end: bool) -> None:
+    import os
+
+    from hpc_mca.slurm.script import render_script
+
+    fake, home = tmp_path / "fake", tmp_path / "home"
+    (home / "bin").mkdir(parents=True)
+    fake.mkdir()
+    for path, text in [*((fake / n, t) for n, t in SHELL_FAKES.items()),
+                       (home / "bin" / "hpc-mca-rank", FAKE_LAUNCHER)]:
+        path.write_text(text)
+        path.chmod(0o755)
+    (fake / "hold").touch()
+    (tmp_path / "c.yaml").write_text("{}\n")
+    gone = "excluding n2 would leave 1 usable node(s) (n1) for a 2-node job: not requeued" if end else ""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HPC_MCA_"))}
+    env.update(PATH=f"{fake}:{env['PATH']}", FAKE_DIR=str(fake), SLURM_JOB_ID="4242", SLURM_JOB_NAME="j",
+               SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="n[1-2]",
+               HPC_MCA_HOME=str(home), HPC_MCA_PLAN="given",
+               FAKE_VERDICT=f"why=hang: rank 1 on n2 stopped\\nexclude=n2\\nend={gone}\\n")
+    (tmp_path / "job.sbatch").write_text(render_script())
+    done = subprocess.run(["bash", str(tmp_path / "job.sbatch"), str(tmp_path / "c.yaml")], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    out = done.stdout + done.stderr
+    assert "hpc-mca | hang           hang: rank 1 on n2 stopped; killing the ranks" in out, out
+    assert (fake / "scancel.calls").read_text() == "--signal=KILL 4242.0\n"  # not the batch step
+    calls = [c for c in (fake / "scontrol.calls").read_text().splitlines() if not c.startswith("show ")]
+    if end:  # too few nodes left: the job ends, stopped
+        assert calls == [] and done.returncode == 75, out
+        assert f"end            hang: rank 1 on n2 stopped: {gone}; exit code 75" in out, out
+    else:  # the ExcNodeList only once the job is pending again
+        assert calls == ["requeue 4242", "update job=4242 ExcNodeList=n2"] and done.returncode == 0, out
+        assert "hpc-mca | exclude        the next start runs without n2" in out, out
