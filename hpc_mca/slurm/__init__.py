@@ -16,6 +16,8 @@ Modules:
 * :mod:`.continuation` -- ``hpc-mca resume``: a run continued in a new job (checked first).
 * :mod:`.progress` -- the progress file the trainer writes (format and tolerant reader).
 * :mod:`.timelimit` -- Slurm time limits and the lead-time signal that must fit in one.
+* :mod:`.watchdog`, :mod:`.preflight`, :mod:`.exclusion` -- on the batch node: a hung job
+  stopped, nodes checked before training, and the nodes a requeued job keeps away from.
 * :mod:`.submit`, :mod:`.status`, :mod:`.logs`, :mod:`.cancel`, :mod:`.tensorboard` -- what
   the commands do.
 """
