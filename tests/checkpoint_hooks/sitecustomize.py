@@ -251,17 +251,12 @@ def _install_preflight_fail(spec: str) -> None:
     _patch_after_import("hpc_mca.runtime.node_check", patch)
 
 
-if os.environ.get("HPC_MCA_TEST_STEP_SLEEP"):
-    _install_sleep(os.environ["HPC_MCA_TEST_STEP_SLEEP"])
-if os.environ.get("HPC_MCA_TEST_KILL"):
-    _install_kill(os.environ["HPC_MCA_TEST_KILL"])
-if os.environ.get("HPC_MCA_TEST_SAVE_SLEEP"):
-    _install_save_sleep(os.environ["HPC_MCA_TEST_SAVE_SLEEP"])
-if os.environ.get("HPC_MCA_TEST_BLOCK"):
-    _install_block(os.environ["HPC_MCA_TEST_BLOCK"])
-if os.environ.get("HPC_MCA_TEST_RANK_SLEEP"):
-    _install_rank_sleep(os.environ["HPC_MCA_TEST_RANK_SLEEP"])
-if os.environ.get("HPC_MCA_TEST_PREFLIGHT_FAIL"):
-    _install_preflight_fail(os.environ["HPC_MCA_TEST_PREFLIGHT_FAIL"])
+_HOOKS = {"HPC_MCA_TEST_STEP_SLEEP": _install_sleep, "HPC_MCA_TEST_KILL": _install_kill,
+          "HPC_MCA_TEST_SAVE_SLEEP": _install_save_sleep, "HPC_MCA_TEST_BLOCK": _install_block,
+          "HPC_MCA_TEST_RANK_SLEEP": _install_rank_sleep,
+          "HPC_MCA_TEST_PREFLIGHT_FAIL": _install_preflight_fail}
+for _name, _install in _HOOKS.items():
+    if os.environ.get(_name):
+        _install(os.environ[_name])
 if _PATCHES:
     sys.meta_path.insert(0, _Finder())
