@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 import click
 
 from hpc_mca.stages import STAGE_NAMES
+from hpc_mca.topology.choices import PRECISIONS, RECOMPUTE
 from hpc_mca.topology.hardware import GPU_PRESETS
-from hpc_mca.topology.memory import PRECISIONS, RECOMPUTE
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -20,11 +20,14 @@ from ._options import ops_errors, plan_options, plan_options_from, slurm_options
               help="Print the exact batch script submit would submit (the table goes to stderr).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the plan and the trainer overrides as JSON instead of the table.")
+@click.option("--explain", is_flag=True,
+              help="Also show the 5 fastest layouts the planner compared (with a forced layout: "
+                   "it, then the search's), each with its estimated step time by cost term.")
 @click.option("--at-job-start", is_flag=True, hidden=True,
               help="Inside a batch job (the raw template): plan for its allocation, record "
                    "$HPC_MCA_RUN_DIR/job_plan.json, print the overrides (hpc_mca/slurm/startplan.py).")
 def plan(config: Path | None, overrides: tuple[str, ...], show_sbatch: bool, as_json: bool,
-         at_job_start: bool, **options) -> None:
+         explain: bool, at_job_start: bool, **options) -> None:
     """Plan TP/PP/CP/EP/DP, micro-batch, recompute and memory for a job; submit nothing.
 
     CONFIG is a run config (YAML) with key=value OVERRIDES, as for submit; without one, give
@@ -39,6 +42,7 @@ def plan(config: Path | None, overrides: tuple[str, ...], show_sbatch: bool, as_
     from hpc_mca.slurm.jobplan import make_job_plan, make_script_plan, plan_summary
     from hpc_mca.slurm.submit import checked_job
     from hpc_mca.topology import format_plan_table
+    from hpc_mca.topology.report import explain_rows, format_explain
 
     with ops_errors():
         if config is not None and config.suffix == ".py":  # a script: see hpc-mca submit --help
@@ -49,12 +53,16 @@ def plan(config: Path | None, overrides: tuple[str, ...], show_sbatch: bool, as_
         rendered = (checked_job(job, submit_options_from(options))
                     if config is not None or show_sbatch else None)
         if as_json:
-            click.echo(json.dumps({"plan": plan_summary(job.plan),
-                                   "plan_overrides": list(job.plan_overrides)}, indent=1))
+            out = {"plan": plan_summary(job.plan), "plan_overrides": list(job.plan_overrides)}
+            if explain:
+                out["explain"] = explain_rows(job.plan)
+            click.echo(json.dumps(out, indent=1))
             return
         table = format_plan_table(job.plan)
         if job.plan_overrides:
             table += "\n  trainer     " + " ".join(job.plan_overrides)
+        if explain:
+            table += "\n" + format_explain(job.plan)
         if not show_sbatch:
             click.echo(table)
             return

@@ -189,6 +189,17 @@ def estimate_step_time(model: ModelShape, layout: Layout, work: Workload, gpu: G
         optimizer=max(_optimizer(model, layout, work, gpu, r) for r in ranks))
 
 
+def step_time_floor(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
+                    gpus_per_node: int) -> float:
+    """A lower bound on ``estimate_step_time(...).total`` at a third to a half of its cost,
+    which lets the search skip options that cannot win: the first pipeline rank's micro-batch
+    pass, m + (PP−1)/VP times. It holds because the step charges the slowest rank's pass
+    (rank 0's at least) that many times, micro-batches plus bubble, and every other term is
+    non-negative (tests/test_plan_search_pruning.py fails if a change here breaks that)."""
+    passed = _micro_batch(model, layout, work, Network(gpu, gpus_per_node), 0)
+    return (work.num_microbatches + (layout.pp - 1) / (layout.vp or 1)) * passed.total
+
+
 # --- compute -----------------------------------------------------------------------------------
 
 def _gemm_rate(gpu: GpuSpec, precision: str, width: float) -> float:
@@ -235,7 +246,7 @@ def _elementwise_seconds(model: ModelShape, layout: Layout, work: Workload, gpu:
                          tokens: int) -> float:
     """Forward element-wise traffic of one layer (norms, activation, RoPE, residuals). The
     unfused attention's score traffic is in its own (lower) efficiency, so it is left out."""
-    fused = replace(work, flash_attention=True)
+    fused = work if work.flash_attention else replace(work, flash_attention=True)
     saved = tokens * layer_bytes_per_token(model, fused, layout) / layout.tp
     return ELEMENTWISE_PASSES * saved / (gpu.memory_gbps * 1e9)
 

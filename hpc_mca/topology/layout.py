@@ -8,6 +8,7 @@ only has to divide the TP·CP·DP ranks of one pipeline stage.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from .errors import raise_if
 
@@ -116,6 +117,7 @@ def world_violations(layout: Layout, world_size: int) -> list[str]:
     return []
 
 
+@lru_cache(maxsize=1024)  # pure; the planner asks for each split once per candidate
 def balanced_pipeline_layout(num_layers: int, stages: int) -> tuple[int, ...] | None:
     """Layers per virtual stage when ``stages`` does not divide ``num_layers``.
 

@@ -29,19 +29,20 @@ headroom in :class:`hpc_mca.topology.hardware.GpuSpec`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from hpc_mca.stages import get_stage
 
+from . import choices
 from .freeze import FreezeSizing, layer_ids_on_rank
 from .layout import Layout
 from .model import ModelShape
 
-TORCH_CP_COMM_TYPES = ("all_gather", "a2a")
-"""The context-parallel exchanges hpc-mca's own attention runs (models.context_parallel)."""
-CP_COMM_TYPES = (*TORCH_CP_COMM_TYPES, "p2p")
-"""Context-parallel attention exchanges (Megatron's ``cp_comm_type``); p2p is TE's alone."""
-PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
-RECOMPUTE = ("none", "selective", "full")
+# Defined in choices.py (light enough for the CLI's --help); importable from here as before.
+TORCH_CP_COMM_TYPES = choices.TORCH_CP_COMM_TYPES
+CP_COMM_TYPES = choices.CP_COMM_TYPES
+PRECISIONS = choices.PRECISIONS
+RECOMPUTE = choices.RECOMPUTE
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,14 @@ def mlp_matrices(model: ModelShape) -> int:
 
 def _layer_counts(model: ModelShape, layout: Layout, lora_rank: int) -> ParamCounts:
     """Parameters of one transformer layer on one GPU."""
-    h, d, tp = model.hidden_size, model.kv_channels, layout.tp
+    return _layer_counts_at(model, layout.tp, layout.ep, layout.etp, lora_rank)
+
+
+# The planner sizes thousands of layouts that share a few TP/EP/ETP splits: remember them.
+@lru_cache(maxsize=1024)
+def _layer_counts_at(model: ModelShape, tp: int, ep: int, etp: int,
+                     lora_rank: int) -> ParamCounts:
+    h, d = model.hidden_size, model.kv_channels
     hq, hkv, mats = model.num_attention_heads * d, model.num_query_groups * d, mlp_matrices(model)
     attn = h * hq + 2 * h * hkv + hq * h           # QKV (GQA-narrow K and V) and output proj
     # LoRA (models.lora): one (A, B) per HF module. On a column-parallel linear A is whole on
@@ -142,12 +150,12 @@ def _layer_counts(model: ModelShape, layout: Layout, lora_rank: int) -> ParamCou
         return ParamCounts(dense=(attn + mlp) // tp + 2 * h,
                            adapters=lora_attn + _lora_mlp(r, h, model.ffn_hidden_size, mats, tp))
     fe, fs = model.expert_ffn_hidden_size, model.moe_shared_expert_ffn_hidden_size
-    local_experts = model.num_experts // layout.ep
+    local_experts = model.num_experts // ep
     router = h * model.num_experts                 # replicated on every TP rank
     shared = mats * h * fs
-    expert = local_experts * mats * h * fe // layout.etp
+    expert = local_experts * mats * h * fe // etp
     # An expert's fused gate/up weight has one A (transformers keeps it as one parameter).
-    lora_expert = local_experts * (2 * r * h + r * ((mats - 1) * fe + fe) // layout.etp)
+    lora_expert = local_experts * (2 * r * h + r * ((mats - 1) * fe + fe) // etp)
     lora_shared = _lora_mlp(r, h, fs, mats, tp) if fs else 0
     return ParamCounts(dense=(attn + shared) // tp + router + 2 * h, expert=expert,
                        adapters=lora_attn + lora_shared + lora_expert)
@@ -163,6 +171,7 @@ def mtp_on_rank(layout: Layout, work: Workload, rank: int) -> int:
     return work.mtp_num_layers if rank == layout.pp - 1 else 0
 
 
+@lru_cache(maxsize=4096)  # pure; the planner asks for the same stages many times over
 def stage_counts(model: ModelShape, layout: Layout, rank: int, lora_rank: int,
                  mtp_layers: int = 0) -> ParamCounts:
     """Parameters on one GPU of pipeline rank ``rank``: its layers plus embedding/output, and
@@ -276,8 +285,14 @@ def _inflight_layers(model: ModelShape, layout: Layout, work: Workload, rank: in
     return min(chunks, work.num_microbatches * layout.vp) * layers / layout.vp
 
 
-def _activation_memory(model: ModelShape, layout: Layout, work: Workload, rank: int) -> int:
-    per_layer = microbatch_tokens(work, layout) * layer_bytes_per_token(model, work, layout) // layout.tp
+def _layer_activation_bytes(model: ModelShape, layout: Layout, work: Workload) -> int:
+    """One layer's saved activations for one micro-batch on one GPU (the same on every rank)."""
+    return microbatch_tokens(work, layout) * layer_bytes_per_token(model, work, layout) // layout.tp
+
+
+def _activation_memory(model: ModelShape, layout: Layout, work: Workload, rank: int,
+                       per_layer: int) -> int:
+    """``per_layer``: _layer_activation_bytes(), computed once for all the ranks sized."""
     if work.recompute == "full":
         # Only each layer's (sequence-parallel) input survives; backward re-runs one layer at a
         # time, so one layer's full activations come back on top.
@@ -309,6 +324,7 @@ def busiest_ranks(model: ModelShape, layout: Layout) -> list[int]:
 def estimate_memory(model: ModelShape, layout: Layout, work: Workload) -> MemoryEstimate:
     """Per-GPU memory of the busiest pipeline stage (first or last) for a resolved layout."""
     estimates = []
+    per_layer = _layer_activation_bytes(model, layout, work)
     for rank in busiest_ranks(model, layout):
         counts = stage_counts(model, layout, rank, work.lora_rank,
                               mtp_on_rank(layout, work, rank))
@@ -316,5 +332,5 @@ def estimate_memory(model: ModelShape, layout: Layout, work: Workload) -> Memory
                      if work.freeze is not None and not work.lora else None)
         params, grads, optimizer = _state_memory(counts, layout, work, trainable)
         estimates.append(MemoryEstimate(params, grads, optimizer,
-                                        _activation_memory(model, layout, work, rank)))
+                                        _activation_memory(model, layout, work, rank, per_layer)))
     return max(estimates, key=lambda e: e.total)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from hpc_mca.stages import STAGE_NAMES
@@ -41,6 +42,7 @@ from .search import (
     recompute_options,
     search,
     search_reason,
+    top_layouts,
     tunings,
     violations,
 )
@@ -123,8 +125,9 @@ class PlanRequest:
         object.__setattr__(self, "shape", shape)
         raise_if(_request_violations(self))
 
-    @property
+    @cached_property
     def gpu_spec(self) -> GpuSpec:
+        # Cached: the search reads it for every option it sizes (fields are frozen).
         return get_gpu(self.gpu, self.gpu_memory_gib)
 
     @property
@@ -172,6 +175,10 @@ class Plan:
     """The request's backend; with standard, ``layout`` is all ones but ``dp``."""
     sequence_parallel_size: int = 1
     """Standard backend: Ulysses SP ranks per row (DP·SP = world); always 1 with Megatron."""
+    ranking: tuple[Option, ...] = field(default=(), repr=False)
+    """A searched Megatron plan: the best option of each of the RANKED_LAYOUTS fastest layouts,
+    in the search's order (the first is this plan's own), for ``plan --explain``; empty for a
+    forced layout (see ``searched``) and the standard backend."""
 
     def describe(self) -> str:
         """Compact layout for reports: ``TP4 PP2 CP1 DP2``, or ``DP4 × SP2`` (standard)."""
@@ -197,8 +204,9 @@ def plan(request: PlanRequest | None = None, /, **fields: Any) -> Plan:
         return _plan_standard(req)
     if req.layout is not None:
         return _plan_forced(req, req.layout)
-    ranked = search(req)
-    return _make_plan(req, ranked[0], search_reason(req, ranked), forced=False)
+    ranking = search(req)
+    return _make_plan(req, ranking.options[0], search_reason(req, ranking), forced=False,
+                      ranking=top_layouts(ranking.options))
 
 
 def _request_violations(req: PlanRequest) -> list[str]:
@@ -235,7 +243,7 @@ def _request_violations(req: PlanRequest) -> list[str]:
 
 
 def _make_plan(req: PlanRequest, option: Option, reason: str, *, forced: bool,
-               searched: Plan | None = None) -> Plan:
+               searched: Plan | None = None, ranking: list[Option] | None = None) -> Plan:
     layout = option.layout
     mbs = option.micro_batch_size
     sp = 1
@@ -251,7 +259,8 @@ def _make_plan(req: PlanRequest, option: Option, reason: str, *, forced: bool,
                 overlap_grad_reduce=overlap_grad_reduce(req, option.layout),
                 memory=option.memory, step_time=option.time,
                 usable_bytes=req.gpu_spec.usable_bytes, reason=reason, request=req,
-                forced=forced, searched=searched, backend=req.backend, sequence_parallel_size=sp)
+                forced=forced, searched=searched, backend=req.backend, sequence_parallel_size=sp,
+                ranking=tuple(ranking or ()))
 
 
 def _sequence_parallel(req: PlanRequest, layout: Layout) -> bool:

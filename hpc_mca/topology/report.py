@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+from typing import Any
+
+from .cost import StepTime
 from .hardware import GiB
 from .planner import Plan
+from .search import TIE
 
 
 def _gib(n: int) -> str:
@@ -97,3 +102,53 @@ def format_plan_table(plan: Plan) -> str:
     width = max(len(label) for label, _ in _rows(plan))
     lines = [_header(plan)] + [f"  {label:<{width}}  {text}" for label, text in _rows(plan)]
     return "\n".join(lines)
+
+
+# --- plan --explain ----------------------------------------------------------------------------
+
+def explain_rows(plan: Plan) -> list[dict[str, Any]]:
+    """The layouts ``plan --explain`` compares, best first, each with its step time by cost
+    term (StepTime's fields, which add up to ``total``): a searched plan's ranking (its own
+    pick first); for a forced layout, that layout and then the search's ranking."""
+    rows = []
+    if plan.forced:
+        rows.append(_explain_row("forced", plan.describe(), plan.micro_batch_size,
+                                 plan.recompute, plan.memory.total, plan.step_time))
+    ranked = plan.searched.ranking if plan.forced and plan.searched else plan.ranking
+    for i, option in enumerate(ranked, 1):
+        rows.append(_explain_row(str(i), option.layout.describe(), option.micro_batch_size,
+                                 option.recompute, option.memory.total, option.time))
+    if not rows:  # the standard backend: no layout search, only its own choice
+        rows.append(_explain_row("1", plan.describe(), plan.micro_batch_size, plan.recompute,
+                                 plan.memory.total, plan.step_time))
+    return rows
+
+
+def _explain_row(rank: str, layout: str, mbs: int, recompute: str, memory: int,
+                 time: StepTime) -> dict[str, Any]:
+    terms = {f.name: getattr(time, f.name) for f in fields(time)}
+    return {"rank": rank, "layout": layout, "micro_batch_size": mbs, "recompute": recompute,
+            "memory_gib": round(memory / GiB, 2), "step_time": time.total, "terms": terms}
+
+
+def format_explain(plan: Plan) -> str:
+    """The compared layouts as an aligned table: seconds per step by cost term, the total and
+    how much slower than the first row. Terms that are zero in every row are left out."""
+    rows = explain_rows(plan)
+    names = [n for n in rows[0]["terms"] if any(r["terms"][n] for r in rows)]
+    best = rows[0]["step_time"]
+    head = ["#", "layout", "mbs", "recompute", "GiB", *names, "total", "vs #" + rows[0]["rank"]]
+    table = [head] + [[r["rank"], r["layout"], str(r["micro_batch_size"]), r["recompute"],
+                       f"{r['memory_gib']:.1f}", *(f"{r['terms'][n]:.3g}" for n in names),
+                       f"{r['step_time']:.4g}", f"{r['step_time'] / best - 1:+.1%}"]
+                      for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(head))]
+    left = {1, 3}  # the layout and recompute columns are text
+    lines = ["  ".join(cell.ljust(w) if i in left else cell.rjust(w)
+                       for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
+             for line in table]
+    left_out = [n for n in rows[0]["terms"] if n not in names]
+    note = (f"estimated seconds per step by cost term (topology/cost.py StepTime; they add up "
+            f"to the total); times within {TIE:.0%} of the fastest tie, and the plainest of "
+            f"those is picked{'; zero in every row: ' + ', '.join(left_out) if left_out else ''}")
+    return "\n".join(["explain: " + note, *("  " + line for line in lines)])

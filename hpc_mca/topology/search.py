@@ -9,15 +9,24 @@ then the larger micro-batch.
 
 The budget is the GPU's usable memory (GpuSpec.usable_fraction, which already sets aside the
 CUDA context, NCCL buffers and communication staging) less PLAN_HEADROOM.
+
+Not every option is sized and timed: each rule-valid one gets a cheap floor under its step
+time (cost.step_time_floor), and they are sized and timed in the order of that floor. Once a
+floor is above both the TIE window of the fastest so far and the best times of RANKED_LAYOUTS
+layouts, neither that option nor any later one can win, tie with the winner or enter the
+ranking ``plan --explain`` prints; the rest are only sized as far as it takes to count the
+layouts that fit (the reason line names that count). ``search(req, exhaustive=True)`` sizes and
+times them all (tests/test_plan_search_pruning.py compares the two).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from .cost import StepTime, estimate_step_time
+from .cost import StepTime, estimate_step_time, step_time_floor
 from .errors import LayoutError
 from .hardware import GiB
 from .layout import Layout, balanced_pipeline_layout, divisors
@@ -40,6 +49,9 @@ MAX_MICRO_BATCH_TOKENS = 8192
 # The deepest interleaving tried (published recipes go to 24 chunks of one layer each); the
 # cost model weighs each chunk's extra point-to-point traffic against the smaller bubble.
 MAX_VIRTUAL_STAGES = 24
+# Layouts whose best options the search ranks exactly (plan --explain shows them); options of
+# any other layout are only timed when they might beat one of these.
+RANKED_LAYOUTS = 5
 # How far the "nearest node counts" hint in a no-layout error looks.
 _NODE_SEARCH_SPAN = 64
 
@@ -120,18 +132,48 @@ def violations(req: PlanRequest, layout: Layout, mbs: int) -> list[str]:
 
 
 def memory(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> MemoryEstimate:
-    work = memory_workload(req, workload(req, layout, mbs, recompute))
-    return estimate_memory(req.shape, layout, work)
+    return size(req, candidate(req, layout, mbs, recompute)).memory
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout, micro-batch and recompute that pass the rules, not yet sized or timed."""
+
+    layout: Layout
+    micro_batch_size: int
+    recompute: str
+    work: Workload
+
+
+@dataclass(frozen=True)
+class Sized(Candidate):
+    """A candidate with its memory estimate; its step time comes from ``timed``."""
+
+    memory: MemoryEstimate
+
+
+def candidate(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Candidate:
+    return Candidate(layout, mbs, recompute, workload(req, layout, mbs, recompute))
+
+
+def size(req: PlanRequest, cand: Candidate) -> Sized:
+    """``cand`` with its memory estimate."""
+    memory = estimate_memory(req.shape, cand.layout, memory_workload(req, cand.work))
+    return Sized(cand.layout, cand.micro_batch_size, cand.recompute, cand.work, memory)
+
+
+def timed(req: PlanRequest, sized: Sized) -> Option:
+    """``sized`` with its estimated step time."""
+    layout = sized.layout
+    time = estimate_step_time(req.shape, layout, sized.work, req.gpu_spec, req.node_size,
+                              overlap_grad_reduce=overlap_grad_reduce(req, layout),
+                              overlap_param_gather=req.overlap_param_gather)
+    return Option(layout, sized.micro_batch_size, sized.recompute, sized.memory, time)
 
 
 def evaluate(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Option:
     """Memory and estimated step time of a resolved layout."""
-    work = workload(req, layout, mbs, recompute)
-    time = estimate_step_time(req.shape, layout, work, req.gpu_spec, req.node_size,
-                              overlap_grad_reduce=overlap_grad_reduce(req, layout),
-                              overlap_param_gather=req.overlap_param_gather)
-    return Option(layout, mbs, recompute,
-                  estimate_memory(req.shape, layout, memory_workload(req, work)), time)
+    return timed(req, size(req, candidate(req, layout, mbs, recompute)))
 
 
 def recompute_options(req: PlanRequest) -> list[str]:
@@ -143,15 +185,26 @@ def recompute_options(req: PlanRequest) -> list[str]:
 def tunings(req: PlanRequest, layout: Layout, recompute: str, budget: int, *,
             interleave: bool) -> Iterator[Option]:
     """Every micro-batch size (and, when ``interleave``, interleaving depth) of ``layout`` at
-    ``recompute`` that passes the rules and fits ``budget``."""
-    for mbs in micro_batch_options(req, layout):
-        shapes = [layout, *(virtual_options(req.shape.num_layers, layout) if interleave else ())]
+    ``recompute`` that passes the rules and fits ``budget``, timed (memory first, so that
+    what does not fit is never timed)."""
+    for cand in valid_tunings(req, layout, recompute, interleave=interleave):
+        sized = size(req, cand)
+        if sized.memory.total <= budget:
+            yield timed(req, sized)
+
+
+def valid_tunings(req: PlanRequest, layout: Layout, recompute: str, *, interleave: bool,
+                  skip_first: bool = False) -> Iterator[Candidate]:
+    """``tunings`` before sizing: every micro-batch size (and interleaving depth) of ``layout``
+    that passes the rules. ``skip_first``: leave out ``layout`` itself at the first micro-batch
+    size (the search sized it already)."""
+    shapes = [layout, *(virtual_options(req.shape.num_layers, layout) if interleave else ())]
+    for n, mbs in enumerate(micro_batch_options(req, layout)):
         for lay in shapes:
-            if violations(req, lay, mbs):
+            if skip_first and n == 0 and lay is layout:
                 continue
-            option = evaluate(req, lay, mbs, recompute)
-            if option.memory.total <= budget:
-                yield option
+            if not violations(req, lay, mbs):
+                yield candidate(req, lay, mbs, recompute)
 
 
 def micro_batch_options(req: PlanRequest, layout: Layout) -> list[int]:
@@ -193,6 +246,16 @@ def fastest(options: Iterable[Option]) -> list[Option]:
     return near + [o for o in ranked if o.time.total > limit]
 
 
+def top_layouts(ranked: list[Option], count: int = RANKED_LAYOUTS) -> list[Option]:
+    """The first option of each of the first ``count`` layouts in ``ranked`` (best first)."""
+    seen: dict[Layout, Option] = {}
+    for option in ranked:
+        if len(seen) == count:
+            break
+        seen.setdefault(option.layout, option)
+    return list(seen.values())
+
+
 # --- search -----------------------------------------------------------------------------------
 
 @dataclass
@@ -206,26 +269,88 @@ class Misses:
             self.leanest = (total, layout, recompute)
 
 
-def search(req: PlanRequest) -> list[Option]:
-    """Every tuned option that fits the planning budget, best first.
+@dataclass(frozen=True)
+class Ranking:
+    """What the search found: the timed options best first, and how many layouts fit."""
 
-    Raises LayoutError (one line) when none does, naming the leanest candidate or the nearest
+    options: list[Option]
+    """Best first (see fastest); with pruning, only the options that could rank."""
+    layouts: int
+    """Distinct layouts with at least one option that fits, timed or not."""
+
+
+def search(req: PlanRequest, *, exhaustive: bool = False) -> Ranking:
+    """The options that fit the planning budget, best first; ``exhaustive`` sizes and times
+    every one instead of pruning (same winner and same first RANKED_LAYOUTS layouts; for
+    tests).
+
+    Raises LayoutError (one line) when none fits, naming the leanest candidate or the nearest
     node counts with a valid split.
     """
-    budget, misses, options = planning_budget(req), Misses(), []
+    budget, misses = planning_budget(req), Misses()
+    found: list[Candidate] = []  # rule-valid; the Sized ones fit
     mbs = req.micro_batch_size or 1
     for layout in candidates(req, req.world_size):
         if violations(req, layout, mbs):
             continue  # the arithmetic pre-filter is not the authority; check_layout is
         for recompute in recompute_options(req):
-            total = memory(req, layout, mbs, recompute).total
-            if total > budget:
-                misses.add(total, layout, recompute)
+            first = size(req, candidate(req, layout, mbs, recompute))
+            if first.memory.total > budget:
+                misses.add(first.memory.total, layout, recompute)
                 continue
-            options.extend(tunings(req, layout, recompute, budget, interleave=True))
-    if not options:
+            found.append(first)
+            found.extend(valid_tunings(req, layout, recompute, interleave=True, skip_first=True))
+    if not found:
         raise LayoutError(_no_fit_line(req, misses))
-    return fastest(options)
+    if not exhaustive:
+        return _pruned(req, found, budget)
+    fits = [s for s in (c if isinstance(c, Sized) else size(req, c) for c in found)
+            if s.memory.total <= budget]
+    return Ranking(fastest(timed(req, s) for s in fits), len({s.layout for s in fits}))
+
+
+def _pruned(req: PlanRequest, found: list[Candidate], budget: int) -> Ranking:
+    """Size and time ``found`` in the order of their step-time floor until no later one can
+    rank; then size (no timing) only what it takes to count the layouts that fit.
+
+    An untimed option is safe to drop when its floor exceeds both the TIE window of the
+    fastest time so far (so it cannot tie with the winner) and the RANKED_LAYOUTS-th best time
+    among the layouts timed so far (so it cannot displace one of them). Both limits only
+    fall as more options are timed, so what is dropped stays dropped.
+    """
+    gpu = req.gpu_spec
+    floors = sorted((step_time_floor(req.shape, c.layout, c.work, gpu, req.node_size), i)
+                    for i, c in enumerate(found))
+    fit_layouts = {c.layout for c in found if isinstance(c, Sized)}  # sized by the pre-check
+    best_by_layout: dict[Layout, float] = {}
+    options: list[Option] = []
+    for floor, i in floors:
+        # The slack covers rounding: the floor sums the same terms in another order.
+        if len(best_by_layout) >= RANKED_LAYOUTS and floor > _limit(best_by_layout) * (1 + 1e-9):
+            break  # floors are sorted: every later option is out of reach too
+        cand = found[i]
+        sized = cand if isinstance(cand, Sized) else size(req, cand)
+        found[i] = sized  # the count below sizes nothing twice
+        if sized.memory.total > budget:
+            continue
+        fit_layouts.add(sized.layout)
+        option = timed(req, sized)
+        options.append(option)
+        old = best_by_layout.get(option.layout)
+        if old is None or option.time.total < old:
+            best_by_layout[option.layout] = option.time.total
+    for cand in found:  # a layout counts once one of its options fits
+        if cand.layout not in fit_layouts and not isinstance(cand, Sized) \
+                and size(req, cand).memory.total <= budget:
+            fit_layouts.add(cand.layout)
+    return Ranking(fastest(options), len(fit_layouts))
+
+
+def _limit(best_by_layout: dict[Layout, float]) -> float:
+    """The time above which an option can neither tie with the fastest nor rank among the
+    first RANKED_LAYOUTS layouts."""
+    times = heapq.nsmallest(RANKED_LAYOUTS, best_by_layout.values())
+    return max(times[0] * (1 + TIE), times[-1])
 
 
 def candidates(req: PlanRequest, world: int) -> Iterator[Layout]:
@@ -269,11 +394,11 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def search_reason(req: PlanRequest, ranked: list[Option]) -> str:
+def search_reason(req: PlanRequest, ranking: Ranking) -> str:
     """One line on why the first option won."""
+    ranked, layouts = ranking.options, ranking.layouts
     best = ranked[0]
     lay, gpu = best.layout, req.gpu_spec
-    layouts = len({o.layout for o in ranked})
     parts = [f"{lay.describe()}: the fastest estimated step of {layouts} layout(s) that fit "
              f"{gpu.name} with {PLAN_HEADROOM:.0%} headroom ({_gib(best.memory.total)} of "
              f"{_gib(gpu.usable_bytes)} usable)"

@@ -1,0 +1,11 @@
+"""The planner's fixed choices, in a module of their own: the CLI's option lists read them for
+``hpc-mca --help``, which must not import the memory model or the planner to print them."""
+
+from __future__ import annotations
+
+TORCH_CP_COMM_TYPES = ("all_gather", "a2a")
+"""The context-parallel exchanges hpc-mca's own attention runs (models.context_parallel)."""
+CP_COMM_TYPES = (*TORCH_CP_COMM_TYPES, "p2p")
+"""Context-parallel attention exchanges (Megatron's ``cp_comm_type``); p2p is TE's alone."""
+PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
+RECOMPUTE = ("none", "selective", "full")
