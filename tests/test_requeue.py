@@ -176,6 +176,8 @@ def test_outside_scontrol_requeue_resumes_exactly(training: dict) -> None:
 
 FAKE_RANK = r"""#!/bin/bash
 # Stand-in for bin/hpc-mca-rank: records each start, then behaves as $FAKE_MODE says.
+# (The batch shell also starts its hang watchdog through it: there is nothing to watch.)
+[[ "$1" != watchdog ]] || exit 0
 echo "${SLURM_RESTART_COUNT:-0}" >>"${HPC_MCA_RUN_DIR}/starts"
 case "${FAKE_MODE}" in
     fail) exit 1 ;;
