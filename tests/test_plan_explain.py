@@ -8,19 +8,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from test_topology_planner import LLAMA3_8B, QWEN3_30B_A3B
 
 from hpc_mca.cli import main
-from hpc_mca.topology import Layout, ModelShape, PlanRequest, plan
+from hpc_mca.topology import Layout, PlanRequest, plan
 from hpc_mca.topology.cost import StepTime
 from hpc_mca.topology.report import explain_rows, format_explain
 from hpc_mca.topology.search import RANKED_LAYOUTS, search, top_layouts
 
-LLAMA3_8B = ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32,
-                       num_query_groups=8, ffn_hidden_size=14336, vocab_size=128256)
-QWEN3_30B_A3B = ModelShape(num_layers=48, hidden_size=2048, num_attention_heads=32,
-                           num_query_groups=4, head_dim=128, ffn_hidden_size=6144,
-                           vocab_size=151936, num_experts=128, moe_ffn_hidden_size=768,
-                           moe_router_topk=8)
 JOBS = [dict(model=LLAMA3_8B, nodes=2, seq_length=16384, global_batch_size=512,
              cp_comm_type="p2p"),
         dict(model=QWEN3_30B_A3B, nodes=2, seq_length=4096, global_batch_size=512)]

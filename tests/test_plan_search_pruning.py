@@ -4,20 +4,15 @@ ranked layouts (a floor under the step time that cuts a winner fails here)."""
 from __future__ import annotations
 
 import pytest
+from test_topology_planner import LLAMA3_8B, QWEN3_30B_A3B
 
 from hpc_mca.topology import ModelShape, PlanRequest
 from hpc_mca.topology.search import RANKED_LAYOUTS, search, search_reason, top_layouts
 
-LLAMA3_8B = ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32,
-                       num_query_groups=8, ffn_hidden_size=14336, vocab_size=128256)
 LLAMA3_70B = ModelShape(num_layers=80, hidden_size=8192, num_attention_heads=64,
                         num_query_groups=8, ffn_hidden_size=28672, vocab_size=128256)
 LLAMA31_405B = ModelShape(num_layers=126, hidden_size=16384, num_attention_heads=128,
                           num_query_groups=8, ffn_hidden_size=53248, vocab_size=128256)
-QWEN3_30B_A3B = ModelShape(num_layers=48, hidden_size=2048, num_attention_heads=32,
-                           num_query_groups=4, head_dim=128, ffn_hidden_size=6144,
-                           vocab_size=151936, num_experts=128, moe_ffn_hidden_size=768,
-                           moe_router_topk=8)
 # A small dense model whose layer count (30) gives uneven pipeline splits.
 SMALL = ModelShape(num_layers=30, hidden_size=2048, num_attention_heads=16, num_query_groups=4,
                    ffn_hidden_size=8192, vocab_size=32000)
