@@ -22,6 +22,8 @@ from typing import Mapping
 # submitit's node-list parser (prefix[ranges],...), the one its own SlurmJobEnvironment uses.
 from submitit.slurm.slurm import _parse_node_list
 
+from hpc_mca.rundir import JOB_NODES_ENV
+
 # The port window used for MASTER_PORT derived from a Slurm job id: above the well-known and
 # registered ranges commonly used by daemons, below Linux's default ephemeral range (32768+)
 # so the OS does not hand the port to an outgoing connection first.
@@ -132,6 +134,15 @@ def _tasks_on_this_node(env: Mapping[str, str], world: int) -> int:
 def parse_nodelist(nodelist: str) -> list[str]:
     """Expand a Slurm node list such as ``"gpu[01-03,07],login1"``."""
     return list(_parse_node_list(nodelist))
+
+
+def job_nodes_from(env: Mapping[str, str]) -> list[str]:
+    """The job's nodes in Slurm's order: the batch script's expanded ``HPC_MCA_JOB_NODES``,
+    else ``SLURM_JOB_NODELIST`` expanded here (empty outside a job)."""
+    nodes = [n for n in env.get(JOB_NODES_ENV, "").split(",") if n]
+    if not nodes and env.get("SLURM_JOB_NODELIST"):
+        nodes = parse_nodelist(env["SLURM_JOB_NODELIST"])
+    return nodes
 
 
 def free_port() -> int:

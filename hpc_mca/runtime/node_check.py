@@ -41,7 +41,7 @@ import torch
 
 from hpc_mca.errors import UserError
 from hpc_mca.rundir import JOB_NODES_ENV, PREFLIGHT_DIR, RUN_DIR_ENV, write_atomic
-from hpc_mca.runtime.env import parse_nodelist, port_for_job
+from hpc_mca.runtime.env import job_nodes_from, port_for_job
 
 RENDEZVOUS_TIMEOUT_S = 60.0
 """How long a node waits for the others at the all-reduce: one absent node cannot hang the
@@ -97,9 +97,7 @@ class NodeEnv:
         if not run_dir:
             raise PreflightInputError(f"{RUN_DIR_ENV} is not set; valid: the run directory "
                                       "(the batch script exports it)")
-        names = [n for n in env.get(JOB_NODES_ENV, "").split(",") if n]
-        if not names and env.get("SLURM_JOB_NODELIST"):
-            names = parse_nodelist(env["SLURM_JOB_NODELIST"])
+        names = job_nodes_from(env)
         node = env.get("SLURMD_NODENAME") or socket.gethostname()
         names = names or [node]
         node_id = env.get("SLURM_NODEID", "0")

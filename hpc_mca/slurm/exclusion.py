@@ -65,9 +65,13 @@ def _names(value: str | None) -> list[str]:
 
 
 def decide(named: Iterable[str], *, usable: Iterable[str], job_excluded: Iterable[str],
-           already: Iterable[str], budget: int, job_nodes: int, job_id: str) -> Exclusion:
+           already: Iterable[str], budget: int, job_nodes: int, job_id: str,
+           end_over_budget: bool = False) -> Exclusion:
     """The exclusion for ``named`` nodes (pure). ``already``: the nodes this run excluded
-    before (they count against ``budget``); ``job_excluded``: the job's ExcNodeList now."""
+    before (they count against ``budget``); ``job_excluded``: the job's ExcNodeList now.
+    ``end_over_budget``: when none of the named nodes can be excluded for the budget, the job
+    ends rather than coming back onto them (a failed preflight fails the same way again; a
+    hang may not)."""
     named = list(dict.fromkeys(named))
     current = list(dict.fromkeys(job_excluded))
     spent = set(already)
@@ -86,6 +90,9 @@ def decide(named: Iterable[str], *, usable: Iterable[str], job_excluded: Iterabl
         end = (f"excluding {','.join(added)} would leave {len(left)} usable node(s) "
                f"({','.join(left) or 'none'}) for a {job_nodes}-node job: not requeued; "
                f"continue on fewer nodes with: hpc-mca resume {job_id} --nodes {max(len(left), 1)}")
+    elif end_over_budget and over and not added:
+        end = (f"not requeued onto {','.join(over)} (the budget of excluded nodes, "
+               f"{BUDGET_ENV}={budget}, is spent)")
     return Exclusion(exclude=exclude, added=tuple(added), over_budget=tuple(over), end=end)
 
 
@@ -105,7 +112,7 @@ def read_excluded(run_dir: Path) -> list[dict]:
 
 
 def decide_for_job(run_dir: Path, named: Iterable[str], reason: str,
-                   env: Mapping[str, str] = os.environ) -> Exclusion:
+                   env: Mapping[str, str] = os.environ, *, end_over_budget: bool = False) -> Exclusion:
     """:func:`decide` with this job's facts (module docstring), recorded: the new exclusions
     go to ``excluded_nodes.json`` and the verdict for the batch shell to ``requeue_verdict``."""
     run_dir = Path(run_dir)
@@ -114,7 +121,8 @@ def decide_for_job(run_dir: Path, named: Iterable[str], reason: str,
     exclusion = decide(named, usable=_names(env.get(USABLE_ENV)),
                        job_excluded=_names(env.get(JOB_EXCLUDED_ENV)),
                        already=[r["node"] for r in records], budget=budget_from_env(env),
-                       job_nodes=int(env.get("SLURM_JOB_NUM_NODES", "1") or 1), job_id=job_id)
+                       job_nodes=int(env.get("SLURM_JOB_NUM_NODES", "1") or 1), job_id=job_id,
+                       end_over_budget=end_over_budget)
     restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
     if exclusion.added and exclusion.end is None:
         records += [{"node": node, "reason": reason, "job": job_id, "restart": restart,

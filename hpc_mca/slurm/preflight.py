@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_mca.rundir import JOB_NODES_ENV, PREFLIGHT_DIR, RUN_DIR_ENV
-from hpc_mca.runtime.env import parse_nodelist
+from hpc_mca.runtime.env import job_nodes_from
 
 from .errors import OpsError
-from .exclusion import BUDGET_ENV, budget_from_env, decide_for_job, write_verdict
+from .exclusion import decide_for_job
 
 EXIT_PASSED = 0
 EXIT_EXCLUDE = 3
@@ -107,9 +107,7 @@ def judge(nodes: list[str], reports: Mapping[str, Mapping]) -> Verdict:
 def job_nodes(env: Mapping[str, str]) -> list[str]:
     """The job's nodes: the batch shell's list, else Slurm's own (expanded here, as the node
     check does: both must name the same nodes)."""
-    nodes = [n for n in env.get(JOB_NODES_ENV, "").split(",") if n]
-    if not nodes and env.get("SLURM_JOB_NODELIST"):
-        nodes = parse_nodelist(env["SLURM_JOB_NODELIST"])
+    nodes = job_nodes_from(env)
     if not nodes:
         raise OpsError(f"{JOB_NODES_ENV} and SLURM_JOB_NODELIST are empty; valid: the job's "
                        "nodes (the batch script exports them)")
@@ -128,12 +126,7 @@ def verdict_for_job(env: Mapping[str, str] | None = None) -> tuple[Verdict, int]
     verdict = judge(job_nodes(env), read_reports(Path(run_dir), restart))
     if verdict.passed:
         return verdict, EXIT_PASSED
-    exclusion = decide_for_job(Path(run_dir), list(verdict.failed), verdict.line, env)
-    if not exclusion.added and exclusion.end is None:
-        # No failed node could be excluded (the budget is spent): a requeue would start on
-        # them again and fail the same way, once per requeue of the whole budget.
-        nodes = ",".join(exclusion.over_budget)
-        write_verdict(Path(run_dir), f"{verdict.line}; {exclusion.summary()}",
-                      end=f"not requeued onto {nodes} (the budget of excluded nodes, "
-                          f"{BUDGET_ENV}={budget_from_env(env)}, is spent)")
+    # A node that failed its checks fails them again: when none can be excluded (the budget
+    # is spent) the job ends instead of coming back onto it once per requeue.
+    decide_for_job(Path(run_dir), list(verdict.failed), verdict.line, env, end_over_budget=True)
     return verdict, EXIT_EXCLUDE
