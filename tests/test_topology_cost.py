@@ -10,8 +10,9 @@ from test_topology_planner import LLAMA3_8B, QWEN3_30B_A3B
 from test_topology_planner import LLAMA3_405B as LLAMA31_405B
 
 from hpc_mca.topology import Layout, ModelShape, Workload, get_gpu
-from hpc_mca.topology.cost import (DDP_BUCKET_PARAMS, GEMM_EFFICIENCY, GEMM_HALF_WIDTH, Network,
-                                   estimate_step_time)
+from hpc_mca.topology.cost import GEMM_EFFICIENCY, GEMM_HALF_WIDTH, estimate_step_time
+from hpc_mca.topology.network import (CP_MERGE_BYTES, CP_STEP_OVERHEAD_S, DDP_BUCKET_PARAMS,
+                                      NCCL_OVERLAP_SMS, Network)
 
 LLAMA3_70B = ModelShape(num_layers=80, hidden_size=8192, num_attention_heads=64,
                         num_query_groups=8, ffn_hidden_size=28672, vocab_size=128256)
@@ -83,12 +84,23 @@ def test_groups_that_cross_nodes_pay_the_network():
 
 
 def test_context_parallel_ring_hides_behind_long_attention_only():
-    long = _time(Layout(cp=8), 8, seq_length=131072, num_microbatches=1, cp_comm_type="p2p")
-    assert long.context_parallel == 0.0
+    """At 128k tokens every KV hop hides behind its ring step's attention: what is left is
+    each step's fixed cost and merge, and the SMs NCCL takes from the hidden part (counted by
+    hand). On a slow link at 2k tokens the hops outlast the steps and show."""
+    net, cp, tokens = Network(H100, 8), 8, 131072 // 8
+    long = _time(Layout(cp=cp), 8, seq_length=131072, num_microbatches=1, cp_comm_type="p2p")
+    kv = 2 * tokens * LLAMA3_8B.num_query_groups * LLAMA3_8B.kv_channels * 2
+    hop, bandwidth = net.ring(2, kv, cp), H100.memory_gbps * 1e9
+    hq, hkv = 4096, 1024
+    merges = tokens * (hq + hq + 2 * hkv) * CP_MERGE_BYTES / bandwidth
+    sms = NCCL_OVERLAP_SMS / H100.sm_count
+    per_layer = 2 * cp * CP_STEP_OVERHEAD_S + cp * merges + (cp - 1) * sms * 3 * hop
+    assert long.context_parallel == pytest.approx(LLAMA3_8B.num_layers * per_layer)
     slow_link = replace(H100, intra_node_gbps=1.0)
     short = _time(Layout(cp=8), 8, seq_length=2048, num_microbatches=1, gpu=slow_link,
                   cp_comm_type="p2p")
-    assert short.context_parallel > 0.0
+    fixed = LLAMA3_8B.num_layers * 2 * cp * CP_STEP_OVERHEAD_S
+    assert short.context_parallel > 10 * fixed
 
 
 def test_all_gather_and_a2a_context_parallel_are_counted_by_hand():

@@ -1,37 +1,30 @@
 """Estimated time of one training step for a layout: what the planner ranks layouts by.
 
-An α-β model of one optimizer step, in seconds, on the slowest pipeline stage:
+A model of one optimizer step, in seconds, on the slowest pipeline stage:
 
 * compute: GEMM FLOPs at a share of the tensor-core peak that falls for narrow matrices
-  (h/TP columns, few tokens per expert); attention at the fused kernel's lower share; and
-  element-wise work (norms, SwiGLU, RoPE, residuals, the loss softmax) as HBM traffic over the
-  tensors the memory model counts. Backward costs twice the forward GEMMs (input and weight
-  gradients; LoRA's frozen weights need only the first) and 2.5 times the forward attention
-  (flash attention recomputes the scores). Full recompute adds one forward of every layer,
-  selective one of the attention core; DPO adds a forward of the reference model.
-* tensor parallel: with sequence parallelism every layer all-gathers and reduce-scatters its
-  activations twice a pass (4 collectives forward, 4 backward, 4 more with full recompute).
-  This trainer does not overlap them (no TE userbuffers), so all of it is on the critical path.
-* context parallel: ring attention passes each KV chunk on CP−1 times in the forward and KV
-  plus its gradient in the backward; only what that chunk's attention cannot hide is exposed.
-* expert parallel: the dispatch and combine all-to-alls of every routed token, 2 a pass.
-* pipeline: micro-batches go at the pace of the slowest stage, the 1F1B warm-up and cool-down
-  idle (PP−1)/VP micro-batch times, and every stage boundary sends activations forward and
-  gradients back, VP times a micro-batch when interleaved.
-* data parallel: fp32 gradients are all-reduced (reduce-scattered, plus a parameter
-  all-gather, with the distributed optimizer). Megatron reduces them during the last
-  micro-batch's backward when overlap_grad_reduce is on, so only what outlasts that backward
-  (and at least the last bucket) is exposed.
+  (h/TP columns, few tokens per expert); attention at the fused kernel's share, which falls
+  for short rows (few keys a call: short sequences, small CP chunks) and for calls with fewer
+  thread blocks than SMs; and element-wise work (norms, SwiGLU, RoPE, residuals, the loss
+  softmax) as HBM traffic over the tensors the memory model counts. Backward costs twice the
+  forward GEMMs (input and weight gradients; LoRA's frozen weights need only the first) and
+  2.5 times the forward attention (flash attention recomputes the scores). The first stage
+  adds the embedding's dense gradient, the last the output layer and loss. Full recompute adds
+  one forward of every layer, selective one of the attention core; DPO adds a forward of the
+  reference model.
+* communication (topology/network.py): TP/SP collectives (not overlapped by this trainer), the
+  CP exchange as far as each ring step's attention cannot hide it plus each step's fixed
+  cost, MoE all-to-alls and a dropless dispatcher's host sync, pipeline sends and each chunk
+  visit's host round trip, and the data-parallel reduction beyond what the last backward
+  hides. Hidden transfers still cost the SMs NCCL takes from the compute beside them.
+* pipeline: micro-batches go at the pace of the slowest stage, and the 1F1B warm-up and
+  cool-down idle (PP−1)/VP micro-batch times.
 * optimizer: Adam over this rank's shard, bound by HBM bandwidth.
 
-A collective over n ranks costs (n−1)·α plus its per-rank volume over the NCCL bus bandwidth
-of the slowest link it crosses, with ranks placed in Megatron's order (TP innermost, then CP,
-then DP; PP outermost; the expert grid is ETP, EP, expert-DP).
-
-Left out: kernel launch gaps, stragglers, MoE load imbalance (routing is taken as balanced),
-packed documents' shorter attention (the full sequence is charged, an upper bound), P2P/compute
-overlap. The figure is for ranking layouts against each other; benchmarks/planner_layouts.py
-sets its absolute value against published throughputs.
+Left out: stragglers, MoE load imbalance (routing is taken as balanced), packed documents'
+shorter attention (the full sequence is charged, an upper bound). The constants cite their
+sources; benchmarks/planner_layouts.py sets the whole against published runs, some of them
+held back from every choice made here.
 """
 
 from __future__ import annotations
@@ -40,6 +33,7 @@ from dataclasses import dataclass, fields, replace
 
 from hpc_mca.stages import get_stage
 
+from . import network
 from .freeze import layer_ids_on_rank
 from .hardware import GpuSpec
 from .layout import Layout
@@ -54,9 +48,9 @@ from .memory import (
     mtp_on_rank,
     padded_vocab,
     stage_counts,
-    weight_bytes,
 )
 from .model import ModelShape
+from .network import Network
 
 # Share of the tensor-core peak a large bf16 GEMM sustains (cuBLAS on H100 reaches ~700 of
 # 989 TFLOP/s on 8k×8k×8k).
@@ -64,59 +58,37 @@ GEMM_EFFICIENCY = 0.70
 # The narrowest GEMM dimension at which that share halves: a 256-wide matrix (h/TP, or the
 # tokens one expert gets) cannot fill the tensor cores' tiles and waves.
 GEMM_HALF_WIDTH = 256
-# Fused (flash) attention's share of the peak, and the unfused kernel's, which streams the
-# s×s scores through HBM.
-ATTENTION_EFFICIENCY = 0.45
+# Fused (flash) attention's share of the peak for long rows, and the unfused kernel's, which
+# streams the s×s scores through HBM. FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608,
+# fig. "attention forward speed, with causal mask, head dim 128", H100 SXM5 BF16) measures
+# cuDNN's kernel, the one Transformer Engine calls on Hopper, at 539 TFLOP/s at 16k tokens
+# (55% of 989) and FA3 at 616; the backward runs below its forward's rate, so 0.52 is charged.
+ATTENTION_EFFICIENCY = 0.52
 UNFUSED_ATTENTION_EFFICIENCY = 0.10
-# Query rows a kernel call needs to reach half of that share: context parallelism cuts each
-# rank's sequence into 2·CP chunks and runs one call per ring step on a chunk.
-ATTENTION_HALF_LENGTH = 256
+# The mean keys per query row of one kernel call at which that share halves: each query tile
+# pays a fixed prologue and epilogue (load Q, rescale and write O and the log-sum-exp) and the
+# causal diagonal tiles are half wasted. In the same figure FA3 runs at 292/423/521/579/602/616
+# TFLOP/s from 512 to 16k tokens (cuDNN 315 to 539): 0.47, 0.69, 0.85 and 0.94 of its 16k
+# speed at 512, 1k, 2k and 4k, which keys/(keys + 256) reproduces within 0.05 with causal rows'
+# s/2 keys. Context parallelism's ring calls see one chunk pair at a time: s/(2·CP) keys.
+ATTENTION_HALF_KEYS = 256
+# Query rows a flash-attention thread block takes: a call with fewer blocks (micro-batch ·
+# heads per TP rank · rows/128) than the GPU has SMs leaves SMs idle.
+ATTENTION_TILE_ROWS = 128
 # Flash attention's backward recomputes the scores: ~2.5× its forward FLOPs.
 FLASH_BACKWARD_FACTOR = 2.5
 # FP8 GEMMs (Transformer Engine, current scaling) over bf16 ones; only GEMMs get faster.
 FP8_GEMM_SPEEDUP = 1.6
 # Element-wise kernels write each saved activation once and read it about twice a forward.
 ELEMENTWISE_PASSES = 3
-# Megatron DDP's gradient bucket (parameters): the last one is reduced after the backward ends.
-DDP_BUCKET_PARAMS = 40_000_000
+# The embedding backward per element of the table's shard: the bf16 gradient zeroed and read
+# back (2 + 2 B) and the fp32 main_grad read and written (4 + 4 B).
+EMBEDDING_GRAD_BYTES = 12
 # Adam step bytes per parameter of the shard: fp32 master, both moments (read and write), the
 # fp32 gradient (read) and the bf16 weight (write); and per local parameter: zeroing and
 # norm-clipping the fp32 gradient buffer.
 ADAM_BYTES_PER_SHARD_PARAM = 30
 GRAD_BUFFER_BYTES_PER_PARAM = 8
-
-
-@dataclass(frozen=True)
-class Network:
-    """Where a job's collectives run: the GPU's links and how many GPUs share a node."""
-
-    gpu: GpuSpec
-    gpus_per_node: int
-
-    def ring(self, ranks: int, volume: float, span: int) -> float:
-        """Seconds for a collective over ``ranks`` that moves ``volume`` bytes per rank and
-        whose ranks lie within ``span`` consecutive global ranks (span > node: crosses nodes)."""
-        if ranks <= 1:
-            return 0.0
-        if span > self.gpus_per_node:
-            alpha, beta = self.gpu.inter_node_latency_us, self.gpu.inter_node_gbps
-        else:
-            alpha, beta = self.gpu.intra_node_latency_us, self.gpu.intra_node_gbps
-        return (ranks - 1) * alpha * 1e-6 + volume / (beta * 1e9)
-
-    def all_to_all(self, ranks: int, volume: float, stride: int) -> float:
-        """Seconds for an all-to-all over ``ranks`` placed ``stride`` apart, each sending
-        ``volume`` bytes spread evenly over the group: the share bound for peers in the same
-        node goes over NVLink, the rest over the NIC, both at once."""
-        if ranks <= 1:
-            return 0.0
-        local = max(1, min(ranks, self.gpus_per_node // stride))
-        inside = volume * (local - 1) / ranks
-        outside = volume * (ranks - local) / ranks
-        gpu = self.gpu
-        seconds = max(inside / (gpu.intra_node_gbps * 1e9), outside / (gpu.inter_node_gbps * 1e9))
-        alpha = gpu.inter_node_latency_us if outside else gpu.intra_node_latency_us
-        return (ranks - 1) * alpha * 1e-6 + seconds
 
 
 @dataclass(frozen=True)
@@ -126,15 +98,16 @@ class StepTime:
     compute: float
     """Forward and backward (with recompute and any reference forward) of every micro-batch."""
     tensor_parallel: float
-    """TP/SP all-gathers and reduce-scatters (not overlapped)."""
+    """TP/SP all-gathers and reduce-scatters left exposed."""
     context_parallel: float
     """The CP attention exchange (p2p ring, all-gather or all-to-all) left exposed."""
     expert_parallel: float
-    """MoE token dispatch and combine all-to-alls."""
+    """MoE token dispatch and combine all-to-alls, and the dispatcher's host syncs."""
     pipeline_bubble: float
     """Pipeline warm-up and cool-down idle time."""
     pipeline_p2p: float
-    """Activations and gradients sent between pipeline stages."""
+    """Activations and gradients sent between pipeline stages, and each visit's host round
+    trip."""
     data_parallel: float
     """Exposed gradient reduction and parameter all-gather."""
     optimizer: float
@@ -235,11 +208,22 @@ def _attention_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: G
     average (causal), on every CP rank alike (Megatron's load-balanced chunks)."""
     hq = model.num_attention_heads * model.kv_channels
     flops = 4 * hq * (work.seq_length / 2) * tokens / layout.tp
-    share = ATTENTION_EFFICIENCY if work.flash_attention else UNFUSED_ATTENTION_EFFICIENCY
-    rows = work.seq_length / (2 * layout.cp) if layout.cp > 1 else work.seq_length
-    share *= rows / (rows + ATTENTION_HALF_LENGTH)
     peak = gpu.fp32_tflops if work.precision == "fp32" else gpu.peak_tflops
-    return flops / (peak * 1e12 * share)
+    return flops / (peak * 1e12 * attention_share(model, layout, work, gpu, tokens))
+
+
+def attention_share(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
+                    tokens: int) -> float:
+    """Share of the peak one layer's attention kernel calls sustain (see ATTENTION_HALF_KEYS
+    and ATTENTION_TILE_ROWS)."""
+    if not work.flash_attention:
+        return UNFUSED_ATTENTION_EFFICIENCY
+    keys = work.seq_length / (2 * layout.cp)
+    share = ATTENTION_EFFICIENCY * keys / (keys + ATTENTION_HALF_KEYS)
+    if gpu.sm_count:
+        blocks = model.num_attention_heads / layout.tp * tokens / ATTENTION_TILE_ROWS
+        share *= min(1.0, blocks / gpu.sm_count)
+    return share
 
 
 def _elementwise_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
@@ -262,10 +246,22 @@ def _output_layer_seconds(model: ModelShape, layout: Layout, work: Workload, gpu
     return gemm, loss
 
 
+@dataclass(frozen=True)
+class _Compute:
+    """Compute seconds of one micro-batch on one pipeline rank."""
+
+    forward: float   # what a parameter all-gather can hide behind
+    backward: float  # what a gradient reduction can hide behind
+    total: float     # forward, backward, recompute and any reference forward
+    layer_gemm: float         # one layer's forward GEMMs (what TP overlap hides behind)
+    layer_attention: float    # one layer's forward attention core
+    layer_attention_backward: float
+    layer_forward: float      # one layer's whole forward
+
+
 def _compute(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
-             rank: int) -> tuple[float, float, float, float]:
-    """(forward, backward, all compute, attention forward per layer) seconds of one
-    micro-batch on pipeline rank ``rank``."""
+             rank: int) -> _Compute:
+    """Compute of one micro-batch on pipeline rank ``rank``."""
     tokens = microbatch_tokens(work, layout)
     depths = mtp_on_rank(layout, work, rank)  # each: one more layer and output-layer pass
     layers = layers_on_rank(model, layout, rank) + depths
@@ -283,6 +279,8 @@ def _compute(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
     forward = layers * (gemm + attn + elem) + out_gemm + loss
     backward = (layers * ((1 + weight_grads) * gemm + flash_bwd * attn + 2 * elem)
                 + (1 + weight_grads) * out_gemm + loss)
+    if rank == 0:
+        backward += _embedding_backward_seconds(model, layout, work, gpu)
     extra = 0.0
     if work.recompute == "full":
         extra += layers * (gemm + attn + elem)
@@ -290,10 +288,25 @@ def _compute(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
         extra += layers * attn
     # E.g. dpo's frozen reference: its log-probabilities, forward only.
     extra += _extra_forwards(work) * forward
-    return forward, backward, forward + backward + extra, attn
+    return _Compute(forward, backward, forward + backward + extra, gemm, attn,
+                    flash_bwd * attn, gemm + attn + elem)
 
 
-# --- communication -----------------------------------------------------------------------------
+def _embedding_backward_seconds(model: ModelShape, layout: Layout, work: Workload,
+                                gpu: GpuSpec) -> float:
+    """The first stage's embedding backward, once a micro-batch: PyTorch's embedding backward
+    (aten embedding_dense_backward) fills a dense gradient the size of the table's TP shard
+    and scatters the tokens' rows into it, and Megatron's DDP then adds it into the fp32
+    main_grad (gradient-accumulation fusion covers linear layers only): EMBEDDING_GRAD_BYTES
+    an element, however few tokens the micro-batch has. A frozen table (LoRA, or freeze
+    without the embedding) has no gradient."""
+    if work.lora or (work.freeze is not None and not work.freeze.embedding):
+        return 0.0
+    elements = padded_vocab(model, layout.tp) / layout.tp * model.hidden_size
+    return EMBEDDING_GRAD_BYTES * elements / (gpu.memory_gbps * 1e9)
+
+
+# --- communication (topology/network.py) ---------------------------------------------------
 
 def _extra_forwards(work: Workload) -> int:
     """The stage's extra forward passes; none for a reference-free run (its only one is the
@@ -304,101 +317,25 @@ def _extra_forwards(work: Workload) -> int:
 
 def _micro_batch(model: ModelShape, layout: Layout, work: Workload, net: Network,
                  rank: int) -> _Pass:
-    forward, backward, compute, attn = _compute(model, layout, work, net.gpu, rank)
-    tokens = microbatch_tokens(work, layout)
+    c = _compute(model, layout, work, net.gpu, rank)
     layers = layers_on_rank(model, layout, rank)
-    width = weight_bytes(work.precision)
-    activation = tokens * model.hidden_size * width  # one layer's input for the TP group
     forward_passes = 1 + (work.recompute == "full") + _extra_forwards(work)
-    tp = layout.tp
-    # 4 collectives a forward pass and 4 a backward, each moving (TP−1)/TP of the activation.
-    tp_each = net.ring(tp, (tp - 1) / tp * activation, tp)
-    tensor_parallel = layers * 4 * (forward_passes + 1) * tp_each
-    return _Pass(forward=forward, backward=backward, compute=compute,
-                 tensor_parallel=tensor_parallel,
-                 context_parallel=layers * _cp_attention(model, layout, work, net, attn),
-                 expert_parallel=layers * _all_to_all(model, layout, work, net, forward_passes),
-                 p2p=_pipeline_sends(layout, net, activation))
-
-
-def _cp_attention(model: ModelShape, layout: Layout, work: Workload, net: Network,
-                  attn_forward: float) -> float:
-    """Exposed seconds of one layer's CP exchange, by ``cp_comm_type``:
-
-    * p2p (TE's ring): CP−1 KV hops forward, KV and dKV backward, each hidden behind that
-      pass's attention;
-    * all_gather: the keys/values gathered before attention and their gradients reduce-
-      scattered after it, not overlapped;
-    * a2a (Ulysses): Q, K, V and the output re-sharded forward and their gradients backward,
-      not overlapped.
-    """
-    cp = layout.cp
-    if cp == 1:
-        return 0.0
-    width = weight_bytes(work.precision)
-    tokens = microbatch_tokens(work, layout)
-    kv = 2 * tokens * model.num_query_groups * model.kv_channels * width / layout.tp
-    if work.cp_comm_type == "p2p":
-        hop = net.ring(2, kv, layout.tp * cp)  # one point-to-point step of the ring
-        forward = max(0.0, (cp - 1) * hop - attn_forward)
-        backward = max(0.0, 2 * (cp - 1) * hop - FLASH_BACKWARD_FACTOR * attn_forward)
-    elif work.cp_comm_type == "all_gather":
-        forward = backward = net.ring(cp, (cp - 1) * kv, layout.tp * cp)
-    else:
-        q_and_out = 2 * tokens * model.num_attention_heads * model.kv_channels * width / layout.tp
-        forward = backward = net.all_to_all(cp, kv + q_and_out, layout.tp)
-    recompute = forward if work.recompute == "full" else 0.0
-    return forward + backward + recompute
-
-
-def _all_to_all(model: ModelShape, layout: Layout, work: Workload, net: Network,
-                forward_passes: int) -> float:
-    """Seconds of one MoE layer's dispatch and combine, two a pass."""
-    ep = layout.ep
-    if not model.is_moe or ep == 1:
-        return 0.0
-    width = weight_bytes(work.precision)
-    routed = microbatch_tokens(work, layout) / layout.tp * model.moe_router_topk \
-        * model.hidden_size * width
-    each = net.all_to_all(ep, routed, layout.etp)
-    return 2 * (forward_passes + 1) * each
-
-
-def _pipeline_sends(layout: Layout, net: Network, activation: int) -> float:
-    """One micro-batch's activation out and gradient back at each of this rank's chunk
-    boundaries (sequence parallel: each TP rank sends its 1/TP)."""
-    if layout.pp == 1:
-        return 0.0
-    stride = layout.tp * layout.cp * (layout.dp or 1)
-    hop = net.ring(2, activation / layout.tp, stride * layout.pp)
-    return 2 * (layout.vp or 1) * hop
+    return _Pass(
+        forward=c.forward, backward=c.backward, compute=c.total,
+        tensor_parallel=network.tensor_parallel(model, layout, work, net, layers,
+                                                forward_passes, c.layer_gemm),
+        context_parallel=layers * network.context_parallel(
+            model, layout, work, net, c.layer_attention, c.layer_attention_backward),
+        expert_parallel=layers * network.expert_parallel(model, layout, work, net,
+                                                         forward_passes, c.layer_forward),
+        p2p=network.pipeline_sends(model, layout, work, net))
 
 
 def _data_parallel(model: ModelShape, layout: Layout, work: Workload, net: Network, rank: int,
                    mb: _Pass, overlap_grad_reduce: bool, overlap_param_gather: bool) -> float:
-    """Exposed seconds of gradient reduction (and parameter all-gather) on pipeline rank
-    ``rank``: dense weights over DP·CP, experts over the expert-data-parallel ranks."""
     dense, expert = _trained_counts(model, layout, work, rank)
-    dp = layout.dp or 1
-    span = layout.tp * layout.cp * dp
-    width = weight_bytes(work.precision)
-    reduce = gather = 0.0
-    for params, ranks in ((dense, dp * layout.cp),
-                          (expert, span // (layout.ep * layout.etp))):
-        if ranks == 1 or params == 0:
-            continue
-        share = (ranks - 1) / ranks
-        if work.use_distributed_optimizer:
-            reduce += net.ring(ranks, share * 4 * params, span)
-            gather += net.ring(ranks, share * width * params, span)
-        else:
-            reduce += 2 * net.ring(ranks, share * 4 * params, span)
-    if overlap_grad_reduce:
-        last_bucket = reduce * min(1.0, DDP_BUCKET_PARAMS / max(1, dense + expert))
-        reduce = max(last_bucket, reduce - mb.backward)
-    if overlap_param_gather:
-        gather = max(0.0, gather - mb.forward)
-    return reduce + gather
+    return network.data_parallel(layout, work, net, dense, expert, mb.forward, mb.backward,
+                                 overlap_grad_reduce, overlap_param_gather)
 
 
 def _optimizer(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,

@@ -50,6 +50,9 @@ class GpuSpec:
     """Latency of one ring step inside a node, microseconds."""
     inter_node_latency_us: float = 8.0
     """Latency of one ring step across nodes, microseconds."""
+    sm_count: int = 132
+    """Streaming multiprocessors (H100 SXM: 132, A100: 108): an attention kernel call with
+    fewer thread blocks than this leaves some idle. 0: not a GPU (no such limit)."""
 
     @property
     def usable_bytes(self) -> int:
@@ -63,16 +66,17 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         GpuSpec("H200-141GB", 143771 * MiB, fp8=True, memory_gbps=4800.0),
         # A100: 312 TFLOP/s bf16, NVLink 3 (300 GB/s a direction), one 200 Gb/s NIC a GPU.
         GpuSpec("A100-40GB", 40536 * MiB, peak_tflops=312.0, fp32_tflops=19.5,
-                memory_gbps=1555.0, intra_node_gbps=230.0, inter_node_gbps=20.0),
+                memory_gbps=1555.0, intra_node_gbps=230.0, inter_node_gbps=20.0, sm_count=108),
         GpuSpec("A100-80GB", 81920 * MiB, peak_tflops=312.0, fp32_tflops=19.5,
-                memory_gbps=2039.0, intra_node_gbps=230.0, inter_node_gbps=20.0),
+                memory_gbps=2039.0, intra_node_gbps=230.0, inter_node_gbps=20.0, sm_count=108),
         # Local CPU runs: one gloo process per "device"; 16 GiB of host memory per process is a
         # conservative laptop/CI figure; pass gpu_memory_gib to plan for a bigger machine. The
         # speed figures are rough (a few cores' vector units, gloo over shared memory): they
         # order CPU layouts, they do not predict CPU step times.
         GpuSpec("CPU", 16 * GiB, gpus_per_node=1, sequence_parallel=False, usable_fraction=0.8,
                 peak_tflops=0.1, fp32_tflops=0.1, memory_gbps=10.0, intra_node_gbps=2.0,
-                inter_node_gbps=1.0, intra_node_latency_us=50.0, inter_node_latency_us=100.0),
+                inter_node_gbps=1.0, intra_node_latency_us=50.0, inter_node_latency_us=100.0,
+                sm_count=0),
     )
 }
 

@@ -5,8 +5,8 @@ The estimate is the sum of four parts, each per GPU and in bytes:
 * parameters: bf16/fp16 weights take 2 B per parameter (fp32 runs 4 B). DPO without LoRA also
   keeps a frozen reference copy of the policy, sharded the same way.
 * gradients: Megatron's DDP accumulates into fp32 ``main_grad`` buffers, 4 B per *trainable*
-  parameter, allocated in full even with the distributed optimizer (it reduce-scatters into
-  them but does not shrink them).
+  parameter (2 B when a run reduces in bf16), allocated in full even with the distributed
+  optimizer (it reduce-scatters into them but does not shrink them).
 * optimizer state: Adam's two moments plus the fp32 master copy, 12 B per trainable parameter
   (fp32 runs need no master copy: 8 B). The distributed optimizer shards this over the
   data-parallel ranks: DP·CP for dense weights, the expert-data-parallel ranks for experts.
@@ -58,7 +58,8 @@ class Workload:
     stage: str = "pt"
     """pt (pretrain), sft, or dpo (chosen+rejected pairs, plus a reference model)."""
     precision: str = "bf16"
-    """bf16, fp16, fp8 (estimated like bf16: weights stay bf16) or fp32."""
+    """bf16, fp16, fp8 (weights stay bf16; Transformer Engine keeps GEMM inputs in fp8 for
+    the backward) or fp32."""
     lora: bool = False
     """Train LoRA adapters on all linear layers instead of the full model."""
     lora_rank: int = 16
@@ -83,6 +84,17 @@ class Workload:
     separate_reference: bool = False
     """The reference is a model of its own even with ``lora`` (``finetuning.ref_model``): its
     weights count; otherwise a LoRA run's reference is its own frozen base."""
+    grad_reduce_in_fp32: bool = True
+    """Gradients accumulate and reduce in fp32 main_grad buffers (4 B a parameter), as this
+    trainer's DDP does; false: in the weights' bf16 (2 B), as Megatron-Bridge's performance
+    recipes run. Only estimates of other trainers' runs set it false."""
+    tp_comm_overlap: bool = False
+    """TP collectives pipelined with their GEMMs (Transformer Engine's userbuffers). This
+    trainer does not run it: only estimates of other trainers' runs set it
+    (benchmarks/planner_layouts.py)."""
+    moe_comm_overlap: bool = False
+    """MoE all-to-alls run beside another micro-batch's compute (Megatron's
+    overlap_moe_expert_parallel_comm). This trainer does not run it, as above."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +206,11 @@ def weight_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
+def grad_bytes(work: Workload) -> int:
+    """Bytes a gradient element takes in the DDP buffers (and on the wire)."""
+    return 4 if work.grad_reduce_in_fp32 else weight_bytes(work.precision)
+
+
 def frozen_trainable(model: ModelShape, layout: Layout, rank: int, sizing: FreezeSizing) -> int:
     """Trainable dense parameters on one GPU of pipeline rank ``rank`` under freeze: the
     trained share of its layers, and the tables it holds that train (norms: headroom)."""
@@ -218,7 +235,7 @@ def _state_memory(counts: ParamCounts, layout: Layout, work: Workload,
     dense, expert = (counts.adapters, 0) if work.lora else (counts.dense, counts.expert)
     if trainable is not None:
         dense = trainable  # freeze: dense models only (the config rules refuse MoE)
-    grads = 4 * (dense + expert)
+    grads = grad_bytes(work) * (dense + expert)
     per_param = 8 if work.precision == "fp32" else 12
     dp = layout.dp or 1
     dense_shard, expert_shard = 1, 1
@@ -249,13 +266,25 @@ def layer_bytes_per_token(model: ModelShape, work: Workload, layout: Layout) -> 
     attn += 2 * _cp_attention_elements(model, work, layout)
     if not model.is_moe:
         # Norm input, fc1 input, fc1 output (gate+up), activation output (fc2 input).
-        return attn + 2 * (2 * h + mats * model.ffn_hidden_size)
+        mlp = 2 * (2 * h + mats * model.ffn_hidden_size)
+        return attn + mlp - _fp8_saving(work, h, hq, h + model.ffn_hidden_size)
     fe, fs, k = model.expert_ffn_hidden_size, model.moe_shared_expert_ffn_hidden_size, \
         model.moe_router_topk
     # Each token is copied to k experts: the dispatched input plus that expert's fc1/act outputs;
     # the router keeps fp32 logits/probabilities per expert.
     moe = 2 * (2 * h + k * (h + mats * fe) + mats * fs) + 4 * model.num_experts
-    return attn + moe
+    gemm_inputs = k * (h + fe) + (h + fs if fs else 0)  # experts' fc1 and fc2, shared expert
+    return attn + moe - _fp8_saving(work, h, hq, gemm_inputs)
+
+
+def _fp8_saving(work: Workload, qkv_input: int, proj_input: int, mlp_inputs: int) -> int:
+    """Bytes per token an fp8 run saves on one layer: Transformer Engine keeps the fp8-cast
+    input of each GEMM for its weight gradient (1 B an element instead of 2): the QKV input
+    (its fused norm writes fp8 directly) and the MLP's fc1 and fc2 inputs. The attention
+    output stays bf16 for the attention backward, so the projection's fp8 copy adds 1 B."""
+    if work.precision != "fp8":
+        return 0
+    return qkv_input + mlp_inputs - proj_input
 
 
 def _cp_attention_elements(model: ModelShape, work: Workload, layout: Layout) -> int:

@@ -110,6 +110,16 @@ class PlanRequest:
     overlap_param_gather: bool = False
     """The run overlaps the distributed optimizer's parameter all-gather with the next
     forward (estimated as hidden); the planner does not turn it on by itself."""
+    grad_reduce_in_fp32: bool = True
+    """Size and time gradients in fp32 (this trainer's DDP); false: in bf16, as other trainers'
+    runs may (benchmarks/planner_layouts.py). hpc-mca never plans with false."""
+    tp_comm_overlap: bool = False
+    """Estimate TP collectives as pipelined with their GEMMs (Transformer Engine's
+    userbuffers). hpc-mca's trainer does not run it and never plans with it: it is for
+    estimating other trainers' runs (benchmarks/planner_layouts.py)."""
+    moe_comm_overlap: bool = False
+    """Estimate MoE all-to-alls as overlapped with another micro-batch's compute (Megatron's
+    overlap_moe_expert_parallel_comm); as tp_comm_overlap, for other trainers' runs only."""
     backend: str = "megatron"
     """megatron (Megatron-Core: TP/PP/CP/EP layouts) or standard (``training.use_mca: false``:
     a whole transformers model per GPU, data and Ulysses sequence parallelism only)."""

@@ -52,6 +52,12 @@ MAX_VIRTUAL_STAGES = 24
 # Layouts whose best options the search ranks exactly (plan --explain shows them); options of
 # any other layout are only timed when they might beat one of these.
 RANKED_LAYOUTS = 5
+# The fewest tokens of a sequence a context-parallel rank may hold unless memory leaves no
+# other choice: the shortest CP chunk of any published run in benchmarks/planner_layouts.py
+# (Llama3.1-405B at 8k with CP2, Megatron-Bridge; the Llama 3 paper's CP16 at 128k holds 8k a
+# rank). Below it a ring step's attention is too short to hide its exchange and runs its
+# kernels at a fraction of their speed, and no team that measured it split sequences so far.
+MIN_CP_TOKENS = 4096
 # How far the "nearest node counts" hint in a no-layout error looks.
 _NODE_SEARCH_SPAN = 64
 
@@ -113,7 +119,9 @@ def workload(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Work
         recompute=recompute, use_distributed_optimizer=distributed_optimizer(req, layout),
         flash_attention=req.flash_attention, cp_comm_type=cp_comm_type,
         mtp_num_layers=req.mtp_num_layers, freeze=req.freeze, reference=req.reference,
-        separate_reference=req.separate_reference)
+        separate_reference=req.separate_reference, grad_reduce_in_fp32=req.grad_reduce_in_fp32,
+        tp_comm_overlap=req.tp_comm_overlap,
+        moe_comm_overlap=req.moe_comm_overlap)
 
 
 def memory_workload(req: PlanRequest, work: Workload) -> Workload:
@@ -277,6 +285,9 @@ class Ranking:
     """Best first (see fastest); with pruning, only the options that could rank."""
     layouts: int
     """Distinct layouts with at least one option that fits, timed or not."""
+    short_cp: bool = False
+    """True when nothing fit without CP chunks shorter than MIN_CP_TOKENS, so they were
+    searched too (the reason line says so)."""
 
 
 def search(req: PlanRequest, *, exhaustive: bool = False) -> Ranking:
@@ -288,9 +299,33 @@ def search(req: PlanRequest, *, exhaustive: bool = False) -> Ranking:
     node counts with a valid split.
     """
     budget, misses = planning_budget(req), Misses()
-    found: list[Candidate] = []  # rule-valid; the Sized ones fit
+    layouts = list(candidates(req, req.world_size))
+    short_cp = False
+    found = _fitting(req, [lay for lay in layouts if not _short_cp(req, lay)], budget, misses)
+    if not found and any(_short_cp(req, lay) for lay in layouts):
+        short_cp = True  # memory leaves no other choice
+        found = _fitting(req, [lay for lay in layouts if _short_cp(req, lay)], budget, misses)
+    if not found:
+        raise LayoutError(_no_fit_line(req, misses))
+    if not exhaustive:
+        return replace(_pruned(req, found, budget), short_cp=short_cp)
+    fits = [s for s in (c if isinstance(c, Sized) else size(req, c) for c in found)
+            if s.memory.total <= budget]
+    return Ranking(fastest(timed(req, s) for s in fits), len({s.layout for s in fits}), short_cp)
+
+
+def _short_cp(req: PlanRequest, layout: Layout) -> bool:
+    """Whether ``layout`` leaves a CP rank fewer than MIN_CP_TOKENS of a sequence."""
+    return layout.cp > 1 and req.seq_length < MIN_CP_TOKENS * layout.cp
+
+
+def _fitting(req: PlanRequest, layouts: list[Layout], budget: int,
+             misses: Misses) -> list[Candidate]:
+    """Every rule-valid option of ``layouts`` whose layout fits ``budget`` at the first
+    micro-batch size (those are Sized; the tunings after them are not sized yet)."""
+    found: list[Candidate] = []
     mbs = req.micro_batch_size or 1
-    for layout in candidates(req, req.world_size):
+    for layout in layouts:
         if violations(req, layout, mbs):
             continue  # the arithmetic pre-filter is not the authority; check_layout is
         for recompute in recompute_options(req):
@@ -300,13 +335,7 @@ def search(req: PlanRequest, *, exhaustive: bool = False) -> Ranking:
                 continue
             found.append(first)
             found.extend(valid_tunings(req, layout, recompute, interleave=True, skip_first=True))
-    if not found:
-        raise LayoutError(_no_fit_line(req, misses))
-    if not exhaustive:
-        return _pruned(req, found, budget)
-    fits = [s for s in (c if isinstance(c, Sized) else size(req, c) for c in found)
-            if s.memory.total <= budget]
-    return Ranking(fastest(timed(req, s) for s in fits), len({s.layout for s in fits}))
+    return found
 
 
 def _pruned(req: PlanRequest, found: list[Candidate], budget: int) -> Ranking:
@@ -412,7 +441,11 @@ def search_reason(req: PlanRequest, ranking: Ranking) -> str:
         parts.append(f"the runner-up, {other.layout.describe()}, is {slower:.0%} slower")
     if lay.model_parallel_size == 1:
         parts.append("the model fits one GPU, so every GPU does data parallelism")
-    if lay.cp > 1:
+    if lay.cp > 1 and ranking.short_cp:
+        parts.append(f"CP{lay.cp} splits the {req.seq_length}-token sequences into "
+                     f"{req.seq_length // lay.cp}-token chunks, below the {MIN_CP_TOKENS} of "
+                     "any published run, because no layout with longer chunks fits the memory")
+    elif lay.cp > 1:
         parts.append(f"CP{lay.cp} splits the {req.seq_length}-token sequences")
     if lay.ep > 1:
         parts.append(f"EP{lay.ep} spreads the {req.shape.num_experts} experts")
