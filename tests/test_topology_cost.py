@@ -11,8 +11,7 @@ from test_topology_planner import LLAMA3_405B as LLAMA31_405B
 
 from hpc_mca.topology import Layout, ModelShape, Workload, get_gpu
 from hpc_mca.topology.cost import GEMM_EFFICIENCY, GEMM_HALF_WIDTH, estimate_step_time
-from hpc_mca.topology.network import (CP_MERGE_BYTES, CP_STEP_OVERHEAD_S, DDP_BUCKET_PARAMS,
-                                      NCCL_OVERLAP_SMS, Network)
+from hpc_mca.topology.network import CP_MERGE_BYTES, CP_STEP_OVERHEAD_S, DDP_BUCKET_PARAMS, NCCL_OVERLAP_SMS, Network
 
 LLAMA3_70B = ModelShape(num_layers=80, hidden_size=8192, num_attention_heads=64,
                         num_query_groups=8, ffn_hidden_size=28672, vocab_size=128256)
