@@ -328,7 +328,7 @@ def _micro_batch(model: ModelShape, layout: Layout, work: Workload, net: Network
             model, layout, work, net, c.layer_attention, c.layer_attention_backward),
         expert_parallel=layers * network.expert_parallel(model, layout, work, net,
                                                          forward_passes, c.layer_forward),
-        p2p=network.pipeline_sends(model, layout, work, net))
+        p2p=network.pipeline_sends(model, layout, work, net, c.forward + c.backward))
 
 
 def _data_parallel(model: ModelShape, layout: Layout, work: Workload, net: Network, rank: int,

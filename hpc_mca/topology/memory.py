@@ -92,6 +92,10 @@ class Workload:
     """TP collectives pipelined with their GEMMs (Transformer Engine's userbuffers). This
     trainer does not run it: only estimates of other trainers' runs set it
     (benchmarks/planner_layouts.py)."""
+    overlap_p2p_comm: bool = False
+    """Interleaved pipelines' sends overlap the next chunk's compute (Megatron-LM's default,
+    Megatron-Core's overlap_p2p_comm); this trainer sends them blocking (Megatron-Core's
+    default). Only estimates of other trainers' runs set it."""
     moe_comm_overlap: bool = False
     """MoE all-to-alls run beside another micro-batch's compute (Megatron's
     overlap_moe_expert_parallel_comm). This trainer does not run it, as above."""

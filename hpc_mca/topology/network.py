@@ -167,16 +167,22 @@ def expert_parallel(model: ModelShape, layout: Layout, work: Workload, net: Netw
     return transfer + passes * MOE_SYNC_STALL_S
 
 
-def pipeline_sends(model: ModelShape, layout: Layout, work: Workload, net: Network) -> float:
+def pipeline_sends(model: ModelShape, layout: Layout, work: Workload, net: Network,
+                   compute: float) -> float:
     """One micro-batch's activation out and gradient back at each of this rank's chunk
     boundaries (sequence parallel: each TP rank sends its 1/TP), each visit also paying
-    PIPELINE_VISIT_OVERHEAD_S."""
+    PIPELINE_VISIT_OVERHEAD_S. With ``overlap_p2p_comm`` an interleaved schedule's sends run
+    beside its chunks' compute (``compute``: the micro-batch's forward and backward here)."""
     if layout.pp == 1:
         return 0.0
     activation = microbatch_tokens(work, layout) * model.hidden_size * weight_bytes(work.precision)
     stride = layout.tp * layout.cp * (layout.dp or 1)
     hop = net.ring(2, activation / layout.tp, stride * layout.pp)
-    return 2 * (layout.vp or 1) * (hop + PIPELINE_VISIT_OVERHEAD_S)
+    visits = 2 * (layout.vp or 1)
+    sends = visits * hop
+    if work.overlap_p2p_comm and layout.vp:
+        sends = net.overlapped(sends, compute)
+    return sends + visits * PIPELINE_VISIT_OVERHEAD_S
 
 
 def data_parallel(layout: Layout, work: Workload, net: Network, dense: int, expert: int,

@@ -117,6 +117,9 @@ class PlanRequest:
     """Estimate TP collectives as pipelined with their GEMMs (Transformer Engine's
     userbuffers). hpc-mca's trainer does not run it and never plans with it: it is for
     estimating other trainers' runs (benchmarks/planner_layouts.py)."""
+    overlap_p2p_comm: bool = False
+    """Estimate an interleaved pipeline's sends as overlapped with compute (Megatron-LM's
+    default); as tp_comm_overlap, for other trainers' runs only."""
     moe_comm_overlap: bool = False
     """Estimate MoE all-to-alls as overlapped with another micro-batch's compute (Megatron's
     overlap_moe_expert_parallel_comm); as tp_comm_overlap, for other trainers' runs only."""
