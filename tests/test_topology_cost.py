@@ -31,7 +31,13 @@ def test_ring_collective_is_latency_plus_volume_over_the_link():
     net = Network(H100, 8)
     assert net.ring(1, 1e9, 1) == 0.0
     assert net.ring(4, 1e9, 4) == pytest.approx(3 * 3e-6 + 1e9 / 360e9)
-    assert net.ring(4, 1e9, 16) == pytest.approx(3 * 8e-6 + 1e9 / 40e9)  # spans two nodes
+    # Spans two nodes: 2 members in each drive 2 NICs (40 GB/s each), one member per node one
+    # NIC, 8 members 8 NICs; a faster network is capped at NVLink's bandwidth.
+    assert net.ring(4, 1e9, 16) == pytest.approx(3 * 8e-6 + 1e9 / 80e9)
+    assert net.ring(2, 1e9, 16) == pytest.approx(8e-6 + 1e9 / 40e9)
+    assert net.ring(16, 1e9, 16) == pytest.approx(15 * 8e-6 + 1e9 / 320e9)
+    fast = Network(replace(H100, inter_node_gbps=100.0), 8)
+    assert fast.ring(16, 1e9, 16) == pytest.approx(15 * 8e-6 + 1e9 / 360e9)
 
 
 def test_tensor_parallel_time_is_eight_collectives_a_layer():
@@ -78,7 +84,7 @@ def test_data_parallel_reduction_hides_behind_the_last_backward():
 def test_groups_that_cross_nodes_pay_the_network():
     inside = _time(Layout(), 8, node=8, num_microbatches=1)
     across = _time(Layout(), 8, node=4, num_microbatches=1)
-    assert across.data_parallel > 5 * inside.data_parallel
+    assert across.data_parallel > 2 * inside.data_parallel
     assert across.compute == inside.compute
 
 

@@ -62,7 +62,15 @@ class Network:
         if ranks <= 1:
             return 0.0
         if span > self.gpus_per_node:
-            alpha, beta = self.gpu.inter_node_latency_us, self.gpu.inter_node_gbps
+            # NCCL's rings cross each node boundary once per channel, each channel through
+            # another NIC, so a group with k members in a node drives k NICs (the node's other
+            # groups, running at the same time, drive the rest): k NIC shares a member, at most
+            # NVLink's. All 8 GPUs of each H100 node in one all-reduce: ~400-450 GB/s bus
+            # bandwidth in nccl-tests (Saturn Cloud, "Validating multi-node GPU clusters with
+            # NCCL tests": H100 SXM, NVLink + NDR InfiniBand).
+            members = max(1.0, ranks * self.gpus_per_node / span)
+            alpha = self.gpu.inter_node_latency_us
+            beta = min(self.gpu.intra_node_gbps, self.gpu.inter_node_gbps * members)
         else:
             alpha, beta = self.gpu.intra_node_latency_us, self.gpu.intra_node_gbps
         return (ranks - 1) * alpha * 1e-6 + volume / (beta * 1e9)
