@@ -11,6 +11,7 @@ from hpc_mca.topology import (GPU_PRESETS, Layout, LayoutError, ModelShape, Plan
                               get_gpu, plan)
 from hpc_mca.topology.hardware import GiB
 from hpc_mca.topology.memory import stage_counts
+from hpc_mca.topology.search import MIN_CP_TOKENS
 
 LLAMA3_8B = ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32,
                        num_query_groups=8, ffn_hidden_size=14336, vocab_size=128256)
@@ -198,6 +199,28 @@ def test_small_model_is_pure_data_parallel():
 def test_long_sequence_uses_context_parallel():
     p = plan(model=LLAMA3_8B, nodes=4, seq_length=131072, global_batch_size=64)
     assert p.layout.cp > 1 and "CP" in p.reason and _valid(p) == []
+
+
+def test_no_cp_chunk_below_published_lengths_unless_memory_requires_it():
+    """Published runs split sequences into at least 4096 tokens a CP rank (MIN_CP_TOKENS): at
+    8k on 64 GPUs the planner stays at CP ≤ 2. Where nothing else fits (a small-head model on
+    4 single-GPU nodes of 8 GiB), it takes the shorter chunks and says why."""
+    model70 = ModelShape(num_layers=80, hidden_size=8192, num_attention_heads=64,
+                         num_query_groups=8, ffn_hidden_size=28672, vocab_size=128256)
+    p = plan(model=model70, nodes=8, seq_length=8192, global_batch_size=128)
+    assert p.layout.cp <= 8192 // MIN_CP_TOKENS
+    assert all(o.layout.cp <= 2 for o in p.ranking)
+    small = ModelShape(num_layers=24, hidden_size=896, num_attention_heads=14,
+                       num_query_groups=2, ffn_hidden_size=4864, vocab_size=151936,
+                       tie_word_embeddings=True)
+    forced = plan(model=small, nodes=4, gpus_per_node=1, seq_length=4096, global_batch_size=16,
+                  gpu_memory_gib=8)
+    assert forced.layout.cp == 2 and _valid(forced) == []
+    assert ("CP2 splits the 4096-token sequences into 2048-token chunks, below the 4096 of any "
+            "published run, because no layout with longer chunks fits the memory") in forced.reason
+    roomy = plan(model=small, nodes=4, gpus_per_node=1, seq_length=4096, global_batch_size=16,
+                 gpu_memory_gib=80)
+    assert roomy.layout.cp == 1
 
 
 def test_moe_uses_expert_parallel():

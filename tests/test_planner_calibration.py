@@ -1,0 +1,66 @@
+"""The step-time estimate against published H100 runs (benchmarks/planner_layouts.py): issue
+#43's acceptance, row by row.
+
+For every run of the calibration table: our estimate of the published layout, under the run's
+own settings, within ±25% of its measured throughput; and the published layout within 5% of
+the planner's best estimate for the same job, or picked. The rows where the planner still
+disagrees are strict xfails with the reason in numbers: if a change of the model closes one,
+its xfail fails and the table's note must change with it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "planner_layouts.py"
+_SPEC = importlib.util.spec_from_file_location("planner_layouts", _PATH)
+table = importlib.util.module_from_spec(_SPEC)
+sys.modules.setdefault("planner_layouts", table)  # dataclasses look their module up there
+_SPEC.loader.exec_module(table)
+
+# Row index -> why the planner's pick is more than 5% faster than the published layout.
+RANKING_GAPS = {
+    3: "Qwen3-235B: the pick keeps EP8 inside a node; the published EP32 pays ~13 s of a 22 s "
+       "step in cross-node all-to-alls (Megatron-Bridge's own parallelism guide recommends EP8)",
+    8: "Qwen3-30B: the pick's EP8 stays on NVLink; the published EP16 crosses two nodes",
+    17: "GPT3-20B: without TP overlap the pick's TP1 PP2 VP11 is 8.5% faster than TP2 DP32",
+    27: "Llama3-70B FP8 on 2048 GPUs: TP4 PP4 VP4 DP128 estimated 5.0% faster than PP8 VP5",
+    31: "Llama2-70B LoRA: the fine-tuning table lists no VP; without it the bubble is 3/16",
+    33: "Llama2-13B SFT: the same, PP4 without VP against the pick's VP10",
+}
+
+
+def _ids() -> list[str]:
+    return [f"{i:02d}-{run.name.replace(' ', '_')}" for i, run in enumerate(table.RUNS)]
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return [table.measure(run) for run in table.RUNS]
+
+
+def test_the_table_holds_runs_back_and_names_their_sources():
+    held = [run for run in table.RUNS if run.held_back]
+    assert len(held) >= 3
+    assert all(run.source.startswith(("[dgxc]", "[bridge]", "[nemo]")) for run in table.RUNS)
+    assert set(RANKING_GAPS) <= set(range(len(table.RUNS)))
+
+
+@pytest.mark.parametrize("index", range(len(table.RUNS)), ids=_ids())
+def test_estimate_is_within_25_percent_of_the_published_throughput(rows, index):
+    row = rows[index]
+    assert 0.75 <= row.estimate_ratio <= 1.25, (row.run.name, row.estimate_ratio)
+    assert row.fits, f"{row.run.name}: ran without recompute, but our memory model says it cannot"
+
+
+@pytest.mark.parametrize("index", range(len(table.RUNS)), ids=_ids())
+def test_published_layout_is_within_5_percent_of_the_pick(rows, request, index):
+    if index in RANKING_GAPS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=RANKING_GAPS[index]))
+    row = rows[index]
+    assert row.pick.layout == row.published.layout or abs(row.pick_ratio - 1) <= 0.05, \
+        (row.run.name, row.pick.describe(), row.pick_ratio)
