@@ -41,36 +41,26 @@ from dataclasses import dataclass
 from hpc_mca.topology import Layout, LayoutError, ModelShape, plan
 from hpc_mca.topology.hardware import GiB
 
-LLAMA3_8B = ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32,
-                       num_query_groups=8, ffn_hidden_size=14336, vocab_size=128256,
-                       name="Llama3.1-8B")
-LLAMA3_70B = ModelShape(num_layers=80, hidden_size=8192, num_attention_heads=64,
-                        num_query_groups=8, ffn_hidden_size=28672, vocab_size=128256,
-                        name="Llama3.1-70B")
-LLAMA31_405B = ModelShape(num_layers=126, hidden_size=16384, num_attention_heads=128,
-                          num_query_groups=8, ffn_hidden_size=53248, vocab_size=128256,
-                          name="Llama3.1-405B")
-LLAMA2_7B = ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32,
-                       num_query_groups=32, ffn_hidden_size=11008, vocab_size=32000,
-                       name="Llama2-7B")
-LLAMA2_13B = ModelShape(num_layers=40, hidden_size=5120, num_attention_heads=40,
-                        num_query_groups=40, ffn_hidden_size=13824, vocab_size=32000,
-                        name="Llama2-13B")
-LLAMA2_70B = ModelShape(num_layers=80, hidden_size=8192, num_attention_heads=64,
-                        num_query_groups=8, ffn_hidden_size=28672, vocab_size=32000,
-                        name="Llama2-70B")
-GPT3_5B = ModelShape(num_layers=24, hidden_size=4096, num_attention_heads=32,
-                     num_query_groups=32, ffn_hidden_size=16384, vocab_size=50304,
-                     gated_linear_unit=False, name="GPT3-5B")
-GPT3_20B = ModelShape(num_layers=44, hidden_size=6144, num_attention_heads=48,
-                      num_query_groups=48, ffn_hidden_size=24576, vocab_size=50304,
-                      gated_linear_unit=False, name="GPT3-20B")
-GPT3_175B = ModelShape(num_layers=96, hidden_size=12288, num_attention_heads=96,
-                       num_query_groups=96, ffn_hidden_size=49152, vocab_size=51200,
-                       gated_linear_unit=False, name="GPT3-175B")
-NEMOTRON4_15B = ModelShape(num_layers=32, hidden_size=6144, num_attention_heads=48,
-                           num_query_groups=8, ffn_hidden_size=24576, vocab_size=256000,
-                           gated_linear_unit=False, name="Nemotron4-15B")
+
+def _dense(name: str, layers: int, hidden: int, heads: int, groups: int, ffn: int, vocab: int,
+           gated: bool = True) -> ModelShape:
+    """A dense decoder's shape as its public config gives it (gated: SwiGLU; else GeLU or
+    squared ReLU, two MLP matrices)."""
+    return ModelShape(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                      num_query_groups=groups, ffn_hidden_size=ffn, vocab_size=vocab,
+                      gated_linear_unit=gated, name=name)
+
+
+LLAMA3_8B = _dense("Llama3.1-8B", 32, 4096, 32, 8, 14336, 128256)
+LLAMA3_70B = _dense("Llama3.1-70B", 80, 8192, 64, 8, 28672, 128256)
+LLAMA31_405B = _dense("Llama3.1-405B", 126, 16384, 128, 8, 53248, 128256)
+LLAMA2_7B = _dense("Llama2-7B", 32, 4096, 32, 32, 11008, 32000)
+LLAMA2_13B = _dense("Llama2-13B", 40, 5120, 40, 40, 13824, 32000)
+LLAMA2_70B = _dense("Llama2-70B", 80, 8192, 64, 8, 28672, 32000)
+GPT3_5B = _dense("GPT3-5B", 24, 4096, 32, 32, 16384, 50304, gated=False)
+GPT3_20B = _dense("GPT3-20B", 44, 6144, 48, 48, 24576, 50304, gated=False)
+GPT3_175B = _dense("GPT3-175B", 96, 12288, 96, 96, 49152, 51200, gated=False)
+NEMOTRON4_15B = _dense("Nemotron4-15B", 32, 6144, 48, 8, 24576, 256000, gated=False)
 QWEN3_30B_A3B = ModelShape(num_layers=48, hidden_size=2048, num_attention_heads=32,
                            num_query_groups=4, head_dim=128, ffn_hidden_size=6144,
                            vocab_size=151936, num_experts=128, moe_ffn_hidden_size=768,
