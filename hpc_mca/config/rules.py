@@ -15,10 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hpc_mca.data.mix import MIX_STRATEGIES
+from hpc_mca.data.choices import MIX_STRATEGIES, PT_CHUNKINGS
 from hpc_mca.data.records import FORMATS_BY_READS
 from hpc_mca.data.templates import TEMPLATE_NAMES
-from hpc_mca.data.tokenize import PT_CHUNKINGS
 from hpc_mca.stages import (
     RESERVED_STAGES,
     STAGE_NAMES,

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
 _STOPPING = {"interleave_under": "first_exhausted", "interleave_over": "all_exhausted"}
 
 

@@ -37,8 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from hpc_mca.stages import FEEDBACK, PREFERENCE_PAIR, TEXT, get_stage, stages_where
 
 from .errors import DataError
@@ -232,6 +230,8 @@ def _check_feedback(source: DatasetSource, stage: str, field_name: str) -> None:
 def _drawn(records: list[Record], count: int, seed: int) -> list[Record]:
     """``count`` records: every record once in a random order, cut to ``count``, then random
     repeats for the rest (LLaMA-Factory's draw for an entry's num_samples)."""
+    import numpy as np  # here: the login node's plan checks sources without drawing
+
     rng = np.random.RandomState(seed)
     order = rng.permutation(len(records))[:count]
     if count > len(order):

@@ -19,9 +19,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .choices import PT_CHUNKINGS
 from .errors import DataError
 from .records import indexed_prefix
-from .tokenize import PT_CHUNKINGS, windows
+from .tokenize import windows
 
 CACHE_VERSION = 2
 """Bump when the meaning of cached arrays changes (2: dpo pairs label only the final answer,

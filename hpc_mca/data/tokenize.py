@@ -19,12 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from .choices import PT_CHUNKINGS
 from .errors import DataError
 
 IGNORE_INDEX = -100
 """Label of a position without loss (padding, prompts), as in transformers."""
-PT_CHUNKINGS = ("concat", "document")
-"""``data.pt_chunking``: one stream of all documents, or each document on its own."""
 _BATCH = 512
 
 
