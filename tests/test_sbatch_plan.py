@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "hpc_mca" / "assets" / "demo"
 HPC_MCA = str(Path(sys.executable).with_name("hpc-mca"))
 # A 13B-class llama (config.json only: enough to plan): the planner gives 2 nodes x 8 H100
-# TP2 PP2 VP4 CP1 DP4 and 4 nodes TP1 PP4 VP5 CP2 DP4 for 8k tokens.
+# TP2 PP1 CP2 DP4 and 4 nodes TP2 PP1 CP2 DP8 for 8k tokens.
 MID = {"model_type": "llama", "hidden_size": 5120, "intermediate_size": 17920,
        "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 8,
        "vocab_size": 32000, "max_position_embeddings": 8192}
@@ -80,7 +80,7 @@ def test_job_start_plan_is_hpc_mca_plans_for_the_allocation(tmp_path: Path, node
                          ["seed=7"])
     describe, overrides = done.stdout.splitlines()
     assert overrides.split() == list(want.plan_overrides)
-    expected = {2: "TP2 PP2 VP4 CP1 DP4", 4: "TP1 PP4 VP5 CP2 DP4"}[nodes]
+    expected = {2: "TP2 PP1 CP2 DP4", 4: "TP2 PP1 CP2 DP8"}[nodes]
     assert want.plan.describe() == expected
     assert describe == f"{expected} on {nodes} node(s) x 8 rank(s) (H100-80GB)"
     record = json.loads((run_dir / PLAN_FILE).read_text())
@@ -220,7 +220,7 @@ def test_the_template_hands_the_plan_to_the_ranks(tmp_path: Path, mode: str) -> 
     assert srun[2:] == [*head, *record["plan_overrides"], f"output_dir={run_dir}"]
     assert record["plan_overrides"] == list(make_job_plan(
         PlanOptions(nodes=2, gpus_per_node=8), config, ["seed=7"]).plan_overrides)
-    assert (f"hpc-mca | plan           TP2 PP2 VP4 CP1 DP4 on 2 node(s) x 8 rank(s) (H100-80GB); "
+    assert (f"hpc-mca | plan           TP2 PP1 CP2 DP4 on 2 node(s) x 8 rank(s) (H100-80GB); "
             f"recorded in {run_dir}/{PLAN_FILE}") in out
 
 

@@ -76,6 +76,28 @@ def test_command_line_wins_over_the_config(tmp_path, model_dir):
             chosen["recompute_num_layers"]) == ("full", "uniform", "1")
 
 
+def test_block_recompute_reaches_the_trainer_and_a_configs_block_is_sized_as_given(
+        tmp_path, model_dir):
+    """The planner's block level (the fewest layers a chunk that fit) goes to the trainer as
+    Megatron's block method; a config's own block recompute is sized with its N, a uniform one
+    as full recompute of every layer."""
+    job = make_job_plan(PlanOptions(nodes=2, gpus_per_node=1, recompute="block",
+                                    seq_length=16384, gpu="H200-141GB"),
+                        _config(tmp_path, model_dir))
+    n = int(job.plan.recompute.split(":")[1])
+    chosen = _overrides(job)
+    assert (chosen["recompute_granularity"], chosen["recompute_method"],
+            chosen["recompute_num_layers"]) == ("full", "block", str(n))
+    extra = ("parallel:\n  recompute_granularity: full\n  recompute_method: block\n"
+             "  recompute_num_layers: 4\n")
+    given = make_job_plan(PlanOptions(nodes=2), _config(tmp_path, model_dir, extra))
+    assert given.plan.recompute == "block:4"
+    assert "recompute_num_layers" not in _overrides(given)  # the config's own stays its own
+    uniform = extra.replace("block", "uniform")
+    assert make_job_plan(PlanOptions(nodes=2), _config(tmp_path, model_dir, uniform)
+                         ).plan.recompute == "full"
+
+
 def test_the_plan_overlaps_gradient_reduction_unless_the_config_says_not_to(tmp_path, model_dir):
     """The step-time estimate assumes overlap_grad_reduce, so the plan turns it on for the
     trainer; a config that turns it off keeps it off and is estimated without the overlap."""

@@ -10,7 +10,8 @@ from hpc_mca.topology import (GPU_PRESETS, Layout, LayoutError, ModelShape, Plan
                               Workload, check_layout, estimate_memory, format_plan_table,
                               get_gpu, plan)
 from hpc_mca.topology.hardware import GiB
-from hpc_mca.topology.memory import stage_counts
+from hpc_mca.topology.cost import estimate_step_time
+from hpc_mca.topology.memory import block_layers, stage_counts
 from hpc_mca.topology.search import MIN_CP_TOKENS
 
 LLAMA3_8B = ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32,
@@ -242,15 +243,46 @@ def test_pipeline_gets_interleaved_when_the_bubble_costs_more_than_the_sends():
     assert f"VP{p.layout.vp} cuts the pipeline bubble" in p.reason
 
 
-def test_full_recompute_only_when_nothing_else_fits():
-    # One GPU per node rules out TP; PP and CP cannot shrink 16k-token activations enough.
-    p = plan(model=LLAMA3_8B, nodes=2, gpus_per_node=1, seq_length=16384, global_batch_size=16,
-             gpu="H200-141GB")
-    assert p.layout.model_parallel_size == 1
-    assert p.recompute == "full" and "with full recompute" in p.reason
+def test_recompute_only_as_much_as_nothing_less_fits():
+    """One GPU per node rules out TP; PP and CP cannot shrink 16k-token activations enough, so
+    some layers recompute: the fewest a chunk that fit (Megatron's block method), not all of
+    them. One layer fewer does not fit the planning budget; none does not fit at all; full
+    recompute of every layer fits but is slower."""
+    job = dict(model=LLAMA3_8B, nodes=2, gpus_per_node=1, seq_length=16384, global_batch_size=16,
+               gpu="H200-141GB")
+    p = plan(**job)
+    n = block_layers(p.recompute)
+    assert n is not None and 1 <= n < LLAMA3_8B.num_layers // p.layout.pp
+    assert f"first {n} layer(s) of each pipeline chunk (block), the fewest that fit" in p.reason
+    budget = 0.9 * p.usable_bytes
+    assert p.memory.total <= budget
+    if n > 1:
+        fewer = plan(**job, layout=p.layout, recompute=f"block:{n - 1}")
+        assert fewer.memory.total > budget
+    full = plan(**job, layout=p.layout, recompute="full")
+    assert full.memory.total < p.memory.total and full.step_time.total > p.step_time.total
     with pytest.raises(LayoutError, match="needs .* with recompute=none"):
-        plan(model=LLAMA3_8B, nodes=2, gpus_per_node=1, seq_length=16384, global_batch_size=16,
-             gpu="H200-141GB", layout=p.layout, recompute="none")
+        plan(**job, layout=p.layout, recompute="none")
+
+
+def test_block_recompute_memory_and_time_by_hand():
+    """block:N keeps only the input of the first N layers of each chunk (TP4 PP2 VP2 on 32
+    layers: chunks of 8, N=3) and runs their forward again in the backward."""
+    layout = Layout(tp=4, pp=2, vp=2).resolved(16)
+    work = Workload(seq_length=16384, num_microbatches=64)
+    per_token = 34 * 4096 + 4 * 32
+    per_layer = 16384 * per_token // 4
+    stored = 16384 * 2 * 4096 // 4
+    none, block = (estimate_memory(LLAMA3_8B, layout, replace(work, recompute=r))
+                   for r in ("none", "block:3"))
+    inflight = (2 * (2 - 0 - 1) + (2 - 1) * 2 + 1) * 16 / 2  # rank 0: 5 chunks of 8 layers
+    assert none.activations == int(inflight * per_layer)
+    assert block.activations == int(inflight * (3 / 8 * stored + 5 / 8 * per_layer) + per_layer)
+    h100 = get_gpu("H100-80GB")
+    t_none, t_block, t_full = (estimate_step_time(LLAMA3_8B, layout, replace(work, recompute=r),
+                                                  h100, 8) for r in ("none", "block:3", "full"))
+    assert t_block.compute - t_none.compute == pytest.approx(3 / 8 * (t_full.compute
+                                                                      - t_none.compute))
 
 
 def test_the_search_keeps_a_memory_headroom():
@@ -321,7 +353,11 @@ def test_other_bad_fields_each_one_line():
     assert lines == ["seq_length=0 must be a positive integer",
                      "stage='ppo' is not valid; valid: pt, sft, dpo, kto",
                      "precision='int4' is not valid; valid: bf16, fp16, fp8, fp32",
-                     "recompute='some' is not valid; valid: none, selective, full"]
+                     "recompute='some' is not valid; valid: none, selective, block, full "
+                     "(or block:N, N ≥ 1)"]
+    assert _error_lines(recompute="block:0") == [
+        "recompute='block:0' is not valid; valid: none, selective, block, full (or block:N, "
+        "N ≥ 1)"]
 
 
 def test_fp8_needs_hopper():

@@ -74,7 +74,9 @@ def plan_options(func: F) -> F:
         click.option("--sp", type=int, default=None,
                      help="Force the Ulysses sequence-parallel size (standard backend, "
                           "training.use_mca=false, only; Megatron splits sequences with --cp)."),
-        click.option("--recompute", default=None, help=f"Force {_either(RECOMPUTE)}."),
+        click.option("--recompute", default=None,
+                     help=f"Force {_either(RECOMPUTE)} (block: full recompute of the fewest "
+                          "layers of each pipeline chunk that fit; block:N forces N)."),
         click.option("--distributed-optimizer/--no-distributed-optimizer", default=None,
                      help="Force the distributed optimizer on or off."),
     ], func)

@@ -322,7 +322,7 @@ def _from_config(config: TrainConfig, explicit: set[str],
         fields["global_batch_size"] = (tr.per_device_train_batch_size
                                        * (tr.gradient_accumulation_steps or 1) * max(world, 1))
     if "recompute_granularity" in explicit:
-        fields["recompute"] = par.recompute_granularity or "none"
+        fields["recompute"] = _config_recompute(par)
     if "use_distributed_optimizer" in explicit:
         fields["use_distributed_optimizer"] = par.use_distributed_optimizer
     if "overlap_grad_reduce" in explicit:
@@ -415,10 +415,23 @@ def _standard_overrides(result: Plan, options: PlanOptions, explicit: set[str]) 
     return out
 
 
+def _config_recompute(par: Any) -> str:
+    """The config's recompute as the planner names it: ``block:N`` for full granularity with
+    the block method (the first N layers of each chunk), full for uniform (sized as one layer
+    a group)."""
+    if par.recompute_granularity == "full" and par.recompute_method == "block" \
+            and par.recompute_num_layers:
+        return f"block:{par.recompute_num_layers}"
+    return par.recompute_granularity or "none"
+
+
 def _recompute(recompute: str) -> dict[str, Any]:
     if recompute == "full":
         return {"recompute_granularity": "full", "recompute_method": "uniform",
                 "recompute_num_layers": 1}
+    if recompute.startswith("block:"):
+        return {"recompute_granularity": "full", "recompute_method": "block",
+                "recompute_num_layers": int(recompute.split(":", 1)[1])}
     # The method and layer count belong to full recomputation only (refused otherwise)
     return {"recompute_granularity": None if recompute == "none" else recompute,
             "recompute_method": None, "recompute_num_layers": None}

@@ -8,4 +8,6 @@ TORCH_CP_COMM_TYPES = ("all_gather", "a2a")
 CP_COMM_TYPES = (*TORCH_CP_COMM_TYPES, "p2p")
 """Context-parallel attention exchanges (Megatron's ``cp_comm_type``); p2p is TE's alone."""
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "block", "full")
+"""Activation recompute levels, least first: block is full recompute of the first N layers of
+each pipeline chunk (Megatron's block method), N the fewest that fit (``block:N`` forces N)."""

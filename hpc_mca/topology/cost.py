@@ -10,8 +10,8 @@ A model of one optimizer step, in seconds, on the slowest pipeline stage:
   forward GEMMs (input and weight gradients; LoRA's frozen weights need only the first) and
   2.5 times the forward attention (flash attention recomputes the scores). The first stage
   adds the embedding's dense gradient, the last the output layer and loss. Full recompute adds
-  one forward of every layer, selective one of the attention core; DPO adds a forward of the
-  reference model.
+  one forward of every layer, block:N of the first N layers of each chunk, selective one of
+  the attention core; DPO adds a forward of the reference model.
 * communication (topology/network.py): TP/SP collectives (not overlapped by this trainer), the
   CP exchange as far as each ring step's attention cannot hide it plus each step's fixed
   cost, MoE all-to-alls and a dropless dispatcher's host sync, pipeline sends and each chunk
@@ -47,6 +47,7 @@ from .memory import (
     mlp_matrices,
     mtp_on_rank,
     padded_vocab,
+    recomputed_share,
     stage_counts,
 )
 from .model import ModelShape
@@ -282,8 +283,9 @@ def _compute(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
     if rank == 0:
         backward += _embedding_backward_seconds(model, layout, work, gpu)
     extra = 0.0
-    if work.recompute == "full":
-        extra += layers * (gemm + attn + elem)
+    recomputed = recomputed_share(model, layout, work, rank)
+    if recomputed:
+        extra += recomputed * layers * (gemm + attn + elem)
     elif work.recompute == "selective":
         extra += layers * attn
     # E.g. dpo's frozen reference: its log-probabilities, forward only.
@@ -319,13 +321,14 @@ def _micro_batch(model: ModelShape, layout: Layout, work: Workload, net: Network
                  rank: int) -> _Pass:
     c = _compute(model, layout, work, net.gpu, rank)
     layers = layers_on_rank(model, layout, rank)
-    forward_passes = 1 + (work.recompute == "full") + _extra_forwards(work)
+    recomputed = recomputed_share(model, layout, work, rank)
+    forward_passes = 1 + recomputed + _extra_forwards(work)
     return _Pass(
         forward=c.forward, backward=c.backward, compute=c.total,
         tensor_parallel=network.tensor_parallel(model, layout, work, net, layers,
                                                 forward_passes, c.layer_gemm),
         context_parallel=layers * network.context_parallel(
-            model, layout, work, net, c.layer_attention, c.layer_attention_backward),
+            model, layout, work, net, c.layer_attention, c.layer_attention_backward, recomputed),
         expert_parallel=layers * network.expert_parallel(model, layout, work, net,
                                                          forward_passes, c.layer_forward),
         p2p=network.pipeline_sends(model, layout, work, net, c.forward + c.backward))

@@ -16,7 +16,8 @@ The estimate is the sum of four parts, each per GPU and in bytes:
   change it; for Llama-3-8B the count below gives exactly 34·h per token), and the 5·a·s/h
   attention-score term vanishes with flash/fused attention. Sequence parallelism splits every
   saved tensor over TP and context parallelism splits the sequence, so the total is divided by
-  TP·CP. Full recompute keeps only each layer's input plus one layer's working set.
+  TP·CP. Full recompute keeps only each layer's input plus one layer's working set; block:N
+  does so for the first N layers of each pipeline chunk.
 
 With LoRA only the adapters are trainable: the frozen base costs its weights and nothing else;
 with freeze (LLaMA-Factory's partial fine-tuning) only the layers and tables it trains, on the
@@ -65,7 +66,9 @@ class Workload:
     lora_rank: int = 16
     """LoRA rank r: each adapted (in → out) linear gains r·(in + out) parameters."""
     recompute: str = "none"
-    """none, selective (attention core only) or full (every layer, uniform, 1 layer a chunk)."""
+    """none, selective (attention core only), ``block:N`` (full recompute of the first N
+    layers of each pipeline chunk, Megatron's block method) or full (every layer, uniform, 1
+    layer a group)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer)."""
     flash_attention: bool = True
@@ -323,16 +326,48 @@ def _layer_activation_bytes(model: ModelShape, layout: Layout, work: Workload) -
     return microbatch_tokens(work, layout) * layer_bytes_per_token(model, work, layout) // layout.tp
 
 
+def block_layers(recompute: str) -> int | None:
+    """N of a ``block:N`` recompute, else None."""
+    return int(recompute.split(":", 1)[1]) if recompute.startswith("block:") else None
+
+
+def recompute_level(recompute: str) -> str:
+    """none, selective, block or full (``block:N`` is the block level)."""
+    return "block" if recompute.startswith("block:") else recompute
+
+
+def chunk_layers(model: ModelShape, layout: Layout, rank: int) -> list[int]:
+    """Layers of each model chunk (virtual stage) pipeline rank ``rank`` holds."""
+    if layout.pipeline_layout is not None:
+        return list(layout.pipeline_layout[rank::layout.pp])
+    chunks = layout.vp or 1
+    return [model.num_layers // (layout.pp * chunks)] * chunks
+
+
+def recomputed_share(model: ModelShape, layout: Layout, work: Workload, rank: int) -> float:
+    """Share of pipeline rank ``rank``'s layers whose forward runs again in the backward:
+    all with full recompute, the first N of each chunk with ``block:N``, none otherwise."""
+    if work.recompute == "full":
+        return 1.0
+    n = block_layers(work.recompute)
+    if n is None:
+        return 0.0
+    chunks = chunk_layers(model, layout, rank)
+    return sum(min(n, c) for c in chunks) / max(1, sum(chunks))
+
+
 def _activation_memory(model: ModelShape, layout: Layout, work: Workload, rank: int,
                        per_layer: int) -> int:
     """``per_layer``: _layer_activation_bytes(), computed once for all the ranks sized."""
-    if work.recompute == "full":
-        # Only each layer's (sequence-parallel) input survives; backward re-runs one layer at a
-        # time, so one layer's full activations come back on top.
+    share = recomputed_share(model, layout, work, rank)
+    inflight = _inflight_layers(model, layout, work, rank)
+    if share:
+        # A recomputed layer keeps only its (sequence-parallel) input; backward re-runs one
+        # layer at a time, so one layer's full activations come back on top.
         stored = microbatch_tokens(work, layout) * 2 * model.hidden_size // layout.tp
-        total = _inflight_layers(model, layout, work, rank) * stored + per_layer
+        total = inflight * (share * stored + (1 - share) * per_layer) + per_layer
     else:
-        total = _inflight_layers(model, layout, work, rank) * per_layer
+        total = inflight * per_layer
     if rank == layout.pp - 1:
         # Loss: bf16 logits plus the fp32 softmax the fused vocab-parallel cross entropy keeps,
         # once for the main head and once per MTP depth; each depth also keeps a layer's

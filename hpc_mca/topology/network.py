@@ -98,7 +98,7 @@ class Network:
 
 
 def tensor_parallel(model: ModelShape, layout: Layout, work: Workload, net: Network,
-                    layers: int, forward_passes: int, layer_gemm: float) -> float:
+                    layers: int, forward_passes: float, layer_gemm: float) -> float:
     """Exposed seconds of one micro-batch's TP/SP collectives: every layer all-gathers and
     reduce-scatters its activations twice a pass (4 forward, 4 backward, 4 per extra forward).
     Not overlapped here (this trainer has no userbuffers); with ``tp_comm_overlap`` each is cut
@@ -115,7 +115,7 @@ def tensor_parallel(model: ModelShape, layout: Layout, work: Workload, net: Netw
 
 
 def context_parallel(model: ModelShape, layout: Layout, work: Workload, net: Network,
-                     attn_forward: float, attn_backward: float) -> float:
+                     attn_forward: float, attn_backward: float, recomputed: float) -> float:
     """Exposed seconds of one layer's CP exchange for one micro-batch, by ``cp_comm_type``:
 
     * p2p (TE's ring): CP steps, CP−1 of them waiting on a KV hop (forward) or a KV and dKV
@@ -126,6 +126,8 @@ def context_parallel(model: ModelShape, layout: Layout, work: Workload, net: Net
       scattered after it, not overlapped;
     * a2a (Ulysses): Q, K, V and the output re-sharded forward and their gradients backward,
       not overlapped.
+
+    ``recomputed``: the share of layers whose forward (and its exchange) runs twice.
     """
     cp = layout.cp
     if cp == 1:
@@ -149,12 +151,11 @@ def context_parallel(model: ModelShape, layout: Layout, work: Workload, net: Net
     else:
         q_and_out = 2 * tokens * hq * width / layout.tp
         forward = backward = net.all_to_all(cp, kv + q_and_out, layout.tp)
-    recompute = forward if work.recompute == "full" else 0.0
-    return forward + backward + recompute
+    return forward + backward + recomputed * forward  # a recomputed layer exchanges again
 
 
 def expert_parallel(model: ModelShape, layout: Layout, work: Workload, net: Network,
-                    forward_passes: int, layer_compute: float) -> float:
+                    forward_passes: float, layer_compute: float) -> float:
     """Exposed seconds of one MoE layer's dispatch and combine for one micro-batch, two
     all-to-alls a pass, plus a dropless dispatcher's host sync (MOE_SYNC_STALL_S) each
     dispatch. With ``moe_comm_overlap`` (Megatron's overlap_moe_expert_parallel_comm, which

@@ -93,7 +93,8 @@ class PlanRequest:
     micro_batch_size: int | None = None
     """Force the micro-batch size."""
     recompute: str | None = None
-    """Force none, selective or full activation recompute."""
+    """Force none, selective, block (the fewest layers a chunk that fit), ``block:N`` or full
+    activation recompute."""
     use_distributed_optimizer: bool | None = None
     """Force the distributed optimizer on or off; None = on whenever there is DP·CP to shard."""
     cp_comm_type: str = "all_gather"
@@ -162,7 +163,8 @@ class Plan:
     num_microbatches: int
     """Micro-batches per step per DP rank: global / (micro · DP)."""
     recompute: str
-    """none, selective or full."""
+    """none, selective, ``block:N`` (full recompute of the first N layers of each pipeline
+    chunk: Megatron's block method) or full."""
     use_distributed_optimizer: bool
     sequence_parallel: bool
     """On whenever TP > 1 (required for MoE with TP, and what the activation estimate
@@ -237,8 +239,10 @@ def _request_violations(req: PlanRequest) -> list[str]:
     for name, choices in (("stage", STAGE_NAMES), ("precision", PRECISIONS),
                           ("recompute", RECOMPUTE), ("cp_comm_type", CP_COMM_TYPES)):
         value = getattr(req, name)
-        if value is not None and value not in choices:
-            lines.append(f"{name}={value!r} is not valid; valid: {', '.join(choices)}")
+        if value is not None and value not in choices and not (
+                name == "recompute" and _block_n(value) is not None):
+            lines.append(f"{name}={value!r} is not valid; valid: {', '.join(choices)}"
+                         + (" (or block:N, N ≥ 1)" if name == "recompute" else ""))
     cap = req.max_context_parallel
     if req.layout is not None and cap is not None and req.layout.cp > cap:
         lines.append(f"{FIELD_NAMES['cp']}={req.layout.cp} is not supported by the trainer "
@@ -253,6 +257,14 @@ def _request_violations(req: PlanRequest) -> list[str]:
                      "valid: bf16, fp16, fp32")
     # The backend's rules need a valid world size (the SP rule divides it).
     return lines or standard_request_violations(req)
+
+
+def _block_n(value: object) -> int | None:
+    """N of a well-formed ``block:N`` (N ≥ 1), else None."""
+    if not isinstance(value, str) or not value.startswith("block:"):
+        return None
+    digits = value[len("block:"):]
+    return int(digits) if digits.isdigit() and int(digits) >= 1 else None
 
 
 def _make_plan(req: PlanRequest, option: Option, reason: str, *, forced: bool,

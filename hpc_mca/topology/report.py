@@ -7,6 +7,7 @@ from typing import Any
 
 from .cost import StepTime
 from .hardware import GiB
+from .memory import block_layers
 from .planner import Plan
 from .search import TIE
 
@@ -50,6 +51,15 @@ def _optimizer_text(plan: Plan) -> str:
     return "replicated (not sharded)"
 
 
+def recompute_text(recompute: str) -> str:
+    """``block:3`` as a reader needs it; the other levels as they are."""
+    n = block_layers(recompute)
+    if n is None:
+        return recompute
+    return (f"block: full recompute of the first {n} layer(s) of each pipeline chunk "
+            "(recompute_method=block)")
+
+
 def _rows(plan: Plan) -> list[tuple[str, str]]:
     lay, mem = plan.layout, plan.memory
     return [
@@ -57,7 +67,7 @@ def _rows(plan: Plan) -> list[tuple[str, str]]:
         ("layout", _layout_text(plan)),
         ("batch", f"micro {plan.micro_batch_size} × DP {lay.dp} × {plan.num_microbatches} "
                   f"micro-batches = global {plan.request.global_batch_size}"),
-        ("recompute", plan.recompute),
+        ("recompute", recompute_text(plan.recompute)),
         ("optimizer", _optimizer_text(plan)),
         ("memory/GPU", f"params {_gib(mem.params)} | grads {_gib(mem.grads)} | optimizer "
                        f"{_gib(mem.optimizer)} | activations {_gib(mem.activations)}"),

@@ -30,7 +30,8 @@ from .cost import StepTime, estimate_step_time, step_time_floor
 from .errors import LayoutError
 from .hardware import GiB
 from .layout import Layout, balanced_pipeline_layout, divisors
-from .memory import RECOMPUTE, MemoryEstimate, Workload, estimate_memory
+from .memory import (RECOMPUTE, MemoryEstimate, Workload, block_layers, chunk_layers,
+                     estimate_memory, recompute_level)
 from .model import ModelShape
 from .rules import check_layout, seq_alignment
 
@@ -75,7 +76,8 @@ class Option:
     def preference(self) -> tuple[int, ...]:
         """Sort key among near-equal step times (see module doc)."""
         lay = self.layout
-        return (RECOMPUTE.index(self.recompute), lay.model_parallel_size, -lay.tp, lay.cp,
+        return (RECOMPUTE.index(recompute_level(self.recompute)),
+                block_layers(self.recompute) or 0, lay.model_parallel_size, -lay.tp, lay.cp,
                 lay.ep, lay.vp or 0, -self.micro_batch_size)
 
 
@@ -140,7 +142,9 @@ def violations(req: PlanRequest, layout: Layout, mbs: int) -> list[str]:
 
 
 def memory(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> MemoryEstimate:
-    return size(req, candidate(req, layout, mbs, recompute)).memory
+    """Memory of ``layout`` at a recompute that is not the bare block level."""
+    return size(req, Candidate(layout, mbs, recompute,
+                               workload(req, layout, mbs, recompute))).memory
 
 
 @dataclass(frozen=True)
@@ -160,8 +164,35 @@ class Sized(Candidate):
     memory: MemoryEstimate
 
 
-def candidate(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Candidate:
+def candidate(req: PlanRequest, layout: Layout, mbs: int, recompute: str,
+              budget: int | None = None) -> Candidate | None:
+    """``layout`` at ``mbs`` and ``recompute``; the block level becomes ``block:N`` with the
+    fewest N that fit ``budget`` (default: the planning budget), or None where block has
+    nothing to offer: none fits already, no N fits, or every chunk holds one layer."""
+    if recompute == "block":
+        recompute = _fewest_blocks(req, layout, mbs, planning_budget(req) if budget is None
+                                   else budget)
+        if recompute is None:
+            return None
     return Candidate(layout, mbs, recompute, workload(req, layout, mbs, recompute))
+
+
+def _fewest_blocks(req: PlanRequest, layout: Layout, mbs: int, budget: int) -> str | None:
+    """``block:N`` for the fewest recomputed layers a chunk that fit ``budget`` (memory falls
+    as N grows: a binary search), or None (see candidate)."""
+    def fits(recompute: str) -> bool:
+        cand = Candidate(layout, mbs, recompute, workload(req, layout, mbs, recompute))
+        return size(req, cand).memory.total <= budget
+
+    top = max(max(chunk_layers(req.shape, layout, r)) for r in range(layout.pp)) - 1
+    # A searched block level has nothing to offer where no recompute fits; a forced one does.
+    if top < 1 or (req.recompute != "block" and fits("none")) or not fits(f"block:{top}"):
+        return None
+    low, high = 1, top
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(f"block:{mid}") else (mid + 1, high)
+    return f"block:{low}"
 
 
 def size(req: PlanRequest, cand: Candidate) -> Sized:
@@ -180,14 +211,15 @@ def timed(req: PlanRequest, sized: Sized) -> Option:
 
 
 def evaluate(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Option:
-    """Memory and estimated step time of a resolved layout."""
-    return timed(req, size(req, candidate(req, layout, mbs, recompute)))
+    """Memory and estimated step time of a resolved layout (recompute not the bare block)."""
+    return timed(req, size(req, Candidate(layout, mbs, recompute,
+                                          workload(req, layout, mbs, recompute))))
 
 
 def recompute_options(req: PlanRequest) -> list[str]:
     if req.recompute is not None:
         return [req.recompute]
-    return ["none"] + ([] if req.flash_attention else ["selective"]) + ["full"]
+    return ["none"] + ([] if req.flash_attention else ["selective"]) + ["block", "full"]
 
 
 def tunings(req: PlanRequest, layout: Layout, recompute: str, budget: int, *,
@@ -195,24 +227,26 @@ def tunings(req: PlanRequest, layout: Layout, recompute: str, budget: int, *,
     """Every micro-batch size (and, when ``interleave``, interleaving depth) of ``layout`` at
     ``recompute`` that passes the rules and fits ``budget``, timed (memory first, so that
     what does not fit is never timed)."""
-    for cand in valid_tunings(req, layout, recompute, interleave=interleave):
+    for cand in valid_tunings(req, layout, recompute, interleave=interleave, budget=budget):
         sized = size(req, cand)
         if sized.memory.total <= budget:
             yield timed(req, sized)
 
 
 def valid_tunings(req: PlanRequest, layout: Layout, recompute: str, *, interleave: bool,
-                  skip_first: bool = False) -> Iterator[Candidate]:
+                  skip_first: bool = False, budget: int | None = None) -> Iterator[Candidate]:
     """``tunings`` before sizing: every micro-batch size (and interleaving depth) of ``layout``
     that passes the rules. ``skip_first``: leave out ``layout`` itself at the first micro-batch
-    size (the search sized it already)."""
+    size (the search sized it already); ``budget``: what the block level fits (candidate)."""
     shapes = [layout, *(virtual_options(req.shape.num_layers, layout) if interleave else ())]
     for n, mbs in enumerate(micro_batch_options(req, layout)):
         for lay in shapes:
             if skip_first and n == 0 and lay is layout:
                 continue
             if not violations(req, lay, mbs):
-                yield candidate(req, lay, mbs, recompute)
+                cand = candidate(req, lay, mbs, recompute, budget)
+                if cand is not None:
+                    yield cand
 
 
 def micro_batch_options(req: PlanRequest, layout: Layout) -> list[int]:
@@ -329,12 +363,16 @@ def _fitting(req: PlanRequest, layouts: list[Layout], budget: int,
         if violations(req, layout, mbs):
             continue  # the arithmetic pre-filter is not the authority; check_layout is
         for recompute in recompute_options(req):
-            first = size(req, candidate(req, layout, mbs, recompute))
+            cand = candidate(req, layout, mbs, recompute, budget)
+            if cand is None:
+                continue
+            first = size(req, cand)
             if first.memory.total > budget:
                 misses.add(first.memory.total, layout, recompute)
                 continue
             found.append(first)
-            found.extend(valid_tunings(req, layout, recompute, interleave=True, skip_first=True))
+            found.extend(valid_tunings(req, layout, recompute, interleave=True, skip_first=True,
+                                       budget=budget))
     return found
 
 
@@ -431,7 +469,7 @@ def search_reason(req: PlanRequest, ranking: Ranking) -> str:
     parts = [f"{lay.describe()}: the fastest estimated step of {layouts} layout(s) that fit "
              f"{gpu.name} with {PLAN_HEADROOM:.0%} headroom ({_gib(best.memory.total)} of "
              f"{_gib(gpu.usable_bytes)} usable)"
-             + ("" if best.recompute == "none" else f" with {best.recompute} recompute")]
+             + ("" if best.recompute == "none" else f" with {_recompute_words(best)}")]
     other = next((o for o in ranked if o.layout.describe() != lay.describe()), None)
     if other is not None and other.time.total <= best.time.total * (1 + TIE):
         parts.append(f"{other.layout.describe()} is as fast (within {TIE:.0%}); this one is "
@@ -453,6 +491,14 @@ def search_reason(req: PlanRequest, ranking: Ranking) -> str:
         parts.append(f"VP{lay.vp} cuts the pipeline bubble to "
                      f"{best.time.pipeline_bubble / best.time.total:.0%} of the step")
     return "; ".join(parts)
+
+
+def _recompute_words(option: Option) -> str:
+    n = block_layers(option.recompute)
+    if n is None:
+        return f"{option.recompute} recompute"
+    return (f"full recompute of only the first {n} layer(s) of each pipeline chunk (block), "
+            "the fewest that fit")
 
 
 def _no_fit_line(req: PlanRequest, misses: Misses) -> str:
