@@ -1,7 +1,8 @@
 """The planner's search: every rule-valid layout that fits with headroom, tuned and ranked.
 
-Each candidate TP·PP·CP·EP split is tried with every recompute level, every micro-batch size
-up to MAX_MICRO_BATCH_TOKENS and every interleaving depth up to MAX_VIRTUAL_STAGES. What passes check_layout and fits the planning budget is
+Each candidate TP·PP·CP·EP split (topology/splits.py) is tried with every recompute level,
+every micro-batch size up to MAX_MICRO_BATCH_TOKENS and every interleaving depth up to
+MAX_VIRTUAL_STAGES. What passes check_layout and fits the planning budget is
 scored by the estimated step time (topology/cost.py); the fastest wins. Options within TIE of
 the fastest count as equal, and among those the plainest is taken: least recompute, then
 least model parallelism, larger TP (it stays on NVLink), PP before CP, the smallest EP and VP,
@@ -29,11 +30,10 @@ from typing import TYPE_CHECKING
 from .cost import StepTime, estimate_step_time, step_time_floor
 from .errors import LayoutError
 from .hardware import GiB
-from .layout import Layout, balanced_pipeline_layout, divisors
-from .memory import (RECOMPUTE, MemoryEstimate, Workload, block_layers, chunk_layers,
-                     estimate_memory, recompute_level)
-from .model import ModelShape
-from .rules import check_layout, seq_alignment
+from .layout import Layout
+from .memory import RECOMPUTE, MemoryEstimate, Workload, block_layers, chunk_layers, estimate_memory, recompute_level
+from .rules import check_layout
+from .splits import candidates, micro_batch_options, virtual_options
 
 if TYPE_CHECKING:
     from .planner import PlanRequest
@@ -45,11 +45,6 @@ if TYPE_CHECKING:
 PLAN_HEADROOM = 0.10
 # Estimated step times closer than this to the fastest are within the model's own error.
 TIE = 0.01
-# Beyond ~8k tokens per micro-batch the GEMMs are already large; more only costs memory.
-MAX_MICRO_BATCH_TOKENS = 8192
-# The deepest interleaving tried (published recipes go to 24 chunks of one layer each); the
-# cost model weighs each chunk's extra point-to-point traffic against the smaller bubble.
-MAX_VIRTUAL_STAGES = 24
 # Layouts whose best options the search ranks exactly (plan --explain shows them); options of
 # any other layout are only timed when they might beat one of these.
 RANKED_LAYOUTS = 5
@@ -249,35 +244,6 @@ def valid_tunings(req: PlanRequest, layout: Layout, recompute: str, *, interleav
                     yield cand
 
 
-def micro_batch_options(req: PlanRequest, layout: Layout) -> list[int]:
-    """The forced micro-batch, else powers of two up to MAX_MICRO_BATCH_TOKENS tokens that
-    divide the global batch per DP rank (always 1)."""
-    if req.micro_batch_size is not None:
-        return [req.micro_batch_size]
-    sizes, mbs, dp = [1], 2, layout.dp or 1
-    while mbs * req.seq_length <= MAX_MICRO_BATCH_TOKENS and req.global_batch_size % (mbs * dp) == 0:
-        sizes.append(mbs)
-        mbs *= 2
-    return sizes
-
-
-def virtual_options(num_layers: int, layout: Layout) -> Iterator[Layout]:
-    """Interleaved versions of ``layout`` up to MAX_VIRTUAL_STAGES chunks a rank, fewest
-    first. An even pipeline stays even; an uneven one gets a balanced layout over PP·VP
-    stages (at least one layer each)."""
-    if layout.pp == 1:
-        return
-    for vp in range(2, min(MAX_VIRTUAL_STAGES, num_layers // layout.pp) + 1):
-        stages = layout.pp * vp
-        if layout.pipeline_layout is None:
-            if num_layers % stages == 0:
-                yield replace(layout, vp=vp)
-            continue
-        chunks = balanced_pipeline_layout(num_layers, stages)
-        if chunks is not None:
-            yield replace(layout, vp=vp, pipeline_layout=chunks)
-
-
 def fastest(options: Iterable[Option]) -> list[Option]:
     """Options best first: the near-fastest (within TIE) by preference, then the rest by time."""
     ranked = sorted(options, key=lambda o: (o.time.total, o.preference()))
@@ -418,41 +384,6 @@ def _limit(best_by_layout: dict[Layout, float]) -> float:
     first RANKED_LAYOUTS layouts."""
     times = heapq.nsmallest(RANKED_LAYOUTS, best_by_layout.values())
     return max(times[0] * (1 + TIE), times[-1])
-
-
-def candidates(req: PlanRequest, world: int) -> Iterator[Layout]:
-    """Resolved TP·PP·CP·EP·DP splits that pass the cheap arithmetic rules."""
-    model = req.shape
-    for tp in (t for t in divisors(req.node_size) if world % t == 0):
-        for pp, stages in _pipeline_options(model.num_layers, world // tp):
-            for cp in divisors(world // (tp * pp)):
-                if req.max_context_parallel is not None and cp > req.max_context_parallel:
-                    continue
-                if req.seq_length % seq_alignment(cp, tp, tp > 1):
-                    continue
-                dp = world // (tp * pp * cp)
-                if req.global_batch_size % ((req.micro_batch_size or 1) * dp):
-                    continue
-                for ep in _expert_parallel_options(model, tp * cp * dp):
-                    yield Layout(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, pipeline_layout=stages)
-
-
-def _pipeline_options(num_layers: int, ranks: int) -> Iterator[tuple[int, tuple[int, ...] | None]]:
-    """PP sizes dividing ``ranks``: even splits, else a balanced explicit layout (which is how
-    e.g. 126 layers go on 8 or 16 stages)."""
-    for pp in divisors(ranks):
-        if pp > num_layers:
-            return
-        if num_layers % pp == 0:
-            yield pp, None
-        elif (stages := balanced_pipeline_layout(num_layers, pp)) is not None:
-            yield pp, stages
-
-
-def _expert_parallel_options(model: ModelShape, stage_ranks: int) -> list[int]:
-    if not model.is_moe:
-        return [1]
-    return [e for e in divisors(model.num_experts) if stage_ranks % e == 0]
 
 
 # --- explaining -------------------------------------------------------------------------------
