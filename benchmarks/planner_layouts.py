@@ -28,7 +28,8 @@ Sources (H100 SXM, 8 GPUs a node):
            26.04.01 NeMo containers' DGX-H100 tables (tokens/s/GPU), and the perf recipes
            behind them (scripts/performance/configs/*, recompute none, overlaps as noted).
   [nemo]   NVIDIA/NeMo docs/source/performance/performance_summary.md at 8e3d65dcfe, the
-           NeMo 24.07 container's DGX-H100 FP8 pre-training table (tokens/s/GPU).
+           NeMo 24.07 container's DGX-H100 FP8 pre-training table (tokens/s/GPU); the settings
+           behind its rows from NVIDIA/NeMo-Framework-Launcher at tag 24.07 (8325688d).
 
 Usage:
     .venv/bin/python benchmarks/planner_layouts.py
@@ -160,8 +161,10 @@ RUNS = [
     # member in a node, which the estimate now models, so they count as calibrated since.
     PublishedRun(GPT3_5B, 64, 2048, 2048, Layout(), "fp8", 23406, "[nemo] 24.07 GPT3-5B FP8",
                  micro_batch_size=4),
+    # TP overlap per the launcher's conf/training/gpt3/20b.yaml at tag 24.07
+    # (ub_tp_comm_overlap: True); first estimated without it (1.085 of the pick).
     PublishedRun(GPT3_20B, 64, 2048, 256, Layout(tp=2), "fp8", 5851,
-                 "[nemo] 24.07 GPT3-20B FP8", micro_batch_size=2),
+                 "[nemo] 24.07 GPT3-20B FP8", micro_batch_size=2, tp_comm_overlap=True),
     PublishedRun(GPT3_175B, 512, 2048, 2048, Layout(tp=4, pp=8, vp=6), "fp8", 825,
                  "[nemo] 24.07 GPT3-175B FP8 (512 GPUs)", micro_batch_size=2,
                  tp_comm_overlap=True),
@@ -204,7 +207,9 @@ RUNS = [
                  held_back=True),
     PublishedRun(LLAMA2_7B, 8, 4096, 32, Layout(), "fp8", 16891,
                  "[nemo] 24.07 LLAMA2-7B SFT FP8 (packed)", stage="sft", held_back=True),
-    PublishedRun(LLAMA2_13B, 8, 4096, 32, Layout(pp=4), "fp8", 10176,
+    # The table prints no VP; the launcher's examples/peft/llama/h100/13b_1node.sh at tag
+    # 24.07 runs VP10. Round 3 first estimated it without (0.77, 1.152 of the pick).
+    PublishedRun(LLAMA2_13B, 8, 4096, 32, Layout(pp=4, vp=10), "fp8", 10176,
                  "[nemo] 24.07 LLAMA2-13B SFT FP8 (packed)", stage="sft", held_back=True),
 ]
 

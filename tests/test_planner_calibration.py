@@ -27,10 +27,10 @@ RANKING_GAPS = {
     3: "Qwen3-235B: the pick keeps EP8 inside a node; the published EP32 pays ~13 s of a 22 s "
        "step in cross-node all-to-alls (Megatron-Bridge's own parallelism guide recommends EP8)",
     8: "Qwen3-30B: the pick's EP8 stays on NVLink; the published EP16 crosses two nodes",
-    17: "GPT3-20B: without TP overlap the pick's TP1 PP2 VP11 is 8.5% faster than TP2 DP32",
+    17: "GPT3-20B: the pick's TP1 PP2 VP11 estimated 5.3% faster than TP2 DP32 (its TP "
+        "overlap counted)",
     27: "Llama3-70B FP8 on 2048 GPUs: TP4 PP4 VP4 DP128 estimated 5.0% faster than PP8 VP5",
-    31: "Llama2-70B LoRA: the fine-tuning table lists no VP; without it the bubble is 3/16",
-    33: "Llama2-13B SFT: the same, PP4 without VP against the pick's VP10",
+    31: "Llama2-70B LoRA: PP4 without VP (as scripted) leaves a 3/16 bubble the pick's VP4 cuts",
 }
 
 

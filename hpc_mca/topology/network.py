@@ -4,7 +4,8 @@ of the TP, CP, EP and pipeline exchanges, and per step of the data-parallel redu
 A collective over n ranks costs (n−1)·α plus its per-rank volume over the NCCL bus bandwidth
 of the slowest link it crosses, with ranks placed in Megatron's order (TP innermost, then CP,
 then DP; PP outermost; the expert grid is ETP, EP, expert-DP): a group inside one node runs
-over NVLink, one that spans nodes over the NICs (GpuSpec's intra/inter-node figures).
+over NVLink, one that spans nodes over the NICs, one NIC share for each member it has in a
+node (GpuSpec's intra/inter-node figures; Network.ring).
 
 Communication that overlaps compute is not free: NCCL's kernels hold SMs that the GEMMs beside
 them then lack (NCCL_OVERLAP_SMS), so a share of every hidden transfer is charged anyway.
