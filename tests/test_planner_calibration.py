@@ -30,7 +30,8 @@ RANKING_GAPS = {
     17: "GPT3-20B: the pick's TP1 PP2 VP11 estimated 5.3% faster than TP2 DP32 (its TP "
         "overlap counted)",
     27: "Llama3-70B FP8 on 2048 GPUs: TP4 PP4 VP4 DP128 estimated 5.0% faster than PP8 VP5",
-    31: "Llama2-70B LoRA: PP4 without VP (as scripted) leaves a 3/16 bubble the pick's VP4 cuts",
+    31: "Llama2-70B LoRA: PP4 without VP (as scripted) idles 3 of 32 micro-batch times, which "
+        "the pick's VP4 cuts; NVIDIA's later Bridge recipe for the same job interleaves (VP20)",
 }
 
 
