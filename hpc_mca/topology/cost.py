@@ -97,7 +97,10 @@ class StepTime:
     """Estimated seconds of one optimizer step, by cause (their sum is the step)."""
 
     compute: float
-    """Forward and backward (with recompute and any reference forward) of every micro-batch."""
+    """Forward and backward (and any reference forward) of every micro-batch."""
+    recomputation: float
+    """The forwards activation recompute runs again in the backward (``recompute`` is the
+    level's name elsewhere: plans and ``plan --explain`` rows)."""
     tensor_parallel: float
     """TP/SP all-gathers and reduce-scatters left exposed."""
     context_parallel: float
@@ -116,9 +119,9 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.tensor_parallel + self.context_parallel
-                + self.expert_parallel + self.pipeline_bubble + self.pipeline_p2p
-                + self.data_parallel + self.optimizer)
+        return (self.compute + self.recomputation + self.tensor_parallel
+                + self.context_parallel + self.expert_parallel + self.pipeline_bubble
+                + self.pipeline_p2p + self.data_parallel + self.optimizer)
 
     def shares(self) -> dict[str, float]:
         """Each cause's share of the step, for reports."""
@@ -132,7 +135,8 @@ class _Pass:
 
     forward: float   # compute of the forward (what a parameter all-gather can hide behind)
     backward: float  # compute of the backward (what a gradient reduction can hide behind)
-    compute: float   # all compute, recompute and reference forward included
+    compute: float   # all compute but recompute, reference forward included
+    recompute: float
     tensor_parallel: float
     context_parallel: float
     expert_parallel: float
@@ -140,7 +144,7 @@ class _Pass:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.tensor_parallel + self.context_parallel
+        return (self.compute + self.recompute + self.tensor_parallel + self.context_parallel
                 + self.expert_parallel + self.p2p)
 
 
@@ -156,7 +160,8 @@ def estimate_step_time(model: ModelShape, layout: Layout, work: Workload, gpu: G
     grads = max(_data_parallel(model, layout, work, net, r, passes[r], overlap_grad_reduce,
                                overlap_param_gather) for r in ranks)
     return StepTime(
-        compute=m * mb.compute, tensor_parallel=m * mb.tensor_parallel,
+        compute=m * mb.compute, recomputation=m * mb.recompute,
+        tensor_parallel=m * mb.tensor_parallel,
         context_parallel=m * mb.context_parallel, expert_parallel=m * mb.expert_parallel,
         pipeline_bubble=(layout.pp - 1) / (layout.vp or 1) * mb.total,
         pipeline_p2p=m * mb.p2p, data_parallel=grads,
@@ -253,7 +258,8 @@ class _Compute:
 
     forward: float   # what a parameter all-gather can hide behind
     backward: float  # what a gradient reduction can hide behind
-    total: float     # forward, backward, recompute and any reference forward
+    total: float     # forward, backward and any reference forward
+    recompute: float  # the forwards recompute runs again
     layer_gemm: float         # one layer's forward GEMMs (what TP overlap hides behind)
     layer_attention: float    # one layer's forward attention core
     layer_attention_backward: float
@@ -282,15 +288,15 @@ def _compute(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
                 + (1 + weight_grads) * out_gemm + loss)
     if rank == 0:
         backward += _embedding_backward_seconds(model, layout, work, gpu)
-    extra = 0.0
+    recompute = 0.0
     recomputed = recomputed_share(model, layout, work, rank)
     if recomputed:
-        extra += recomputed * layers * (gemm + attn + elem)
+        recompute = recomputed * layers * (gemm + attn + elem)
     elif work.recompute == "selective":
-        extra += layers * attn
+        recompute = layers * attn
     # E.g. dpo's frozen reference: its log-probabilities, forward only.
-    extra += _extra_forwards(work) * forward
-    return _Compute(forward, backward, forward + backward + extra, gemm, attn,
+    reference = _extra_forwards(work) * forward
+    return _Compute(forward, backward, forward + backward + reference, recompute, gemm, attn,
                     flash_bwd * attn, gemm + attn + elem)
 
 
@@ -324,7 +330,7 @@ def _micro_batch(model: ModelShape, layout: Layout, work: Workload, net: Network
     recomputed = recomputed_share(model, layout, work, rank)
     forward_passes = 1 + recomputed + _extra_forwards(work)
     return _Pass(
-        forward=c.forward, backward=c.backward, compute=c.total,
+        forward=c.forward, backward=c.backward, compute=c.total, recompute=c.recompute,
         tensor_parallel=network.tensor_parallel(model, layout, work, net, layers,
                                                 forward_passes, c.layer_gemm),
         context_parallel=layers * network.context_parallel(
