@@ -138,8 +138,7 @@ def violations(req: PlanRequest, layout: Layout, mbs: int) -> list[str]:
 
 def memory(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> MemoryEstimate:
     """Memory of ``layout`` at a recompute that is not the bare block level."""
-    return size(req, Candidate(layout, mbs, recompute,
-                               workload(req, layout, mbs, recompute))).memory
+    return size(req, _resolved(req, layout, mbs, recompute)).memory
 
 
 @dataclass(frozen=True)
@@ -169,6 +168,11 @@ def candidate(req: PlanRequest, layout: Layout, mbs: int, recompute: str,
                                    else budget)
         if recompute is None:
             return None
+    return _resolved(req, layout, mbs, recompute)
+
+
+def _resolved(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Candidate:
+    """``layout`` at a recompute that names everything (``block:N``, not the bare level)."""
     return Candidate(layout, mbs, recompute, workload(req, layout, mbs, recompute))
 
 
@@ -176,8 +180,7 @@ def _fewest_blocks(req: PlanRequest, layout: Layout, mbs: int, budget: int) -> s
     """``block:N`` for the fewest recomputed layers a chunk that fit ``budget`` (memory falls
     as N grows: a binary search), or None (see candidate)."""
     def fits(recompute: str) -> bool:
-        cand = Candidate(layout, mbs, recompute, workload(req, layout, mbs, recompute))
-        return size(req, cand).memory.total <= budget
+        return size(req, _resolved(req, layout, mbs, recompute)).memory.total <= budget
 
     top = max(max(chunk_layers(req.shape, layout, r)) for r in range(layout.pp)) - 1
     # A searched block level has nothing to offer where no recompute fits; a forced one does.
@@ -207,8 +210,7 @@ def timed(req: PlanRequest, sized: Sized) -> Option:
 
 def evaluate(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Option:
     """Memory and estimated step time of a resolved layout (recompute not the bare block)."""
-    return timed(req, size(req, Candidate(layout, mbs, recompute,
-                                          workload(req, layout, mbs, recompute))))
+    return timed(req, size(req, _resolved(req, layout, mbs, recompute)))
 
 
 def recompute_options(req: PlanRequest) -> list[str]:
