@@ -12,14 +12,17 @@ Precision is the run's: FP8 runs are estimated at fp8 (Transformer Engine curren
 FP8 GEMMs at FP8_GEMM_SPEEDUP over bf16, fp8-cast GEMM inputs kept for the backward) and BF16
 runs at bf16; no figure is converted from one precision to the other. Every run used
 Transformer Engine (CP attention on its p2p ring), the distributed optimizer with overlapped
-gradient reduce and parameter gather, no activation recompute, and, where noted, TE's TP
-communication overlap or Megatron's MoE all-to-all overlap, which this trainer lacks: the
-estimate assumes them for that run (and for the pick it is compared with), never for a plan
-of hpc-mca's own.
+gradient reduce and parameter gather, bf16 gradient buffers, interleaved pipelines' sends
+overlapped with compute, no activation recompute, and, where noted, TE's TP communication
+overlap or Megatron's MoE all-to-all overlap. This trainer has none of those overlaps and
+keeps fp32 gradients: the estimate assumes them for the run (and for the pick it is compared
+with), never for a plan of hpc-mca's own.
 
-``calibrated`` runs are the ones the cost model's constants were chosen against (each
-constant also cites its own source in topology/cost.py and topology/network.py); the
-``held back`` runs were only looked at after the constants were fixed, as the check.
+``calibrated`` runs are the ones the cost model was developed against (each constant also
+cites its own source in topology/cost.py and topology/network.py); ``held back`` runs were
+added in a commit before their first estimate and not used to change the model. Two rounds of
+held-back runs became calibrated when they prompted a change (the comments below say which
+and what they measured first).
 
 Sources (H100 SXM, 8 GPUs a node):
   [dgxc]   NVIDIA/dgxc-benchmarking, DGX Cloud benchmark recipes v25.04 (commit 741c886) and
