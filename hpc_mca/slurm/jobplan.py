@@ -1,5 +1,5 @@
 """From a run config and command-line options to a plan, and from the plan to the trainer's
-overrides.
+overrides (which slurm/overrides.py writes).
 
 Precedence for every planner input: a command-line option, else what the config states
 explicitly (its YAML or a ``key=value`` override), else the planner's choice. A parallel size
@@ -27,14 +27,11 @@ from hpc_mca.topology import Layout, LayoutError, Plan, PlanRequest, plan
 from hpc_mca.topology.standard import megatron_only_line, sp_with_megatron_line
 
 from .errors import OpsError
+from .overrides import LAYOUT_KEYS, config_recompute, plan_overrides
 
 if TYPE_CHECKING:  # the config module is imported where a config is read
     from hpc_mca.config.sections import ParallelArguments, TrainConfig
 
-# CLI layout flag -> trainer config key.
-LAYOUT_KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
-               "vp": "virtual_pipeline_model_parallel_size", "cp": "context_parallel_size",
-               "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size"}
 # Defaults used for planning when there is no config (``hpc-mca plan --model ...``).
 DEFAULT_SEQ_LENGTH = 4096
 DEFAULT_SEQUENCES_PER_GPU = 8
@@ -143,7 +140,7 @@ def make_job_plan(options: PlanOptions, config_path: Path | None = None,
         result = plan(request)
     except LayoutError as err:
         raise OpsError(str(err)) from None
-    extra = _plan_overrides(result, options, explicit) if config is not None else ()
+    extra = plan_overrides(result, options, explicit) if config is not None else ()
     return JobPlan(result, config_path, overrides, tuple(extra))
 
 
@@ -167,7 +164,7 @@ def make_script_plan(options: PlanOptions, script: Path, args: Iterable[str] = (
         result = plan(request)
     except LayoutError as err:
         raise OpsError(str(err)) from None
-    extra = _plan_overrides(result, options, set(SCRIPT_BATCH_KEYS))
+    extra = plan_overrides(result, options, set(SCRIPT_BATCH_KEYS))
     return JobPlan(result, None, tuple(args), tuple(extra), script=script, model=options.model)
 
 
@@ -322,7 +319,7 @@ def _from_config(config: TrainConfig, explicit: set[str],
         fields["global_batch_size"] = (tr.per_device_train_batch_size
                                        * (tr.gradient_accumulation_steps or 1) * max(world, 1))
     if "recompute_granularity" in explicit:
-        fields["recompute"] = _config_recompute(par)
+        fields["recompute"] = config_recompute(par)
     if "use_distributed_optimizer" in explicit:
         fields["use_distributed_optimizer"] = par.use_distributed_optimizer
     if "overlap_grad_reduce" in explicit:
@@ -358,105 +355,6 @@ def _forced_layout(options: PlanOptions, par: ParallelArguments | None,
         return Layout(**sizes)
     except LayoutError as err:
         raise OpsError(str(err)) from None
-
-
-def _plan_overrides(result: Plan, options: PlanOptions, explicit: set[str]) -> list[str]:
-    """``key=value`` for what the CLI set and what the planner chose where the user did not."""
-    if result.backend == "standard":
-        return _standard_overrides(result, options, explicit)
-    lay = result.layout
-    chosen: dict[str, Any] = {
-        "tensor_model_parallel_size": lay.tp, "pipeline_model_parallel_size": lay.pp,
-        "virtual_pipeline_model_parallel_size": lay.vp, "context_parallel_size": lay.cp,
-        "expert_model_parallel_size": lay.ep, "expert_tensor_parallel_size": lay.etp,
-        # An uneven split as the config writes it (15,16,16,...); null for an even one.
-        "pipeline_layout": ",".join(map(str, lay.pipeline_layout)) if lay.pipeline_layout else None,
-        "per_device_train_batch_size": result.micro_batch_size,
-        "global_batch_size": result.request.global_batch_size,
-        "use_distributed_optimizer": result.use_distributed_optimizer,
-        "sequence_parallel": result.sequence_parallel,
-        # The step-time estimate assumes it; Megatron's DDP leaves it off by default.
-        "overlap_grad_reduce": result.overlap_grad_reduce,
-        **_recompute(result.recompute),
-    }
-    cli_set = {LAYOUT_KEYS[f] for f in LAYOUT_KEYS if getattr(options, f) is not None}
-    if options.pp is not None or options.vp is not None:
-        cli_set.add("pipeline_layout")  # follows the pipeline size the CLI forced
-    if options.micro_batch_size is not None:
-        cli_set.add("per_device_train_batch_size")
-    if options.global_batch_size is not None:
-        cli_set.add("global_batch_size")
-    if options.recompute is not None:
-        cli_set.update(_recompute(options.recompute))
-    if options.distributed_optimizer is not None:
-        cli_set.add("use_distributed_optimizer")
-    out = _stage_precision_lora(options)
-    for key, value in chosen.items():
-        if key in cli_set or key not in explicit:
-            out.append(f"{key}={_yaml(value)}")
-    return out
-
-
-def _standard_overrides(result: Plan, options: PlanOptions, explicit: set[str]) -> list[str]:
-    """The standard backend's trainer refuses every Megatron key, so only the batch and the
-    Ulysses size go to it: each where the CLI set it or the config left it open (an SP of 1
-    the user never mentioned is the trainer's default and is left out)."""
-    out = _stage_precision_lora(options)
-    batch = {"per_device_train_batch_size": (result.micro_batch_size,
-                                             options.micro_batch_size is not None),
-             "global_batch_size": (result.request.global_batch_size,
-                                   options.global_batch_size is not None)}
-    for key, (value, cli_set) in batch.items():
-        if cli_set or key not in explicit:
-            out.append(f"{key}={value}")
-    sp = result.sequence_parallel_size
-    if options.sp is not None or ("sequence_parallel_size" not in explicit and sp != 1):
-        out.append(f"parallel.sequence_parallel_size={sp}")
-    return out
-
-
-def _config_recompute(par: Any) -> str:
-    """The config's recompute as the planner names it: ``block:N`` for full granularity with
-    the block method (the first N layers of each chunk), full for uniform (sized as one layer
-    a group)."""
-    if par.recompute_granularity == "full" and par.recompute_method == "block" \
-            and par.recompute_num_layers:
-        return f"block:{par.recompute_num_layers}"
-    return par.recompute_granularity or "none"
-
-
-def _recompute(recompute: str) -> dict[str, Any]:
-    if recompute == "full":
-        return {"recompute_granularity": "full", "recompute_method": "uniform",
-                "recompute_num_layers": 1}
-    if recompute.startswith("block:"):
-        return {"recompute_granularity": "full", "recompute_method": "block",
-                "recompute_num_layers": int(recompute.split(":", 1)[1])}
-    # The method and layer count belong to full recomputation only (refused otherwise)
-    return {"recompute_granularity": None if recompute == "none" else recompute,
-            "recompute_method": None, "recompute_num_layers": None}
-
-
-def _stage_precision_lora(options: PlanOptions) -> list[str]:
-    out = []
-    if options.stage is not None:
-        out.append(f"stage={options.stage}")
-    if options.precision is not None:
-        if options.precision == "fp8":
-            raise OpsError("precision='fp8' has no trainer setting yet; valid: bf16, fp16, fp32")
-        out += [f"bf16={_yaml(options.precision == 'bf16')}",
-                f"fp16={_yaml(options.precision == 'fp16')}"]
-    if options.lora is not None:
-        out.append(f"finetuning_type={'lora' if options.lora else 'full'}")
-    return out
-
-
-def _yaml(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
 
 
 def check_train_config(job: JobPlan, run_dir: str) -> None:
