@@ -303,15 +303,14 @@ def test_planner_gives_optimizer_state_to_the_trained_part_only():
 def test_a_freeze_config_plans_optimizer_state_for_its_trained_layers(tmp_path):
     """The job plan of a freeze config (``hpc-mca plan``/``submit``) reads the rule: the same
     job needs a fraction of the full run's gradients and optimizer state."""
+    from test_submit_plan import LLAMA3_8B as LLAMA3_8B_CONFIG
+
     from hpc_mca.slurm.jobplan import PlanOptions, make_job_plan
     from hpc_mca.topology import format_plan_table
 
     model = tmp_path / "llama3-8b"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "vocab_size": 128256}))
+    (model / "config.json").write_text(json.dumps(LLAMA3_8B_CONFIG))
     (tmp_path / "d.jsonl").write_text('{"instruction": "1+1=", "output": "2"}\n')
     plans = {}
     for name, finetuning in (("full", ""), ("freeze", "finetuning:\n  finetuning_type: freeze\n")):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from test_submit_plan import LLAMA3_8B as LLAMA3_8B_CONFIG
 from test_topology_planner import LLAMA3_8B, QWEN3_30B_A3B
 
 from hpc_mca.cli import main
@@ -53,10 +54,7 @@ def test_forced_layout_comes_first_then_the_search():
 def test_cli_explain_table_and_json(tmp_path: Path):
     model = tmp_path / "llama3-8b"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "vocab_size": 128256}))
+    (model / "config.json").write_text(json.dumps(LLAMA3_8B_CONFIG))
     args = ["plan", "--model", str(model), "--nodes", "2", "--seq-length", "16384",
             "--global-batch-size", "512"]
     table = CliRunner().invoke(main, [*args, "--explain"])
