@@ -11,3 +11,7 @@ PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 RECOMPUTE = ("none", "selective", "block", "full")
 """Activation recompute levels, least first: block is full recompute of the first N layers of
 each pipeline chunk (Megatron's block method), N the fewest that fit (``block:N`` forces N)."""
+MOE_DISPATCHERS = ("alltoall", "flex")
+"""MoE token dispatchers: alltoall (Megatron's MoEAlltoAllTokenDispatcher, what hpc-mca's trainer
+runs) sends each of a token's top-k copies to its expert's rank; flex (DeepEP or HybridEP) sends
+a token once to each node holding one of its experts and fans it out over NVLink there."""

@@ -76,6 +76,22 @@ ATTENTION_HALF_KEYS = 256
 # Query rows a flash-attention thread block takes: a call with fewer blocks (micro-batch ·
 # heads per TP rank · rows/128) than the GPU has SMs leaves SMs idle.
 ATTENTION_TILE_ROWS = 128
+# Fixed seconds of each expert's GEMM kernel beyond its FLOPs at _gemm_rate: Transformer
+# Engine's grouped linear runs one cuBLAS GEMM per local expert (multi_stream_cublas_gemm in
+# common/gemm/cublaslt_gemm.cu; FP8 on Hopper always takes that path), and a GEMM of a few
+# hundred rows fills neither the SMs nor the host's launch queue. On an H100 such a loop over
+# Qwen3-30B-A3B's 128 up-projections (512 rows each, K 2048, N 1536, BF16) runs at 129.5
+# TFLOP/s (tgale96/grouped_gemm pull request 37): 24.9 µs a GEMM, of which _gemm_rate's
+# FLOP time is 7.0 µs.
+EXPERT_GEMM_OVERHEAD_S = 18e-6
+# Fixed seconds an FP8 expert GEMM adds to quantize its input: current scaling casts each
+# expert's slice on its own (Transformer Engine's split_quantize), an amax reduction and then
+# the cast, two launches at the "several µs" of host time each that the Megatron-Core MoE
+# report gives a kernel launch (arXiv 2603.07685, §4.3.6). It cancels FP8's GEMM speed-up on
+# fine-grained experts, as measured: Qwen3-30B-A3B on 32 H100s (TP1 EP8) runs at 240.5 model
+# TFLOP/s in BF16 and 242.9 in FP8 (Megatron-LM examples/moe_recipes/README.md). Dense layers
+# quantize one tensor a GEMM (fused into the norm for QKV and fc1): traffic counted above.
+FP8_QUANTIZE_OVERHEAD_S = 10e-6
 # Flash attention's backward recomputes the scores: ~2.5× its forward FLOPs.
 FLASH_BACKWARD_FACTOR = 2.5
 # FP8 GEMMs (Transformer Engine, current scaling) over bf16 ones; only GEMMs get faster.
@@ -205,7 +221,12 @@ def _layer_gemm_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: 
     seconds += 2 * tokens * shared / tp / _gemm_rate(gpu, work.precision, h / tp)
     per_expert = tokens * k * layout.ep / experts  # tokens each local expert gets (balanced)
     width = min(fe / layout.etp, per_expert)
-    return seconds + 2 * tokens * k * mats * h * fe / tp / _gemm_rate(gpu, work.precision, width)
+    seconds += 2 * tokens * k * mats * h * fe / tp / _gemm_rate(gpu, work.precision, width)
+    # Two GEMM kernels (fc1, fc2) for each local expert, each FP8 one after its input's
+    # quantization; the backward's dgrad and wgrad kernels follow from the backward's
+    # multiple of the forward GEMMs.
+    fixed = EXPERT_GEMM_OVERHEAD_S + (FP8_QUANTIZE_OVERHEAD_S if work.precision == "fp8" else 0)
+    return seconds + 2 * experts // layout.ep * fixed
 
 
 def _attention_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,

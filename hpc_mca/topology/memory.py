@@ -102,6 +102,9 @@ class Workload:
     moe_comm_overlap: bool = False
     """MoE all-to-alls run beside another micro-batch's compute (Megatron's
     overlap_moe_expert_parallel_comm). This trainer does not run it, as above."""
+    moe_dispatcher: str = "alltoall"
+    """alltoall (this trainer's) or flex (DeepEP/HybridEP: one copy of a token per destination
+    node across the network); flex only for estimates of other trainers' runs."""
 
 
 @dataclass(frozen=True)

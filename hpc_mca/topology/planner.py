@@ -29,6 +29,7 @@ from .errors import LayoutError, raise_if
 from .freeze import FreezeSizing
 from .hardware import GPU_PRESETS, GiB, GpuSpec, get_gpu
 from .layout import FIELD_NAMES, Layout, balanced_pipeline_layout
+from .choices import MOE_DISPATCHERS
 from .memory import CP_COMM_TYPES, PRECISIONS, RECOMPUTE, MemoryEstimate
 from .model import ModelShape
 from .search import (
@@ -124,6 +125,9 @@ class PlanRequest:
     moe_comm_overlap: bool = False
     """Estimate MoE all-to-alls as overlapped with another micro-batch's compute (Megatron's
     overlap_moe_expert_parallel_comm); as tp_comm_overlap, for other trainers' runs only."""
+    moe_dispatcher: str = "alltoall"
+    """Estimate the MoE dispatch as ``alltoall`` (hpc-mca's trainer) or ``flex`` (DeepEP or
+    HybridEP, choices.MOE_DISPATCHERS); flex as tp_comm_overlap, for other trainers' runs."""
     backend: str = "megatron"
     """megatron (Megatron-Core: TP/PP/CP/EP layouts) or standard (``training.use_mca: false``:
     a whole transformers model per GPU, data and Ulysses sequence parallelism only)."""
@@ -237,7 +241,8 @@ def _request_violations(req: PlanRequest) -> list[str]:
                 not isinstance(value, int) or isinstance(value, bool) or value < 1):
             lines.append(f"{name}={value!r} must be a positive integer")
     for name, choices in (("stage", STAGE_NAMES), ("precision", PRECISIONS),
-                          ("recompute", RECOMPUTE), ("cp_comm_type", CP_COMM_TYPES)):
+                          ("recompute", RECOMPUTE), ("cp_comm_type", CP_COMM_TYPES),
+                          ("moe_dispatcher", MOE_DISPATCHERS)):
         value = getattr(req, name)
         if value is not None and value not in choices and not (
                 name == "recompute" and _block_n(value) is not None):
