@@ -14,7 +14,7 @@ runs at bf16; no figure is converted from one precision to the other. Every run 
 Transformer Engine (CP attention on its p2p ring), the distributed optimizer with overlapped
 gradient reduce and parameter gather, bf16 gradient buffers, interleaved pipelines' sends
 overlapped with compute, no activation recompute, and, where noted, TE's TP communication
-overlap or Megatron's MoE all-to-all overlap. This trainer has none of those overlaps and
+overlap, Megatron's MoE all-to-all overlap or a flex MoE dispatcher (DeepEP or HybridEP). This trainer has none of those overlaps and
 keeps fp32 gradients: the estimate assumes them for the run (and for the pick it is compared
 with), never for a plan of hpc-mca's own.
 
@@ -30,6 +30,11 @@ Sources (H100 SXM, 8 GPUs a node):
   [bridge] NVIDIA-NeMo/Megatron-Bridge docs/performance-summary(-archive).md, the 25.11 and
            26.04.01 NeMo containers' DGX-H100 tables (tokens/s/GPU), and the perf recipes
            behind them (scripts/performance/configs/*, recompute none, overlaps as noted).
+  [mz]     yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md at 020b8136 (NVIDIA's
+           Megatron-Core MoE team): Qwen3-235B on 256 H100s, BF16, step times; the two EP32
+           runs recompute norms and the MoE activation, a few percent of compute not charged.
+  [bridge] (A/B) Megatron-Bridge at 067f987d skills/nemo-mbridge-perf-moe-comm-overlap: a
+           matched A/B of EP overlap on 16 H100s (force-balanced, CUDA graphs on the router).
   [nemo]   NVIDIA/NeMo docs/source/performance/performance_summary.md at 8e3d65dcfe, the
            NeMo 24.07 container's DGX-H100 FP8 pre-training table (tokens/s/GPU); the settings
            behind its rows from NVIDIA/NeMo-Framework-Launcher at tag 24.07 (8325688d).
@@ -228,6 +233,23 @@ RUNS = [
     PublishedRun(QWEN3_235B_A22B, 256, 4096, 8192, Layout(tp=2, pp=8, vp=4, ep=32), "fp8", 1712,
                  "[bridge] 26.04.01 Qwen3_235B_a22B FP8 (dropless, force-balanced)",
                  moe_comm_overlap=True, held_back=True),
+    # --- calibrated (round 4): MoE runs whose dispatcher and overlap are published beside the
+    # step time, read while the dispatch and expert-kernel costs were written ---
+    PublishedRun(QWEN3_30B_A3B, 16, 4096, 1024, Layout(ep=16), "bf16", 1024 * 4096 / 16 / 24.7138,
+                 "[bridge] Qwen3-30B-A3B BF16 EP16 HybridEP, EP overlap off: 24.714 s a step "
+                 "(matched A/B)", moe_dispatcher="flex"),
+    PublishedRun(QWEN3_30B_A3B, 16, 4096, 1024, Layout(ep=16), "bf16", 1024 * 4096 / 16 / 20.9920,
+                 "[bridge] Qwen3-30B-A3B BF16 EP16 HybridEP, EP overlap on: 20.992 s a step "
+                 "(matched A/B)", moe_dispatcher="flex", moe_comm_overlap=True),
+    PublishedRun(QWEN3_235B_A22B, 256, 4096, 2048, Layout(tp=2, pp=8, vp=4, ep=32), "bf16",
+                 2048 * 4096 / 256 / 19.7, "[mz] Qwen3-235B BF16 DeepEP EP32: 19.7 s a step",
+                 moe_dispatcher="flex"),
+    PublishedRun(QWEN3_235B_A22B, 256, 4096, 2048, Layout(tp=2, pp=8, vp=4, ep=32), "bf16",
+                 2048 * 4096 / 256 / 17.6, "[mz] Qwen3-235B BF16 DeepEP EP32, 1F1B A2A overlap: "
+                 "17.6 s a step", moe_dispatcher="flex", moe_comm_overlap=True),
+    PublishedRun(QWEN3_235B_A22B, 256, 4096, 2048, Layout(tp=4, pp=8, vp=4, ep=8), "bf16",
+                 2048 * 4096 / 256 / 29.0, "[mz] Qwen3-235B BF16 DeepEP TP4 EP8: 29.0 s a step",
+                 moe_dispatcher="flex"),
 ]
 
 

@@ -229,6 +229,18 @@ def test_moe_uses_expert_parallel():
     assert p.layout.ep > 1 and "experts" in p.reason and _valid(p) == []
 
 
+def test_moe_dispatcher_is_estimate_only_and_refused_by_name():
+    """flex (DeepEP/HybridEP) sends a token once a node: a cross-node EP costs less with it.
+    Any other name is refused in one line that lists the valid ones."""
+    job = dict(model=QWEN3_30B_A3B, nodes=2, seq_length=4096, global_batch_size=512,
+               layout=Layout(ep=16))
+    alltoall, flex = plan(**job), plan(**job, moe_dispatcher="flex")
+    assert flex.step_time.expert_parallel < alltoall.step_time.expert_parallel / 2
+    with pytest.raises(LayoutError) as err:
+        plan(**job, moe_dispatcher="deepep")
+    assert str(err.value) == "moe_dispatcher='deepep' is not valid; valid: alltoall, flex"
+
+
 def test_pipeline_gets_interleaved_when_the_bubble_costs_more_than_the_sends():
     """70B on 8192 GPUs leaves 32 micro-batches a pipeline: interleaving pays for its extra
     point-to-point sends, and the chosen depth beats the plain pipeline of the same split."""

@@ -3,7 +3,8 @@
 A model of one optimizer step, in seconds, on the slowest pipeline stage:
 
 * compute: GEMM FLOPs at a share of the tensor-core peak that falls for narrow matrices
-  (h/TP columns, few tokens per expert); attention at the fused kernel's share, which falls
+  (h/TP columns, few tokens per expert), plus a fixed cost for each local expert's GEMM
+  kernels (one per expert, each FP8 one after its input's quantization); attention at the fused kernel's share, which falls
   for short rows (few keys a call: short sequences, small CP chunks) and for calls with fewer
   thread blocks than SMs; and element-wise work (norms, SwiGLU, RoPE, residuals, the loss
   softmax) as HBM traffic over the tensors the memory model counts. Backward costs twice the
@@ -14,7 +15,8 @@ A model of one optimizer step, in seconds, on the slowest pipeline stage:
   the attention core; DPO adds a forward of the reference model.
 * communication (topology/network.py): TP/SP collectives (not overlapped by this trainer), the
   CP exchange as far as each ring step's attention cannot hide it plus each step's fixed
-  cost, MoE all-to-alls and a dropless dispatcher's host sync, pipeline sends and each chunk
+  cost, MoE dispatch and combine (all-to-all, or a flex dispatcher's one copy a node) and a
+  dropless dispatcher's host sync, pipeline sends and each chunk
   visit's host round trip, and the data-parallel reduction beyond what the last backward
   hides. Hidden transfers still cost the SMs NCCL takes from the compute beside them.
 * pipeline: micro-batches go at the pace of the slowest stage, and the 1F1B warm-up and
