@@ -4,10 +4,11 @@ A model of one optimizer step, in seconds, on the slowest pipeline stage:
 
 * compute: GEMM FLOPs at a share of the tensor-core peak that falls for narrow matrices
   (h/TP columns, few tokens per expert), plus a fixed cost for each local expert's GEMM
-  kernels (one per expert, each FP8 one after its input's quantization); attention at the fused kernel's share, which falls
-  for short rows (few keys a call: short sequences, small CP chunks) and for calls with fewer
-  thread blocks than SMs; and element-wise work (norms, SwiGLU, RoPE, residuals, the loss
-  softmax) as HBM traffic over the tensors the memory model counts. Backward costs twice the
+  kernels (one per expert, each FP8 one after its input's quantization); attention at the
+  fused kernel's share, which falls for short rows (few keys a call: short sequences, small
+  CP chunks) and for calls with fewer thread blocks than SMs; and element-wise work (norms,
+  SwiGLU, RoPE, residuals, the loss softmax) as HBM traffic over the tensors the memory
+  model counts. Backward costs twice the
   forward GEMMs (input and weight gradients; LoRA's frozen weights need only the first) and
   2.5 times the forward attention (flash attention recomputes the scores). The first stage
   adds the embedding's dense gradient, the last the output layer and loss. Full recompute adds
@@ -16,9 +17,9 @@ A model of one optimizer step, in seconds, on the slowest pipeline stage:
 * communication (topology/network.py): TP/SP collectives (not overlapped by this trainer), the
   CP exchange as far as each ring step's attention cannot hide it plus each step's fixed
   cost, MoE dispatch and combine (all-to-all, or a flex dispatcher's one copy a node) and a
-  dropless dispatcher's host sync, pipeline sends and each chunk
-  visit's host round trip, and the data-parallel reduction beyond what the last backward
-  hides. Hidden transfers still cost the SMs NCCL takes from the compute beside them.
+  dropless dispatcher's host sync, pipeline sends and each chunk visit's host round trip,
+  and the data-parallel reduction beyond what the last backward hides. Hidden transfers
+  still cost the SMs NCCL takes from the compute beside them.
 * pipeline: micro-batches go at the pace of the slowest stage, and the 1F1B warm-up and
   cool-down idle (PP−1)/VP micro-batch times.
 * optimizer: Adam over this rank's shard, bound by HBM bandwidth.

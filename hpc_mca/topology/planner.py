@@ -24,12 +24,12 @@ from typing import Any
 
 from hpc_mca.stages import STAGE_NAMES
 
+from .choices import MOE_DISPATCHERS
 from .cost import StepTime
 from .errors import LayoutError, raise_if
 from .freeze import FreezeSizing
 from .hardware import GPU_PRESETS, GiB, GpuSpec, get_gpu
 from .layout import FIELD_NAMES, Layout, balanced_pipeline_layout
-from .choices import MOE_DISPATCHERS
 from .memory import CP_COMM_TYPES, PRECISIONS, RECOMPUTE, MemoryEstimate
 from .model import ModelShape
 from .search import (
