@@ -26,7 +26,7 @@ _SPEC.loader.exec_module(table)
 RANKING_GAPS = {
     3: "Qwen3-235B FP8: the pick keeps EP8 inside a node; the published EP32's all-to-all "
        "dispatcher pays ~13 s of a 22 s step across nodes (Megatron-Bridge's own parallelism "
-       "guide recommends EP8; NVIDIA's measured EP8 runs, rows 41 on, are slower)",
+       "guide recommends EP8; the measured TP4 EP8 run of row 41 is slower than EP32)",
     8: "Qwen3-30B FP8: the pick (EP8 on NVLink, PP2, mbs2) is estimated 14% faster than EP16, "
        "whose FP8 estimate is itself 25% fast (below); the one published EP8 figure (26.02.01, "
        "9058 tok/s/GPU) ran EP16 by its preset at Megatron-Bridge v0.3.1",
