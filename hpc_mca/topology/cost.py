@@ -85,7 +85,8 @@ ATTENTION_TILE_ROWS = 128
 # hundred rows fills neither the SMs nor the host's launch queue. On an H100 such a loop over
 # Qwen3-30B-A3B's 128 up-projections (512 rows each, K 2048, N 1536, BF16) runs at 129.5
 # TFLOP/s (tgale96/grouped_gemm pull request 37): 24.9 µs a GEMM, of which _gemm_rate's
-# FLOP time is 7.0 µs.
+# FLOP time is 7.0 µs. hpc-mca's own trainer runs Megatron's SequentialMLP, the same GEMMs
+# an expert at a time from Python: for its plans this is a lower bound (unmeasured on a GPU).
 EXPERT_GEMM_OVERHEAD_S = 18e-6
 # Fixed seconds an FP8 expert GEMM adds to quantize its input: current scaling casts each
 # expert's slice on its own (Transformer Engine's split_quantize), an amax reduction and then
