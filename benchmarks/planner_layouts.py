@@ -79,6 +79,11 @@ QWEN3_235B_A22B = ModelShape(num_layers=94, hidden_size=4096, num_attention_head
                              vocab_size=151936, num_experts=128, moe_ffn_hidden_size=1536,
                              moe_router_topk=8, name="Qwen3-235B-A22B")
 
+# Grok-1 as NVIDIA's DGX Cloud recipes benchmark it: 8 gated experts, top-2, Llama-3's tokenizer.
+GROK1_314B = ModelShape(num_layers=64, hidden_size=6144, num_attention_heads=48, num_query_groups=8,
+                        head_dim=128, ffn_hidden_size=32768, vocab_size=128256, num_experts=8,
+                        moe_ffn_hidden_size=32768, moe_router_topk=2, name="Grok-1-314B")
+
 
 @dataclass(frozen=True)
 class PublishedRun:
@@ -250,6 +255,22 @@ RUNS = [
     PublishedRun(QWEN3_235B_A22B, 256, 4096, 2048, Layout(tp=4, pp=8, vp=4, ep=8), "bf16",
                  2048 * 4096 / 256 / 29.0, "[mz] Qwen3-235B BF16 DeepEP TP4 EP8: 29.0 s a step",
                  moe_dispatcher="flex"),
+    # --- held back (round 5): NVIDIA's DGX Cloud Grok-1 runs (all-to-all dispatcher, capacity
+    # factor 1 padded, so balanced expert loads; TP overlap; no EP overlap), added before their
+    # first estimate. v25.04 (741c886) ran NeMo 24.12; v25.05.02 (dfc8039) NeMo 2 on 25.04.
+    *(PublishedRun(GROK1_314B, gpus, 8192, 2 * gpus, Layout(tp=4, pp=8, cp=2, vp=8, ep=8),
+                   precision, tokens / gpus, f"[dgxc] {source}", tp_comm_overlap=True,
+                   held_back=True)
+      for gpus, precision, tokens, source in (
+          (512, "bf16", 399191, "v25.04 Grok 1 314b BF16 (512 GPUs), 21.01 s a step"),
+          (512, "fp8", 496367, "v25.04 Grok 1 314b FP8 (512 GPUs), 16.90 s a step"),
+          (1024, "bf16", 791378, "v25.04 Grok 1 314b BF16 (1024 GPUs), 21.20 s a step"),
+          (1024, "fp8", 981295, "v25.04 Grok 1 314b FP8 (1024 GPUs), 17.01 s a step"),
+          (2048, "bf16", 1576065, "v25.04 Grok 1 314b BF16 (2048 GPUs), 21.29 s a step"),
+          (2048, "fp8", 1939562, "v25.04 Grok 1 314b FP8 (2048 GPUs), 17.30 s a step"),
+          (512, "bf16", 526493, "v25.05.02 Grok1 314b BF16 (512 GPUs, NeMo 2), 15.933 s a step"),
+          (512, "fp8", 624478, "v25.05.02 Grok1 314b FP8 (512 GPUs, NeMo 2), 13.433 s a step"),
+      )),
 ]
 
 
