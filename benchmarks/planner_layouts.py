@@ -22,11 +22,12 @@ with), never for a plan of hpc-mca's own.
 cites its own source in topology/cost.py and topology/network.py); ``held back`` runs were
 added in a commit before their first estimate and not used to change the model. Two rounds of
 held-back runs became calibrated when they prompted a change (the comments below say which
-and what they measured first).
+and what they measured first); rounds 3, 4 and 5 (20 runs) are still held back.
 
 Sources (H100 SXM, 8 GPUs a node):
   [dgxc]   NVIDIA/dgxc-benchmarking, DGX Cloud benchmark recipes v25.04 (commit 741c886) and
-           v25.05 (60d6fd3): step time and aggregate tokens/s (per GPU = aggregate / GPUs).
+           v25.05 (60d6fd3), Grok-1 also v25.05.02 (dfc8039): step time and aggregate tokens/s
+           (per GPU = aggregate / GPUs).
   [bridge] NVIDIA-NeMo/Megatron-Bridge docs/performance-summary(-archive).md, the 25.11 and
            26.04.01 NeMo containers' DGX-H100 tables (tokens/s/GPU), and the perf recipes
            behind them (scripts/performance/configs/*, recompute none, overlaps as noted).
