@@ -84,12 +84,8 @@ class Network:
         if ranks <= 1:
             return 0.0
         local = max(1, min(ranks, self.gpus_per_node // stride))
-        inside = volume * (local - 1) / ranks
-        outside = volume * (ranks - local) / ranks
-        gpu = self.gpu
-        seconds = max(inside / (gpu.intra_node_gbps * 1e9), outside / (gpu.inter_node_gbps * 1e9))
-        alpha = gpu.inter_node_latency_us if outside else gpu.intra_node_latency_us
-        return (ranks - 1) * alpha * 1e-6 + seconds
+        return self._both_links(ranks, volume * (local - 1) / ranks,
+                                volume * (ranks - local) / ranks)
 
     def node_dispatch(self, ranks: int, stride: int, tokens: float, token_bytes: float,
                       topk: int, experts: int) -> float:
@@ -110,8 +106,12 @@ class Network:
         def reached(groups: int) -> float:  # expected groups holding one of a token's experts
             return groups * (1 - comb(experts - experts // groups, topk) / comb(experts, topk))
 
-        inside = tokens * token_bytes * reached(ranks) * (local - 1) / local
-        outside = tokens * token_bytes * reached(nodes) * (nodes - 1) / nodes
+        return self._both_links(ranks, tokens * token_bytes * reached(ranks) * (local - 1) / local,
+                                tokens * token_bytes * reached(nodes) * (nodes - 1) / nodes)
+
+    def _both_links(self, ranks: int, inside: float, outside: float) -> float:
+        """An exchange among ``ranks`` moving ``inside`` bytes a rank over NVLink and
+        ``outside`` over its NIC at the same time: the slower of the two, plus a latency a peer."""
         gpu = self.gpu
         seconds = max(inside / (gpu.intra_node_gbps * 1e9), outside / (gpu.inter_node_gbps * 1e9))
         alpha = gpu.inter_node_latency_us if outside else gpu.intra_node_latency_us
