@@ -21,8 +21,9 @@ with), never for a plan of hpc-mca's own.
 ``calibrated`` runs are the ones the cost model was developed against (each constant also
 cites its own source in topology/cost.py and topology/network.py); ``held back`` runs were
 added in a commit before their first estimate and not used to change the model. Two rounds of
-held-back runs became calibrated when they prompted a change (the comments below say which
-and what they measured first); rounds 3, 4 and 5 (20 runs) are still held back.
+held-back runs became calibrated when they prompted a change, and so did round 5 (the
+comments below say which and what they measured first); rounds 3 and 4 (12 runs) are still
+held back.
 
 Sources (H100 SXM, 8 GPUs a node):
   [dgxc]   NVIDIA/dgxc-benchmarking, DGX Cloud benchmark recipes v25.04 (commit 741c886) and
@@ -256,21 +257,31 @@ RUNS = [
     PublishedRun(QWEN3_235B_A22B, 256, 4096, 2048, Layout(tp=4, pp=8, vp=4, ep=8), "bf16",
                  2048 * 4096 / 256 / 29.0, "[mz] Qwen3-235B BF16 DeepEP TP4 EP8: 29.0 s a step",
                  moe_dispatcher="flex"),
-    # --- held back (round 5): NVIDIA's DGX Cloud Grok-1 runs (all-to-all dispatcher, capacity
-    # factor 1 padded, so balanced expert loads; TP overlap; no EP overlap), added before their
-    # first estimate. v25.04 (741c886) ran NeMo 24.12; v25.05.02 (dfc8039) NeMo 2 on 25.04.
-    *(PublishedRun(GROK1_314B, gpus, 8192, 2 * gpus, Layout(tp=4, pp=8, cp=2, vp=8, ep=8),
-                   precision, tokens / gpus, f"[dgxc] {source}", tp_comm_overlap=True,
-                   held_back=True)
-      for gpus, precision, tokens, source in (
-          (512, "bf16", 399191, "v25.04 Grok 1 314b BF16 (512 GPUs), 21.01 s a step"),
-          (512, "fp8", 496367, "v25.04 Grok 1 314b FP8 (512 GPUs), 16.90 s a step"),
-          (1024, "bf16", 791378, "v25.04 Grok 1 314b BF16 (1024 GPUs), 21.20 s a step"),
-          (1024, "fp8", 981295, "v25.04 Grok 1 314b FP8 (1024 GPUs), 17.01 s a step"),
-          (2048, "bf16", 1576065, "v25.04 Grok 1 314b BF16 (2048 GPUs), 21.29 s a step"),
-          (2048, "fp8", 1939562, "v25.04 Grok 1 314b FP8 (2048 GPUs), 17.30 s a step"),
-          (512, "bf16", 526493, "v25.05.02 Grok1 314b BF16 (512 GPUs, NeMo 2), 15.933 s a step"),
-          (512, "fp8", 624478, "v25.05.02 Grok1 314b FP8 (512 GPUs, NeMo 2), 13.433 s a step"),
+    # --- calibrated since (round 5, held back until its first estimate in commit daccbab):
+    # NVIDIA's DGX Cloud Grok-1 runs (all-to-all dispatcher, capacity factor 1 padded, so
+    # balanced expert loads; TP overlap; no EP overlap). v25.04 (741c886) ran NeMo 24.12;
+    # v25.05.02 (dfc8039) NeMo 2 on 25.04. Expert TP: v25.05.02's table gives ETP 1; v25.04's
+    # recipe (grok1/cfg/grok1_314b.yaml, configure.sh) sets none, so NeMo 24.12
+    # (megatron_init.py) and Megatron-Core 0.10 (parallel_state.initialize_model_parallel) took
+    # ETP = TP = 4. First estimated as ETP 1 throughout (v25.04 BF16 1.20-1.21, FP8 1.37-1.39;
+    # NeMo 2 0.91, 1.08; all 8 within 5% of the pick). Reading the recipe's ETP led to two
+    # changes: expert GEMM rows split by sequence parallelism when ETP < TP, and the ETP
+    # all-gather of a dispatch (topology/cost.py, network.py). v25.04 also ran flash-attn
+    # rather than cuDNN attention (NVTE_FUSED_ATTN=0), ~4% of this model's FLOPs, not modelled.
+    *(PublishedRun(GROK1_314B, gpus, 8192, 2 * gpus,
+                   Layout(tp=4, pp=8, cp=2, vp=8, ep=8, etp=etp),
+                   precision, tokens / gpus, f"[dgxc] {source}", tp_comm_overlap=True)
+      for gpus, precision, etp, tokens, source in (
+          (512, "bf16", 4, 399191, "v25.04 Grok 1 314b BF16 (512 GPUs), 21.01 s a step"),
+          (512, "fp8", 4, 496367, "v25.04 Grok 1 314b FP8 (512 GPUs), 16.90 s a step"),
+          (1024, "bf16", 4, 791378, "v25.04 Grok 1 314b BF16 (1024 GPUs), 21.20 s a step"),
+          (1024, "fp8", 4, 981295, "v25.04 Grok 1 314b FP8 (1024 GPUs), 17.01 s a step"),
+          (2048, "bf16", 4, 1576065, "v25.04 Grok 1 314b BF16 (2048 GPUs), 21.29 s a step"),
+          (2048, "fp8", 4, 1939562, "v25.04 Grok 1 314b FP8 (2048 GPUs), 17.30 s a step"),
+          (512, "bf16", 1, 526493,
+           "v25.05.02 Grok1 314b BF16 (512 GPUs, NeMo 2), 15.933 s a step"),
+          (512, "fp8", 1, 624478,
+           "v25.05.02 Grok1 314b FP8 (512 GPUs, NeMo 2), 13.433 s a step"),
       )),
 ]
 

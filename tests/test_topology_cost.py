@@ -175,6 +175,41 @@ def test_each_local_expert_adds_its_gemm_kernels():
         assert many.compute - few.compute >= 3 * layers * 2 * 16 * fixed * 0.999
 
 
+# Grok-1's shape: 8 experts of 32768 columns, top-2 (the DGX Cloud recipes' MoE).
+GROK1 = ModelShape(num_layers=8, hidden_size=6144, num_attention_heads=48, num_query_groups=8,
+                   head_dim=128, ffn_hidden_size=32768, vocab_size=128256, num_experts=8,
+                   moe_ffn_hidden_size=32768, moe_router_topk=2)
+
+
+def test_expert_gemm_rows_follow_the_sequence_parallel_split():
+    """Sequence parallelism hands each of TP4's ranks a quarter of the 4096 tokens. With ETP 1
+    each rank routes its own quarter (1024 · top-2 · EP8 / 8 experts = 2048 rows an expert);
+    with ETP 4 the group gathers them back (8192 rows, each rank a quarter of the columns).
+    The same FLOPs a rank, the shorter GEMM at the lower rate."""
+    from hpc_mca.topology.cost import _gemm_rate, _layer_gemm_seconds
+    work = Workload(seq_length=4096, num_microbatches=1)
+    narrow = _layer_gemm_seconds(GROK1, Layout(tp=4, ep=8).resolved(32), work, H100, 4096)
+    wide = _layer_gemm_seconds(GROK1, Layout(tp=4, ep=8, etp=4).resolved(32), work, H100, 4096)
+    flops = 2 * 4096 * 2 * 3 * 6144 * 32768 / 4  # fc1 (gate and up) and fc2 of top-2, over TP
+    assert narrow - wide == pytest.approx(
+        flops / _gemm_rate(H100, "bf16", 2048) - flops / _gemm_rate(H100, "bf16", 8192))
+
+
+def test_expert_tensor_parallel_dispatch_gathers_the_copies_by_hand():
+    """ETP4 × EP8 over 4 nodes: the all-to-all crosses nodes (two EP ranks a node, stride 4),
+    then each rank all-gathers the other 3 ETP ranks' received copies over NVLink, and the
+    combine reduce-scatters them: each of the 2 dispatches and 2 combines of a layer pays both."""
+    from hpc_mca.topology.network import MOE_SYNC_STALL_S
+    net = Network(H100, 8)
+    copies = 4096 / 4 * 2 * 6144 * 2  # SP's quarter of the tokens, top-2, bf16
+    each = net.all_to_all(8, copies, 4) + net.ring(4, 3 * copies, 4)
+    step = _time(Layout(tp=4, ep=8, etp=4), 32, model=GROK1, num_microbatches=1)
+    assert step.expert_parallel == pytest.approx(8 * (2 * 2 * each + 2 * MOE_SYNC_STALL_S))
+    gathered = each - net.all_to_all(8, copies, 4)
+    assert gathered == pytest.approx(3 * H100.intra_node_latency_us * 1e-6
+                                     + 3 * copies / (H100.intra_node_gbps * 1e9))
+
+
 # --- directions ------------------------------------------------------------------------------
 
 def test_recompute_lora_dpo_and_precision_move_compute_the_right_way():

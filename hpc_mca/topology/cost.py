@@ -223,7 +223,11 @@ def _layer_gemm_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: 
     fe, k, experts = model.expert_ffn_hidden_size, model.moe_router_topk, model.num_experts
     shared = mats * h * model.moe_shared_expert_ffn_hidden_size + h * experts  # and router
     seconds += 2 * tokens * shared / tp / _gemm_rate(gpu, work.precision, h / tp)
-    per_expert = tokens * k * layout.ep / experts  # tokens each local expert gets (balanced)
+    # Rows each local expert gets (balanced routing): the micro-batch's tokens are split over
+    # TP by sequence parallelism, gathered again over the expert-TP group, copied to k experts,
+    # and the EP group's copies spread over its experts. With ETP = TP every rank sees all
+    # the tokens; with ETP 1 under TP4, a quarter (fewer rows: a narrower, slower GEMM).
+    per_expert = tokens / layout.tp * layout.etp * k * layout.ep / experts
     width = min(fe / layout.etp, per_expert)
     seconds += 2 * tokens * k * mats * h * fe / tp / _gemm_rate(gpu, work.precision, width)
     # Two GEMM kernels (fc1, fc2) for each local expert, each FP8 one after its input's

@@ -188,17 +188,24 @@ def expert_parallel(model: ModelShape, layout: Layout, work: Workload, net: Netw
     all-to-alls a pass, plus a dropless dispatcher's host sync (MOE_SYNC_STALL_S) each
     dispatch. With ``moe_comm_overlap`` (Megatron's overlap_moe_expert_parallel_comm, which
     runs one micro-batch's all-to-alls beside another's compute, and only without a pipeline
-    or with an interleaved one) they hide behind the layer's compute."""
-    ep = layout.ep
+    or with an interleaved one) they hide behind the layer's compute.
+
+    With expert TP (ETP > 1) the all-to-all dispatcher then all-gathers the copies it received
+    over the ETP group (each of its ranks computes a slice of every local expert for all of
+    them) and the combine reduce-scatters them first (Megatron-Core's MoEAlltoAllTokenDispatcher,
+    gather_from_sequence_parallel_region over the expert-TP group): (ETP−1) times the copies
+    a rank received, over NVLink while ETP fits a node."""
+    ep, etp = layout.ep, layout.etp
     if not model.is_moe or ep == 1:
         return 0.0
     tokens = microbatch_tokens(work, layout) / layout.tp
     token_bytes = model.hidden_size * weight_bytes(work.precision)
     k = model.moe_router_topk
     if work.moe_dispatcher == "flex":
-        each = net.node_dispatch(ep, layout.etp, tokens, token_bytes, k, model.num_experts)
+        each = net.node_dispatch(ep, etp, tokens, token_bytes, k, model.num_experts)
     else:
-        each = net.all_to_all(ep, tokens * k * token_bytes, layout.etp)
+        copies = tokens * k * token_bytes
+        each = net.all_to_all(ep, copies, etp) + net.ring(etp, (etp - 1) * copies, etp)
     passes = forward_passes + 1
     transfer = 2 * passes * each
     # Megatron runs the overlap only without a pipeline or with an interleaved one.
