@@ -35,6 +35,11 @@ Sources (H100 SXM, 8 GPUs a node):
   [mz]     yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md at 020b8136 (NVIDIA's
            Megatron-Core MoE team): Qwen3-235B on 256 H100s, BF16, step times; the two EP32
            runs recompute norms and the MoE activation, a few percent of compute not charged.
+           Its scripts route dropless unless --moe-router-force-load-balancing is added: the
+           EP32 runs' published commands add it (run_235b.sh, run_h100_235b.sh), the EP8 runs'
+           commands are not published. Its long-context table measures dropless TP4 EP8 runs
+           1.25x (seq 16K) to 1.09x (128K) slower than forced balance; the estimate takes
+           routing as balanced.
   [bridge] (A/B) Megatron-Bridge at 067f987d skills/nemo-mbridge-perf-moe-comm-overlap: a
            matched A/B of EP overlap on 16 H100s (force-balanced, CUDA graphs on the router).
   [nemo]   NVIDIA/NeMo docs/source/performance/performance_summary.md at 8e3d65dcfe, the

@@ -54,25 +54,30 @@ RANKING_GAPS = {
        for i in rows},
     50: "Qwen3-235B BF16 A2A TP2 EP8 PP32 VP3: the team's EP32 runs (rows 39, 40) measured "
         "1.23× and 1.38× its throughput; the pick (TP2 PP8 EP8, no VP) is estimated 6.6% faster "
-        "and this layout's own estimate is 1.24× fast, the gap of every in-node EP8 run with 16 "
-        "local experts (row 41: 1.31×)",
+        "and this layout's own estimate is 1.24× fast, as every in-node EP8 run with 16 local "
+        "experts (row 41: 1.31×; both perhaps dropless, see there)",
 }
 # Pairs of published runs of one job that the estimate orders against their measurement.
 MISORDERED = {
     ("[mz] Qwen3-235B BF16 DeepEP EP32: 19.7 s a step",
      "[mz] Qwen3-235B BF16 A2A TP2 EP8 PP32 VP3: 24.2 s a step"):
         "in-node EP8 with 16 local experts is estimated 1.09× faster than DeepEP EP32, measured "
-        "1.23× slower: the per-expert cost (18 µs a GEMM kernel, grouped_gemm PR 37) leaves out "
-        "what Transformer Engine's grouped linear adds per expert on the host, which no "
-        "published figure sizes (TE issue 1499 names torch.split/torch.empty per GEMM)",
+        "1.23× slower. The EP32 run forced balanced routing (its published command); the EP8 "
+        "run's command is not published, and dropless routing, the zoo's default, cost its "
+        "TP4 EP8 runs 1.09-1.25× (long-context table), which the estimate leaves out. Or a "
+        "per-expert cost is missing: Transformer Engine's grouped linear sets up each expert's "
+        "GEMM on the host (TE issue 1499), which no published figure sizes",
 }
 # Row index -> why the estimate of the published layout is more than 25% off its measurement.
 ESTIMATE_GAPS = {
     8: "Qwen3-30B FP8 estimated 1.25× its measurement: NVIDIA measured this FP8 run 16% slower "
        "than the BF16 one of row 37 (8960 against 10608 tok/s/GPU), which no cost here "
        "reproduces: FP8 is estimated 10% faster than BF16 on this layout",
-    41: "Qwen3-235B BF16 TP4 EP8 VP4 estimated 1.31× its measurement (22.2 s against 29.0 s): "
-        "some cost of 16 local experts on 1024-token SP shards at TP4 is still missing",
+    41: "Qwen3-235B BF16 TP4 EP8 VP4 estimated 1.31× its measurement (22.2 s against 29.0 s). "
+        "Its command is not published: the zoo's scripts route dropless unless told to force "
+        "balance, and its own TP4 EP8 runs measured dropless 1.25× slower than forced balance "
+        "at seq 16K, a cost left out here (routing taken as balanced); else a per-expert cost "
+        "of 16 local experts is missing",
 }
 
 
