@@ -50,6 +50,19 @@ def test_tensor_parallel_time_is_eight_collectives_a_layer():
     assert recomputed.tensor_parallel == pytest.approx(2 * 32 * 12 * each)
 
 
+def test_moe_layers_pay_only_their_attentions_tensor_parallel_collectives():
+    """Routed experts take the tokens sequence parallelism left on each rank (the dispatcher
+    moves them over the expert grid), so an MoE layer without a shared expert has its
+    attention's all-gather and reduce-scatter only: 2 forward, 2 backward. A shared expert is a
+    TP MLP and brings the other 2 back."""
+    t = _time(Layout(tp=4, ep=2), 8, model=QWEN3_30B_A3B, num_microbatches=1)
+    each = 3 * 3e-6 + 0.75 * 4096 * 2048 * 2 / 360e9
+    assert t.tensor_parallel == pytest.approx(QWEN3_30B_A3B.num_layers * 4 * each)
+    shared = replace(QWEN3_30B_A3B, moe_shared_expert_ffn_hidden_size=768)
+    with_shared = _time(Layout(tp=4, ep=2), 8, model=shared, num_microbatches=1)
+    assert with_shared.tensor_parallel == pytest.approx(2 * t.tensor_parallel)
+
+
 def test_pipeline_bubble_is_pp_minus_one_over_vp_micro_batch_times():
     t = _time(Layout(pp=4), 4, num_microbatches=16)
     per_mb = (t.compute + t.pipeline_p2p) / 16

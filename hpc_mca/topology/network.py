@@ -129,13 +129,17 @@ def tensor_parallel(model: ModelShape, layout: Layout, work: Workload, net: Netw
                     layers: int, forward_passes: float, layer_gemm: float) -> float:
     """Exposed seconds of one micro-batch's TP/SP collectives: every layer all-gathers and
     reduce-scatters its activations twice a pass (4 forward, 4 backward, 4 per extra forward).
-    Not overlapped here (this trainer has no userbuffers); with ``tp_comm_overlap`` each is cut
-    into TP chunks pipelined with its GEMM (Transformer Engine's userbuffers), so only the first
-    chunk and what outlasts the GEMMs is exposed."""
+    An MoE layer's routed experts take their tokens as sequence parallelism left them (their
+    dispatcher moves them over the expert grid: expert_parallel), so without a shared expert,
+    which is a TP MLP, it has only its attention's 2. Not overlapped here (this trainer has no
+    userbuffers); with ``tp_comm_overlap`` each is cut into TP chunks pipelined with its GEMM
+    (Transformer Engine's userbuffers), so only the first chunk and what outlasts the GEMMs is
+    exposed."""
     tp = layout.tp
     activation = microbatch_tokens(work, layout) * model.hidden_size * weight_bytes(work.precision)
     each = net.ring(tp, (tp - 1) / tp * activation, tp)
-    per_pass = 4 * each
+    tp_mlp = not model.is_moe or model.moe_shared_expert_ffn_hidden_size
+    per_pass = (4 if tp_mlp else 2) * each
     if work.tp_comm_overlap and tp > 1:
         # A forward's 4 collectives run beside its GEMMs; the backward's beside twice as much.
         per_pass = per_pass / tp + net.overlapped(per_pass * (tp - 1) / tp, layer_gemm)
@@ -196,7 +200,7 @@ def expert_parallel(model: ModelShape, layout: Layout, work: Workload, net: Netw
     gather_from_sequence_parallel_region over the expert-TP group): (ETP−1) times the copies
     a rank received, over NVLink while ETP fits a node."""
     ep, etp = layout.ep, layout.etp
-    if not model.is_moe or ep == 1:
+    if not model.is_moe or ep * etp == 1:
         return 0.0
     tokens = microbatch_tokens(work, layout) / layout.tp
     token_bytes = model.hidden_size * weight_bytes(work.precision)
