@@ -49,8 +49,8 @@ RANKING_GAPS = {
           f"the ETP group; the pick (TP8 CP1 ETP1) is estimated {gain} faster. The team's next "
           f"recipe (v25.05.02, rows 48 and 49) moved this layout to ETP1 and measured it "
           f"{measured} faster at 512 GPUs; the pick is within 1% of that layout's estimate"
-       for what, gain, measured, rows in (("BF16", "7.2%", "1.32×", (42, 44, 46)),
-                                          ("FP8", "13%", "1.26×", (43, 45, 47)))
+       for what, gain, measured, rows in (("BF16", "8.3%", "1.32×", (42, 44, 46)),
+                                          ("FP8", "14%", "1.26×", (43, 45, 47)))
        for i in rows},
     50: "Qwen3-235B BF16 A2A TP2 EP8 PP32 VP3: the team's EP32 runs (rows 39, 40) measured "
         "1.23× and 1.38× its throughput; the pick (TP2 PP8 EP8, no VP) is estimated 7.2% faster "

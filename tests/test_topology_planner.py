@@ -181,6 +181,18 @@ def test_moe_experts_shard_over_ep():
     assert est.params < dense_only.params / 4
 
 
+def test_expert_tensor_parallel_keeps_the_gathered_copies():
+    """TP4 with ETP4: each rank keeps the whole h-wide input of every copy its ETP group
+    gathered (4× ETP1's) and a quarter of each copy's fc1 and activation outputs (the same
+    bytes as ETP1's whole outputs of a quarter of the copies): 3·k·h more per token, over TP."""
+    from hpc_mca.topology.memory import layer_bytes_per_token
+    work = Workload(seq_length=4096)
+    one = layer_bytes_per_token(QWEN3_30B_A3B, work, Layout(tp=4, ep=2).resolved(8))
+    four = layer_bytes_per_token(QWEN3_30B_A3B, work, Layout(tp=4, ep=2, etp=4).resolved(32))
+    k, h = QWEN3_30B_A3B.moe_router_topk, QWEN3_30B_A3B.hidden_size
+    assert four - one == 2 * 3 * k * h
+
+
 def test_pipeline_interleaving_memory_factor():
     # Interleaving holds (1 + (PP-1)/(PP·VP)) times the 1F1B activations on the first stage.
     plain = _est(Layout(pp=4), 4, num_microbatches=64).activations

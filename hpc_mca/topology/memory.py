@@ -281,9 +281,11 @@ def layer_bytes_per_token(model: ModelShape, work: Workload, layout: Layout) -> 
     fe, fs, k = model.expert_ffn_hidden_size, model.moe_shared_expert_ffn_hidden_size, \
         model.moe_router_topk
     # Each token is copied to k experts: the dispatched input plus that expert's fc1/act outputs;
-    # the router keeps fp32 logits/probabilities per expert.
-    moe = 2 * (2 * h + k * (h + mats * fe) + mats * fs) + 4 * model.num_experts
-    gemm_inputs = k * (h + fe) + (h + fs if fs else 0)  # experts' fc1 and fc2, shared expert
+    # the router keeps fp32 logits/probabilities per expert. Expert TP gathers ETP ranks' copies
+    # onto each of them (whole h-wide inputs, 1/ETP of each output): ETP times the inputs.
+    etp = layout.etp
+    moe = 2 * (2 * h + k * (etp * h + mats * fe) + mats * fs) + 4 * model.num_experts
+    gemm_inputs = k * (etp * h + fe) + (h + fs if fs else 0)  # experts' fc1, fc2; shared expert
     return attn + moe - _fp8_saving(work, h, hq, gemm_inputs)
 
 
