@@ -44,13 +44,14 @@ RANKING_GAPS = {
     41: "Qwen3-235B BF16 TP4 EP8: the team's own EP32 runs of the same job (rows 39, 40) "
         "measured 1.47× and 1.65× its throughput, so its layout is not their best; the pick "
         "(EP16) is estimated 1.28× faster, and the EP32 rows are ordered above it as measured",
-    **{i: f"Grok-1 {what} under NeMo 24.12 (round 5): published with ETP4 (that "
-          f"release's default ETP = TP), whose dispatch all-gathers every received copy over "
-          f"the ETP group; the pick (TP8 CP1 ETP1) is estimated {gain} faster. The team's next "
-          f"recipe (v25.05.02, rows 48 and 49) moved this layout to ETP1 and measured it "
-          f"{measured} faster at 512 GPUs; the pick is within 1% of that layout's estimate"
-       for what, gain, measured, rows in (("BF16", "8.3%", "1.32×", (42, 44, 46)),
-                                          ("FP8", "14%", "1.26×", (43, 45, 47)))
+    **{i: f"Grok-1 {what} under NeMo 24.12 (round 5): published with ETP4 (that release's "
+          f"default ETP = TP), whose dispatch all-gathers every received copy over the ETP "
+          f"group; the pick, the same TP4 PP8 CP2 EP8 at ETP1 (VP 2-8), is estimated {gain} "
+          f"faster. The team's next recipe (v25.05.02, rows 48 and 49) made the same move to "
+          f"ETP1 and measured it {measured} faster at 512 GPUs; the planner picks that layout or "
+          f"one estimated within 1% of it"
+       for what, gain, measured, rows in (("BF16", "8.5%", "1.32×", (42, 44, 46)),
+                                          ("FP8", "13.5%", "1.26×", (43, 45, 47)))
        for i in rows},
     50: "Qwen3-235B BF16 A2A TP2 EP8 PP32 VP3: the team's EP32 runs (rows 39, 40) measured "
         "1.23× and 1.38× its throughput; the pick (TP2 PP8 EP8, no VP) is estimated 7.2% faster "

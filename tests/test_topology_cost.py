@@ -16,6 +16,10 @@ from hpc_mca.topology.network import CP_MERGE_BYTES, CP_STEP_OVERHEAD_S, DDP_BUC
 LLAMA3_70B = ModelShape(num_layers=80, hidden_size=8192, num_attention_heads=64,
                         num_query_groups=8, ffn_hidden_size=28672, vocab_size=128256)
 H100 = get_gpu("H100-80GB")
+# Grok-1's shape: 8 experts of 32768 columns, top-2 (the DGX Cloud recipes' MoE).
+GROK1 = ModelShape(num_layers=8, hidden_size=6144, num_attention_heads=48, num_query_groups=8,
+                   head_dim=128, ffn_hidden_size=32768, vocab_size=128256, num_experts=8,
+                   moe_ffn_hidden_size=32768, moe_router_topk=2)
 
 
 def _time(layout: Layout, world: int, model: ModelShape = LLAMA3_8B, node: int = 8,
@@ -61,6 +65,21 @@ def test_moe_layers_pay_only_their_attentions_tensor_parallel_collectives():
     shared = replace(QWEN3_30B_A3B, moe_shared_expert_ffn_hidden_size=768)
     with_shared = _time(Layout(tp=4, ep=2), 8, model=shared, num_microbatches=1)
     assert with_shared.tensor_parallel == pytest.approx(2 * t.tensor_parallel)
+
+
+def test_tp_overlap_hides_an_moe_layers_collectives_behind_its_attention_gemms_only():
+    """Transformer Engine's TP overlap pipelines each collective with the GEMM it feeds: in an
+    MoE layer the attention projections (the routed experts are not TP-split), so Grok-1's
+    expert GEMMs, 20× the attention's, hide none of it."""
+    from hpc_mca.topology.cost import _layer_gemm_seconds
+    layout, work = Layout(tp=4, ep=8).resolved(32), Workload(seq_length=4096, num_microbatches=1)
+    split, experts = _layer_gemm_seconds(GROK1, layout, work, H100, 4096)
+    assert experts > 10 * split
+    net = Network(H100, 8)
+    per_pass = 2 * net.ring(4, 0.75 * 4096 * 6144 * 2, 4)
+    exposed = per_pass / 4 + net.overlapped(per_pass * 3 / 4, split)
+    step = _time(Layout(tp=4, ep=8), 32, model=GROK1, num_microbatches=1, tp_comm_overlap=True)
+    assert step.tensor_parallel == pytest.approx(GROK1.num_layers * 2 * exposed)
 
 
 def test_pipeline_bubble_is_pp_minus_one_over_vp_micro_batch_times():
@@ -188,11 +207,6 @@ def test_each_local_expert_adds_its_gemm_kernels():
         assert many.compute - few.compute >= 3 * layers * 2 * 16 * fixed * 0.999
 
 
-# Grok-1's shape: 8 experts of 32768 columns, top-2 (the DGX Cloud recipes' MoE).
-GROK1 = ModelShape(num_layers=8, hidden_size=6144, num_attention_heads=48, num_query_groups=8,
-                   head_dim=128, ffn_hidden_size=32768, vocab_size=128256, num_experts=8,
-                   moe_ffn_hidden_size=32768, moe_router_topk=2)
-
 
 def test_expert_gemm_rows_follow_the_sequence_parallel_split():
     """Sequence parallelism hands each of TP4's ranks a quarter of the 4096 tokens. With ETP 1
@@ -201,8 +215,9 @@ def test_expert_gemm_rows_follow_the_sequence_parallel_split():
     The same FLOPs a rank, the shorter GEMM at the lower rate."""
     from hpc_mca.topology.cost import _gemm_rate, _layer_gemm_seconds
     work = Workload(seq_length=4096, num_microbatches=1)
-    narrow = _layer_gemm_seconds(GROK1, Layout(tp=4, ep=8).resolved(32), work, H100, 4096)
-    wide = _layer_gemm_seconds(GROK1, Layout(tp=4, ep=8, etp=4).resolved(32), work, H100, 4096)
+    narrow = sum(_layer_gemm_seconds(GROK1, Layout(tp=4, ep=8).resolved(32), work, H100, 4096))
+    wide = sum(_layer_gemm_seconds(GROK1, Layout(tp=4, ep=8, etp=4).resolved(32), work, H100,
+                                   4096))
     flops = 2 * 4096 * 2 * 3 * 6144 * 32768 / 4  # fc1 (gate and up) and fc2 of top-2, over TP
     assert narrow - wide == pytest.approx(
         flops / _gemm_rate(H100, "bf16", 2048) - flops / _gemm_rate(H100, "bf16", 8192))

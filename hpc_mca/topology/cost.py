@@ -211,30 +211,33 @@ def _gemm_rate(gpu: GpuSpec, precision: str, width: float) -> float:
 
 
 def _layer_gemm_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
-                        tokens: int) -> float:
-    """Forward GEMMs of one layer on one GPU (sequence parallel splits tokens over TP)."""
+                        tokens: int) -> tuple[float, float]:
+    """Forward GEMMs of one layer on one GPU (sequence parallel splits tokens over TP), as
+    (TP-split, other): the attention projections and a dense or shared-expert MLP, which TP's
+    collectives feed and which TE's TP overlap pipelines them with; and the router and
+    routed experts, which take the tokens as sequence parallelism left them."""
     h, d, tp, mats = model.hidden_size, model.kv_channels, layout.tp, mlp_matrices(model)
     hq, hkv = model.num_attention_heads * d, model.num_query_groups * d
     attn = h * hq + 2 * h * hkv + hq * h
-    seconds = 2 * tokens * attn / tp / _gemm_rate(gpu, work.precision, h / tp)
+    mlp = mats * h * (model.moe_shared_expert_ffn_hidden_size if model.is_moe
+                      else model.ffn_hidden_size)
+    split = 2 * tokens * (attn + mlp) / tp / _gemm_rate(gpu, work.precision, h / tp)
     if not model.is_moe:
-        mlp = mats * h * model.ffn_hidden_size
-        return seconds + 2 * tokens * mlp / tp / _gemm_rate(gpu, work.precision, h / tp)
+        return split, 0.0
     fe, k, experts = model.expert_ffn_hidden_size, model.moe_router_topk, model.num_experts
-    shared = mats * h * model.moe_shared_expert_ffn_hidden_size + h * experts  # and router
-    seconds += 2 * tokens * shared / tp / _gemm_rate(gpu, work.precision, h / tp)
+    router = 2 * tokens * h * experts / tp / _gemm_rate(gpu, work.precision, h / tp)
     # Rows each local expert gets (balanced routing): the micro-batch's tokens are split over
     # TP by sequence parallelism, gathered again over the expert-TP group, copied to k experts,
     # and the EP group's copies spread over its experts. With ETP = TP every rank sees all
     # the tokens; with ETP 1 under TP4, a quarter (fewer rows: a narrower, slower GEMM).
     per_expert = tokens / layout.tp * layout.etp * k * layout.ep / experts
     width = min(fe / layout.etp, per_expert)
-    seconds += 2 * tokens * k * mats * h * fe / tp / _gemm_rate(gpu, work.precision, width)
+    routed = 2 * tokens * k * mats * h * fe / tp / _gemm_rate(gpu, work.precision, width)
     # Two GEMM kernels (fc1, fc2) for each local expert, each FP8 one after its input's
     # quantization; the backward's dgrad and wgrad kernels follow from the backward's
     # multiple of the forward GEMMs.
     fixed = EXPERT_GEMM_OVERHEAD_S + (FP8_QUANTIZE_OVERHEAD_S if work.precision == "fp8" else 0)
-    return seconds + 2 * experts // layout.ep * fixed
+    return split, router + routed + 2 * experts // layout.ep * fixed
 
 
 def _attention_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
@@ -289,7 +292,7 @@ class _Compute:
     backward: float  # what a gradient reduction can hide behind
     total: float     # forward, backward and any reference forward
     recompute: float  # the forwards recompute runs again
-    layer_gemm: float         # one layer's forward GEMMs (what TP overlap hides behind)
+    layer_gemm: float         # one layer's TP-split forward GEMMs (what TP overlap hides behind)
     layer_attention: float    # one layer's forward attention core
     layer_attention_backward: float
     layer_forward: float      # one layer's whole forward
@@ -301,7 +304,8 @@ def _compute(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
     tokens = microbatch_tokens(work, layout)
     depths = mtp_on_rank(layout, work, rank)  # each: one more layer and output-layer pass
     layers = layers_on_rank(model, layout, rank) + depths
-    gemm = _layer_gemm_seconds(model, layout, work, gpu, tokens)
+    split_gemm, other_gemm = _layer_gemm_seconds(model, layout, work, gpu, tokens)
+    gemm = split_gemm + other_gemm
     attn = _attention_seconds(model, layout, work, gpu, tokens)
     elem = _elementwise_seconds(model, layout, work, gpu, tokens)
     out_gemm, loss = (_output_layer_seconds(model, layout, work, gpu, tokens)
@@ -325,8 +329,8 @@ def _compute(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
         recompute = layers * attn
     # E.g. dpo's frozen reference: its log-probabilities, forward only.
     reference = _extra_forwards(work) * forward
-    return _Compute(forward, backward, forward + backward + reference, recompute, gemm, attn,
-                    flash_bwd * attn, gemm + attn + elem)
+    return _Compute(forward, backward, forward + backward + reference, recompute, split_gemm,
+                    attn, flash_bwd * attn, gemm + attn + elem)
 
 
 def _embedding_backward_seconds(model: ModelShape, layout: Layout, work: Workload,
