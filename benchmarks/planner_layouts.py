@@ -14,9 +14,9 @@ runs at bf16; no figure is converted from one precision to the other. Every run 
 Transformer Engine (CP attention on its p2p ring), the distributed optimizer with overlapped
 gradient reduce and parameter gather, bf16 gradient buffers, interleaved pipelines' sends
 overlapped with compute, no activation recompute, and, where noted, TE's TP communication
-overlap, Megatron's MoE all-to-all overlap or a flex MoE dispatcher (DeepEP or HybridEP). This trainer has none of those overlaps and
-keeps fp32 gradients: the estimate assumes them for the run (and for the pick it is compared
-with), never for a plan of hpc-mca's own.
+overlap, Megatron's MoE all-to-all overlap or a flex MoE dispatcher (DeepEP or HybridEP).
+This trainer has none of those and keeps fp32 gradients: the estimate assumes them for the run
+(and for the pick it is compared with), never for a plan of hpc-mca's own.
 
 ``calibrated`` runs are the ones the cost model was developed against (each constant also
 cites its own source in topology/cost.py and topology/network.py); ``held back`` runs were

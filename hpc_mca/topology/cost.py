@@ -219,8 +219,7 @@ def _layer_gemm_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: 
     h, d, tp, mats = model.hidden_size, model.kv_channels, layout.tp, mlp_matrices(model)
     hq, hkv = model.num_attention_heads * d, model.num_query_groups * d
     attn = h * hq + 2 * h * hkv + hq * h
-    mlp = mats * h * (model.moe_shared_expert_ffn_hidden_size if model.is_moe
-                      else model.ffn_hidden_size)
+    mlp = mats * h * model.tp_mlp_ffn_hidden_size
     split = 2 * tokens * (attn + mlp) / tp / _gemm_rate(gpu, work.precision, h / tp)
     if not model.is_moe:
         return split, 0.0

@@ -81,6 +81,13 @@ class ModelShape:
         return self.num_experts > 0
 
     @property
+    def tp_mlp_ffn_hidden_size(self) -> int:
+        """Inner width of the MLP that TP splits and its collectives feed: the dense MLP, or an
+        MoE layer's shared expert (0 without one: routed experts run on the expert grid, on
+        the tokens sequence parallelism left each rank)."""
+        return self.moe_shared_expert_ffn_hidden_size if self.is_moe else self.ffn_hidden_size
+
+    @property
     def expert_ffn_hidden_size(self) -> int:
         """Inner width of one routed expert."""
         return self.moe_ffn_hidden_size or self.ffn_hidden_size

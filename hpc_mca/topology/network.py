@@ -138,10 +138,10 @@ def tensor_parallel(model: ModelShape, layout: Layout, work: Workload, net: Netw
     tp = layout.tp
     activation = microbatch_tokens(work, layout) * model.hidden_size * weight_bytes(work.precision)
     each = net.ring(tp, (tp - 1) / tp * activation, tp)
-    tp_mlp = not model.is_moe or model.moe_shared_expert_ffn_hidden_size
-    per_pass = (4 if tp_mlp else 2) * each
+    per_pass = (4 if model.tp_mlp_ffn_hidden_size else 2) * each
     if work.tp_comm_overlap and tp > 1:
-        # A forward's 4 collectives run beside its GEMMs; the backward's beside twice as much.
+        # A forward's collectives run beside its TP-split GEMMs; the backward's beside twice
+        # as much.
         per_pass = per_pass / tp + net.overlapped(per_pass * (tp - 1) / tp, layer_gemm)
     return layers * (forward_passes + 1) * per_pass
 
