@@ -5,8 +5,9 @@
 # time limit and a failure does not stop the next one; every step's output is also written to
 # $OUT (default /tmp/gpu-suite), one file per step, and a summary line per step at the end.
 #
-#   benchmarks/gpu_suite.sh [STEP ...]     # steps: gpu-tests attention rope throughput
-#                                          #        fusions profile ranks model-tests checkpoint
+#   benchmarks/gpu_suite.sh [STEP ...]     # steps: gpu-tests attention rope throughput staging
+#                                          #        fusions kernels torchtitan profile ranks
+#                                          #        model-tests checkpoint
 #
 # The default (gpu-tests attention throughput ranks model-tests) took ~5.5 min on an H200
 # (2026-11-26: gpu-tests 115 s, attention 49, throughput 97, ranks 16, model-tests 63): one
@@ -51,8 +52,24 @@ attention() {  # the long-tailed SFT mix of packing_efficiency.py (log-normal 6 
     --heads 32 --kv-heads 8 --head-dim 64 --log-mean 6 --log-std 1 --max-len 4096
 }
 
-throughput() {
-  "$py" benchmarks/gpu_throughput.py --dir "$work"
+throughput() {  # SIDES (default all three) and SAVE_STEPS (a save every N steps: first-save time)
+  local extra=()
+  [[ -z "${SAVE_STEPS:-}" ]] || extra=(--train-arg "training.save_steps=${SAVE_STEPS}"
+                                       --train-arg training.save_total_limit=1)
+  "$py" benchmarks/gpu_throughput.py --dir "$work" --sides "${SIDES:-hpc-mca,bf16,fp32-master}" \
+    "${extra[@]}"
+}
+
+staging() {  # a first save's host staging: cudaHostAlloc vs cudaHostRegister vs pageable
+  "$py" benchmarks/pinned_staging.py
+}
+
+kernels() {  # liger-kernel against Megatron's and compiled fusions, piece by piece
+  "$py" benchmarks/kernel_options.py
+}
+
+torchtitan() {  # the second peer: torchtitan on the same 1B shape (its wheels on PYTHONPATH)
+  "$py" benchmarks/torchtitan_peer.py
 }
 
 rope() {  # the same SFT mix, one query-shaped tensor of the 1B shape (32 heads x 64)
@@ -60,15 +77,22 @@ rope() {  # the same SFT mix, one query-shaped tensor of the 1B shape (32 heads 
     --head-dim 64 --log-mean 6 --log-std 1 --max-len 4096 --compiled
 }
 
-fusions() {  # hpc-mca train alone: no fusion, Megatron's three, compiled layers (alone and
-  local variant  # with the fused cross-entropy), then that with micro-batch 4 (same 8 rows/step)
-  for variant in "[]" "[swiglu,cross_entropy,rope]" "[layer]" "[layer,cross_entropy]" \
-                 "[layer,cross_entropy] --micro-batch 4"; do
+fusions() {  # hpc-mca train alone, one run per FUSIONS entry (";"-separated; default: no
+  # fusion, Megatron's three, compiled layers alone and with the fused cross-entropy, then that
+  # with micro-batch 4: the same 8 rows a step). Where the staging step found cudaHostRegister
+  # working, these runs use it, so that their end-of-run (first) saves show its effect.
+  local variant variants
+  IFS=';' read -r -a variants <<< "${FUSIONS:-[];[swiglu,cross_entropy,rope];[layer];[layer,cross_entropy];[layer,cross_entropy] --micro-batch 4}"
+  if grep -q '^cudaHostRegister x8 *[0-9]' "${out}/staging.txt" 2>/dev/null; then
+    export PYTORCH_CUDA_ALLOC_CONF="pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+    echo "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF}"
+  fi
+  for variant in "${variants[@]}"; do
     echo "--- model.fusions=${variant}"
     # shellcheck disable=SC2086  # the last variant's extra option is meant to split
     "$py" benchmarks/gpu_throughput.py --dir "$work" --sides hpc-mca \
       --train-arg "model.fusions=${variant%% *}" ${variant#"${variant%% *}"} \
-      | grep -E '^(hpc-mca|last progress)'
+      | grep -E '^(hpc-mca|last progress|  checkpoint)'
   done
 }
 
@@ -92,8 +116,9 @@ checkpoint() {  # 2 CPU ranks (two NCCL ranks cannot share one GPU); the disk is
   CUDA_VISIBLE_DEVICES='' "$py" benchmarks/checkpoint_io.py --dir "$disk"
 }
 
-export py work disk
-export -f gpu_tests attention rope throughput fusions profile ranks model_tests checkpoint
+export py work disk out
+export -f gpu_tests attention rope throughput staging kernels torchtitan fusions profile ranks \
+  model_tests checkpoint
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$py" -c 'import torch, transformers, megatron.core as m; print("torch", torch.__version__,
@@ -106,13 +131,17 @@ for name in "${steps[@]}"; do
     gpu-tests) step gpu-tests 120 gpu_tests ;;
     attention) step attention 60 attention ;;
     rope) step rope 90 rope ;;
-    throughput) step throughput 160 throughput ;;
-    fusions) step fusions 420 fusions ;;
+    throughput) step throughput "${THROUGHPUT_LIMIT:-160}" throughput ;;
+    fusions) step fusions "${FUSIONS_LIMIT:-420}" fusions ;;
+    staging) step staging 70 staging ;;
+    kernels) step kernels 60 kernels ;;
+    torchtitan) step torchtitan 100 torchtitan ;;
     profile) step profile 200 profile ;;
     ranks) step ranks 40 ranks ;;
     model-tests) step model-tests 120 model_tests ;;
     checkpoint) step checkpoint 300 checkpoint ;;
-    *) echo "unknown step ${name} (valid: gpu-tests attention rope throughput fusions profile ranks model-tests checkpoint)" >&2
+    *) echo "unknown step ${name} (valid: gpu-tests attention rope throughput staging fusions" \
+            "kernels torchtitan profile ranks model-tests checkpoint)" >&2
        exit 2 ;;
   esac
 done

@@ -136,6 +136,8 @@ def run_hpc_mca(root: Path, args: argparse.Namespace, model_dir: Path, corpus: P
     tokens = sum(r["tokens"] for r in window)
     seconds = [r["seconds"] for r in window]
     kernel = re.findall(r"packed kernel \S+", proc.stdout)
+    for line in re.findall(r"^checkpoint .* saved .*$", proc.stdout, re.M):  # each save's phases
+        print(f"  {line}", flush=True)
     tables = sorted((run_dir / "profile").glob("*.txt")) if args.profile else []
     return {"tokens_per_s": tokens / sum(seconds), "step_s": statistics.median(seconds),
             "logged": logged_window(proc.stdout, records, args.steps),

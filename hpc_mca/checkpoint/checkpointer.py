@@ -201,6 +201,7 @@ class Checkpointer:
         extra = {"async_sharded_save": True, "async_strategy": "mcore"} if self.async_save else {}
         if not self.async_save:
             state = _unclonable(state)
+        pinned = pinned_host_seconds()
         with _without_crc32():  # the async writer is forked inside: it inherits the setting
             try:
                 request = dist_checkpointing.save(state, str(tmp), self._strategy(), **extra)
@@ -212,10 +213,12 @@ class Checkpointer:
                       "write" if request is None else "hand-off": time.perf_counter() - built}
             commit = functools.partial(self._commit, name, info, started, phases)
             if request is None:
+                _note_pinned_host(phases, pinned)
                 commit()
             else:
                 request.finalize_fns.append(commit)
-                self._queue().schedule_async_request(request)
+                self._queue().schedule_async_request(request)  # stages to the host here
+                _note_pinned_host(phases, pinned)
         self.last_saved_step = step
 
     def _prepare(self, name: str, tmp: Path) -> None:
@@ -386,6 +389,28 @@ class Checkpointer:
     def _progress(self, **fields: Any) -> None:
         env = self.ctx.env
         self._write_progress(job_id=env.job_id, restart_count=env.restart_count, **fields)
+
+
+def pinned_host_seconds() -> float | None:
+    """Seconds this process has spent so far creating pinned host memory blocks (torch's
+    caching host allocator; None off CUDA or where torch keeps no such timer).
+
+    Megatron's writer stages every tensor to the host with ``non_blocking=True`` copies, which
+    take pinned blocks from that allocator: the first save of a process creates them all
+    (``cudaHostAlloc``) and later saves reuse the cached ones, so this is the part of a first
+    save that later saves skip (``benchmarks/pinned_staging.py`` times it alone)."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_initialized():
+        return None
+    total = stats().get("host_alloc_time.total")  # microseconds
+    return None if total is None else total / 1e6
+
+
+def _note_pinned_host(phases: dict[str, float], before: float | None) -> None:
+    """Add the save's pinned-block creation to its phases, where there was any."""
+    after = pinned_host_seconds()
+    if before is not None and after is not None and after - before >= 0.01:
+        phases["of which new pinned host memory"] = after - before
 
 
 @contextlib.contextmanager
