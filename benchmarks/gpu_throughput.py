@@ -3,7 +3,8 @@
 Both train the same model shape on the same number of tokens per optimizer step:
 
 * ``hpc-mca train``: the user's command in a subprocess (stage pt, bf16, Megatron DDP, the
-  fp32-master distributed-optimizer path, packed kernel chosen automatically), on an indexed
+  fp32-master distributed-optimizer path, packed kernel and ``model.fusions`` as the trainer
+  chooses them: unset fusions are [layer, cross_entropy] on a GPU), on an indexed
   corpus of random token ids. Its figure comes from steps.jsonl (each step timed after a
   device sync): real tokens over the summed step times of the steps after ``--warmup``. The
   last progress line's ``tok/s`` (a per-window average) is checked against steps.jsonl over

@@ -152,7 +152,9 @@ def elementwise_rows(args: argparse.Namespace, device: torch.device, dtype: torc
     if functional is not None:
         # in_place=False: liger's default writes dY's storage, which autograd may still need
         liger_norm = with_grads(lambda h, w: functional.liger_rms_norm(h, w, 1e-5, in_place=False), h, weight)
-        liger_swiglu = with_grads(functional.liger_swiglu, a, b)
+        # liger's backward writes the gradients into its saved inputs: give it copies, or the
+        # shared a, b (and every later row) would be overwritten; the copies are timed too
+        liger_swiglu = with_grads(lambda a, b: functional.liger_swiglu(a.clone(), b.clone()), a, b)
     return [("RMSNorm", "torch eager", with_grads(norm, h, weight), norm_ref),
             ("RMSNorm", "torch.compile", with_grads(compiled_norm, h, weight), norm_ref),
             ("RMSNorm", "liger", liger_norm, norm_ref),

@@ -28,7 +28,7 @@ from hpc_mca.errors import UserError
 from hpc_mca.runtime.distributed import RankContext, init_distributed, shutdown
 from hpc_mca.runtime.env import RankEnv, from_environ
 from hpc_mca.topology import LayoutError, ModelShape
-from hpc_mca.trainer.megatron_settings import check_megatron_settings, torch_dtype
+from hpc_mca.trainer.megatron_settings import check_megatron_settings, default_fusions, torch_dtype
 
 
 @dataclass
@@ -86,6 +86,7 @@ def check_inputs(config: TrainConfig, env: RankEnv) -> None:
         if config.data.dataset or config.data.data_path is not None:
             data_files_exist(config.data)
         tokenizer_fits_model(config.model, model_shape(config.model).vocab_size)
+        choose_fusions(config)
         if config.training.use_mca:
             attention_backend_available(config)
             check_megatron_settings(config, layout_of(config.parallel))
@@ -94,6 +95,16 @@ def check_inputs(config: TrainConfig, env: RankEnv) -> None:
     except UserError as err:
         err.on_every_rank = True  # every rank read the same inputs and stops here alike
         raise
+
+
+def choose_fusions(config: TrainConfig) -> None:
+    """``model.fusions`` unset: set it to what this rank's machine runs fastest
+    (:func:`default_fusions`), so that the run's saved config names what ran."""
+    from hpc_mca.models.attention_backend import select_attention_backend
+
+    if config.model.fusions is None:
+        backend = select_attention_backend(config.model.attention_backend) if config.training.use_mca else ""
+        config.model.fusions = default_fusions(config, cuda=torch.cuda.is_available(), backend=backend)
 
 
 def start_afresh_if_asked(training: TrainingArguments, env: RankEnv) -> None:
@@ -154,9 +165,10 @@ def attention_backend_available(config: TrainConfig) -> str:
                                 config.model.packed_attention, cuda=torch.cuda.is_available(),
                                 dtype=torch_dtype(config.training), cp=par.context_parallel_size)
     packed = f"packed kernel {kernel}" if kernel else "packed sequences"
-    layers = "; decoder layers: torch.compile" if "layer" in config.model.fusions else ""
+    fusions = config.model.fusions or ()  # None until choose_fusions
+    layers = "; decoder layers: torch.compile" if "layer" in fusions else ""
     return (f"attention: {backend} backend, {packed} ({why}); "
-            f"RoPE: {describe('rope' in config.model.fusions)}{layers}")
+            f"RoPE: {describe('rope' in fusions)}{layers}")
 
 
 @functools.cache

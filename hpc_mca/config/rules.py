@@ -60,11 +60,11 @@ def _check_model(config: TrainConfig, world_size: int) -> None:
     model = config.model
     _choice("model.attention_backend", model.attention_backend, ATTENTION_CHOICES)
     _choice("model.packed_attention", model.packed_attention, PACKED_ATTENTION)
-    for fusion in model.fusions:
+    for fusion in model.fusions or ():  # None: chosen on the rank (default_fusions)
         if fusion not in KERNEL_FUSIONS:
             raise ConfigError(f"model.fusions: {fusion!r} is not a fusion; valid: "
                               + ", ".join(KERNEL_FUSIONS))
-    if "cross_entropy" in model.fusions and not config.training.bf16:
+    if "cross_entropy" in (model.fusions or ()) and not config.training.bf16:
         # Its backward casts the logits' gradient to bf16 whatever the logits' dtype: in an
         # fp32 run that changed the gradient norm by 1e-4 relative from the first step.
         raise ConfigError("model.fusions: 'cross_entropy' hands back the logits' gradient in "
@@ -273,7 +273,7 @@ _MEGATRON_ONLY = {
     "parallel.use_distributed_optimizer": False, "parallel.overlap_param_gather": False,
     "parallel.optimizer_cpu_offload": False,
     "model.mtp_num_layers": 0, "model.attention_backend": "auto",
-    "model.packed_attention": "auto", "model.fusions": [], "training.async_save": False,
+    "model.packed_attention": "auto", "model.fusions": None, "training.async_save": False,
     "parallel.overlap_grad_reduce": False,
 }
 
@@ -288,8 +288,9 @@ _STANDARD_FIXED = {
     "model.attention_backend": ("auto", "the standard backend's attention is the torch backend's "
                                 "packed kernel (hpc_mca.models.hf_attention)"),
 }
-_STANDARD_ALSO = {"model.attention_backend": "torch"}
-"""A second value the standard backend runs: the attention it always has, named."""
+_STANDARD_ALSO = {"model.attention_backend": "torch", "model.fusions": []}
+"""A second value the standard backend runs: the attention it always has, named; no fusion,
+named."""
 
 
 def _check_standard_recompute(par: ParallelArguments) -> None:

@@ -94,13 +94,16 @@ class ModelArguments:
     pipeline stage, depth k trained on the token k+1 places further on; 0 = none."""
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the MTP losses (their mean over depths) beside the main loss."""
-    fusions: list[str] = field(default_factory=list)
+    fusions: list[str] | None = None
     """Kernel fusions to turn on, each compiled by torch.compile: swiglu (Megatron's MLP gated
     activation in one kernel, recomputed in backward), cross_entropy (Megatron's vocabulary
     cross-entropy in fused pieces; bf16 runs only, as its backward writes the logits' gradient
     in bf16), rope (RoPE's one pass over a packed stream, hpc_mca.models.rope) and layer (each
     decoder layer compiled whole, core attention left eager: hpc_mca.models.layer_compile).
-    Empty = Megatron's unfused paths, except that packed RoPE always runs in one pass."""
+    Empty = Megatron's unfused paths, except that packed RoPE always runs in one pass. None
+    (the default) = the fastest measured for the run, chosen on each rank: [layer,
+    cross_entropy] for a bf16 Megatron-backend run on CUDA without Transformer Engine, else
+    none (hpc_mca.trainer.megatron_settings.default_fusions)."""
 
 
 @dataclass

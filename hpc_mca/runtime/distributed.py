@@ -30,6 +30,7 @@ import torch.distributed as dist
 from hpc_mca.errors import BadInputOnRankZero, UserError
 from hpc_mca.runtime import cpu_compat
 from hpc_mca.runtime.env import RankEnv, from_environ
+from hpc_mca.runtime.host_memory import register_pinned_host_memory
 from hpc_mca.topology import Layout, LayoutError, ModelShape, check_layout
 from hpc_mca.topology.errors import raise_if
 
@@ -151,6 +152,7 @@ def rank_zero_first(build: Callable[[], T], is_main: bool) -> T:
 def _select_device(env: RankEnv) -> tuple[torch.device, str]:
     if torch.cuda.is_available():
         raise_if(ranks_per_gpu_violations(env.local_world_size, torch.cuda.device_count()))
+        register_pinned_host_memory()  # before torch reads its allocator settings: host_memory.py
         local = env.local_rank % torch.cuda.device_count()
         torch.cuda.set_device(local)
         return torch.device("cuda", local), "nccl"
