@@ -220,6 +220,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+HEADER = f"{'':14}{'tokens/s':>12}{'step s':>9}{'MFU':>8}  note"
+"""The table's header; each side's row follows it in these columns."""
+
+
+def run_line(config: dict, args: argparse.Namespace) -> str:
+    """What was trained: the shape, the batch and the timed steps."""
+    return (f"{config['num_hidden_layers']} layers x {config['hidden_size']}, vocab "
+            f"{config['vocab_size']}, seq {args.seq_length}, {args.global_batch} rows/step "
+            f"(micro-batch {args.micro_batch}), {args.steps} steps ({args.warmup} warm-up)")
+
+
 def main() -> None:
     args = parse_args()
     sys.path.insert(0, str(REPO))
@@ -233,12 +244,9 @@ def main() -> None:
         flops = flops_per_token(ModelShape.from_hf_config(str(model_dir)), args.seq_length)
         peak = peak_flops_per_device() if args.device != "cpu" else None
         name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
-        print(f"{config['num_hidden_layers']} layers x {config['hidden_size']}, vocab "
-              f"{config['vocab_size']}, seq {args.seq_length}, {args.global_batch} rows/step "
-              f"(micro-batch {args.micro_batch}), {args.steps} steps ({args.warmup} warm-up) on "
-              f"{name}; {flops / 1e9:.2f} GFLOP/token, peak "
+        print(f"{run_line(config, args)} on {name}; {flops / 1e9:.2f} GFLOP/token, peak "
               f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown'}", flush=True)
-        print(f"{'':14}{'tokens/s':>12}{'step s':>9}{'MFU':>8}  note", flush=True)
+        print(HEADER, flush=True)
         results: dict[str, dict] = {}
         for side in args.sides.split(","):
             if side == "hpc-mca":

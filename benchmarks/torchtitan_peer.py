@@ -56,7 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from gpu_throughput import hf_config, make_model_dir, sync
+from gpu_throughput import HEADER, hf_config, make_model_dir, run_line, sync
 
 
 def parse_args() -> argparse.Namespace:
@@ -235,12 +235,10 @@ def main() -> None:
     note = (f"compile {'on' if compile_on else 'off'}, AC {args.ac}, fp32 weights + bf16 "
             f"autocast, AdamW {trainer.job_config.optimizer.implementation}, untied output, "
             f"{params / 1e9:.3f}B params{mem}")
-    print(f"{config['num_hidden_layers']} layers x {config['hidden_size']}, vocab "
-          f"{config['vocab_size']}, seq {args.seq_length}, {args.global_batch} rows/step "
-          f"(micro-batch {args.micro_batch}), {args.steps} steps ({args.warmup} warm-up); "
-          f"{flops / 1e9:.2f} GFLOP/token (torchtitan's own count {titan_flops / 1e9:.2f}); "
-          f"first step {times[0]:.1f} s{' (compile)' if compile_on else ''}", flush=True)
-    print(f"{'':14}{'tokens/s':>12}{'step s':>9}{'MFU':>8}  note", flush=True)
+    print(f"{run_line(config, args)}; {flops / 1e9:.2f} GFLOP/token (torchtitan's own count "
+          f"{titan_flops / 1e9:.2f}); first step {times[0]:.1f} s{' (compile)' if compile_on else ''}",
+          flush=True)
+    print(HEADER, flush=True)
     print(f"{'torchtitan':14}{tokens_per_s:12,.0f}{statistics.median(window):9.3f}{mfu:>8}  "
           f"{note}", flush=True)
     torch.distributed.destroy_process_group()
