@@ -97,8 +97,11 @@ fusions() {  # hpc-mca train alone, one run per FUSIONS entry (";"-separated; de
   done
 }
 
-profile() {  # where each side's step time goes
+profile() {  # where each side's step time goes (torchtitan's too, where its wheels are there)
   "$py" benchmarks/gpu_throughput.py --dir "$work" --sides hpc-mca,bf16 --profile
+  if "$py" -c "import torchtitan" 2>/dev/null; then
+    "$py" benchmarks/torchtitan_peer.py --profile
+  fi
 }
 
 ranks() {  # two ranks on one GPU: one line and exit 2, not an NCCL crash

@@ -56,7 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from gpu_throughput import HEADER, hf_config, make_model_dir, run_line, sync
+from gpu_throughput import HEADER, PROFILED, hf_config, make_model_dir, profile_steps, run_line, sync
 
 
 def parse_args() -> argparse.Namespace:
@@ -72,6 +72,9 @@ def parse_args() -> argparse.Namespace:
                         help="torchtitan's compile (model blocks + loss); auto: on for CUDA, off "
                              "on CPU to keep the check short (inductor adds ~15 s there)")
     parser.add_argument("--ac", default="none", help="torchtitan activation_checkpoint.mode")
+    parser.add_argument("--profile", action="store_true",
+                        help="then profile two more steps and print the operator table "
+                             "(gpu_throughput.py --profile prints hpc-mca's beside the loop's)")
     args = parser.parse_args()
     if args.seq_length is None:  # a seconds-long CPU check needs short rows
         args.seq_length = 128 if args.tiny else 4096
@@ -241,6 +244,9 @@ def main() -> None:
     print(HEADER, flush=True)
     print(f"{'torchtitan':14}{tokens_per_s:12,.0f}{statistics.median(window):9.3f}{mfu:>8}  "
           f"{note}", flush=True)
+    if args.profile:  # after the figures, so that profiling never slows the timed steps
+        print(f"\n=== torchtitan: {PROFILED} profiled steps, operators by self time\n"
+              f"{profile_steps(lambda: trainer.train_step(data), trainer.device)}", flush=True)
     torch.distributed.destroy_process_group()
     tmp.cleanup()
 
