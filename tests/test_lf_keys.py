@@ -225,6 +225,17 @@ def test_streaming(run: Path):
                            "files") and "valid: false" in line
 
 
+@pytest.mark.parametrize("key", ["enable_liger_kernel", "use_liger_kernel"])
+def test_liger_kernel(run: Path, key: str):
+    """LLaMA-Factory's (and transformers') liger switch: false is what runs; true is refused in
+    one line pointing at model.fusions, since liger measured no faster than the kernels in use."""
+    assert _load(run, f"{key}=false") == _load(run)
+    line = _refusal(run, f"{key}=true")
+    assert line.startswith(f"{key}=true: liger-kernel is not used here") and "model.fusions" in line
+    assert line.endswith("valid: false") and "\n" not in line
+    assert _refusal(run, f"{key}=maybe") == f"{key}='maybe' must be true or false"
+
+
 def test_export_dir(run: Path, tmp_path: Path):
     full = _load(run, "export_dir=exported").training
     assert full.export_hf_dir == os.path.abspath("exported") and full.export_merged_dir is None

@@ -262,6 +262,20 @@ def _packing(key: str) -> Callable[[Any, Any], Assignments]:
     return lambda value, config: {"data.sequence_packing": _flag(key, value)}
 
 
+def _liger(key: str) -> Callable[[Any, Any], Assignments]:
+    """LLaMA-Factory's ``enable_liger_kernel`` and transformers' ``use_liger_kernel``: false is
+    what runs here; true is refused, since the kernels in use were as fast or faster on one H200
+    (README, "On one GPU": benchmarks/kernel_options.py)."""
+    def refuse_true(value: Any, config: Any) -> Assignments:
+        if _flag(key, value):
+            raise ConfigError(f"{key}=true: liger-kernel is not used here (its fused linear "
+                              "cross-entropy, RMSNorm and SwiGLU measured no faster than the "
+                              "fusions in use); model.fusions chooses the compiled kernels "
+                              "(unset: [layer, cross_entropy] on a GPU); valid: false")
+        return {}
+    return refuse_true
+
+
 def _streaming(value: Any, config: Any) -> Assignments:
     if _flag("streaming", value):
         raise ConfigError("streaming=true: datasets are tokenized once into memory-mapped Arrow "
@@ -391,6 +405,8 @@ LF_KEYS: dict[str, LfKey] = {
     "packing": LfKey(("data.sequence_packing",), _packing("packing")),
     "neat_packing": LfKey(("data.sequence_packing",), _packing("neat_packing")),
     "streaming": LfKey((), _streaming),
+    "enable_liger_kernel": LfKey((), _liger("enable_liger_kernel")),
+    "use_liger_kernel": LfKey((), _liger("use_liger_kernel")),
     "flash_attn": LfKey(("model.attention_backend",), _flash_attn),
     "gradient_checkpointing": LfKey(("parallel.recompute_granularity", "parallel.recompute_method",
                                      "parallel.recompute_num_layers"), _gradient_checkpointing),
