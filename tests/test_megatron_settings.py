@@ -88,26 +88,28 @@ def test_every_rank_stops_before_tokenizing(root, name):
     assert not (root / name / "run" / "steps.jsonl").exists()
 
 
-FUSION_DEFAULTS = [  # (overrides, machine: (cuda, attention backend), the fusions that run)
-    (["bf16=true"], (True, "torch"), ["layer", "cross_entropy"]),
-    (["bf16=true"], (True, "flash"), ["layer", "cross_entropy"]),
-    (["bf16=true"], (True, "te"), []),  # TE's layers were never measured compiled
-    (["bf16=true"], (False, "torch"), []),  # CPU: compiling costs start-up, gains nothing
-    ([], (True, "torch"), []),  # fp32: the fused cross-entropy's gradient would be bf16
-    (["bf16=true", "use_mca=false"], (True, ""), []),  # the standard backend has no fusions
-    (["bf16=true", "fusions=[]"], (True, "torch"), []),  # the user's choice stays
-    (["bf16=true", "fusions=[rope]"], (True, "torch"), ["rope"]),
+FUSION_DEFAULTS = [  # (overrides, machine: (cuda, attention backend, MoE), the fusions that run)
+    (["bf16=true"], (True, "torch", False), ["layer", "cross_entropy"]),
+    (["bf16=true"], (True, "flash", False), ["layer", "cross_entropy"]),
+    (["bf16=true"], (True, "te", False), []),  # TE's layers were never measured compiled
+    (["bf16=true"], (True, "torch", True), []),  # nor MoE layers
+    (["bf16=true"], (False, "torch", False), []),  # CPU: compiling costs start-up, gains nothing
+    ([], (True, "torch", False), []),  # fp32: the fused cross-entropy's gradient would be bf16
+    (["bf16=true", "use_mca=false"], (True, "", False), []),  # the standard backend has none
+    (["bf16=true", "fusions=[]"], (True, "torch", False), []),  # the user's choice stays
+    (["bf16=true", "fusions=[rope]"], (True, "torch", True), ["rope"]),
 ]
 
 
 @pytest.mark.parametrize("overrides, machine, fusions", FUSION_DEFAULTS)
 def test_unset_fusions_are_the_fastest_measured_for_the_machine(root, overrides, machine, fusions):
-    """model.fusions unset: [layer, cross_entropy] on a bf16 Megatron run on CUDA without TE
-    (53,350 tokens/s against 47,784 unfused on one H200), else none; a set list is kept."""
+    """model.fusions unset: [layer, cross_entropy] on a bf16 Megatron run of a dense model on
+    CUDA without TE (53,350 tokens/s against 47,784 unfused on one H200), else none; a set list
+    is kept."""
     (root / "fusions").mkdir(exist_ok=True)
     config = load_config(_config(root, "fusions"), overrides).resolve(1)
-    cuda, backend = machine
-    assert default_fusions(config, cuda=cuda, backend=backend) == fusions
+    cuda, backend, moe = machine
+    assert default_fusions(config, cuda=cuda, backend=backend, moe=moe) == fusions
 
 
 def test_a_rank_writes_the_chosen_fusions_into_the_run_config(root):

@@ -104,7 +104,8 @@ def choose_fusions(config: TrainConfig) -> None:
 
     if config.model.fusions is None:
         backend = select_attention_backend(config.model.attention_backend) if config.training.use_mca else ""
-        config.model.fusions = default_fusions(config, cuda=torch.cuda.is_available(), backend=backend)
+        config.model.fusions = default_fusions(config, cuda=torch.cuda.is_available(), backend=backend,
+                                               moe=model_shape(config.model).is_moe)
 
 
 def start_afresh_if_asked(training: TrainingArguments, env: RankEnv) -> None:

@@ -102,8 +102,8 @@ class ModelArguments:
     decoder layer compiled whole, core attention left eager: hpc_mca.models.layer_compile).
     Empty = Megatron's unfused paths, except that packed RoPE always runs in one pass. None
     (the default) = the fastest measured for the run, chosen on each rank: [layer,
-    cross_entropy] for a bf16 Megatron-backend run on CUDA without Transformer Engine, else
-    none (hpc_mca.trainer.megatron_settings.default_fusions)."""
+    cross_entropy] for a bf16 Megatron-backend run of a dense model on CUDA without Transformer
+    Engine, else none (hpc_mca.trainer.megatron_settings.default_fusions)."""
 
 
 @dataclass

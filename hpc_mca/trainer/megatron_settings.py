@@ -51,14 +51,15 @@ FAST_GPU_FUSIONS = ("layer", "cross_entropy")
 52,879 with [swiglu, cross_entropy, rope] (README, "On one GPU")."""
 
 
-def default_fusions(config: TrainConfig, *, cuda: bool, backend: str) -> list[str]:
+def default_fusions(config: TrainConfig, *, cuda: bool, backend: str, moe: bool) -> list[str]:
     """The fusions of a run whose ``model.fusions`` is unset: :data:`FAST_GPU_FUSIONS` for a
-    bf16 Megatron-backend run on CUDA whose layers are not Transformer Engine's (``backend``,
-    the attention backend it gets; TE's fused layers were never measured compiled), else none
-    (on CPU compiling cost ~11 s of start-up and gained nothing measurable)."""
+    bf16 Megatron-backend run of a dense model on CUDA whose layers are not Transformer
+    Engine's (``backend``, the attention backend it gets), else none. Left out, unmeasured:
+    TE's fused layers compiled, and MoE layers (``moe``), whose token counts per expert change
+    every micro-batch; on CPU compiling cost ~11 s of start-up and gained nothing measurable."""
     if config.model.fusions is not None:
         return list(config.model.fusions)
-    fast = config.training.use_mca and config.training.bf16 and cuda and backend != "te"
+    fast = config.training.use_mca and config.training.bf16 and cuda and backend != "te" and not moe
     return list(FAST_GPU_FUSIONS) if fast else []
 
 
