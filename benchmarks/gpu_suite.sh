@@ -140,7 +140,7 @@ for name in "${steps[@]}"; do
     staging) step staging 100 staging ;;
     kernels) step kernels 60 kernels ;;
     torchtitan) step torchtitan 100 torchtitan ;;
-    profile) step profile 200 profile ;;
+    profile) step profile 260 profile ;;
     ranks) step ranks 40 ranks ;;
     model-tests) step model-tests 120 model_tests ;;
     checkpoint) step checkpoint 300 checkpoint ;;
