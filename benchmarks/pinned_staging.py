@@ -29,6 +29,9 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hpc_mca from this checkout
 
 WAYS = {"cudaHostAlloc": {}, "pageable": {},
         "cudaHostRegister x8": {"PYTORCH_CUDA_ALLOC_CONF":
@@ -41,34 +44,32 @@ def shapes(gib: float | None) -> list[tuple[int, ...]]:
     h, f = LLAMA_1B["hidden"], LLAMA_1B["ffn"]
     kv = LLAMA_1B["kv_heads"] * h // LLAMA_1B["heads"]
     per_layer = [(h + 2 * kv, h), (h, h), (2 * f, h), (h, f), (h,), (h,)]
-    out = [(LLAMA_1B["vocab"], h), (h,)] + per_layer * LLAMA_1B["layers"]
-    if gib:  # fewer layers, same shapes (the embedding is ~1.9 GB of the 17 on its own)
-        keep = max(1, int(LLAMA_1B["layers"] * gib / 17))
-        out = [(LLAMA_1B["vocab"], h), (h,)] + per_layer * keep
-    return out
+    # --gib: fewer layers, same shapes (the embedding is ~1.9 GB of the 17 on its own)
+    layers = max(1, int(LLAMA_1B["layers"] * gib / 17)) if gib else LLAMA_1B["layers"]
+    return [(LLAMA_1B["vocab"], h), (h,)] + per_layer * layers
 
 
 def stage_in_this_process(way: str, gib: float | None, saves: int) -> dict:
     import torch
+
+    from hpc_mca.runtime.host_memory import pinned_host_seconds
 
     state = []
     for shape in shapes(gib):
         state.append(torch.randn(shape, device="cuda", dtype=torch.bfloat16))
         state += [torch.randn(shape, device="cuda", dtype=torch.float32) for _ in range(3)]
     total = sum(t.numel() * t.element_size() for t in state)
-    stats = getattr(torch.cuda, "host_memory_stats", None)
-    if stats is not None and "host_alloc_time.total" not in stats():
-        stats = None  # an older torch: no allocation timer
     non_blocking = way != "pageable"
     seconds, alloc_seconds = [], []
     for _ in range(saves):
-        before = stats()["host_alloc_time.total"] if stats else 0
+        before = pinned_host_seconds()  # None on a torch without the allocation timer
         torch.cuda.synchronize()
         start = time.perf_counter()
         staged = [t.to("cpu", non_blocking=non_blocking) for t in state]
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-        alloc_seconds.append((stats()["host_alloc_time.total"] - before) / 1e6 if stats else None)
+        after = pinned_host_seconds()
+        alloc_seconds.append(None if before is None or after is None else after - before)
         del staged  # back to the host allocator's cache, as after a save's write
     return {"bytes": total, "seconds": seconds, "alloc_seconds": alloc_seconds}
 

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from hpc_mca.config.sections import TrainConfig
 from hpc_mca.rundir import STEPS_FILE, write_atomic
+from hpc_mca.runtime.host_memory import pinned_host_seconds
 
 from . import compat
 from .commit import publish, tmp_dir
@@ -389,21 +390,6 @@ class Checkpointer:
     def _progress(self, **fields: Any) -> None:
         env = self.ctx.env
         self._write_progress(job_id=env.job_id, restart_count=env.restart_count, **fields)
-
-
-def pinned_host_seconds() -> float | None:
-    """Seconds this process has spent so far creating pinned host memory blocks (torch's
-    caching host allocator; None off CUDA or where torch keeps no such timer).
-
-    Megatron's writer stages every tensor to the host with ``non_blocking=True`` copies, which
-    take pinned blocks from that allocator: the first save of a process creates them all
-    (``cudaHostAlloc``) and later saves reuse the cached ones, so this is the part of a first
-    save that later saves skip (``benchmarks/pinned_staging.py`` times it alone)."""
-    stats = getattr(torch.cuda, "host_memory_stats", None)
-    if stats is None or not torch.cuda.is_initialized():
-        return None
-    total = stats().get("host_alloc_time.total")  # microseconds
-    return None if total is None else total / 1e6
 
 
 def _note_pinned_host(phases: dict[str, float], before: float | None) -> None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
+import torch
+
 REGISTER_THREADS = 8
 """Threads that touch a new pinned block's pages (torch wants a power of two; 8 measured)."""
 SETTING = f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{REGISTER_THREADS}"
@@ -41,3 +43,16 @@ def register_pinned_host_memory(environ: MutableMapping[str, str] = os.environ) 
         return None
     environ[name] = f"{current},{SETTING}" if current else SETTING
     return name
+
+
+def pinned_host_seconds() -> float | None:
+    """Seconds this process has spent so far creating pinned host memory blocks (torch's
+    caching host allocator; None off CUDA or where torch keeps no such timer).
+
+    A checkpoint save reports its share (the part of a first save that later saves skip, see
+    above); ``benchmarks/pinned_staging.py`` reads it around the staging alone."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_initialized():
+        return None
+    total = stats().get("host_alloc_time.total")  # microseconds
+    return None if total is None else total / 1e6
