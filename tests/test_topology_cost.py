@@ -199,9 +199,10 @@ def test_each_local_expert_adds_its_gemm_kernels():
     layers = QWEN3_30B_A3B.num_layers
     for precision, fixed in (("bf16", EXPERT_GEMM_OVERHEAD_S),
                              ("fp8", EXPERT_GEMM_OVERHEAD_S + FP8_QUANTIZE_OVERHEAD_S)):
-        few = _time(Layout(ep=8), 8, model=QWEN3_30B_A3B, num_microbatches=1, precision=precision)
+        few = _time(Layout(ep=8), 8, model=QWEN3_30B_A3B, num_microbatches=1, precision=precision,
+                    moe_routing="balanced")
         many = _time(Layout(ep=4), 4, model=QWEN3_30B_A3B, num_microbatches=1,
-                     precision=precision)
+                     precision=precision, moe_routing="balanced")
         # Expert tokens per GPU are equal, but EP4's GEMMs are half as tall (width 1024 vs 2048
         # rows): only the kernels' fixed cost is compared, on EP8's own rate.
         assert many.compute - few.compute >= 3 * layers * 2 * 16 * fixed * 0.999
@@ -214,7 +215,7 @@ def test_expert_gemm_rows_follow_the_sequence_parallel_split():
     with ETP 4 the group gathers them back (8192 rows, each rank a quarter of the columns).
     The same FLOPs a rank, the shorter GEMM at the lower rate."""
     from hpc_mca.topology.cost import _gemm_rate, _layer_gemm_seconds
-    work = Workload(seq_length=4096, num_microbatches=1)
+    work = Workload(seq_length=4096, num_microbatches=1, moe_routing="balanced")
     narrow = sum(_layer_gemm_seconds(GROK1, Layout(tp=4, ep=8).resolved(32), work, H100, 4096))
     wide = sum(_layer_gemm_seconds(GROK1, Layout(tp=4, ep=8, etp=4).resolved(32), work, H100,
                                    4096))
@@ -231,7 +232,8 @@ def test_expert_tensor_parallel_dispatch_gathers_the_copies_by_hand():
     net = Network(H100, 8)
     copies = 4096 / 4 * 2 * 6144 * 2  # SP's quarter of the tokens, top-2, bf16
     each = net.all_to_all(8, copies, 4) + net.ring(4, 3 * copies, 4)
-    step = _time(Layout(tp=4, ep=8, etp=4), 32, model=GROK1, num_microbatches=1)
+    step = _time(Layout(tp=4, ep=8, etp=4), 32, model=GROK1, num_microbatches=1,
+                 moe_routing="balanced")
     assert step.expert_parallel == pytest.approx(8 * (2 * 2 * each + 2 * MOE_SYNC_STALL_S))
     gathered = each - net.all_to_all(8, copies, 4)
     assert gathered == pytest.approx(3 * H100.intra_node_latency_us * 1e-6

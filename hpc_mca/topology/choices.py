@@ -15,3 +15,8 @@ MOE_DISPATCHERS = ("alltoall", "flex")
 """MoE token dispatchers: alltoall (Megatron's MoEAlltoAllTokenDispatcher, what hpc-mca's trainer
 runs) sends each of a token's top-k copies to its expert's rank; flex (DeepEP or HybridEP) sends
 a token once to each node holding one of its experts and fans it out over NVLink there."""
+MOE_ROUTINGS = ("dropless", "balanced")
+"""How tokens spread over the experts: dropless (what hpc-mca's trainer runs: every token goes
+to the experts its router picks, so the most-chosen experts' ranks get more than their share)
+or balanced (Megatron's moe_router_force_load_balancing, or a capacity factor that pads every
+expert to the same rows: benchmark runs of other trainers only)."""

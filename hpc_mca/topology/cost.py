@@ -24,7 +24,10 @@ A model of one optimizer step, in seconds, on the slowest pipeline stage:
   cool-down idle (PP−1)/VP micro-batch times.
 * optimizer: Adam over this rank's shard, bound by HBM bandwidth.
 
-Left out: stragglers, MoE load imbalance (routing is taken as balanced), packed documents'
+MoE layers' routing is taken as balanced unless the request says dropless (routing.py: the
+busiest expert-parallel rank's excess tokens, in its expert GEMMs and all-to-alls).
+
+Left out: stragglers, packed documents'
 shorter attention (the full sequence is charged, an upper bound). The constants cite their
 sources; benchmarks/planner_layouts.py sets the whole against published runs, some of them
 held back from every choice made here.
@@ -55,6 +58,7 @@ from .memory import (
 )
 from .model import ModelShape
 from .network import Network
+from .routing import moe_load_imbalance
 
 # Share of the tensor-core peak a large bf16 GEMM sustains (cuBLAS on H100 reaches ~700 of
 # 989 TFLOP/s on 8k×8k×8k).
@@ -232,6 +236,7 @@ def _layer_gemm_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: 
     per_expert = tokens / layout.tp * layout.etp * k * layout.ep / experts
     width = min(fe / layout.etp, per_expert)
     routed = 2 * tokens * k * mats * h * fe / tp / _gemm_rate(gpu, work.precision, width)
+    routed *= moe_load_imbalance(model, layout, work)  # the busiest rank's rows
     # Two GEMM kernels (fc1, fc2) for each local expert, each FP8 one after its input's
     # quantization; the backward's dgrad and wgrad kernels follow from the backward's
     # multiple of the forward GEMMs.

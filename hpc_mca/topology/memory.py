@@ -105,6 +105,11 @@ class Workload:
     moe_dispatcher: str = "alltoall"
     """alltoall (this trainer's) or flex (DeepEP/HybridEP: one copy of a token per destination
     node across the network); flex only for estimates of other trainers' runs."""
+    moe_routing: str = "balanced"
+    """balanced (every expert-parallel rank gets its share of the tokens) or dropless (each
+    expert gets what its router sends, and the busiest rank waits on more:
+    routing.moe_load_imbalance). Times only: activation memory counts the mean load (a rank's
+    memory sums its loads over many layers, whose busiest ranks differ)."""
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from .hardware import GpuSpec
 from .layout import Layout
 from .memory import Workload, grad_bytes, microbatch_tokens, weight_bytes
 from .model import ModelShape
+from .routing import moe_load_imbalance
 
 # SMs an NCCL collective occupies while it runs beside compute: on an H100 an all-gather
 # launched 24 thread blocks beside a 132-block GEMM (NVIDIA developer forum, "Compute-
@@ -211,7 +212,8 @@ def expert_parallel(model: ModelShape, layout: Layout, work: Workload, net: Netw
         copies = tokens * k * token_bytes
         each = net.all_to_all(ep, copies, etp) + net.ring(etp, (etp - 1) * copies, etp)
     passes = forward_passes + 1
-    transfer = 2 * passes * each
+    # The busiest rank receives and returns its excess copies too.
+    transfer = 2 * passes * each * moe_load_imbalance(model, layout, work)
     # Megatron runs the overlap only without a pipeline or with an interleaved one.
     if work.moe_comm_overlap and (layout.pp == 1 or layout.vp):
         transfer = net.overlapped(transfer, passes * layer_compute)

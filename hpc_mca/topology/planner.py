@@ -24,7 +24,7 @@ from typing import Any
 
 from hpc_mca.stages import STAGE_NAMES
 
-from .choices import MOE_DISPATCHERS
+from .choices import MOE_DISPATCHERS, MOE_ROUTINGS
 from .cost import StepTime
 from .errors import LayoutError, raise_if
 from .freeze import FreezeSizing
@@ -128,6 +128,14 @@ class PlanRequest:
     moe_dispatcher: str = "alltoall"
     """Estimate the MoE dispatch as ``alltoall`` (hpc-mca's trainer) or ``flex`` (DeepEP or
     HybridEP, choices.MOE_DISPATCHERS); flex as tp_comm_overlap, for other trainers' runs."""
+    moe_routing: str = "balanced"
+    """Estimate MoE layers' token loads as ``balanced`` or ``dropless`` (choices.MOE_ROUTINGS:
+    the busiest expert-parallel rank waits on more than its share, routing.py). hpc-mca's
+    trainer routes dropless, but its plans take routing as balanced: the one published
+    measurement of dropless routing's cost is at a single EP size (8), and extrapolating it to
+    choose EP moves plans to sizes no published run uses. Dropless is for estimates of runs
+    known to route that way (benchmarks/planner_layouts.py), or for a caller of plan() who
+    wants the penalty counted."""
     backend: str = "megatron"
     """megatron (Megatron-Core: TP/PP/CP/EP layouts) or standard (``training.use_mca: false``:
     a whole transformers model per GPU, data and Ulysses sequence parallelism only)."""
@@ -242,7 +250,8 @@ def _request_violations(req: PlanRequest) -> list[str]:
             lines.append(f"{name}={value!r} must be a positive integer")
     for name, choices in (("stage", STAGE_NAMES), ("precision", PRECISIONS),
                           ("recompute", RECOMPUTE), ("cp_comm_type", CP_COMM_TYPES),
-                          ("moe_dispatcher", MOE_DISPATCHERS)):
+                          ("moe_dispatcher", MOE_DISPATCHERS),
+                          ("moe_routing", MOE_ROUTINGS)):
         value = getattr(req, name)
         if value is not None and value not in choices and not (
                 name == "recompute" and _block_n(value) is not None):

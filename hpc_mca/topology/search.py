@@ -118,7 +118,8 @@ def workload(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Work
         mtp_num_layers=req.mtp_num_layers, freeze=req.freeze, reference=req.reference,
         separate_reference=req.separate_reference, grad_reduce_in_fp32=req.grad_reduce_in_fp32,
         tp_comm_overlap=req.tp_comm_overlap, overlap_p2p_comm=req.overlap_p2p_comm,
-        moe_comm_overlap=req.moe_comm_overlap, moe_dispatcher=req.moe_dispatcher)
+        moe_comm_overlap=req.moe_comm_overlap, moe_dispatcher=req.moe_dispatcher,
+        moe_routing=req.moe_routing)
 
 
 def memory_workload(req: PlanRequest, work: Workload) -> Workload:
