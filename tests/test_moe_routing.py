@@ -81,3 +81,20 @@ def test_an_unknown_routing_is_one_line():
         plan(model=QWEN3_30B, nodes=2, seq_length=4096, global_batch_size=64,
              moe_routing="capacity")
     assert str(err.value) == "moe_routing='capacity' is not valid; valid: dropless, balanced"
+
+
+def test_an_moe_plan_says_what_dropless_routing_would_add():
+    """The plan table keeps balanced routing but prints the dropless estimate of the same
+    layout beside it (the number plan() gives when asked for dropless); dense plans and EP1
+    plans have no such line."""
+    from hpc_mca.topology.report import format_plan_table
+    kw = dict(model=QWEN3_30B, nodes=2, seq_length=4096, global_batch_size=64,
+              layout=Layout(ep=16), micro_batch_size=1, recompute="none")
+    balanced, dropless = plan(**kw), plan(**kw, moe_routing="dropless")
+    line = next(row for row in format_plan_table(balanced).splitlines()
+                if row.strip().startswith("routing"))
+    change = dropless.step_time.total / balanced.step_time.total - 1
+    assert f"~{dropless.step_time.total:.3g} s ({change:+.0%})" in line
+    assert change > 0.05
+    ep1 = plan(**{**kw, "layout": Layout(pp=2), "gpu_memory_gib": 1000})
+    assert "routing" not in format_plan_table(ep1)
