@@ -4,19 +4,15 @@ expert-parallel rank's excess, fitted to NVIDIA's matched pairs and counted by h
 from __future__ import annotations
 
 import pytest
+from test_planner_calibration import table
+from test_topology_planner import QWEN3_30B_A3B
 
-from hpc_mca.topology import Layout, LayoutError, ModelShape, plan
+from hpc_mca.topology import Layout, LayoutError, plan
 from hpc_mca.topology.memory import Workload
 from hpc_mca.topology.routing import EXPERT_LOAD_CV, moe_load_imbalance
 
-QWEN3_235B = ModelShape(num_layers=94, hidden_size=4096, num_attention_heads=64,
-                        num_query_groups=4, head_dim=128, ffn_hidden_size=12288,
-                        vocab_size=151936, num_experts=128, moe_ffn_hidden_size=1536,
-                        moe_router_topk=8, name="Qwen3-235B-A22B")
-QWEN3_30B = ModelShape(num_layers=48, hidden_size=2048, num_attention_heads=32,
-                       num_query_groups=4, head_dim=128, ffn_hidden_size=6144,
-                       vocab_size=151936, num_experts=128, moe_ffn_hidden_size=768,
-                       moe_router_topk=8, name="Qwen3-30B-A3B")
+QWEN3_235B = table.QWEN3_235B_A22B  # benchmarks/planner_layouts.py's shapes
+QWEN3_30B = QWEN3_30B_A3B
 
 # The Megatron MoE model zoo's long-context Qwen3-235B runs (32 H100 nodes, TP4 EP8 PP8 VP4,
 # DeepEP, BF16, global batch 256): sequence, CP, TFLOP/s a GPU with forced balance, dropless.
