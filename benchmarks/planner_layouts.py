@@ -350,12 +350,33 @@ def _fmt(p) -> str:
             + ("" if p.recompute == "none" else f" rc={p.recompute}"))
 
 
+def summary(rows: list[Row]) -> list[str]:
+    """The acceptance counts: estimates within ±25%, published layouts within 5% of the pick
+    (or picked), and the same for the fastest published layout of each job (model, GPUs,
+    sequence, precision, stage, batch), which a team's own slower layouts do not count against."""
+    def close(row: Row) -> bool:
+        return row.pick.layout == row.published.layout or abs(row.pick_ratio - 1) <= 0.05
+
+    jobs: dict[tuple[str, int], Row] = {}
+    for row in rows:
+        key = (row.run.name, row.run.global_batch_size)
+        if key not in jobs or row.run.tokens_per_gpu > jobs[key].run.tokens_per_gpu:
+            jobs[key] = row
+    return [f"estimate within ±25% of the published throughput: "
+            f"{sum(0.75 <= r.estimate_ratio <= 1.25 for r in rows)} of {len(rows)} runs",
+            f"published layout within 5% of the pick, or picked: {sum(map(close, rows))} of "
+            f"{len(rows)} runs",
+            f"fastest published layout of each job within 5% of the pick, or picked: "
+            f"{sum(map(close, jobs.values()))} of {len(jobs)} jobs"]
+
+
 def main() -> None:
     print("H100-80GB; each run estimated as it ran: its precision, overlaps, no recompute.")
     print("| run | set | published layout | GiB | published tok/s/GPU | estimate | ratio "
           "| planner's pick | pick's estimate | published/pick |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for row in map(measure, RUNS):
+    rows = [measure(run) for run in RUNS]
+    for row in rows:
         run, pub, pick = row.run, row.published, row.pick
         fit = "" if row.fits else " (needs recompute here)"
         print(f"| {run.name} | {'held back' if run.held_back else 'calibrated'} "
@@ -364,6 +385,7 @@ def main() -> None:
               f"| {_fmt(pick)} | {pick.tokens_per_second_per_gpu:,.0f} | {row.pick_ratio:.3f} |")
     for run in RUNS:
         print(f"{run.name}: {run.source}")
+    print("\n".join(summary(rows)))
 
 
 if __name__ == "__main__":

@@ -129,3 +129,12 @@ def test_layouts_of_one_job_measured_10_percent_apart_are_ordered_as_measured(ro
         agrees = (measured > 1) == (estimated > 1)
         # A known misorder must stay one (strict): if it is fixed, its entry must go.
         assert agrees != ((first, second) in MISORDERED), (first, second, measured, estimated)
+
+
+def test_the_tables_summary_counts_what_the_rows_test(rows):
+    """benchmarks/planner_layouts.py's closing counts are the rows' tests above: every row not
+    in ESTIMATE_GAPS (RANKING_GAPS) passes its test, every row in it is a strict xfail."""
+    estimate, ranking, jobs = table.summary(rows)
+    assert estimate.endswith(f": {len(rows) - len(ESTIMATE_GAPS)} of {len(rows)} runs")
+    assert ranking.endswith(f": {len(rows) - len(RANKING_GAPS)} of {len(rows)} runs")
+    assert jobs.endswith(" jobs")
