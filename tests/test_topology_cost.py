@@ -261,3 +261,15 @@ def test_step_time_parts_sum_to_the_total():
     t = _time(Layout(tp=2, pp=2, cp=2), 16, model=LLAMA3_70B)
     assert sum(t.shares().values()) == pytest.approx(1.0)
     assert t.total == pytest.approx(sum(t.shares()[k] * t.total for k in t.shares()))
+
+
+def test_the_output_layer_stays_bf16_in_an_fp8_run():
+    """Megatron-Core's LM head is a plain ColumnParallelLinear, outside Transformer Engine's
+    fp8 autocast: its GEMM takes the bf16 time in an fp8 run, while a layer's GEMMs speed up."""
+    from hpc_mca.topology.cost import _layer_gemm_seconds, _output_layer_seconds
+    layout = Layout(tp=4).resolved(8)
+    bf16, fp8 = (Workload(seq_length=4096, precision=p) for p in ("bf16", "fp8"))
+    assert _output_layer_seconds(LLAMA3_8B, layout, fp8, H100, 4096) == \
+        _output_layer_seconds(LLAMA3_8B, layout, bf16, H100, 4096)
+    assert sum(_layer_gemm_seconds(LLAMA3_8B, layout, fp8, H100, 4096)) < \
+        sum(_layer_gemm_seconds(LLAMA3_8B, layout, bf16, H100, 4096)) / 1.5

@@ -279,10 +279,13 @@ def _elementwise_seconds(model: ModelShape, layout: Layout, work: Workload, gpu:
 
 def _output_layer_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
                           tokens: int) -> tuple[float, float]:
-    """(GEMM, loss element-wise) forward seconds of the output layer on the last stage."""
+    """(GEMM, loss element-wise) forward seconds of the output layer on the last stage. Its
+    GEMM stays bf16 in an FP8 run: Megatron-Core's GPTModel builds it as a plain
+    ColumnParallelLinear, outside Transformer Engine's fp8 autocast (a TE layer only for
+    MXFP8 with fp8_output_proj, a Blackwell recipe)."""
     vocab = padded_vocab(model, layout.tp) / layout.tp
-    gemm = 2 * tokens * model.hidden_size * vocab / _gemm_rate(gpu, work.precision,
-                                                               model.hidden_size)
+    precision = "bf16" if work.precision == "fp8" else work.precision
+    gemm = 2 * tokens * model.hidden_size * vocab / _gemm_rate(gpu, precision, model.hidden_size)
     # bf16 logits and the fp32 softmax of the fused vocab-parallel cross entropy (6 B/element).
     loss = ELEMENTWISE_PASSES * 6 * tokens * vocab / (gpu.memory_gbps * 1e9)
     return gemm, loss
