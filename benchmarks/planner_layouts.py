@@ -8,15 +8,16 @@ pick for the same job under the same settings, and the two estimates' ratio:
 * published / pick: how much faster the planner thinks its own pick is than what the team
   measured to be their best (acceptance: at most 5% apart, or the planner picks it).
 
-Precision is the run's: FP8 runs are estimated at fp8 (Transformer Engine current scaling,
-FP8 GEMMs at FP8_GEMM_SPEEDUP over bf16 except the LM head's, which Megatron-Core keeps
-bf16, fp8-cast GEMM inputs kept for the backward) and BF16 runs at bf16; no figure is converted from one precision to the other. Every run used
-Transformer Engine (CP attention on its p2p ring), the distributed optimizer with overlapped
-gradient reduce and parameter gather, bf16 gradient buffers, interleaved pipelines' sends
-overlapped with compute, no activation recompute, and, where noted, TE's TP communication
-overlap, Megatron's MoE all-to-all overlap or a flex MoE dispatcher (DeepEP or HybridEP).
-MoE runs are estimated with balanced expert loads where the run forced them (or padded experts
-to a capacity) and dropless where its scripts' default routing applies.
+Precision is the run's: FP8 runs are estimated at fp8 (Transformer Engine current scaling, FP8
+GEMMs at FP8_GEMM_SPEEDUP over bf16 except the LM head's, which Megatron-Core keeps bf16,
+fp8-cast GEMM inputs kept for the backward) and BF16 runs at bf16; no figure is converted from
+one precision to the other. Every run used Transformer Engine (CP attention on its p2p ring),
+the distributed optimizer with overlapped gradient reduce and parameter gather, bf16 gradient
+buffers, interleaved pipelines' sends overlapped with compute, no activation recompute, and,
+where noted, TE's TP communication overlap, Megatron's MoE all-to-all overlap or a flex MoE
+dispatcher (DeepEP or HybridEP). MoE runs are estimated with balanced expert loads where the
+run forced them (or padded experts to a capacity) and dropless where its scripts' default
+routing applies.
 This trainer has none of those and keeps fp32 gradients: the estimate assumes them for the run
 (and for the pick it is compared with), never for a plan of hpc-mca's own.
 
