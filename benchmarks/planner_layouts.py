@@ -15,11 +15,11 @@ one precision to the other. Every run used Transformer Engine (CP attention on i
 the distributed optimizer with overlapped gradient reduce and parameter gather, bf16 gradient
 buffers, interleaved pipelines' sends overlapped with compute, no activation recompute, and,
 where noted, TE's TP communication overlap, Megatron's MoE all-to-all overlap or a flex MoE
-dispatcher (DeepEP or HybridEP). MoE runs are estimated with balanced expert loads where the
-run forced them (or padded experts to a capacity) and dropless where its scripts' default
-routing applies.
+dispatcher (DeepEP or HybridEP).
 This trainer has none of those and keeps fp32 gradients: the estimate assumes them for the run
-(and for the pick it is compared with), never for a plan of hpc-mca's own.
+(and for the pick it is compared with), never for a plan of hpc-mca's own. MoE runs are
+estimated with balanced expert loads where the run forced them (or padded experts to a
+capacity) and dropless where its scripts' default routing applies.
 
 ``calibrated`` runs are the ones the cost model was developed against (each constant also
 cites its own source in topology/cost.py and topology/network.py); ``held back`` runs were
