@@ -16,7 +16,8 @@ MOE_DISPATCHERS = ("alltoall", "flex")
 runs) sends each of a token's top-k copies to its expert's rank; flex (DeepEP or HybridEP) sends
 a token once to each node holding one of its experts and fans it out over NVLink there."""
 MOE_ROUTINGS = ("dropless", "balanced")
-"""How tokens spread over the experts: dropless (what hpc-mca's trainer runs: every token goes
-to the experts its router picks, so the most-chosen experts' ranks get more than their share)
-or balanced (Megatron's moe_router_force_load_balancing, or a capacity factor that pads every
-expert to the same rows: benchmark runs of other trainers only)."""
+"""How the step-time estimate spreads tokens over the experts: dropless (every token goes to the
+experts its router picks, so the most-chosen experts' ranks get more than their share: what
+hpc-mca's trainer runs) or balanced (every rank its share: Megatron's
+moe_router_force_load_balancing, or a capacity factor that pads every expert; the estimate's
+default, see PlanRequest.moe_routing)."""

@@ -1,18 +1,16 @@
-"""How evenly a dropless MoE layer's tokens spread over its expert-parallel ranks: the step
-waits on the busiest rank (cost.py, network.py), which also holds the most activations
-(memory.py)."""
+"""How evenly a dropless MoE layer's tokens spread over its expert-parallel ranks: each layer
+waits on its busiest rank, in the expert GEMMs (cost.py) and the all-to-alls (network.py).
+Memory counts the mean load (memory.Workload.moe_routing)."""
 
 from __future__ import annotations
 
 from functools import lru_cache
 from math import sqrt
 from statistics import NormalDist
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # memory.py imports this module: no import cycle at run time
-    from .layout import Layout
-    from .memory import Workload
-    from .model import ModelShape
+from .layout import Layout
+from .memory import Workload
+from .model import ModelShape
 
 # Coefficient of variation of the experts' token shares under dropless routing: the spread
 # that sets how far the busiest expert-parallel rank's load exceeds the mean. Fitted to the one
