@@ -60,6 +60,10 @@ named, what was excluded)."""
 EXCLUDED_FILE = "excluded_nodes.json"
 """The nodes this run excluded from its next starts (hang or failed preflight), with why
 (hpc_mca.slurm.exclusion); ``status`` shows them."""
+RANKS_ENDED_FILE = "ranks_ended"
+"""The batch shell, once srun has returned: its hang watchdog stops. The shell also TERMs the
+watchdog, but on a loaded node ranks that end at once can beat the watchdog's own start, and
+a watchdog with no rank ever beating would watch forever. Removed at each start."""
 REQUEUE_VERDICT_FILE = "requeue_verdict"
 """The watchdog or the preflight, for the batch shell: ``why=``, ``exclude=`` (the job's whole
 ExcNodeList to set once it is requeued) and ``end=`` (set when the job must not come back)

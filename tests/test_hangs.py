@@ -18,7 +18,7 @@ import pytest
 from hpc_mca.config.input import ConfigError
 from hpc_mca.config.run_settings import check_run_settings
 from hpc_mca.config.sections import TrainConfig
-from hpc_mca.rundir import EXCLUDED_FILE, HANGS_FILE, HEARTBEAT_ENV, REQUEUE_VERDICT_FILE
+from hpc_mca.rundir import EXCLUDED_FILE, HANGS_FILE, HEARTBEAT_ENV, RANKS_ENDED_FILE, REQUEUE_VERDICT_FILE
 from hpc_mca.runtime.heartbeat import Heartbeat, beat_interval, heartbeat_file
 from hpc_mca.slurm import exclusion, watchdog
 from hpc_mca.slurm.watchdog import Beat, read_beats, timeout_s, verdict
@@ -157,6 +157,20 @@ def test_watch_records_a_hang_and_exits_3(tmp_path: Path, monkeypatch: pytest.Mo
             path.unlink()
 
     assert watchdog.watch(tmp_path, clock=lambda: NOW, sleep=ranks_end) == 0
+
+
+def test_watch_ends_when_the_batch_shell_says_the_ranks_ended(tmp_path: Path) -> None:
+    """No rank ever beat (they ended before the watchdog started): it watches, every beat
+    interval, until the batch shell writes ranks_ended, then ends without a verdict."""
+    naps: list[float] = []
+
+    def nap(seconds: float) -> None:
+        naps.append(seconds)
+        if len(naps) == 3:
+            (tmp_path / RANKS_ENDED_FILE).touch()
+
+    assert watchdog.watch(tmp_path, clock=lambda: NOW, sleep=nap) == 0
+    assert naps == [2.0, 2.0, 2.0] and not (tmp_path / HANGS_FILE).exists()
 
 
 @pytest.mark.parametrize("value", [-1, 120, 500])

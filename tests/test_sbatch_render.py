@@ -9,6 +9,7 @@ Regenerate the golden files after an intended change with
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -227,6 +228,31 @@ def test_hostile_values_reach_srun_intact(tmp_path: Path) -> None:
                                f"output_dir={run_dir}"]
     assert not list(tmp_path.rglob("pwned")) and not Path("pwned").exists()
     assert "hpc-mca | end            exit code 0" in out
+
+
+def test_a_watchdog_the_term_missed_stops_once_the_ranks_ended(tmp_path: Path) -> None:
+    """On a loaded node the ranks can end before the subshell has started the hang watchdog,
+    so the shell's TERM finds nothing to stop; with no rank ever beating, the watchdog would
+    watch forever and the job never end. A launcher that starts the watchdog late and deaf to
+    TERM plays that race: the job still ends, because the shell wrote ranks_ended."""
+    env = _fake_slurm(tmp_path)
+    env.update(SLURM_JOB_NAME="j", FAKE_FINISH="1")
+    home = tmp_path / "home"
+    (home / "bin").mkdir(parents=True)
+    launcher = home / "bin" / "hpc-mca-rank"
+    launcher.write_text("#!/bin/bash\n"
+                        "if [[ \"$1\" == watchdog ]]; then trap '' TERM; sleep 1; fi\n"
+                        f"export HPC_MCA_HOME={shlex.quote(str(REPO))}\n"
+                        f"exec {shlex.quote(str(REPO / 'bin' / 'hpc-mca-rank'))} \"$@\"\n")
+    launcher.chmod(0o755)
+    config = tmp_path / "c.yaml"
+    config.write_text("{}\n")
+    proc = _start(render_script(knob_values={"HPC_MCA_HOME": str(home)}, rank_args=[str(config)]),
+                  tmp_path, [], env)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "hpc-mca | end            exit code 0" in out
+    assert (tmp_path / "runs" / "j_4242" / "ranks_ended").is_file()
 
 
 def test_arguments_given_to_sbatch_win_over_baked_ones(tmp_path: Path) -> None:

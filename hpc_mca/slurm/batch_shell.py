@@ -103,8 +103,10 @@ export HPC_MCA_SIGNAL_FILE="${HPC_MCA_RUN_DIR}/signal_received"
 bad_input_file="${HPC_MCA_RUN_DIR}/bad_input"
 tasks_file="${HPC_MCA_RUN_DIR}/srun_task_errors"  # srun's lines on tasks that failed
 verdict_file="${HPC_MCA_RUN_DIR}/requeue_verdict"  # the watchdog's or the preflight's
+ended_file="${HPC_MCA_RUN_DIR}/ranks_ended"  # srun returned: the watchdog stops
 # A request, a rank's bad-input verdict, heartbeats and verdicts belong to the run that wrote them.
-rm -f "${HPC_MCA_SIGNAL_FILE}" "${bad_input_file}" "${tasks_file}" "${verdict_file}"
+rm -f "${HPC_MCA_SIGNAL_FILE}" "${bad_input_file}" "${tasks_file}" "${verdict_file}" \
+    "${ended_file}"
 rm -rf "${HPC_MCA_RUN_DIR}/heartbeat" "${HPC_MCA_RUN_DIR}/preflight"
 if ((trains)); then  # the ranks' heartbeats, for the hang watchdog (hpc_mca/slurm/watchdog.py)
     export HPC_MCA_HEARTBEAT_DIR="${HPC_MCA_RUN_DIR}/heartbeat"
@@ -350,6 +352,9 @@ if ((skip == 0)); then
         ((interrupted)) || break
     done
     if [[ -n "${watch_pid}" ]]; then  # the ranks ended: nothing left to watch
+        # The file stops a watchdog that the TERM misses: on a loaded node ranks that end at
+        # once can beat the subshell to starting it (hpc_mca.rundir.RANKS_ENDED_FILE).
+        : >"${ended_file}"
         pkill -TERM -P "${watch_pid}" 2>/dev/null || true
         wait "${watch_pid}" 2>/dev/null || true
     fi

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hpc_mca.rundir import HANGS_FILE, HEARTBEAT_DIR
+from hpc_mca.rundir import HANGS_FILE, HEARTBEAT_DIR, RANKS_ENDED_FILE
 
 from .exclusion import decide_for_job
 
@@ -179,8 +179,11 @@ def watch(run_dir: Path, *, clock: Callable[[], float] = time.time,
           sleep: Callable[[float], None] = time.sleep) -> int:
     """Watch until the ranks end (0), the watchdog is off (0) or a hang (:data:`EXIT_HANG`)."""
     directory = Path(run_dir) / HEARTBEAT_DIR
+    ended = Path(run_dir) / RANKS_ENDED_FILE  # written by the batch shell once srun returned
     seen = False
     while True:
+        if ended.exists():
+            return 0
         beats = read_beats(directory)
         if beats and timeout_s(beats) is None:
             return 0
