@@ -27,10 +27,9 @@ A model of one optimizer step, in seconds, on the slowest pipeline stage:
 MoE layers' routing is taken as balanced unless the request says dropless (routing.py: the
 busiest expert-parallel rank's excess tokens, in its expert GEMMs and all-to-alls).
 
-Left out: stragglers, packed documents'
-shorter attention (the full sequence is charged, an upper bound). The constants cite their
-sources; benchmarks/planner_layouts.py sets the whole against published runs, some of them
-held back from every choice made here.
+Left out: stragglers, packed documents' shorter attention (the full sequence is charged, an
+upper bound). The constants cite their sources; benchmarks/planner_layouts.py sets the whole
+against published runs, some of them held back from every choice made here.
 """
 
 from __future__ import annotations
@@ -229,7 +228,7 @@ def _layer_gemm_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: 
         return split, 0.0
     fe, k, experts = model.expert_ffn_hidden_size, model.moe_router_topk, model.num_experts
     router = 2 * tokens * h * experts / tp / _gemm_rate(gpu, work.precision, h / tp)
-    # Rows each local expert gets (balanced routing): the micro-batch's tokens are split over
+    # Rows each local expert gets (the mean load): the micro-batch's tokens are split over
     # TP by sequence parallelism, gathered again over the expert-TP group, copied to k experts,
     # and the EP group's copies spread over its experts. With ETP = TP every rank sees all
     # the tokens; with ETP 1 under TP4, a quarter (fewer rows: a narrower, slower GEMM).
