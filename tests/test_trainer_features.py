@@ -222,15 +222,15 @@ def test_bad_data_found_by_rank_zero_stops_every_rank(root, tmp_path, nproc):
 def test_logged_throughput_covers_the_last_logging_window(root, tmp_path, use_mca):
     """perf/tokens_per_s at step 10 (logging every 5) is the rate of steps 6-10 alone, checked
     against a second measurement within 2%: the input tokens and device-synchronised seconds
-    those steps recorded in steps.jsonl. Steps 1-5 are slowed by a callback (0.5 s each), so a
-    figure that still averaged since step 1 would come out lower: the test computes that one
+    those steps recorded in steps.jsonl. Steps 1-5 are slowed by a callback (1 s each), so a
+    figure that still averaged since step 1 would come out different: the test computes that one
     too and tells them apart. Both backends (the standard one measures in its own step end)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     slow_start = ("class Callback(TrainerCallback):\n"
                   "    def on_step_begin(self, args, state, control, **kw):\n"
                   "        if state.global_step < 5:\n"
-                  "            time.sleep(0.5)\n")
+                  "            time.sleep(1.0)\n")
     run_dir = root / f"throughput_{'megatron' if use_mca else 'standard'}"
     config = _config(root, training={"max_steps": 10, "logging_steps": 5, "use_mca": use_mca})
     proc = _train_with_callback(tmp_path, slow_start, config, run_dir)
@@ -246,10 +246,12 @@ def test_logged_throughput_covers_the_last_logging_window(root, tmp_path, use_mc
     assert logged[10] == pytest.approx(measured, rel=0.02), (logged, measured)
     first = sum(r["input_tokens"] for r in records[:5]) / sum(r["seconds"] for r in records[:5])
     assert logged[5] == pytest.approx(first, rel=0.02), (logged, first)
-    # Not the average since step 1: the 2.5 s slept in steps 1-5 set that one apart, however
-    # slow a loaded machine makes every step.
+    # Not the average since step 1. The 5 s slept in steps 1-5 normally set that one well below
+    # the window's rate; but a loaded machine once stalled steps 6-10 to 25x their usual time
+    # (CI: 99 tok/s in the window against 115 since step 1), so the test asks only that the two
+    # figures differ, in either direction, by more than the 2% it matches within.
     since_start = sum(r["input_tokens"] for r in records) / sum(r["seconds"] for r in records)
-    assert since_start < measured / 1.05, (since_start, measured)
+    assert abs(since_start / measured - 1) > 0.05, (since_start, measured)
     assert logged[10] != pytest.approx(since_start, rel=0.02), (logged, since_start)
 
 
