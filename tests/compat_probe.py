@@ -88,8 +88,23 @@ def probe_backward_allocates():
     assert x.grad.tolist() == [1.0, 1.0]
 
 
+def probe_checkpoint_without_output():
+    """Megatron's output-discarding checkpoint (recompute_modules layernorm): the output is
+    freed after use and recomputed in backward to the same gradient."""
+    from megatron.core.tensor_parallel import CheckpointWithoutOutput
+
+    x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    checkpoint = CheckpointWithoutOutput()
+    y = checkpoint.checkpoint(torch.tanh, x)
+    z = (y * y).sum()
+    checkpoint.discard_output_and_register_recompute(z)
+    z.backward()
+    want = 2 * torch.tanh(x.detach()) * (1 - torch.tanh(x.detach()) ** 2)
+    assert torch.allclose(x.grad, want), (x.grad, want)
+
+
 PROBES = [probe_backward_allocates, probe_alltoall, probe_causal_mask, probe_cp_rope, probe_tracker_fork,
-          probe_ddp_overlap]
+          probe_ddp_overlap, probe_checkpoint_without_output]
 
 if __name__ == "__main__":
     installed = cpu_compat.activate(skip=sys.argv[1:])

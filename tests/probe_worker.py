@@ -11,9 +11,14 @@ import sys
 from pathlib import Path
 
 
+COUNTED = ("core_attention", "input_layernorm", "pre_mlp_layernorm", "mlp", "router")
+"""The layer parts whose forward calls are counted besides each decoder layer's (a MoE
+layer's recompute reruns its router inside the layer's own forward, so the router shows it)."""
+
+
 def probe_main(out: Path, config: str, overrides: list[str]) -> None:
     """``hpc-mca train`` with a callback that counts forward calls of every decoder layer and
-    core attention (pre-hooks: a recomputation in backward calls them again) and, at the end,
+    the parts in COUNTED (pre-hooks: a recomputation in backward calls them again) and, at the end,
     writes ``OUT/rank{R}.json``: {"calls": {name: count}, "expert_shapes": {name: shape}}."""
     import torch.distributed as dist
     from transformers import TrainerCallback
@@ -30,7 +35,7 @@ def probe_main(out: Path, config: str, overrides: list[str]) -> None:
                 for name, module in unwrap(chunk).named_modules():
                     last = name.rsplit(".", 1)[-1]
                     layer = last.isdigit() and name.endswith(f"layers.{last}")
-                    if layer or last == "core_attention":
+                    if layer or last in COUNTED:
                         self.calls[f"{i}.{name}"] = 0
                         module.register_forward_pre_hook(self._counter(f"{i}.{name}"))
 

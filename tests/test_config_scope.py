@@ -59,6 +59,7 @@ OUT_OF_CONTEXT = {
     "parallel.cp_comm_type": ("a2a", ["context_parallel_size=2"]),
     "parallel.recompute_num_layers": ("2", ["recompute_granularity=full",
                                             "recompute_method=uniform"]),
+    "parallel.recompute_modules": ("[layernorm]", ["recompute_granularity=selective"]),
     "training.adam_beta1": ("0.8", None),
     "training.adam_beta2": ("0.95", None),
     "training.adam_epsilon": ("1e-6", None),

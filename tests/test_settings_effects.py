@@ -33,32 +33,23 @@ import shutil
 from pathlib import Path
 
 import pytest
-from trainer_fixtures import make_model_dir, make_sft_data, rewind, run_ranks, run_train, steps, write_config
-
-WORKER = Path(__file__).with_name("probe_worker.py")
-KEYS = ("loss", "grad_norm", "lr", "tokens")
-
-
-def _probe_run(config: Path, run: Path, nproc: int, *overrides: str) -> list[dict]:
-    """``hpc-mca train`` with the forward-call probe (see the end of this file); each rank's
-    record (forward calls per decoder layer and core attention, local expert shapes)."""
-    out = run.with_name(f"{run.name}_probe")
-    proc = run_ranks(nproc, [WORKER, out, config, f"training.output_dir={run}", *overrides])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+from trainer_fixtures import (
+    make_model_dir,
+    make_sft_data,
+    probe_run,
+    rewind,
+    run_ranks,
+    run_train,
+    same_curve,
+    steps,
+    write_config,
+)
 
 
 def _train(config: Path, run: Path, nproc: int = 1, *overrides: str):
     proc = run_train(config, run, nproc, *overrides)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
-
-
-def _same_curve(got: list[dict], want: list[dict], tol: float, what: str) -> None:
-    assert [s["step"] for s in got] == [s["step"] for s in want], what
-    for mine, ref in zip(got, want):
-        for key in KEYS:
-            assert mine[key] == pytest.approx(ref[key], abs=tol), (what, key, mine, ref)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +59,7 @@ def dense(tmp_path_factory):
     model = make_model_dir(root, layers=2)
     config = write_config(root, model, make_sft_data(root, 64, 1, "train"),
                           training={"max_steps": 3, "logging_steps": 1, "save_steps": 2})
-    probe = _probe_run(config, root / "reference", 1)[0]
+    probe = probe_run(config, root / "reference", 1)[0]
     return root, model, config, probe
 
 
@@ -206,8 +197,8 @@ def test_full_recompute_reruns_its_layers_with_the_same_curve(dense, name, overr
     once more in backward, the others once; the loss, grad-norm and lr curve of the run
     without recomputation within 1e-6."""
     root, _, config, reference = dense
-    probe = _probe_run(config, root / name, 1, "recompute_granularity=full", *overrides)[0]
-    _same_curve(steps(root / name), steps(root / "reference"), 1e-6, name)
+    probe = probe_run(config, root / name, 1, "recompute_granularity=full", *overrides)[0]
+    same_curve(steps(root / name), steps(root / "reference"), 1e-6, name)
     calls = reference["calls"]
     assert set(calls.values()) == {12}  # 3 steps x 4 micro-batches, forward once
     for layer in (0, 1):
@@ -222,8 +213,8 @@ def test_selective_recompute_reruns_core_attention_with_the_same_curve(dense):
     """Selective recomputation (Megatron's core_attn): each layer's core attention runs
     forward twice per micro-batch, the rest of the layer once; the same curve within 1e-6."""
     root, _, config, reference = dense
-    probe = _probe_run(config, root / "selective", 1, "recompute_granularity=selective")[0]
-    _same_curve(steps(root / "selective"), steps(root / "reference"), 1e-6, "selective")
+    probe = probe_run(config, root / "selective", 1, "recompute_granularity=selective")[0]
+    same_curve(steps(root / "selective"), steps(root / "reference"), 1e-6, "selective")
     for key, count in reference["calls"].items():
         times = 2 if key.endswith("core_attention") else 1
         assert probe["calls"][key] == times * count, (key, probe["calls"])
@@ -243,7 +234,7 @@ def test_mtp_loss_scaling_factor_weighs_the_mtp_gradient(dense):
         _train(config, root / f"mtp_{factor}", 1, "mtp_num_layers=1",
                f"mtp_loss_scaling_factor={factor}")
     plain, zero, half = (steps(root / name) for name in ("reference", "mtp_0", "mtp_0.5"))
-    _same_curve(zero, plain, 1e-5, "factor 0")
+    same_curve(zero, plain, 1e-5, "factor 0")
     assert all(s["mtp_loss_1"] > 0 for s in zero + half)
     assert half[0]["loss"] == pytest.approx(zero[0]["loss"], abs=1e-6)
     assert half[0]["mtp_loss_1"] == pytest.approx(zero[0]["mtp_loss_1"], abs=1e-6)
@@ -263,7 +254,7 @@ def test_resume_from_another_runs_checkpoint_continues_it(dense):
     before = sorted(p.name for p in (root / "reference" / "checkpoints").iterdir())
     proc = _train(config, root / "continued", 1, f"resume_from_checkpoint={source}")
     assert f"resumed from {source} at step 2 (16 samples)" in proc.stdout, proc.stdout[-2000:]
-    _same_curve(steps(root / "continued"), steps(root / "reference")[2:], 1e-6, "continued")
+    same_curve(steps(root / "continued"), steps(root / "reference")[2:], 1e-6, "continued")
     saved = sorted(p.name for p in (root / "continued" / "checkpoints").glob("iter_*"))
     assert saved == ["iter_0000003"]
     assert sorted(p.name for p in (root / "reference" / "checkpoints").iterdir()) == before
@@ -280,7 +271,7 @@ def test_resume_never_trains_from_step_one_beside_a_checkpoint(dense):
     progress = [line.split(" |")[0] for line in proc.stdout.splitlines()
                 if line.startswith("step ")]
     assert progress == ["step 1/3", "step 2/3", "step 3/3"], proc.stdout[-2000:]
-    _same_curve(steps(run), steps(root / "reference"), 1e-6, "never")
+    same_curve(steps(run), steps(root / "reference"), 1e-6, "never")
 
 
 # --- training.optim ----------------------------------------------------------------------------
@@ -429,8 +420,8 @@ def test_expert_tensor_parallel_one_keeps_experts_whole_under_tp2(tmp_path):
     with pytest.raises(ConfigError, match="expert_tensor_parallel_size=2"):
         load_config(config, layout).resolve(world_size=2)
     _train(config, tmp_path / "one", 1)
-    ranks = _probe_run(config, tmp_path / "etp1", 2, *layout, "expert_tensor_parallel_size=1")
-    _same_curve(steps(tmp_path / "etp1"), steps(tmp_path / "one"), 1e-5, "tp2 ep2 etp1")
+    ranks = probe_run(config, tmp_path / "etp1", 2, *layout, "expert_tensor_parallel_size=1")
+    same_curve(steps(tmp_path / "etp1"), steps(tmp_path / "one"), 1e-5, "tp2 ep2 etp1")
     for rank in ranks:
         shapes = rank["expert_shapes"]
         for layer in (0, 1):
@@ -442,9 +433,6 @@ def test_expert_tensor_parallel_one_keeps_experts_whole_under_tp2(tmp_path):
     layout_saved = json.loads(saved.read_text())["layout"]
     assert {k: layout_saved[k] for k in ("tp", "ep", "etp", "dp")} == \
         {"tp": 2, "ep": 2, "etp": 1, "dp": 1}
-
-
-# --- the rank program of _probe_run ------------------------------------------------------------
 
 
 # --- training.fp16, parallel.overlap_param_gather ----------------------------------------------
@@ -483,7 +471,7 @@ def test_overlap_param_gather_saves_and_exports_this_steps_weights(dense):
     _train(config, root / "dist_opt", 2, *common)
     _train(config, root / "overlap", 2, *common, "parallel.overlap_param_gather=true",
            "parallel.overlap_grad_reduce=true")
-    _same_curve(steps(root / "overlap"), steps(root / "dist_opt"), 1e-6, "overlap")
+    same_curve(steps(root / "overlap"), steps(root / "dist_opt"), 1e-6, "overlap")
     plain = load_file(root / "dist_opt" / "hf" / "model.safetensors")
     overlapped = load_file(root / "overlap" / "hf" / "model.safetensors")
     assert max((overlapped[k] - plain[k]).abs().max().item() for k in plain) < 1e-6
@@ -491,6 +479,6 @@ def test_overlap_param_gather_saves_and_exports_this_steps_weights(dense):
     shutil.rmtree(resumed / "hf")
     _train(config, resumed, 2, *common, "parallel.overlap_param_gather=true",
            "parallel.overlap_grad_reduce=true")
-    _same_curve(steps(resumed), steps(root / "overlap"), 1e-6, "overlap resumed")  # 1-2 kept
+    same_curve(steps(resumed), steps(root / "overlap"), 1e-6, "overlap resumed")  # 1-2 kept
     assert torch.equal(load_file(resumed / "hf" / "model.safetensors")["lm_head.weight"],
                        overlapped["lm_head.weight"])

@@ -181,6 +181,19 @@ def test_layout_rule_uses_topology_and_model_shape(run: Path):
     (["attention_backend=xformers"], "valid: auto, te, flash, torch"),
     (["overlap_param_gather=true"], "needs parallel.use_distributed_optimizer=true"),
     (["recompute_granularity=full"], "parallel.recompute_num_layers=None must be >= 1"),
+    (["recompute_granularity=selective", "recompute_modules=[moe]"],
+     "parallel.recompute_modules has 'moe': this model has no MoE layers (mlp recomputes its "
+     "MLPs); valid: one or more of core_attn, layernorm, mlp"),
+    (["recompute_granularity=selective", "recompute_modules=[layernorm,moe_act]"],
+     "parallel.recompute_modules has 'moe_act': Megatron-Core recomputes it only in "
+     "grouped-GEMM experts, which this trainer does not build"),
+    (["recompute_granularity=selective", "recompute_modules=[mla_up_proj]"],
+     "parallel.recompute_modules has 'mla_up_proj': not a module this trainer's layers have"),
+    (["recompute_granularity=selective", "recompute_modules=[]"],
+     "parallel.recompute_modules=[] names no module or one twice; valid: one or more of "
+     "core_attn, layernorm, mlp"),
+    (["recompute_granularity=selective", "recompute_modules=[mlp,mlp]"],
+     "parallel.recompute_modules=['mlp', 'mlp'] names no module or one twice"),
     (["seq_length=16", "cutoff_len=32"], "data.seq_length=16 is shorter than data.cutoff_len=32"),
     (["output_dir="], "training.output_dir is required"),
     (["gradient_accumulation_steps=3", "global_batch_size=8"],

@@ -198,6 +198,30 @@ def write_indexed(prefix: Path, documents: list[list[int]]) -> None:
     builder.finalize(f"{prefix}.idx")
 
 
+PROBE_WORKER = Path(__file__).with_name("probe_worker.py")
+CURVE_KEYS = ("loss", "grad_norm", "lr", "tokens")
+
+
+def probe_run(config: Path, run: Path, nproc: int, *overrides: str) -> list[dict]:
+    """``hpc-mca train`` with the forward-call probe (tests/probe_worker.py); each rank's
+    record (forward calls per decoder layer and the parts it counts, local expert shapes)."""
+    out = run.with_name(f"{run.name}_probe")
+    proc = run_ranks(nproc, [PROBE_WORKER, out, config, f"training.output_dir={run}", *overrides])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def same_curve(got: list[dict], want: list[dict], tol: float, what: str) -> None:
+    """The two runs' steps.jsonl records agree on every step's loss, grad norm, lr and token
+    count within ``tol``."""
+    import pytest
+
+    assert [s["step"] for s in got] == [s["step"] for s in want], what
+    for mine, ref in zip(got, want):
+        for key in CURVE_KEYS:
+            assert mine[key] == pytest.approx(ref[key], abs=tol), (what, key, mine, ref)
+
+
 def steps(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
 

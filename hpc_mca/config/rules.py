@@ -363,6 +363,7 @@ def _check_parallel(config: TrainConfig, world_size: int) -> None:
     if par.recompute_granularity == "full" and (par.recompute_num_layers or 0) < 1:
         raise ConfigError(f"parallel.recompute_num_layers={par.recompute_num_layers!r} must be "
                           ">= 1 with parallel.recompute_granularity='full'")
+    _check_recompute_modules(config)
     _check_megatron_combinations(config)
     layout = layout_of(par)
     lines = check_layout(
@@ -376,6 +377,34 @@ def _check_parallel(config: TrainConfig, world_size: int) -> None:
     _check_pack_alignment(config)
     par.data_parallel_size = world_size // layout.model_parallel_size
     _derive_batch(tr, par.data_parallel_size)
+
+
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")
+"""Megatron-Core's recompute_modules that this trainer's layers have. Not offered: moe_act
+(Megatron recomputes it only inside grouped-GEMM experts, which the local spec does not
+build), shared_experts, mla_up_proj, gdn_norm_out (no supported model has those parts)."""
+
+
+def _check_recompute_modules(config: TrainConfig) -> None:
+    """Each module named once, one this model has: Megatron-Core would silently skip a
+    dense model's moe or a mixture of experts' mlp (every layer of a supported MoE is one)."""
+    modules = config.parallel.recompute_modules
+    if modules is None:
+        return
+    moe = model_shape(config.model.model_name_or_path).is_moe
+    has = [m for m in RECOMPUTE_MODULES if m != ("mlp" if moe else "moe")]
+    valid = f"valid: one or more of {', '.join(has)}"
+    if not modules or len(set(modules)) != len(modules):
+        raise ConfigError(f"parallel.recompute_modules={modules!r} names no module or one twice; "
+                          f"{valid}")
+    for module in modules:
+        if module not in has:
+            why = {"mlp": "every layer of this mixture of experts is an MoE layer (moe)",
+                   "moe": "this model has no MoE layers (mlp recomputes its MLPs)",
+                   "moe_act": "Megatron-Core recomputes it only in grouped-GEMM experts, which "
+                              "this trainer does not build (moe recomputes the whole layer)"
+                   }.get(module, "not a module this trainer's layers have")
+            raise ConfigError(f"parallel.recompute_modules has {module!r}: {why}; {valid}")
 
 
 def _check_megatron_combinations(config: TrainConfig) -> None:

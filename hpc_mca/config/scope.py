@@ -123,6 +123,9 @@ SCOPES: tuple[Scope, ...] = (
           lambda c: c.parallel.recompute_granularity is not None,
           "parallel.recompute_granularity full (or selective, which Megatron-Core refuses it "
           "with)"),
+    Scope(("parallel.recompute_modules",),
+          lambda c: c.parallel.recompute_granularity == "selective",
+          "parallel.recompute_granularity='selective'"),
     Scope(("parallel.cp_comm_type",), lambda c: c.parallel.context_parallel_size > 1,
           "parallel.context_parallel_size > 1"),
     Scope(("training.adam_beta1", "training.adam_beta2", "training.adam_epsilon"),

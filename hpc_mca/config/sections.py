@@ -341,6 +341,11 @@ class ParallelArguments:
     recompute_num_layers: int | None = None
     """With full recomputation: layers per recomputed group (uniform) or recomputed layers per
     stage (block)."""
+    recompute_modules: list[str] | None = None
+    """With selective recomputation: the parts of each layer recomputed in backward
+    (Megatron-Core's recompute_modules; unset: core_attn alone). core_attn: the attention
+    core; layernorm: both norms, their outputs dropped after use; mlp: a dense model's MLP;
+    moe: a mixture of experts' whole MoE layer (router, dispatch, experts)."""
     sequence_parallel_size: int = 1
     """Standard backend (training.use_mca=false): Ulysses sequence parallelism, consecutive
     ranks sharing each packed row (an all-to-all around attention); it must divide the

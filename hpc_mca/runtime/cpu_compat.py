@@ -8,10 +8,13 @@ events around gradient communication, and ``tensor.type()`` strings such as
 ``'torch.cuda.FloatTensor'`` in optimizer checks. On a CUDA-less machine (development laptops,
 CI, the 2-core boxes this project is tested on) each of those raises.
 
-``activate()`` installs the patches listed in :data:`PATCHES`. It is a no-op when CUDA is
-available, so GPU runs execute unmodified Megatron-Core (NCCL, Transformer Engine). Every
-patch names the Megatron code it answers; ``tests/test_cpu_compat.py`` shows, patch by patch,
-that the Megatron call fails without it and works with it.
+``activate()`` installs the patches listed in :data:`PATCHES` whose condition holds: every
+CPU patch when CUDA is absent (GPU runs execute unmodified Megatron-Core: NCCL, Transformer
+Engine), and the one Megatron-Core bug that has nothing to do with CUDA, in an output-
+discarding checkpoint that needs Transformer Engine to be installed (``checkpoint_te``),
+whenever Transformer Engine is absent, on a GPU too. Every patch names the Megatron code it
+answers; ``tests/test_cpu_compat.py`` shows, patch by patch, that the Megatron call fails
+without it and works with it.
 
 What the patches do NOT change: numerics. Devices are remapped to CPU and the "CUDA" RNG is
 the CPU default generator, which is what CPU kernels draw from anyway.
@@ -41,6 +44,8 @@ class Patch:
     """The Megatron-Core (or torch) code that fails on CPU without this patch."""
     apply: Callable[[], None]
     """Installs the patch; called at most once per process."""
+    when: Callable[[], bool] = lambda: needed()
+    """Whether this process needs it (most patches: no CUDA)."""
 
 
 _ACTIVE: list[str] = []
@@ -56,18 +61,16 @@ def active_patches() -> list[str]:
 
 
 def activate(skip: Iterable[str] = ()) -> list[str]:
-    """Install every patch (except ``skip``) if CUDA is absent; return the names installed.
+    """Install every patch (except ``skip``) this process needs; return the names installed.
 
     Idempotent. ``skip`` exists for the tests that prove each patch is necessary.
     """
-    if not needed():
-        return []
     skipped = set(skip)
     unknown = skipped - {p.name for p in PATCHES}
     if unknown:
         raise ValueError(f"unknown cpu_compat patch(es) {sorted(unknown)}; valid: {[p.name for p in PATCHES]}")
     for patch in PATCHES:
-        if patch.name in skipped or patch.name in _ACTIVE:
+        if patch.name in skipped or patch.name in _ACTIVE or not patch.when():
             continue
         patch.apply()
         _ACTIVE.append(patch.name)
@@ -284,9 +287,43 @@ def _as_list(sizes: Any) -> Any:
     return sizes
 
 
+# --------------------------------------------------------------------------------------------
+# 5. Without Transformer Engine (any device): the output-discarding checkpoint.
+# --------------------------------------------------------------------------------------------
+
+def te_missing() -> bool:
+    """Megatron-Core found no Transformer Engine (its tensor_parallel.random imports TE's FP8
+    state when it can)."""
+    from megatron.core.tensor_parallel import random
+
+    return not random.HAVE_TE
+
+
+def _install_checkpoint_without_te() -> None:
+    """Answers tensor_parallel/random.py CheckpointWithoutOutput, the checkpoint behind
+    ``recompute_modules`` layernorm (transformer/transformer_layer.py) and moe_act: its
+    ``__init__(fp8=False)`` sets ``self.fp8 = fp8 is not None``, True for the default, so that
+    its forward asks TE's ``FP8GlobalStateManager`` whether fp8 is on (upstream keeps it so on
+    purpose, for TE's amax bookkeeping). Without TE that name was never imported and the first
+    forward raises NameError. Without TE no fp8 can be on, so the object takes the path it
+    would take with TE and fp8 off: the same numbers."""
+    from megatron.core.tensor_parallel import random
+
+    original = random.CheckpointWithoutOutput.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.fp8 = False
+
+    random.CheckpointWithoutOutput.__init__ = __init__  # type: ignore[method-assign]
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("devices", "torch.cuda.current_device()/device='cuda'/.cuda()/.type()/pin_memory across megatron/core", _install_device_mode),
     Patch("rng", "megatron/core/tensor_parallel/random.py CUDA RNG tracker", _install_rng),
     Patch("streams", "torch.cuda.Stream/Event/current_stream/synchronize in DDP, MoE, timers", _install_streams),
     Patch("alltoall", "MoE alltoall dispatcher split sizes on gloo", _install_alltoall_splits),
+    Patch("checkpoint_te", "tensor_parallel/random.py CheckpointWithoutOutput without Transformer "
+          "Engine (recompute_modules layernorm)", _install_checkpoint_without_te, te_missing),
 )

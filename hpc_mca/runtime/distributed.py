@@ -7,7 +7,8 @@
    ``LayoutError`` *before* any collective, so that every rank fails alone with the same
    one-line message instead of some ranks waiting forever in a rendezvous;
 3. pick the device and backend: NCCL on CUDA (one GPU per local rank), gloo otherwise, in
-   which case the CPU compatibility patches (``runtime.cpu_compat``) are activated;
+   which case the CPU compatibility patches (``runtime.cpu_compat``) are activated (on a
+   GPU without Transformer Engine, only the one that a missing TE needs);
 4. ``torch.distributed.init_process_group`` over TCP at MASTER_ADDR:MASTER_PORT (a single
    local process uses an in-memory store instead), with the collective timeout the caller
    passes (``training.ddp_timeout``) unless HPC_MCA_DIST_TIMEOUT overrides it;
@@ -155,6 +156,7 @@ def _select_device(env: RankEnv) -> tuple[torch.device, str]:
         register_pinned_host_memory()  # before torch reads its allocator settings: host_memory.py
         local = env.local_rank % torch.cuda.device_count()
         torch.cuda.set_device(local)
+        cpu_compat.activate()  # on a GPU: only what a missing Transformer Engine needs
         return torch.device("cuda", local), "nccl"
     cpu_compat.activate()
     return torch.device("cpu"), "gloo"

@@ -88,6 +88,8 @@ def model_overrides(model: ModelArguments, par: ParallelArguments,
         out.update(recompute_granularity=par.recompute_granularity,
                    recompute_method=par.recompute_method,
                    recompute_num_layers=par.recompute_num_layers)
+        if par.recompute_modules is not None:
+            out["recompute_modules"] = list(par.recompute_modules)
     return out
 
 
