@@ -11,11 +11,14 @@ pick for the same job under the same settings, and the two estimates' ratio:
 Precision is the run's: FP8 runs are estimated at fp8 (Transformer Engine current scaling, FP8
 GEMMs at FP8_GEMM_SPEEDUP over bf16 except the LM head's, which Megatron-Core keeps bf16,
 fp8-cast GEMM inputs kept for the backward) and BF16 runs at bf16; no figure is converted from
-one precision to the other. Every run used Transformer Engine (CP attention on its p2p ring),
-the distributed optimizer with overlapped gradient reduce and parameter gather, bf16 gradient
-buffers, interleaved pipelines' sends overlapped with compute, no activation recompute, and,
-where noted, TE's TP communication overlap, Megatron's MoE all-to-all overlap or a flex MoE
-dispatcher (DeepEP or HybridEP).
+one precision to the other. Every run used Transformer Engine (its layers: norms fused into
+the linears of dense layers, grouped-GEMM experts; CP attention on its p2p ring), the
+distributed optimizer with overlapped gradient reduce and parameter gather, bf16 gradient
+buffers, interleaved pipelines' sends overlapped with compute, activation recompute only where
+noted (the zoo's runs that recompute norms and the MoE activation), and, where noted, TE's TP
+communication overlap, Megatron's MoE all-to-all overlap or a flex MoE dispatcher (DeepEP or
+HybridEP). The pick may recompute what TE's layers can (selective parts, the fewest layers, or
+all), whatever the run did.
 This trainer has none of those and keeps fp32 gradients: the estimate assumes them for the run
 (and for the pick it is compared with), never for a plan of hpc-mca's own. MoE runs are
 estimated with balanced expert loads where the run forced them (or padded experts to a
@@ -37,7 +40,8 @@ Sources (H100 SXM, 8 GPUs a node):
            behind them (scripts/performance/configs/*, recompute none, overlaps as noted).
   [mz]     yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md at 020b8136 (NVIDIA's
            Megatron-Core MoE team): Qwen3-235B on 256 H100s, BF16, step times; the two EP32
-           runs recompute norms and the MoE activation, a few percent of compute not charged.
+           runs and the A2A EP8 run recompute norms and the MoE activation ("norm, act"),
+           estimated so (selective:layernorm,moe_act); the TP4 EP8 run recomputes nothing.
            Its scripts route dropless unless --moe-router-force-load-balancing is added: the
            EP32 runs' published commands add it (run_235b.sh, run_h100_235b.sh), the EP8 runs'
            commands are not published, so they are estimated dropless (the scripts' default).
@@ -123,6 +127,8 @@ class PublishedRun:
     stage: str = "pt"
     lora: bool = False
     """LoRA fine-tuning (rank 32 on every linear layer, Megatron-Bridge's default)."""
+    recompute: str = "none"
+    """Activation recompute as published, in the planner's names (topology/memory.py)."""
     held_back: bool = False
     """Not used to choose any constant of the cost model: the check."""
 
@@ -137,11 +143,15 @@ class PublishedRun:
         return dict(model=self.model, nodes=self.gpus // 8, seq_length=self.seq_length,
                     global_batch_size=self.global_batch_size, precision=self.precision,
                     cp_comm_type="p2p", overlap_param_gather=True, grad_reduce_in_fp32=False,
-                    overlap_p2p_comm=True,
+                    overlap_p2p_comm=True, te_layers=True,
                     tp_comm_overlap=self.tp_comm_overlap, moe_comm_overlap=self.moe_comm_overlap,
                     moe_dispatcher=self.moe_dispatcher, moe_routing=self.moe_routing,
                     stage=self.stage, lora=self.lora, lora_rank=32)
 
+
+NORM_AND_ACT = "selective:layernorm,moe_act"
+"""The MoE model zoo's recompute ("norm, act" in its table; --recompute-modules moe_act
+layernorm in its EP32 commands)."""
 
 RUNS = [
     # --- calibrated ---
@@ -265,10 +275,11 @@ RUNS = [
                  "(matched A/B)", moe_dispatcher="flex", moe_comm_overlap=True),
     PublishedRun(QWEN3_235B_A22B, 256, 4096, 2048, Layout(tp=2, pp=8, vp=4, ep=32), "bf16",
                  2048 * 4096 / 256 / 19.7, "[mz] Qwen3-235B BF16 DeepEP EP32: 19.7 s a step",
-                 moe_dispatcher="flex"),
+                 moe_dispatcher="flex", recompute=NORM_AND_ACT),
     PublishedRun(QWEN3_235B_A22B, 256, 4096, 2048, Layout(tp=2, pp=8, vp=4, ep=32), "bf16",
                  2048 * 4096 / 256 / 17.6, "[mz] Qwen3-235B BF16 DeepEP EP32, 1F1B A2A overlap: "
-                 "17.6 s a step", moe_dispatcher="flex", moe_comm_overlap=True),
+                 "17.6 s a step", moe_dispatcher="flex", moe_comm_overlap=True,
+                 recompute=NORM_AND_ACT),
     # The zoo's in-node EP8 runs (this and the last row) were first estimated with balanced
     # routing at 1.39 (later 1.36) and 1.26; their commands are not published, and the zoo's
     # scripts route dropless unless told otherwise, so they are estimated dropless since the
@@ -312,7 +323,7 @@ RUNS = [
                  Layout(tp=2, pp=32, vp=3, ep=8, pipeline_layout=(0,) + (1,) * 94 + (0,)),
                  "bf16", 2048 * 4096 / 256 / 24.2,
                  "[mz] Qwen3-235B BF16 A2A TP2 EP8 PP32 VP3: 24.2 s a step",
-                 moe_routing="dropless"),
+                 moe_routing="dropless", recompute=NORM_AND_ACT),
 ]
 
 
@@ -338,7 +349,8 @@ class Row:
 
 def measure(run: PublishedRun) -> Row:
     job = run.job()
-    forced = dict(layout=run.layout, micro_batch_size=run.micro_batch_size, recompute="none")
+    forced = dict(layout=run.layout, micro_batch_size=run.micro_batch_size,
+                  recompute=run.recompute)
     try:
         published = plan(**job, **forced)
         fits = True
@@ -375,7 +387,7 @@ def summary(rows: list[Row]) -> list[str]:
 
 
 def main() -> None:
-    print("H100-80GB; each run estimated as it ran: its precision, overlaps, no recompute.")
+    print("H100-80GB; each run estimated as it ran: its precision, overlaps and recompute.")
     print("| run | set | published layout | GiB | published tok/s/GPU | estimate | ratio "
           "| planner's pick | pick's estimate | published/pick |")
     print("|---|---|---|---|---|---|---|---|---|---|")

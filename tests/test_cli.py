@@ -89,4 +89,4 @@ def test_operator_commands_never_import_torch(tmp_path: Path):
         f"print('HEAVY', sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))\n"
     )
     assert "HEAVY []" in out
-    assert "#SBATCH --nodes=2" in out and "TP1 PP2 VP2 CP2 DP4" in out
+    assert "#SBATCH --nodes=2" in out and "  layout      TP2 PP1 CP1 DP8  (planned" in out

@@ -269,19 +269,27 @@ def test_pipeline_gets_interleaved_when_the_bubble_costs_more_than_the_sends():
 
 def test_recompute_only_as_much_as_nothing_less_fits():
     """One GPU per node rules out TP; PP and CP cannot shrink 16k-token activations enough, so
-    some layers recompute: the fewest a chunk that fit (Megatron's block method), not all of
-    them. One layer fewer does not fit the planning budget; none does not fit at all; full
-    recompute of every layer fits but is slower."""
+    part of every layer recomputes: the norms and the MLP (Megatron's recompute_modules). Neither
+    the norms alone nor none fit at all. The block level (the
+    fewest whole layers a chunk that fit: one fewer does not) is no faster beyond the 1% tie, so
+    the plainer level is taken; full recompute of every layer fits but is slower."""
     job = dict(model=LLAMA3_8B, nodes=2, gpus_per_node=1, seq_length=16384, global_batch_size=16,
                gpu="H200-141GB")
     p = plan(**job)
-    n = block_layers(p.recompute)
-    assert n is not None and 1 <= n < LLAMA3_8B.num_layers // p.layout.pp
-    assert f"first {n} layer(s) of each pipeline chunk (block), the fewest that fit" in p.reason
+    assert p.recompute == "selective:layernorm,mlp"
+    assert "with selective:layernorm,mlp recompute" in p.reason
     budget = 0.9 * p.usable_bytes
     assert p.memory.total <= budget
+    with pytest.raises(LayoutError, match="needs .* with recompute=selective:layernorm,"):
+        plan(**job, layout=p.layout, recompute="selective:layernorm")
+    block = plan(**job, recompute="block")  # the block level's own search
+    n = block_layers(block.recompute)
+    assert n is not None and 1 <= n < LLAMA3_8B.num_layers // block.layout.pp
+    assert f"first {n} layer(s) of each pipeline chunk (block), the fewest that fit" in block.reason
+    assert block.memory.total <= budget
+    assert block.step_time.total >= 0.99 * p.step_time.total  # not faster beyond the tie
     if n > 1:
-        fewer = plan(**job, layout=p.layout, recompute=f"block:{n - 1}")
+        fewer = plan(**job, layout=block.layout, recompute=f"block:{n - 1}")
         assert fewer.memory.total > budget
     full = plan(**job, layout=p.layout, recompute="full")
     assert full.memory.total < p.memory.total and full.step_time.total > p.step_time.total
@@ -328,7 +336,9 @@ def test_plan_is_deterministic():
 def test_plan_accepts_request_object_and_overrides():
     req = PlanRequest(**RECIPE)
     assert plan(req) == plan(**RECIPE)
-    assert plan(req, nodes=4).layout.dp == 2 * plan(req).layout.dp
+    wider = plan(req, nodes=4)
+    lay = wider.layout
+    assert wider.request.nodes == 4 and lay.tp * lay.pp * lay.cp * lay.dp == 32
 
 
 def test_gpu_memory_override_and_presets():
@@ -378,10 +388,16 @@ def test_other_bad_fields_each_one_line():
                      "stage='ppo' is not valid; valid: pt, sft, dpo, kto",
                      "precision='int4' is not valid; valid: bf16, fp16, fp8, fp32",
                      "recompute='some' is not valid; valid: none, selective, block, full "
-                     "(or block:N, N ≥ 1)"]
+                     "(or block:N, N ≥ 1, or selective:A,B with A, B from core_attn, "
+                     "layernorm, mlp)"]
     assert _error_lines(recompute="block:0") == [
         "recompute='block:0' is not valid; valid: none, selective, block, full (or block:N, "
-        "N ≥ 1)"]
+        "N ≥ 1, or selective:A,B with A, B from core_attn, layernorm, mlp)"]
+    # The parts of a dense model (this trainer's: no moe, no grouped-GEMM moe_act).
+    for parts in ("layernorm,moe", "mlp,mlp", "moe_act", ""):
+        assert _error_lines(recompute=f"selective:{parts}") == [
+            f"recompute='selective:{parts}' names a layer part twice or one this model has "
+            "not; valid: selective:A,B with each of A, B once from core_attn, layernorm, mlp"]
 
 
 def test_fp8_needs_hopper():

@@ -76,7 +76,9 @@ def plan_options(func: F) -> F:
                           "training.use_mca=false, only; Megatron splits sequences with --cp)."),
         click.option("--recompute", default=None,
                      help=f"Force {_either(RECOMPUTE)} (block: full recompute of the fewest "
-                          "layers of each pipeline chunk that fit; block:N forces N)."),
+                          "layers of each pipeline chunk that fit; block:N forces N; "
+                          "selective:A,B recomputes the layer parts named: core_attn, "
+                          "layernorm, mlp or moe)."),
         click.option("--distributed-optimizer/--no-distributed-optimizer", default=None,
                      help="Force the distributed optimizer on or off."),
     ], func)

@@ -26,7 +26,7 @@ from hpc_mca.stages import (
     stages_where,
 )
 from hpc_mca.topology import Layout, check_layout
-from hpc_mca.topology.memory import CP_COMM_TYPES
+from hpc_mca.topology.choices import CP_COMM_TYPES, RECOMPUTE_MODULES
 
 from .checks import at_least as _at_least
 from .checks import choice as _choice
@@ -377,12 +377,6 @@ def _check_parallel(config: TrainConfig, world_size: int) -> None:
     _check_pack_alignment(config)
     par.data_parallel_size = world_size // layout.model_parallel_size
     _derive_batch(tr, par.data_parallel_size)
-
-
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")
-"""Megatron-Core's recompute_modules that this trainer's layers have. Not offered: moe_act
-(Megatron recomputes it only inside grouped-GEMM experts, which the local spec does not
-build), shared_experts, mla_up_proj, gdn_norm_out (no supported model has those parts)."""
 
 
 def _check_recompute_modules(config: TrainConfig) -> None:

@@ -50,6 +50,8 @@ def plan_overrides(result: Plan, options: PlanOptions, explicit: set[str]) -> li
         cli_set.add("use_distributed_optimizer")
     out = _stage_precision_lora(options)
     for key, value in chosen.items():
+        if key == "recompute_modules" and value is None and key not in explicit:
+            continue  # nothing to clear: left out rather than written null on every plan
         if key in cli_set or key not in explicit:
             out.append(f"{key}={_yaml(value)}")
     return out
@@ -76,23 +78,32 @@ def _standard_overrides(result: Plan, options: PlanOptions, explicit: set[str]) 
 def config_recompute(par: Any) -> str:
     """The config's recompute as the planner names it: ``block:N`` for full granularity with
     the block method (the first N layers of each chunk), full for uniform (sized as one layer
-    a group)."""
+    a group), ``selective:A,B`` for the layer parts recompute_modules names (selective alone
+    is Megatron's default, core_attn)."""
     if par.recompute_granularity == "full" and par.recompute_method == "block" \
             and par.recompute_num_layers:
         return f"block:{par.recompute_num_layers}"
+    if par.recompute_granularity == "selective" and par.recompute_modules not in (
+            None, ["core_attn"]):
+        return "selective:" + ",".join(par.recompute_modules)
     return par.recompute_granularity or "none"
 
 
 def _recompute(recompute: str) -> dict[str, Any]:
+    """The config keys of the planner's ``recompute``; recompute_modules only with a
+    selective one (the rules refuse it otherwise)."""
     if recompute == "full":
         return {"recompute_granularity": "full", "recompute_method": "uniform",
-                "recompute_num_layers": 1}
+                "recompute_num_layers": 1, "recompute_modules": None}
     if recompute.startswith("block:"):
         return {"recompute_granularity": "full", "recompute_method": "block",
-                "recompute_num_layers": int(recompute.split(":", 1)[1])}
+                "recompute_num_layers": int(recompute.split(":", 1)[1]),
+                "recompute_modules": None}
+    level, _, modules = recompute.partition(":")
     # The method and layer count belong to full recomputation only (refused otherwise)
-    return {"recompute_granularity": None if recompute == "none" else recompute,
-            "recompute_method": None, "recompute_num_layers": None}
+    return {"recompute_granularity": None if level == "none" else level,
+            "recompute_method": None, "recompute_num_layers": None,
+            "recompute_modules": f"[{modules}]" if modules else None}
 
 
 def _stage_precision_lora(options: PlanOptions) -> list[str]:

@@ -11,6 +11,11 @@ PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 RECOMPUTE = ("none", "selective", "block", "full")
 """Activation recompute levels, least first: block is full recompute of the first N layers of
 each pipeline chunk (Megatron's block method), N the fewest that fit (``block:N`` forces N)."""
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")
+"""The layer parts a selective recompute may name (Megatron-Core's recompute_modules that this
+trainer's layers have): mlp on dense models, moe on mixtures of experts. Not offered: moe_act
+(Megatron recomputes it only inside grouped-GEMM experts, which the local spec does not
+build), shared_experts, mla_up_proj, gdn_norm_out (no supported model has those parts)."""
 MOE_DISPATCHERS = ("alltoall", "flex")
 """MoE token dispatchers: alltoall (Megatron's MoEAlltoAllTokenDispatcher, what hpc-mca's trainer
 runs) sends each of a token's top-k copies to its expert's rank; flex (DeepEP or HybridEP) sends

@@ -52,6 +52,7 @@ from .memory import (
     mlp_matrices,
     mtp_on_rank,
     padded_vocab,
+    recompute_modules,
     recomputed_share,
     stage_counts,
 )
@@ -219,13 +220,28 @@ def _layer_gemm_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: 
     (TP-split, other): the attention projections and a dense or shared-expert MLP, which TP's
     collectives feed and which TE's TP overlap pipelines them with; and the router and
     routed experts, which take the tokens as sequence parallelism left them."""
-    h, d, tp, mats = model.hidden_size, model.kv_channels, layout.tp, mlp_matrices(model)
+    h, d, tp = model.hidden_size, model.kv_channels, layout.tp
     hq, hkv = model.num_attention_heads * d, model.num_query_groups * d
-    attn = h * hq + 2 * h * hkv + hq * h
-    mlp = mats * h * model.tp_mlp_ffn_hidden_size
-    split = 2 * tokens * (attn + mlp) / tp / _gemm_rate(gpu, work.precision, h / tp)
+    attn = 2 * tokens * (h * hq + 2 * h * hkv + hq * h) / tp / _gemm_rate(gpu, work.precision,
+                                                                          h / tp)
+    split = attn + _mlp_gemm_seconds(model, layout, work, gpu, tokens)
+    return split, _expert_gemm_seconds(model, layout, work, gpu, tokens)
+
+
+def _mlp_gemm_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
+                      tokens: int) -> float:
+    """Forward GEMMs of one layer's TP-split MLP (dense, or an MoE's shared expert)."""
+    h, tp = model.hidden_size, layout.tp
+    flops = 2 * tokens * mlp_matrices(model) * h * model.tp_mlp_ffn_hidden_size / tp
+    return flops / _gemm_rate(gpu, work.precision, h / tp)
+
+
+def _expert_gemm_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
+                         tokens: int) -> float:
+    """Forward GEMMs of one MoE layer's router and routed experts on one GPU (0 if dense)."""
     if not model.is_moe:
-        return split, 0.0
+        return 0.0
+    h, tp, mats = model.hidden_size, layout.tp, mlp_matrices(model)
     fe, k, experts = model.expert_ffn_hidden_size, model.moe_router_topk, model.num_experts
     router = 2 * tokens * h * experts / tp / _gemm_rate(gpu, work.precision, h / tp)
     # Rows each local expert gets (the mean load): the micro-batch's tokens are split over
@@ -240,7 +256,30 @@ def _layer_gemm_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: 
     # quantization; the backward's dgrad and wgrad kernels follow from the backward's
     # multiple of the forward GEMMs.
     fixed = EXPERT_GEMM_OVERHEAD_S + (FP8_QUANTIZE_OVERHEAD_S if work.precision == "fp8" else 0)
-    return split, router + routed + 2 * experts // layout.ep * fixed
+    return router + routed + 2 * experts // layout.ep * fixed
+
+
+def _module_recompute_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
+                              tokens: int, attn: float) -> float:
+    """One layer's forward parts that a selective recompute runs again (``attn``: its
+    attention core's forward): core_attn that core; layernorm both norms (read the input,
+    write the output, 2 B each); mlp the dense MLP's GEMMs; moe the router, the routed
+    experts and a shared expert (its all-to-alls: network.expert_parallel); moe_act (TE's
+    grouped-GEMM experts only) the experts' activation."""
+    modules = recompute_modules(work.recompute)
+    seconds = attn if "core_attn" in modules else 0.0
+    if "layernorm" in modules:
+        seconds += 2 * 2 * 2 * tokens * model.hidden_size / layout.tp / (gpu.memory_gbps * 1e9)
+    if "mlp" in modules or "moe" in modules:
+        seconds += _mlp_gemm_seconds(model, layout, work, gpu, tokens)
+    if "moe" in modules:
+        seconds += _expert_gemm_seconds(model, layout, work, gpu, tokens)
+    elif "moe_act" in modules and model.is_moe:
+        # The experts' activation: read fc1's output (gate and up), write fc2's input.
+        rows = tokens * model.moe_router_topk * layout.etp / layout.tp
+        seconds += 2 * 3 * model.expert_ffn_hidden_size / layout.etp * rows / (
+            gpu.memory_gbps * 1e9)
+    return seconds
 
 
 def _attention_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
@@ -327,12 +366,11 @@ def _compute(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
                 + (1 + weight_grads) * out_gemm + loss)
     if rank == 0:
         backward += _embedding_backward_seconds(model, layout, work, gpu)
-    recompute = 0.0
     recomputed = recomputed_share(model, layout, work, rank)
     if recomputed:
         recompute = recomputed * layers * (gemm + attn + elem)
-    elif work.recompute == "selective":
-        recompute = layers * attn
+    else:
+        recompute = layers * _module_recompute_seconds(model, layout, work, gpu, tokens, attn)
     # E.g. dpo's frozen reference: its log-probabilities, forward only.
     reference = _extra_forwards(work) * forward
     return _Compute(forward, backward, forward + backward + reference, recompute, split_gemm,

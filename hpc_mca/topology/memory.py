@@ -66,9 +66,10 @@ class Workload:
     lora_rank: int = 16
     """LoRA rank r: each adapted (in → out) linear gains r·(in + out) parameters."""
     recompute: str = "none"
-    """none, selective (attention core only), ``block:N`` (full recompute of the first N
-    layers of each pipeline chunk, Megatron's block method) or full (every layer, uniform, 1
-    layer a group)."""
+    """none, selective (attention core only), ``selective:A,B`` (the layer parts named, from
+    RECOMPUTE_MODULES: Megatron's recompute_modules), ``block:N`` (full recompute of the
+    first N layers of each pipeline chunk, Megatron's block method) or full (every layer,
+    uniform, 1 layer a group)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer)."""
     flash_attention: bool = True
@@ -105,6 +106,11 @@ class Workload:
     moe_dispatcher: str = "alltoall"
     """alltoall (this trainer's) or flex (DeepEP/HybridEP: one copy of a token per destination
     node across the network); flex only for estimates of other trainers' runs."""
+    te_layers: bool = False
+    """Transformer Engine's layers (Megatron's TE spec): the norm before QKV, and a dense
+    MLP's, fused into those linears (no norm of their own for ``layernorm`` recompute to
+    free), and grouped-GEMM experts (``moe_act`` recompute). hpc-mca's trainer builds the
+    local spec: only estimates of other trainers' runs set it."""
     moe_routing: str = "balanced"
     """balanced (every expert-parallel rank gets its share of the tokens) or dropless (each
     expert gets what its router sends, and the busiest rank waits on more:
@@ -275,7 +281,7 @@ def layer_bytes_per_token(model: ModelShape, work: Workload, layout: Layout) -> 
     attn = 2 * (2 * h + hq + 2 * hkv + hq)
     if work.flash_attention:
         attn += 4 * model.num_attention_heads  # fp32 softmax log-sum-exp per head
-    elif work.recompute != "selective":
+    elif "core_attn" not in recompute_modules(work.recompute):
         # Scores, softmax and dropout mask: Korthikanti's 5·a·s per token (s local under CP).
         attn += 5 * model.num_attention_heads * -(-work.seq_length // layout.cp)
     attn += 2 * _cp_attention_elements(model, work, layout)
@@ -331,9 +337,39 @@ def _inflight_layers(model: ModelShape, layout: Layout, work: Workload, rank: in
     return min(chunks, work.num_microbatches * layout.vp) * layers / layout.vp
 
 
+def discarded_bytes_per_token(model: ModelShape, work: Workload, layout: Layout) -> int:
+    """Bytes per token (before the TP split) of layer_bytes_per_token that the parts of a
+    selective recompute free: layernorm both norms' outputs (the QKV input, 1 B an element
+    where Transformer Engine keeps an fp8 copy; the MLP's or router's input); mlp a dense
+    MLP's fc1 and activation outputs; moe all an MoE layer keeps but its input (expert
+    inputs and outputs, router logits, a shared expert). core_attn frees only what unfused
+    attention keeps (layer_bytes_per_token leaves it out)."""
+    modules = recompute_modules(work.recompute)
+    h, mats, fp8 = model.hidden_size, mlp_matrices(model), work.precision == "fp8"
+    fe, fs, k = (model.expert_ffn_hidden_size, model.moe_shared_expert_ffn_hidden_size,
+                 model.moe_router_topk)
+    freed = 0
+    if "layernorm" in modules:
+        # Under TE only an MoE layer's pre-MLP norm is a norm of its own (it feeds the router).
+        attention_norm = 0 if work.te_layers else h * (1 if fp8 else 2)
+        mlp_norm = 0 if work.te_layers and not model.is_moe else \
+            h * (1 if fp8 and not model.is_moe else 2)
+        freed += attention_norm + mlp_norm
+    if "mlp" in modules and not model.is_moe:
+        freed += 2 * mats * model.ffn_hidden_size - (model.ffn_hidden_size if fp8 else 0)
+    if "moe" in modules and model.is_moe:
+        freed += 2 * (k * (layout.etp * h + mats * fe) + mats * fs) + 4 * model.num_experts
+        if fp8:
+            freed -= k * (layout.etp * h + fe) + fs
+    elif "moe_act" in modules and model.is_moe:
+        freed += k * fe * (1 if fp8 else 2)  # the activation's output, fc2's input
+    return freed
+
+
 def _layer_activation_bytes(model: ModelShape, layout: Layout, work: Workload) -> int:
     """One layer's saved activations for one micro-batch on one GPU (the same on every rank)."""
-    return microbatch_tokens(work, layout) * layer_bytes_per_token(model, work, layout) // layout.tp
+    kept = layer_bytes_per_token(model, work, layout) - discarded_bytes_per_token(model, work, layout)
+    return microbatch_tokens(work, layout) * kept // layout.tp
 
 
 def block_layers(recompute: str) -> int | None:
@@ -342,8 +378,19 @@ def block_layers(recompute: str) -> int | None:
 
 
 def recompute_level(recompute: str) -> str:
-    """none, selective, block or full (``block:N`` is the block level)."""
-    return "block" if recompute.startswith("block:") else recompute
+    """none, selective, block or full (``block:N`` is the block level, ``selective:A,B`` the
+    selective one)."""
+    return recompute.split(":", 1)[0]
+
+
+def recompute_modules(recompute: str) -> frozenset[str]:
+    """The layer parts a selective recompute runs again: ``selective`` is Megatron-Core's
+    default (core_attn), ``selective:A,B`` names them; none for the other levels."""
+    if recompute == "selective":
+        return frozenset({"core_attn"})
+    if recompute.startswith("selective:"):
+        return frozenset(recompute.split(":", 1)[1].split(","))
+    return frozenset()
 
 
 def chunk_layers(model: ModelShape, layout: Layout, rank: int) -> list[int]:

@@ -18,7 +18,7 @@ from math import comb
 
 from .hardware import GpuSpec
 from .layout import Layout
-from .memory import Workload, grad_bytes, microbatch_tokens, weight_bytes
+from .memory import Workload, grad_bytes, microbatch_tokens, recompute_modules, weight_bytes
 from .model import ModelShape
 from .routing import moe_load_imbalance
 
@@ -144,7 +144,10 @@ def tensor_parallel(model: ModelShape, layout: Layout, work: Workload, net: Netw
         # A forward's collectives run beside its TP-split GEMMs; the backward's beside twice
         # as much.
         per_pass = per_pass / tp + net.overlapped(per_pass * (tp - 1) / tp, layer_gemm)
-    return layers * (forward_passes + 1) * per_pass
+    # A recomputed MLP (or an MoE layer's shared expert) gathers and scatters again: half a pass.
+    again = 0.5 if model.tp_mlp_ffn_hidden_size and {"mlp", "moe"} & recompute_modules(
+        work.recompute) else 0.0
+    return layers * (forward_passes + 1 + again) * per_pass
 
 
 def context_parallel(model: ModelShape, layout: Layout, work: Workload, net: Network,
@@ -211,7 +214,7 @@ def expert_parallel(model: ModelShape, layout: Layout, work: Workload, net: Netw
     else:
         copies = tokens * k * token_bytes
         each = net.all_to_all(ep, copies, etp) + net.ring(etp, (etp - 1) * copies, etp)
-    passes = forward_passes + 1
+    passes = forward_passes + 1 + int("moe" in recompute_modules(work.recompute))
     # The busiest rank receives and returns its excess copies too.
     transfer = 2 * passes * each * moe_load_imbalance(model, layout, work)
     # Megatron runs the overlap only without a pipeline or with an interleaved one.

@@ -24,7 +24,7 @@ from typing import Any
 
 from hpc_mca.stages import STAGE_NAMES
 
-from .choices import MOE_DISPATCHERS, MOE_ROUTINGS
+from .choices import MOE_DISPATCHERS, MOE_ROUTINGS, RECOMPUTE_MODULES
 from .cost import StepTime
 from .errors import LayoutError, raise_if
 from .freeze import FreezeSizing
@@ -136,6 +136,10 @@ class PlanRequest:
     choose EP moves plans to sizes no published run uses. Dropless is for estimates of runs
     known to route that way (benchmarks/planner_layouts.py), or for a caller of plan() who
     wants the penalty counted."""
+    te_layers: bool = False
+    """Estimate the layers as Transformer Engine's (Megatron's TE layer spec): the norms before
+    QKV and a dense MLP fused into those linears, grouped-GEMM experts; as tp_comm_overlap,
+    for other trainers' runs only (hpc-mca builds Megatron's local spec)."""
     backend: str = "megatron"
     """megatron (Megatron-Core: TP/PP/CP/EP layouts) or standard (``training.use_mca: false``:
     a whole transformers model per GPU, data and Ulysses sequence parallelism only)."""
@@ -254,9 +258,12 @@ def _request_violations(req: PlanRequest) -> list[str]:
                           ("moe_routing", MOE_ROUTINGS)):
         value = getattr(req, name)
         if value is not None and value not in choices and not (
-                name == "recompute" and _block_n(value) is not None):
-            lines.append(f"{name}={value!r} is not valid; valid: {', '.join(choices)}"
-                         + (" (or block:N, N ≥ 1)" if name == "recompute" else ""))
+                name == "recompute" and (_block_n(value) is not None
+                                         or _modules_problem(req, value) == "")):
+            problem = _modules_problem(req, value) if name == "recompute" else None
+            lines.append(problem or f"{name}={value!r} is not valid; valid: {', '.join(choices)}"
+                         + (" (or block:N, N ≥ 1, or selective:A,B with A, B from "
+                            f"{', '.join(_modules_for(req))})" if name == "recompute" else ""))
     cap = req.max_context_parallel
     if req.layout is not None and cap is not None and req.layout.cp > cap:
         lines.append(f"{FIELD_NAMES['cp']}={req.layout.cp} is not supported by the trainer "
@@ -271,6 +278,27 @@ def _request_violations(req: PlanRequest) -> list[str]:
                      "valid: bf16, fp16, fp32")
     # The backend's rules need a valid world size (the SP rule divides it).
     return lines or standard_request_violations(req)
+
+
+def _modules_for(req: PlanRequest) -> tuple[str, ...]:
+    """The parts a selective recompute of this model may name: mlp on dense models, moe on
+    mixtures of experts (the trainer's rule, config/rules.py); and moe_act where the estimate
+    is of Transformer Engine's grouped-GEMM experts (``te_layers``)."""
+    moe = req.shape.is_moe
+    return tuple(m for m in RECOMPUTE_MODULES if m != ("mlp" if moe else "moe")) + (
+        ("moe_act",) if moe and req.te_layers else ())
+
+
+def _modules_problem(req: PlanRequest, value: object) -> str | None:
+    """For ``selective:A,B``: "" when every part is one this model has (each once), else the
+    one-line problem; None when ``value`` is not of that form."""
+    if not isinstance(value, str) or not value.startswith("selective:"):
+        return None
+    named, valid = value.split(":", 1)[1].split(","), _modules_for(req)
+    if len(set(named)) == len(named) and all(m in valid for m in named):
+        return ""
+    return (f"recompute={value!r} names a layer part twice or one this model has not; valid: "
+            f"selective:A,B with each of A, B once from {', '.join(valid)}")
 
 
 def _block_n(value: object) -> int | None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from .cost import StepTime
 from .hardware import GiB
-from .memory import block_layers
+from .memory import block_layers, recompute_modules
 from .planner import Plan
 from .search import TIE, evaluate
 
@@ -52,8 +52,11 @@ def _optimizer_text(plan: Plan) -> str:
 
 
 def recompute_text(recompute: str) -> str:
-    """``block:3`` as a reader needs it; the other levels as they are."""
+    """``block:3`` and ``selective:A,B`` as a reader needs them; the other levels as they are."""
     n = block_layers(recompute)
+    if recompute.startswith("selective:"):
+        return (f"selective: {', '.join(sorted(recompute_modules(recompute)))} run again in "
+                "backward (recompute_modules)")
     if n is None:
         return recompute
     return (f"block: full recompute of the first {n} layer(s) of each pipeline chunk "

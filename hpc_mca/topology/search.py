@@ -31,7 +31,16 @@ from .cost import StepTime, estimate_step_time, step_time_floor
 from .errors import LayoutError
 from .hardware import GiB
 from .layout import Layout
-from .memory import RECOMPUTE, MemoryEstimate, Workload, block_layers, chunk_layers, estimate_memory, recompute_level
+from .memory import (
+    RECOMPUTE,
+    MemoryEstimate,
+    Workload,
+    block_layers,
+    chunk_layers,
+    estimate_memory,
+    recompute_level,
+    recompute_modules,
+)
 from .rules import check_layout
 from .splits import candidates, micro_batch_options, virtual_options
 
@@ -72,7 +81,8 @@ class Option:
         """Sort key among near-equal step times (see module doc)."""
         lay = self.layout
         return (RECOMPUTE.index(recompute_level(self.recompute)),
-                block_layers(self.recompute) or 0, lay.model_parallel_size, -lay.tp, lay.cp,
+                block_layers(self.recompute) or len(recompute_modules(self.recompute)),
+                lay.model_parallel_size, -lay.tp, lay.cp,
                 lay.ep, lay.vp or 0, -self.micro_batch_size)
 
 
@@ -119,7 +129,7 @@ def workload(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Work
         separate_reference=req.separate_reference, grad_reduce_in_fp32=req.grad_reduce_in_fp32,
         tp_comm_overlap=req.tp_comm_overlap, overlap_p2p_comm=req.overlap_p2p_comm,
         moe_comm_overlap=req.moe_comm_overlap, moe_dispatcher=req.moe_dispatcher,
-        moe_routing=req.moe_routing)
+        moe_routing=req.moe_routing, te_layers=req.te_layers)
 
 
 def memory_workload(req: PlanRequest, work: Workload) -> Workload:
@@ -215,9 +225,23 @@ def evaluate(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Opti
 
 
 def recompute_options(req: PlanRequest) -> list[str]:
+    """The recompute levels the search tries, least recompute first: the attention core only
+    where attention is unfused (flash attention keeps nothing it would free); the norms, then
+    the norms and the MLP (an MoE layer, on mixtures of experts), which free most of a
+    layer's activations for a fraction of its forward; the fewest whole layers; all."""
     if req.recompute is not None:
         return [req.recompute]
-    return ["none"] + ([] if req.flash_attention else ["selective"]) + ["block", "full"]
+    return (["none"] + ([] if req.flash_attention else ["selective"])
+            + list(MODULE_OPTIONS[req.te_layers, req.shape.is_moe]) + ["block", "full"])
+
+
+MODULE_OPTIONS = {  # (te_layers, MoE): the selective levels searched, cheapest first
+    (False, False): ("selective:layernorm", "selective:layernorm,mlp"),
+    (False, True): ("selective:layernorm", "selective:layernorm,moe"),
+    # Transformer Engine fuses a dense layer's norms into its linears (nothing to free).
+    (True, False): ("selective:mlp",),
+    (True, True): ("selective:layernorm,moe_act", "selective:layernorm,moe"),
+}
 
 
 def tunings(req: PlanRequest, layout: Layout, recompute: str, budget: int, *,
