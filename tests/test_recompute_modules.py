@@ -8,10 +8,15 @@ tests/probe_worker.py's pre-hooks (a recompute calls a part again).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
-from trainer_fixtures import make_model_dir, make_sft_data, probe_run, same_curve, steps, write_config
+from trainer_fixtures import make_model_dir, make_sft_data, probe_run, run_ranks, same_curve, steps, write_config
 
 from hpc_mca.config.sections import ConfigError, load_config
+from hpc_mca.topology import Layout, ModelShape, Workload
+from hpc_mca.topology.memory import discarded_bytes_per_token
 
 SELECTIVE = "recompute_granularity=selective"
 
@@ -72,3 +77,27 @@ def test_a_mixture_of_experts_has_no_mlp_to_recompute(tmp_path):
     assert str(err.value) == ("parallel.recompute_modules has 'mlp': every layer of this mixture "
                               "of experts is an MoE layer (moe); valid: one or more of core_attn, "
                               "layernorm, moe")
+
+
+@pytest.mark.slow
+def test_the_bytes_a_forward_keeps_fall_as_the_planner_counts():
+    """What autograd keeps after one forward of a 2-layer Llama (hidden 64, ffn 96, 32 tokens,
+    float32, fused SwiGLU): recomputing the MLP frees exactly the planner's count for it (fc1's
+    gate and up outputs and the activation's output: 3·ffn a token and layer); recomputing the
+    norms frees at least their outputs (CPU's composite RMSNorm also keeps an intermediate of
+    its own, which the planner, sizing GPU kernels, leaves out)."""
+    hidden, ffn, layers, tokens = 64, 96, 2, 32
+    proc = run_ranks(1, [Path(__file__).with_name("recompute_bytes_worker.py"), hidden, ffn,
+                         layers, tokens], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    kept = json.loads(proc.stdout.strip().splitlines()[-1])
+    shape = ModelShape(num_layers=layers, hidden_size=hidden, num_attention_heads=4,
+                       num_query_groups=2, ffn_hidden_size=ffn, vocab_size=128)
+
+    def planned(parts: str) -> int:  # bf16 bytes a token and layer -> float32 bytes in all
+        work = Workload(seq_length=tokens, recompute=f"selective:{parts}")
+        return 2 * discarded_bytes_per_token(shape, work, Layout().resolved(1)) * tokens * layers
+
+    assert kept["layernorm"] - kept["layernorm,mlp"] == planned("layernorm,mlp") - planned(
+        "layernorm") == 2 * 3 * ffn * 2 * tokens * layers
+    assert kept["none"] - kept["layernorm"] >= planned("layernorm") == 2 * hidden * 4 * tokens * layers
