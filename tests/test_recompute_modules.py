@@ -39,13 +39,18 @@ def _twice(reference: dict, probe: dict, parts: set[str]) -> None:
 def test_norms_and_mlp_recomputed_on_a_dense_model_train_the_same_curve(tmp_path):
     """[layernorm, mlp]: both norms (Megatron's output-discarding checkpoint, which needs the
     checkpoint_te compat patch without Transformer Engine) and the MLP run twice per
-    micro-batch, attention once; the curve of the run without recompute within 1e-6."""
+    micro-batch, attention once; the curve of the run without recompute within 1e-6, on one
+    rank and under TP2 with sequence parallelism (each rank discards its share of the norms'
+    outputs; the recomputed MLP gathers its input again)."""
     config = _job(tmp_path, moe=False)
     reference = probe_run(config, tmp_path / "none", 1)[0]
-    probe = probe_run(config, tmp_path / "parts", 1, SELECTIVE,
-                      "recompute_modules=[layernorm,mlp]")[0]
-    same_curve(steps(tmp_path / "parts"), steps(tmp_path / "none"), 1e-6, "layernorm+mlp")
-    _twice(reference, probe, {"input_layernorm", "pre_mlp_layernorm", "mlp"})
+    parts = (SELECTIVE, "recompute_modules=[layernorm,mlp]")
+    for name, nproc, layout in (("parts", 1, ()),
+                                ("parts_tp2", 2, ("tensor_model_parallel_size=2",
+                                                  "sequence_parallel=true"))):
+        for probe in probe_run(config, tmp_path / name, nproc, *parts, *layout):
+            _twice(reference, probe, {"input_layernorm", "pre_mlp_layernorm", "mlp"})
+        same_curve(steps(tmp_path / name), steps(tmp_path / "none"), 1e-6, name)
 
 
 @pytest.mark.slow
