@@ -98,6 +98,9 @@ FUSION_DEFAULTS = [  # (overrides, machine: (cuda, attention backend, MoE), the 
     (["bf16=true", "use_mca=false"], (True, "", False), []),  # the standard backend has none
     (["bf16=true", "fusions=[]"], (True, "torch", False), []),  # the user's choice stays
     (["bf16=true", "fusions=[rope]"], (True, "torch", True), ["rope"]),
+    # The norms' recompute does not run inside compiled layers: the rest of the fast set.
+    (["bf16=true", "recompute_granularity=selective", "recompute_modules=[layernorm]"],
+     (True, "torch", False), ["cross_entropy"]),
 ]
 
 

@@ -194,6 +194,9 @@ def test_layout_rule_uses_topology_and_model_shape(run: Path):
      "core_attn, layernorm, mlp"),
     (["recompute_granularity=selective", "recompute_modules=[mlp,mlp]"],
      "parallel.recompute_modules=['mlp', 'mlp'] names no module or one twice"),
+    (["recompute_granularity=selective", "recompute_modules=[layernorm]", "fusions=[layer]"],
+     "parallel.recompute_modules has 'layernorm' with model.fusions 'layer': the norms' "
+     "output-discarding checkpoint does not run inside compiled layers"),
     (["seq_length=16", "cutoff_len=32"], "data.seq_length=16 is shorter than data.cutoff_len=32"),
     (["output_dir="], "training.output_dir is required"),
     (["gradient_accumulation_steps=3", "global_batch_size=8"],

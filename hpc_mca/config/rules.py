@@ -26,7 +26,7 @@ from hpc_mca.stages import (
     stages_where,
 )
 from hpc_mca.topology import Layout, check_layout
-from hpc_mca.topology.choices import CP_COMM_TYPES, RECOMPUTE_MODULES
+from hpc_mca.topology.choices import CP_COMM_TYPES, recompute_modules_for
 
 from .checks import at_least as _at_least
 from .checks import choice as _choice
@@ -385,8 +385,7 @@ def _check_recompute_modules(config: TrainConfig) -> None:
     modules = config.parallel.recompute_modules
     if modules is None:
         return
-    moe = model_shape(config.model.model_name_or_path).is_moe
-    has = [m for m in RECOMPUTE_MODULES if m != ("mlp" if moe else "moe")]
+    has = recompute_modules_for(model_shape(config.model.model_name_or_path).is_moe)
     valid = f"valid: one or more of {', '.join(has)}"
     if not modules or len(set(modules)) != len(modules):
         raise ConfigError(f"parallel.recompute_modules={modules!r} names no module or one twice; "
@@ -399,6 +398,13 @@ def _check_recompute_modules(config: TrainConfig) -> None:
                               "this trainer does not build (moe recomputes the whole layer)"
                    }.get(module, "not a module this trainer's layers have")
             raise ConfigError(f"parallel.recompute_modules has {module!r}: {why}; {valid}")
+    if "layernorm" in modules and "layer" in (config.model.fusions or ()):
+        # Seen on CPU: dynamo, tracing Megatron's output-discarding checkpoint inside the
+        # compiled layer, fails at its first forward; never run on a GPU.
+        raise ConfigError("parallel.recompute_modules has 'layernorm' with model.fusions "
+                          "'layer': the norms' output-discarding checkpoint does not run inside "
+                          "compiled layers; valid: leave layernorm out, or drop the 'layer' "
+                          "fusion")
 
 
 def _check_megatron_combinations(config: TrainConfig) -> None:

@@ -16,6 +16,17 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")
 trainer's layers have): mlp on dense models, moe on mixtures of experts. Not offered: moe_act
 (Megatron recomputes it only inside grouped-GEMM experts, which the local spec does not
 build), shared_experts, mla_up_proj, gdn_norm_out (no supported model has those parts)."""
+
+
+def recompute_modules_for(moe: bool, te_layers: bool = False) -> tuple[str, ...]:
+    """The parts a selective recompute of a model may name: mlp on dense models, moe on
+    mixtures of experts (every layer of a supported one is an MoE layer); and moe_act where
+    the layers are Transformer Engine's grouped-GEMM experts (estimates of other trainers'
+    runs only)."""
+    parts = tuple(m for m in RECOMPUTE_MODULES if m != ("mlp" if moe else "moe"))
+    return parts + (("moe_act",) if moe and te_layers else ())
+
+
 MOE_DISPATCHERS = ("alltoall", "flex")
 """MoE token dispatchers: alltoall (Megatron's MoEAlltoAllTokenDispatcher, what hpc-mca's trainer
 runs) sends each of a token's top-k copies to its expert's rank; flex (DeepEP or HybridEP) sends

@@ -24,7 +24,7 @@ from typing import Any
 
 from hpc_mca.stages import STAGE_NAMES
 
-from .choices import MOE_DISPATCHERS, MOE_ROUTINGS, RECOMPUTE_MODULES
+from .choices import MOE_DISPATCHERS, MOE_ROUTINGS, recompute_modules_for
 from .cost import StepTime
 from .errors import LayoutError, raise_if
 from .freeze import FreezeSizing
@@ -263,7 +263,8 @@ def _request_violations(req: PlanRequest) -> list[str]:
             problem = _modules_problem(req, value) if name == "recompute" else None
             lines.append(problem or f"{name}={value!r} is not valid; valid: {', '.join(choices)}"
                          + (" (or block:N, N ≥ 1, or selective:A,B with A, B from "
-                            f"{', '.join(_modules_for(req))})" if name == "recompute" else ""))
+                            f"{', '.join(recompute_modules_for(req.shape.is_moe, req.te_layers))})"
+                            if name == "recompute" else ""))
     cap = req.max_context_parallel
     if req.layout is not None and cap is not None and req.layout.cp > cap:
         lines.append(f"{FIELD_NAMES['cp']}={req.layout.cp} is not supported by the trainer "
@@ -280,21 +281,13 @@ def _request_violations(req: PlanRequest) -> list[str]:
     return lines or standard_request_violations(req)
 
 
-def _modules_for(req: PlanRequest) -> tuple[str, ...]:
-    """The parts a selective recompute of this model may name: mlp on dense models, moe on
-    mixtures of experts (the trainer's rule, config/rules.py); and moe_act where the estimate
-    is of Transformer Engine's grouped-GEMM experts (``te_layers``)."""
-    moe = req.shape.is_moe
-    return tuple(m for m in RECOMPUTE_MODULES if m != ("mlp" if moe else "moe")) + (
-        ("moe_act",) if moe and req.te_layers else ())
-
-
 def _modules_problem(req: PlanRequest, value: object) -> str | None:
     """For ``selective:A,B``: "" when every part is one this model has (each once), else the
     one-line problem; None when ``value`` is not of that form."""
     if not isinstance(value, str) or not value.startswith("selective:"):
         return None
-    named, valid = value.split(":", 1)[1].split(","), _modules_for(req)
+    named = value.split(":", 1)[1].split(",")
+    valid = recompute_modules_for(req.shape.is_moe, req.te_layers)
     if len(set(named)) == len(named) and all(m in valid for m in named):
         return ""
     return (f"recompute={value!r} names a layer part twice or one this model has not; valid: "

@@ -53,10 +53,10 @@ def _optimizer_text(plan: Plan) -> str:
 
 def recompute_text(recompute: str) -> str:
     """``block:3`` and ``selective:A,B`` as a reader needs them; the other levels as they are."""
-    n = block_layers(recompute)
     if recompute.startswith("selective:"):
         return (f"selective: {', '.join(sorted(recompute_modules(recompute)))} run again in "
                 "backward (recompute_modules)")
+    n = block_layers(recompute)
     if n is None:
         return recompute
     return (f"block: full recompute of the first {n} layer(s) of each pipeline chunk "

@@ -56,11 +56,14 @@ def default_fusions(config: TrainConfig, *, cuda: bool, backend: str, moe: bool)
     bf16 Megatron-backend run of a dense model on CUDA whose layers are not Transformer
     Engine's (``backend``, the attention backend it gets), else none. Left out, unmeasured:
     TE's fused layers compiled, and MoE layers (``moe``), whose token counts per expert change
-    every micro-batch; on CPU compiling cost ~11 s of start-up and gained nothing measurable."""
+    every micro-batch; on CPU compiling cost ~11 s of start-up and gained nothing measurable.
+    Without ``layer`` where the norms' recompute is asked for."""
     if config.model.fusions is not None:
         return list(config.model.fusions)
     fast = config.training.use_mca and config.training.bf16 and cuda and backend != "te" and not moe
-    return list(FAST_GPU_FUSIONS) if fast else []
+    # layernorm recompute's checkpoint does not run inside compiled layers (rules.py refuses both).
+    compiled = "layernorm" not in (config.parallel.recompute_modules or ())
+    return [f for f in FAST_GPU_FUSIONS if compiled or f != "layer"] if fast else []
 
 
 def model_overrides(model: ModelArguments, par: ParallelArguments,
