@@ -238,6 +238,8 @@ def main() -> None:
     from hpc_mca.topology import ModelShape
 
     config = hf_config(args)
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         model_dir = make_model_dir(root, config)
