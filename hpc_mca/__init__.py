@@ -10,7 +10,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_API = {"AutoModel", "McaModel", "McaTrainer", "Seq2SeqTrainingArguments", "TrainingArguments"}
+_API = {"AutoConfig", "AutoModel", "DPOConfig", "DPOTrainer", "McaModel", "McaTrainer",
+        "Seq2SeqTrainingArguments", "TrainingArguments"}
 __all__ = ["__version__", *sorted(_API)]
 
 

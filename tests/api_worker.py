@@ -8,6 +8,8 @@ collator, a recording callback and a ``compute_metrics``; train, evaluate, save 
 MODE ``dpo``: the demo's preference pairs as pair dicts through the default collator;
 ``dpo_ref REF_DIR``: the same against ``ref_model=AutoModel.from_pretrained(REF_DIR, args)``.
 MODE ``refusals``: what McaTrainer refuses, each message recorded.
+MODE ``bad_collator KIND``: the sft run with a collator that breaks its contract as KIND says
+(tests/test_roll_script.py: every rank must stop with one line).
 MODE ``from_config`` / ``from_pretrained``: the demo's model built one way or the other (its
 directory has no weights: the seeded init), written by ``save_pretrained`` to ``OUT/init``.
 Rank 0 writes ``OUT/api_report.json``: the TrainOutput, the callback's records, evaluate().
@@ -23,7 +25,10 @@ import torch
 from transformers import AutoTokenizer, TrainerCallback
 
 import hpc_mca
-from hpc_mca import AutoModel, McaTrainer, TrainingArguments
+from hpc_mca.config.sections import load_config
+from hpc_mca.models import AutoModel
+from hpc_mca.trainer import McaTrainer
+from hpc_mca.training_args import Seq2SeqTrainingArguments
 
 DEMO = Path(hpc_mca.__file__).parent / "assets" / "demo"
 TOKENIZER = AutoTokenizer.from_pretrained(DEMO)
@@ -108,29 +113,60 @@ def exact_and_token_accuracy(prediction) -> dict[str, float]:
             "token_accuracy": float((predictions == labels)[trained].mean())}
 
 
+class BadCollator(PadTo):
+    """PadTo, broken as ``kind`` says (tests/test_roll_script.py)."""
+
+    def __init__(self, length: int, kind: str) -> None:
+        super().__init__(length)
+        self.kind, self.calls = kind, 0
+
+    def __call__(self, examples: list[dict[str, list[int]]]) -> dict:
+        self.calls += 1
+        batch = super().__call__(examples)
+        if self.kind == "labels_none":
+            batch["labels"] = None
+        elif self.kind == "no_input_ids":
+            del batch["input_ids"]
+        elif self.kind == "float_labels":
+            batch["labels"] = batch["labels"].float()
+        elif self.kind == "too_long":
+            return PadTo(80)(examples)
+        elif self.kind == "neither" or (self.kind == "late_bad_batch" and self.calls >= 4
+                                        and torch.distributed.get_rank() == 1):
+            # (late: rank 1's fourth call, the batch of step 3 after the probe and steps 1-2)
+            batch["labels"] = torch.where(batch["labels"] == -100, -100, 5)
+        return batch
+
+
 def main(mode: str, out: str, overrides: list[str]) -> None:
     reference = overrides.pop(0) if mode == "dpo_ref" else None
-    yaml = "sft_addition.yaml" if mode in ("sft", "refusals") else "dpo_addition.yaml"
-    args = TrainingArguments.from_yaml(DEMO / yaml, ["dataset=[]", "eval_dataset=[]", f"output_dir={out}",
-                                                     "report_to=none", *overrides])
+    kind = overrides.pop(0) if mode == "bad_collator" else None
+    yaml = "sft_addition.yaml" if mode in ("sft", "refusals", "bad_collator") else "dpo_addition.yaml"
+    config = load_config(DEMO / yaml, ["dataset=[]", "eval_dataset=[]", f"output_dir={out}",
+                                       "report_to=none", *overrides])
+    args = Seq2SeqTrainingArguments.from_config(config)
     if mode == "from_config":
         from transformers import AutoConfig
 
         model = AutoModel.from_config(AutoConfig.from_pretrained(DEMO), args)
     else:
-        model = AutoModel.from_pretrained(args.model_name_or_path, args)
+        model = AutoModel.from_pretrained(config.model.model_name_or_path, args)
     if mode.startswith("from_"):
         return model.save_pretrained(Path(out) / "init")
     if mode == "refusals":
-        return refusals(model, args, Path(out))
+        return refusals(model, config, Path(out))
     recorder = Recorder()
+    if kind is not None:
+        collator = BadCollator(config.data.seq_length or config.data.cutoff_len, kind)
+        return McaTrainer(model=model, args=args, tokenizer=TOKENIZER, data_collator=collator,
+                          train_dataset=Problems(DEMO / "train.jsonl")).train()
     if mode.startswith("dpo"):
         ref_model = AutoModel.from_pretrained(reference, args) if reference else None
         trainer = McaTrainer(model=model, args=args, train_dataset=Pairs(DEMO / "dpo_train.jsonl"),
                              eval_dataset=Pairs(DEMO / "dpo_eval.jsonl"), callbacks=[recorder],
                              ref_model=ref_model)
     else:
-        collator = None if args.sequence_packing else PadTo(args.seq_length or args.cutoff_len)
+        collator = None if config.data.sequence_packing else PadTo(config.data.seq_length or config.data.cutoff_len)
         trainer = McaTrainer(model=model, args=args, tokenizer=TOKENIZER, data_collator=collator,
                              train_dataset=Problems(DEMO / "train.jsonl"),
                              eval_dataset=Problems(DEMO / "eval.jsonl"), callbacks=[recorder],
@@ -141,26 +177,34 @@ def main(mode: str, out: str, overrides: list[str]) -> None:
     if torch.distributed.get_rank() == 0:
         report = {"global_step": output.global_step, "training_loss": output.training_loss,
                   "metrics": output.metrics, "steps": recorder.steps, "logs": recorder.logs,
-                  "evals": recorder.evals, "evaluate": evaluated.metrics,
-                  "num_samples": evaluated.num_samples}
+                  "evals": recorder.evals, "evaluate": evaluated,
+                  "num_samples": evaluated["eval_num_samples"]}
         (Path(out) / "api_report.json").write_text(json.dumps(report))
 
 
-def refusals(model, args, out: Path) -> None:
+def refusals(model, config, out: Path) -> None:
     """Each McaTrainer refusal's message (rank 0 writes them)."""
-    from dataclasses import replace
+    import copy
 
+    from hpc_mca.config.loading import set_value
     from hpc_mca.errors import UserError
+
+    def args(**changes):
+        """The arguments of the run config with ``changes`` (keys of the YAML)."""
+        changed = copy.deepcopy(config)
+        for key, value in changes.items():
+            set_value(changed, key, value)
+        return Seq2SeqTrainingArguments.from_config(changed)
 
     data = Problems(DEMO / "eval.jsonl")
     cases = {
-        "collator_with_packing": lambda: McaTrainer(model, replace(args, sequence_packing=True),
+        "collator_with_packing": lambda: McaTrainer(model, args(sequence_packing=True),
                                                     train_dataset=data, data_collator=PadTo(64)),
-        "no_data": lambda: McaTrainer(model, args),
-        "eval_steps_without_eval": lambda: McaTrainer(model, replace(args, eval_steps=5), train_dataset=data),
-        "other_layout": lambda: McaTrainer(model, replace(args, tensor_model_parallel_size=2), train_dataset=data),
-        "missing_key": lambda: McaTrainer(model, args, train_dataset=[{"ids": [1, 2]}]).train(),
-        "files_beside_dataset": lambda: McaTrainer(model, replace(args, dataset=["train.jsonl"]),
+        "no_data": lambda: McaTrainer(model, args()),
+        "eval_steps_without_eval": lambda: McaTrainer(model, args(eval_steps=5), train_dataset=data),
+        "other_layout": lambda: McaTrainer(model, args(tensor_model_parallel_size=2), train_dataset=data),
+        "missing_key": lambda: McaTrainer(model, args(), train_dataset=[{"ids": [1, 2]}]).train(),
+        "files_beside_dataset": lambda: McaTrainer(model, args(dataset=["train.jsonl"]),
                                                    train_dataset=data),
     }
     messages = {}

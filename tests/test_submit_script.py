@@ -191,11 +191,11 @@ def test_demo_script_examples_are_the_pipelines_samples_unshifted() -> None:
 
     demo = runpy.run_path(str(API_SFT), run_name="api_sft")
     config = load_config(DEMO_DIR / "sft_addition.yaml", ["sequence_packing=false"])
-    args = demo["arguments"]([])
-    assert (args.sequence_packing, args.cutoff_len, args.seq_length) == (False, 16, 64)
+    data = demo["run_config"]([]).data
+    assert (data.sequence_packing, data.cutoff_len, data.seq_length) == (False, 16, 64)
     store = load_samples(str(DEMO_DIR / "eval.jsonl"), load_tokenizer(str(DEMO_DIR)), config.data, "sft")
     tokenizer = AutoTokenizer.from_pretrained(str(DEMO_DIR), local_files_only=True)
-    examples = demo["AdditionProblems"](str(DEMO_DIR / "eval.jsonl"), tokenizer, args.cutoff_len)
+    examples = demo["AdditionProblems"](str(DEMO_DIR / "eval.jsonl"), tokenizer, data.cutoff_len)
     assert len(examples) == len(store) == 512
     for index in range(len(store)):
         ids, labels = store.sample(index)

@@ -1,22 +1,30 @@
-"""``AutoModel``: the Megatron-Core model of a run's layout, from an HF directory or config.
+"""``AutoConfig`` and ``AutoModel``: the Megatron-Core model of a run's layout, as
+mcore_adapter's ``hpc_mca.models`` names build it.
 
-    model = AutoModel.from_pretrained("path/to/hf_model", args)   # weights imported, if any
-    model = AutoModel.from_config(model.config, args)             # the seeded random init
+    model = AutoModel.from_pretrained("path/to/hf_model", training_args)  # weights, if any
+    config = AutoConfig.from_pretrained("path/to/hf_model", training_args)
+    reference = AutoModel.from_config(config)                             # the seeded init
+    reference.load_state_dict(model.state_dict())
 
 Either opens this rank's session first (:func:`hpc_mca.api.session.open_session`: the input
-checks, then torch.distributed and Megatron's groups for ``args``' layout), then builds this
-rank's chunks (one per virtual pipeline stage) as ``hpc-mca train`` does, and applies the
-finetuning type (LoRA adapters on the frozen model, freeze, adapters given as input) before
-anything wraps them. :meth:`McaModel.save_pretrained` writes what the finetuning type exports:
-the HF model, or the PEFT adapter under LoRA (``merged=True``: the merged HF model).
+checks, then torch.distributed and Megatron's groups for the arguments' layout), then builds
+this rank's chunks (one per virtual pipeline stage) as ``hpc-mca train`` does, and applies the
+finetuning type of the arguments' run config (LoRA adapters on the frozen model, freeze,
+adapters given as input) before anything wraps them. The model is a container of its chunks,
+as ROLL's: ``model[0]``, ``model.models`` (a script may replace a chunk there, e.g. by peft's
+``get_peft_model(model[0], LoraConfig(...))``: see :mod:`hpc_mca.adapters`), ``len(model)``.
+:meth:`McaModel.save_pretrained` writes what the finetuning type exports: the HF model, or the
+PEFT adapter under LoRA (``merged=True``: the merged HF model).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,22 +34,54 @@ from hpc_mca.models.converters import converter_for
 from hpc_mca.models.weights import unwrap
 from hpc_mca.trainer.megatron_settings import model_overrides, torch_dtype
 
-from .arguments import TrainingArguments
 from .session import Session, open_session
 
-__all__ = ["AutoModel", "McaModel"]
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from hpc_mca.training_args import MegatronArguments
+
+__all__ = ["AutoConfig", "AutoModel", "McaConfig", "McaModel"]
+
+
+@dataclass
+class McaConfig:
+    """A model's HF config and the arguments it is built with (ROLL's ``McaModelConfig``: what
+    ``AutoModel.from_config`` needs). Reads of any other attribute go to the HF config
+    (``config.vocab_size``, ``config.num_hidden_layers``)."""
+
+    hf_config: PretrainedConfig
+    """transformers' config of the model."""
+    args: MegatronArguments | None = None
+    """The script's arguments the model is built with (its layout); None for a model built
+    for an open session (``hpc-mca train``)."""
+    name_or_path: str | None = None
+    """The HF model directory it was read from (None: built from a config)."""
+
+    @property
+    def hf_model_type(self) -> str:
+        """The HF ``model_type`` (``llama``, ``qwen3_moe``...), as ROLL's config names it."""
+        return str(self.hf_config.model_type)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("hf_config", "args", "name_or_path"):
+            raise AttributeError(name)
+        return getattr(self.hf_config, name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.hf_config.to_dict(), hf_model_type=self.hf_model_type)
 
 
 class McaModel(torch.nn.Module):
-    """This rank's share of a Megatron-Core GPT model: ``chunks`` (one per virtual pipeline
-    stage), the HF ``config`` it was built from, and the run config it was built for."""
+    """This rank's share of a Megatron-Core GPT model: ``models`` (its chunks, one per virtual
+    pipeline stage), the :class:`McaConfig` it was built from, and the run config it was built
+    for."""
 
-    def __init__(self, chunks: list[torch.nn.Module], *, config: Any, source: str | Mapping[str, Any],
+    def __init__(self, chunks: list[torch.nn.Module], *, config: McaConfig, source: str | Mapping[str, Any],
                  session: Session, builder: Any) -> None:
         super().__init__()
-        self.chunks = torch.nn.ModuleList(chunks)
+        self.models = torch.nn.ModuleList(chunks)
         self.config = config
-        """transformers' config of the model (``PretrainedConfig``)."""
         self.name_or_path = source if isinstance(source, str) else None
         self.source = source
         self.session = session
@@ -51,10 +91,19 @@ class McaModel(torch.nn.Module):
     def run_config(self) -> TrainConfig:
         return self.session.config
 
+    def __getitem__(self, index: int) -> torch.nn.Module:
+        return self.models[index]
+
+    def __len__(self) -> int:
+        return len(self.models)
+
+    def __iter__(self) -> Iterator[torch.nn.Module]:
+        return iter(self.models)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The first chunk's forward (the whole model without pipeline parallelism); training
         runs the chunks through Megatron's schedules (:class:`~hpc_mca.api.McaTrainer`)."""
-        return self.chunks[0](*args, **kwargs)
+        return self.models[0](*args, **kwargs)
 
     def build_like(self, source: str | Path | Mapping[str, Any] | None = None,
                    load_weights: bool | None = None) -> list[torch.nn.Module]:
@@ -64,54 +113,87 @@ class McaModel(torch.nn.Module):
     def save_pretrained(self, out_dir: str | Path, merged: bool = False) -> None:
         """Write what the finetuning type exports to ``out_dir`` (every rank calls it: each
         sends its shards; rank 0 writes)."""
-        chunks = [unwrap(chunk) for chunk in self.chunks]
+        from hpc_mca.models.lora_peft import trained_chunks
+
+        chunks = [unwrap(chunk) for chunk in trained_chunks(list(self.models))]
         converter = converter_for(self.run_config.finetuning, self.run_config.model.adapter_name_or_path)
-        converter.export_chunks(chunks, Path(out_dir), model_path=self.source, merged=merged)  # type: ignore[arg-type]
+        converter.export_chunks(chunks, Path(out_dir), model_path=self.run_config.model.model_name_or_path,
+                                merged=merged)
+
+
+class AutoConfig:
+    """:class:`McaConfig` of an HF model directory for a script's arguments."""
+
+    @classmethod
+    def from_pretrained(cls, model_name_or_path: str | Path, args: MegatronArguments) -> McaConfig:
+        """The HF config of ``model_name_or_path`` (its config.json) with ``args``."""
+        from transformers import AutoConfig as HFAutoConfig
+
+        path = str(model_name_or_path)
+        return McaConfig(HFAutoConfig.from_pretrained(path), args, path)
 
 
 class AutoModel:
     """Builds :class:`McaModel` (transformers' ``AutoModel`` names, Megatron-Core models)."""
 
     @classmethod
-    def from_pretrained(cls, model_name_or_path: str | Path, args: TrainingArguments) -> McaModel:
+    def from_pretrained(cls, model_name_or_path: str | Path, args: MegatronArguments) -> McaModel:
         """The model of an HF directory (``config.json``; ``*.safetensors`` weights when there
-        are any, else the seeded random init) in ``args``' layout. ``args.model_name_or_path``
-        (the run's model: its tokenizer, the planner's shape) is set to the directory when
-        empty; another directory builds another model for the run, e.g. dpo's reference."""
+        are any, else the seeded random init) in ``args``' layout. It is the run's model (its
+        tokenizer, the planner's shape) unless the arguments' run config names another (a
+        second model for the run, e.g. dpo's reference); ``args`` is not changed."""
         path = str(model_name_or_path)
-        if not args.model_name_or_path:
-            args.model_name_or_path = path
-        return pretrained_model(_session(args), path)
+        return pretrained_model(_session(args, path), path, args)
 
     @classmethod
-    def from_config(cls, config: Any, args: TrainingArguments) -> McaModel:
-        """A model of ``config`` (transformers' config, a dict, or a directory's config.json)
-        with the seeded random init, in ``args``' layout; ``args.model_name_or_path`` still
-        names the run's model directory (its tokenizer, the planner's shape)."""
-        session = _session(args)
+    def from_config(cls, config: McaConfig | PretrainedConfig | Mapping[str, Any] | str,
+                    args: MegatronArguments | None = None) -> McaModel:
+        """A model of ``config`` with the seeded random init: an :class:`McaConfig` (built
+        with its arguments), or transformers' config, a dict or a directory's config.json with
+        ``args``. The run's model directory (its tokenizer, the planner's shape) is the
+        arguments' own, else the one the config was read from."""
+        if isinstance(config, McaConfig):
+            args, path, config = args or config.args, config.name_or_path, config.hf_config
+        else:
+            path = config if isinstance(config, str) else None
+        if args is None:
+            raise TypeError("AutoModel.from_config needs the arguments: an AutoConfig.from_pretrained"
+                            "(path, args) config, or from_config(config, args)")
         source = config.to_dict() if hasattr(config, "to_dict") else config
-        return _built(session, source if isinstance(source, Mapping) else str(source), False)
+        session = _session(args, path)
+        return _built(session, source if isinstance(source, Mapping) else str(source), False, args)
 
 
-def pretrained_model(session: Session, path: str) -> McaModel:
+def pretrained_model(session: Session, path: str, args: MegatronArguments | None = None) -> McaModel:
     """:meth:`AutoModel.from_pretrained` in an open session (``hpc-mca train``'s way in)."""
-    return _built(session, path, any(Path(path).glob("*.safetensors")))
+    return _built(session, path, any(Path(path).glob("*.safetensors")), args)
 
 
-def _session(args: TrainingArguments) -> Session:
+def run_config_for(args: MegatronArguments, model_path: str | None) -> TrainConfig:
+    """The run config of a script's arguments: their view (:meth:`MegatronArguments.to_config`)
+    with ``model_path`` as the run's model when they name none."""
+    config = args.to_config()
+    if not config.model.model_name_or_path and model_path:
+        config.model.model_name_or_path = model_path
+    return config
+
+
+def _session(args: MegatronArguments, model_path: str | None) -> Session:
     from hpc_mca.runtime.env import from_environ
 
     env = from_environ()
     try:
-        config = args.resolve(env.world_size)
+        config = run_config_for(args, model_path).resolve(env.world_size)
     except UserError as err:
         err.on_every_rank = True  # every rank has the same arguments
         raise
     return open_session(config, env)
 
 
-def _built(session: Session, source: str | Mapping[str, Any], load_weights: bool) -> McaModel:
+def _built(session: Session, source: str | Mapping[str, Any], load_weights: bool,
+           args: MegatronArguments | None) -> McaModel:
     from hpc_mca.models.build import build_model
+    from hpc_mca.models.lora_peft import mark_lora_sites
 
     config, ctx = session.config, session.ctx
     build = functools.partial(
@@ -121,10 +203,14 @@ def _built(session: Session, source: str | Mapping[str, Any], load_weights: bool
         config_overrides=model_overrides(config.model, config.parallel, config.training),
         compile_layers="layer" in config.model.fusions)
     chunks = build(source, load_weights=load_weights)
+    model_path = config.model.model_name_or_path
+    # Where peft's get_peft_model (a script's LoRA) puts the adapters, and how they start.
+    mark_lora_sites(chunks, model_path, seed=config.training.seed)
     # What the finetuning type trains (LoRA adapters on a frozen base...), before anything wraps them.
     chunks = converter_for(config.finetuning, config.model.adapter_name_or_path).convert_chunks(
-        chunks, model_path=config.model.model_name_or_path, seed=config.training.seed)
-    return McaModel(chunks, config=_hf_config(source), source=source, session=session, builder=build)
+        chunks, model_path=model_path, seed=config.training.seed)
+    mca_config = McaConfig(_hf_config(source), args, source if isinstance(source, str) else None)
+    return McaModel(chunks, config=mca_config, source=source, session=session, builder=build)
 
 
 def _build(build_model: Any, ctx: Any, source: Any, *, load_weights: bool | None, **kwargs: Any) -> Any:
@@ -133,10 +219,10 @@ def _build(build_model: Any, ctx: Any, source: Any, *, load_weights: bool | None
     return build_model(source, ctx, load_weights=load_weights, **kwargs)
 
 
-def _hf_config(source: str | Mapping[str, Any]) -> Any:
-    from transformers import AutoConfig
+def _hf_config(source: str | Mapping[str, Any]) -> PretrainedConfig:
+    from transformers import AutoConfig as HFAutoConfig
 
     if isinstance(source, Mapping):
-        values = dict(source)
-        return AutoConfig.for_model(values.pop("model_type"), **values)
-    return AutoConfig.from_pretrained(source)
+        values = copy.deepcopy(dict(source))
+        return HFAutoConfig.for_model(values.pop("model_type"), **values)
+    return HFAutoConfig.from_pretrained(source)

@@ -66,11 +66,13 @@ def _load(path: str | os.PathLike[str] | None,
     return load_items(config_items(path, overrides))
 
 
-def load_items(items: list[tuple[str, Any, Path | None]]) -> tuple[TrainConfig, list[str]]:
+def load_items(items: list[tuple[str, Any, Path | None]],
+               config: TrainConfig | None = None) -> tuple[TrainConfig, list[str]]:
     """A config from ``(key, value, base directory of relative paths or None)`` items, in
-    order, and its load problems, one line each (the Python API's keyword arguments come
-    this way, so they get the YAML's key aliases, types and messages)."""
-    config = TrainConfig()
+    order, read over ``config`` (default: the defaults; it is changed in place), and its load
+    problems, one line each (a script's arguments come this way,
+    :mod:`hpc_mca.training_args`, so they get the YAML's key aliases, types and messages)."""
+    config = TrainConfig() if config is None else config
     problems: dict[str, tuple[int, str]] = {}  # by the field a key names (flat and dotted are one)
     written: dict[str, int] = {}  # field -> the position of the item that set it last
     lf_items: dict[str, tuple[int, Any]] = {}  # a LLaMA-Factory key -> its last position, value

@@ -36,8 +36,8 @@ __all__ = ["ATTENTION_BACKENDS", "ATTENTION_CHOICES", "DATASET_FORMATS", "FINETU
            "KERNEL_FUSIONS", "OPTIMIZERS", "OPTIMIZER_FORMATS", "PACKED_ATTENTION", "PACKED_KERNELS",
            "PREF_LOSSES", "REPORT_TO", "RESERVED_FINETUNING_TYPES", "RESHARDABLE_FORMATS",
            "TRACKER_PACKAGES", "ConfigError", "DataArguments", "FinetuningArguments", "ModelArguments",
-           "ParallelArguments", "TrainConfig", "TrainingArguments", "load_config", "load_resolved",
-           "set_value"]
+           "ParallelArguments", "TrainConfig", "TrainingArguments", "field_section", "load_config",
+           "load_resolved", "set_value"]
 
 PREF_LOSSES = ("sigmoid", "ipo", "hinge", "orpo", "simpo")
 """dpo's preference losses (``finetuning.pref_loss``), as LLaMA-Factory and TRL name them."""
@@ -450,6 +450,12 @@ def _field_index() -> dict[str, str]:
 
 
 _FLAT = _field_index()
+
+
+def field_section(name: str) -> str | None:
+    """The dotted name (``training.learning_rate``) of the run-config field whose flat name is
+    ``name``, or None when the config has no such field."""
+    return _FLAT.get(name)
 
 
 # Loading lives in .loading (it needs the classes above); re-exported here, where callers look.

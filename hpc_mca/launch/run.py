@@ -65,7 +65,7 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
 
 
 def _train(config: Any, callbacks: Iterable[Any]) -> list[Any]:
-    from hpc_mca.api import McaTrainer, TrainingArguments
+    from hpc_mca.api import McaTrainer
     from hpc_mca.api.model import pretrained_model
     from hpc_mca.api.session import open_session
 
@@ -73,8 +73,7 @@ def _train(config: Any, callbacks: Iterable[Any]) -> list[Any]:
     # and the plan as overrides), its inputs checked above.
     session = open_session(config, checked=True)
     model = pretrained_model(session, config.model.model_name_or_path)
-    trainer = McaTrainer(model, TrainingArguments.from_config(config), callbacks=callbacks,
-                         config=config)
+    trainer = McaTrainer(model, callbacks=callbacks, config=config)
     # What exists now (imports, model, optimizer, data index) lives to the end of the run: keep
     # it out of the cyclic collector's scans. Megatron calls gc.collect() around checkpoint
     # state dicts, and each full collection over these objects took 0.17 s of a 0.5 s save.

@@ -18,4 +18,23 @@ used for cheap pre-checks); the heavy modules import torch and megatron.core whe
 - ``converters``: what a finetuning type (full, LoRA) changes: the model before training,
   the export, the resume record, dpo's reference (``converter_for(finetuning)``; no torch at
   import).
+- ``gpt``: ``McaGPTModel``, the chunk class (GPTModel with the model methods scripts call).
+- ``lora_peft``: a script's own peft LoRA on a chunk (``get_peft_model``), as the run config's.
+
+``AutoConfig`` and ``AutoModel`` are importable from here, where mcore_adapter's scripts import
+them (``from hpc_mca.models import AutoConfig, AutoModel``); they are the Python API's
+(:mod:`hpc_mca.api.model`), loaded on first use, so that this package itself still imports
+nothing.
 """
+
+from typing import Any
+
+_API_NAMES = ("AutoConfig", "AutoModel")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API_NAMES:
+        import hpc_mca.api.model as api  # a facade: mcore_adapter's import path (see above)
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'hpc_mca.models' has no attribute {name!r}")

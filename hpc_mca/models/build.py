@@ -132,10 +132,11 @@ def _build_chunk(
     backend: str,
 ) -> torch.nn.Module:
     from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from hpc_mca.models.gpt import McaGPTModel
 
     vp_stage = stage if ctx.layout.vp else None
-    model = GPTModel(
+    model = McaGPTModel(
         config=config,
         transformer_layer_spec=block_spec(layer, config, vp_stage),
         mtp_block_spec=mtp.mtp_block_spec(config, layer, backend, vp_stage),

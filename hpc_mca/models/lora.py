@@ -50,7 +50,7 @@ from peft.tuners.lora import LoraLayer
 from hpc_mca.config.sections import FinetuningArguments
 from hpc_mca.topology.lora import LoraTargets
 
-__all__ = ["LoraSite", "MegatronLoraLinear", "adapters_disabled", "initial_a", "lora_layers"]
+__all__ = ["LoraSite", "MegatronLoraLinear", "adapters_disabled", "initial_a", "lora_layers", "lora_sites"]
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -391,7 +391,7 @@ def apply_lora(chunks: list[torch.nn.Module], finetuning: FinetuningArguments, *
     spec = read_hf_config(model_path)
     targets = resolve_lora_targets(ft.lora_target, is_moe=spec.is_moe, model_type=spec.model_type)
     for chunk in chunks:
-        sites = _sites(chunk, targets, spec)
+        sites = lora_sites(chunk, targets, spec)
         peft_config = LoraConfig(r=ft.lora_rank, lora_alpha=ft.lora_alpha,
                                  lora_dropout=ft.lora_dropout, target_modules=sorted(sites))
         layer = functools.partial(MegatronLoraLinear, sites=sites, seed=seed)
@@ -400,7 +400,7 @@ def apply_lora(chunks: list[torch.nn.Module], finetuning: FinetuningArguments, *
     return chunks
 
 
-def _sites(chunk: torch.nn.Module, targets: LoraTargets, spec: Any) -> dict[str, LoraSite]:
+def lora_sites(chunk: torch.nn.Module, targets: LoraTargets, spec: Any) -> dict[str, LoraSite]:
     """Module name -> site, for the linears of this chunk's decoder layers that get adapters."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 

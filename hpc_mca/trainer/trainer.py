@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from transformers.trainer_callback import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
 
 from hpc_mca.checkpoint.checkpointer import Checkpointer
@@ -33,6 +34,7 @@ from hpc_mca.config.schedule import build_lr_scheduler, resolve_warmup_steps, sc
 from hpc_mca.config.sections import ParallelArguments, TrainConfig
 from hpc_mca.data.batch import PackedBatch
 from hpc_mca.data.dataset import TrainingData, eval_dataloader, train_dataloader
+from hpc_mca.data.errors import DataError
 from hpc_mca.loop.boundary import Decision, StepBoundary
 from hpc_mca.loop.callbacks import StepFlowCallback
 from hpc_mca.loop.driver import RunLoop, any_non_finite
@@ -142,7 +144,7 @@ class Trainer:
                 batches = self._global_batches()
                 self.loop.run(lambda: self._step(batches))
                 self.loop.finish()
-            self._gather_params()
+            self.gather_params()
             self.checkpointer.finalize()
             tr, env = self.config.training, self.ctx.env
             self.loop.finalize(finished=not self.loop.requeue, run_dir=self.run_dir, training=tr,
@@ -170,7 +172,7 @@ class Trainer:
         return self.lr_scheduler.get_last_lr()[0]
 
     def save(self, decision: Decision) -> None:
-        self._gather_params()
+        self.gather_params()
         self.checkpointer.save(decision.reason, stop_time=decision.stop_time)
 
     def _say_rederived_schedule(self) -> None:
@@ -180,7 +182,7 @@ class Trainer:
             print("LR schedule re-derived for this config: "
                   + ", ".join(f"{k} {old}->{new}" for k, (old, new) in rederived.items()), flush=True)
 
-    def _gather_params(self) -> None:
+    def gather_params(self) -> None:
         """Under ``overlap_param_gather`` the distributed optimizer's updated shards reach the
         other ranks only in the next forward's pre-hooks; a checkpoint or export before that
         would write the previous step's values of every shard this rank does not own (seen:
@@ -237,8 +239,9 @@ class Trainer:
         mtp_sums = torch.zeros(self.config.model.mtp_num_layers, 2, dtype=torch.float64,
                                device=self.ctx.device)
         every: list[dict[str, torch.Tensor]] = []
+        batches = agreed_batches(lambda: [self._cp_share(b) for b in loader], self.ctx.device)
         with torch.no_grad():
-            for micro in _chunks([self._cp_share(b) for b in loader], self._eval_microbatches()):
+            for micro in _chunks(batches, self._eval_microbatches()):
                 self.objective.before_forward(micro, self._forward_only)
                 outputs = self._forward_only(self.model, self.forward_step, micro)
                 every += outputs
@@ -271,13 +274,15 @@ class Trainer:
     # ---- helpers ----------------------------------------------------------------------------
 
     def _global_batches(self) -> Iterator[list[PackedBatch]]:
-        """This rank's micro-batches (its context-parallel share), grouped per optimizer step."""
+        """This rank's micro-batches (its context-parallel share), grouped per optimizer step;
+        a bad batch on any rank stops every rank before the step (:func:`agreed_batches`)."""
         loader = train_dataloader(self.data.train, self.config.data_run(), consumed_samples=self.consumed_samples,
                                   data_parallel_rank=self.mpu.get_data_parallel_rank())
         per_step = self.config.training.gradient_accumulation_steps
         micro = iter(loader)
         while True:
-            yield [self._cp_share(next(micro)) for _ in range(per_step)]
+            yield agreed_batches(lambda: [self._cp_share(next(micro)) for _ in range(per_step)],
+                                 self.ctx.device)
 
     def _cp_share(self, batch: PackedBatch) -> PackedBatch:
         """The chunks of ``batch`` this rank's context-parallel position keeps (every CP rank
@@ -334,6 +339,36 @@ class Trainer:
             num_layers=config.num_layers, moe_layer_freq=config.moe_layer_freq,
             mtp_num_layers=config.mtp_num_layers, force_initialize=True, total_loss_dict=totals)
         return float(sum(float(v) for v in totals.values())) if totals else None
+
+
+def agreed_batches(load: Callable[[], list[PackedBatch]], device: torch.device) -> list[PackedBatch]:
+    """``load()``'s batches, once every rank loaded its own: a bad batch (``DataError``, e.g. a
+    script's collator breaking its contract) found by one rank alone would leave the others
+    waiting in the step's collectives, so the ranks first agree (one flag, all-reduced) and,
+    when any failed, all raise the first failing rank's line (exit 2 on every rank)."""
+    problem = ""
+    batches: list[PackedBatch] = []
+    try:
+        batches = load()
+    except DataError as err:
+        text = str(err)
+        if "Original Traceback" in text:  # raised in a DataLoader worker: its own last line
+            text = text.strip().splitlines()[-1].split(": ", 1)[-1]
+        problem = " ".join(text.split())
+    if not dist.is_initialized():
+        if problem:
+            raise DataError(problem)
+        return batches
+    flag = torch.tensor([1 if problem else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        said: list[str] = [""] * dist.get_world_size()
+        dist.all_gather_object(said, problem)
+        rank = next(r for r, line in enumerate(said) if line)
+        err = DataError(f"rank {rank}: {said[rank]}")
+        err.on_every_rank = True  # every rank raises this same line; rank 0 reports it
+        raise err
+    return batches
 
 
 # Megatron router's load-balancing type -> the name it records its loss under.

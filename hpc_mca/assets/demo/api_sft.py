@@ -7,7 +7,8 @@
         hpc_mca/assets/demo/api_sft.py max_steps=100
 
 The arguments are ``key=value`` overrides of sft_addition.yaml (next to this file), the run
-config whose model, data files and hyperparameters this script trains with. Rows are padded,
+config whose model, data files and hyperparameters this script trains with; the script's
+``Seq2SeqTrainingArguments`` are that config's view (``from_config``). Rows are padded,
 one problem each (``sequence_packing=false``): the same token rows, in the same order, as
 ``hpc-mca train hpc_mca/assets/demo/sft_addition.yaml sequence_packing=false``, so both give
 the same losses. Under ``hpc-mca submit`` the job's run directory is the output_dir and the
@@ -25,8 +26,11 @@ from typing import Any
 
 import torch
 
-from hpc_mca.api import AutoModel, McaTrainer, TrainingArguments  # == from hpc_mca import ...
+from hpc_mca.config.sections import TrainConfig, load_config
 from hpc_mca.data.samples import infer_seqlen  # LLaMA-Factory's cutoff rule, as the YAML path cuts
+from hpc_mca.models import AutoModel
+from hpc_mca.trainer import McaTrainer
+from hpc_mca.training_args import Seq2SeqTrainingArguments
 
 CONFIG = Path(__file__).resolve().with_name("sft_addition.yaml")
 IGNORE_INDEX = -100
@@ -88,30 +92,32 @@ class PadToLength:
         return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
-def arguments(argv: Sequence[str]) -> Any:
+def run_config(argv: Sequence[str]) -> TrainConfig:
     """The demo config with rows padded, then the command line's ``key=value`` items. In a
     job of the batch script the run directory is the output_dir: the config's is dropped."""
     fixed = ["sequence_packing=false"]
     if os.environ.get("HPC_MCA_RUN_DIR"):
         fixed.append("output_dir=")
-    return TrainingArguments.from_yaml(CONFIG, [*fixed, *argv])
+    return load_config(CONFIG, [*fixed, *argv])
 
 
 def main(argv: Sequence[str]) -> None:
     from transformers import AutoTokenizer
 
-    args = arguments(argv)
-    # This script reads the config's data files itself (its own Dataset), so the arguments
-    # name none: the trainer refuses files it would not read beside dataset objects.
-    train_files, eval_files = args.dataset, args.eval_dataset
-    args.dataset, args.eval_dataset = [], None
-    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, local_files_only=True)
-    model = AutoModel.from_pretrained(args.model_name_or_path, args)
-    train = AdditionProblems(train_files[0], tokenizer, args.cutoff_len)
-    held_out = AdditionProblems(eval_files[0], tokenizer, args.cutoff_len) if eval_files else None
-    # The trainer shifts the labels, so a row of seq_length tokens holds a whole problem of
-    # up to cutoff_len tokens.
-    collator = PadToLength(tokenizer.pad_token_id, args.seq_length or args.cutoff_len)
+    config = run_config(argv)
+    # This script reads the config's data files itself (its own Dataset), so the run config
+    # names none: the trainer refuses files it would not read beside dataset objects.
+    train_files, eval_files = config.data.dataset, config.data.eval_dataset
+    config.data.dataset, config.data.eval_dataset = [], None
+    args = Seq2SeqTrainingArguments.from_config(config)
+    model_dir, cutoff_len = config.model.model_name_or_path, config.data.cutoff_len
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModel.from_pretrained(model_dir, args)
+    train = AdditionProblems(train_files[0], tokenizer, cutoff_len)
+    held_out = AdditionProblems(eval_files[0], tokenizer, cutoff_len) if eval_files else None
+    # The labels are aligned (transformers' convention): the trainer shifts them, so a row
+    # of seq_length tokens holds a whole problem of up to cutoff_len tokens.
+    collator = PadToLength(tokenizer.pad_token_id, config.data.seq_length or cutoff_len)
     trainer = McaTrainer(model=model, args=args, tokenizer=tokenizer, data_collator=collator,
                          train_dataset=train, eval_dataset=held_out)
     out = trainer.train()

@@ -1,0 +1,594 @@
+"""The arguments a training script parses, in ROLL's mcore_adapter shape.
+
+:class:`Seq2SeqTrainingArguments` (and :class:`TrainingArguments`) is transformers' class of the
+same name, every field and method of it, plus :class:`MegatronArguments`: the 57 Megatron
+fields of ROLL's ``mcore_adapter.training_args`` under their names, and the settings of this
+trainer that neither has (``global_batch_size``, ``hang_timeout`` ...). It therefore parses
+beside LLaMA-Factory's ``ModelArguments``, ``DataArguments``, ``FinetuningArguments`` and
+``GeneratingArguments`` with ``HfArgumentParser``, and LLaMA-Factory's ``get_dataset`` takes it:
+
+    training_args, model_args, data_args, finetuning_args, generating_args = HfArgumentParser(
+        (Seq2SeqTrainingArguments, ModelArguments, DataArguments, FinetuningArguments,
+         GeneratingArguments)).parse_args_into_dataclasses()
+
+It is a view onto the one run config (:class:`~hpc_mca.config.sections.TrainConfig`), not a
+config of its own: :meth:`~MegatronArguments.to_config` reads every field through the loader a
+YAML file goes through (:func:`hpc_mca.config.loading.load_items`), over the config the view
+was made from (:meth:`~MegatronArguments.from_config`, ``from_yaml``; the defaults for a
+parsed command line), which supplies what this class has no field for (the model, the data,
+the stage). So a value here means what the same key means in a YAML file, and one this trainer
+cannot honour is refused in one line:
+
+* a field the run config has (``learning_rate``, ``tensor_model_parallel_size`` ...) is read
+  with its value, transformers' defaults included (``per_device_train_batch_size`` 8,
+  ``logging_steps`` 500, ``save_steps`` 500, ``report_to`` none: what transformers' and ROLL's
+  trainers do);
+* the interval strategies (``eval_strategy``, ``save_strategy``, ``logging_strategy``) are
+  read too, as LLaMA-Factory's keys are (``eval_strategy: no`` means no evaluation between
+  steps, whatever ``eval_steps`` says, as in transformers);
+* ROLL's Megatron fields are translated by :data:`MEGATRON_FIELDS` (each honoured, or refused
+  with what to use instead);
+* any other transformers field is refused when it differs from transformers' default;
+* the fields a script reads and the trainer does not (``do_train``, ``do_eval``,
+  ``do_predict``, ``predict_with_generate``, ``generation_*``, ``local_rank``) are left to it.
+
+Defaults differ from ROLL's where ROLL's default is something this trainer does not run, so
+that the default says what happens: ``calculate_per_token_loss`` true (the loss is the mean
+over the global batch's tokens, as transformers' ``average_tokens_across_devices``),
+``moe_token_dispatcher_type`` alltoall, ``overlap_p2p_comm`` and ``delay_grad_reduce`` false,
+``ckpt_format`` torch_dist. ROLL's value, given explicitly, is refused in one line.
+
+Two environment variables of the batch script reach a script here (``sbatch/train.sbatch``):
+``HPC_MCA_RUN_DIR``, the job's run directory, is the ``output_dir`` of a script that leaves it
+unset; ``HPC_MCA_PLAN_OVERRIDES``, the planned layout (``key=value`` pairs), sets the fields the
+script left at their defaults.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import os
+import shlex
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import transformers
+
+from hpc_mca.config.input import KNOWN_ELSEWHERE, ConfigError, parse_value
+from hpc_mca.config.loading import config_items, load_items
+from hpc_mca.config.sections import TrainConfig, field_section
+from hpc_mca.rundir import PLAN_OVERRIDES_ENV, RUN_DIR_ENV
+
+__all__ = ["MEGATRON_FIELDS", "MegatronArguments", "Seq2SeqTrainingArguments", "TrainingArguments"]
+
+Items = list[tuple[str, Any]]
+"""(key, value) pairs for the config loader: flat or dotted keys, as a YAML file writes them."""
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass
+class MegatronArguments:
+    """The Megatron and hpc-mca fields of the script arguments (module docstring). Names and
+    defaults are ROLL's except where the module docstring says."""
+
+    # --- hpc-mca's own (run-config fields that transformers and ROLL do not have); read before
+    # ROLL's fields, which may set the same run-config field (distrib_optim_fully_reshardable)
+    global_batch_size: int | None = field(default=None, metadata=_help(
+        "Rows per optimizer step over all ranks; derives gradient_accumulation_steps."))
+    overwrite_output_dir: bool = field(default=False, metadata=_help(
+        "Start afresh: an earlier run in output_dir is moved aside."))
+    profile_steps: list[int] | None = field(default=None, metadata=_help("[first, last] steps to profile."))
+    hang_timeout: int | None = field(default=None, metadata=_help(
+        "Seconds without a step before the batch script's watchdog requeues."))
+    async_save: bool = field(default=False, metadata=_help("Write checkpoint shards in the background."))
+    save_optimizer_format: str = field(default="model_space", metadata=_help(
+        "model_space, fully_reshardable or dp_reshardable."))
+    export_hf_dir: str | None = field(default=None, metadata=_help(
+        "After the last step, write the HF model (LoRA: the PEFT adapter) here."))
+    export_merged_dir: str | None = field(default=None, metadata=_help(
+        "LoRA: after the last step, write the merged HF model here."))
+    pipeline_layout: list[int] | None = field(default=None, metadata=_help(
+        "Transformer layers of each pipeline stage."))
+    cp_comm_type: str = field(default="all_gather", metadata=_help("all_gather, a2a or p2p."))
+    data_parallel_size: int | None = field(default=None, metadata=_help("Derived; giving it checks it."))
+    sequence_parallel_size: int = field(default=1, metadata=_help(
+        "Standard backend: Ulysses sequence parallelism."))
+    # --- parallel layout (ROLL's DistributingParallelArguments)
+    tensor_model_parallel_size: int | None = field(default=None, metadata=_help("TP ranks; None = 1."))
+    pipeline_model_parallel_size: int | None = field(default=None, metadata=_help("Pipeline stages; None = 1."))
+    sequence_parallel: bool = field(default=False, metadata=_help(
+        "Split norm and residual activations along the sequence over the TP ranks."))
+    virtual_pipeline_model_parallel_size: int | None = field(default=None, metadata=_help(
+        "Model chunks per pipeline rank (interleaved schedule)."))
+    context_parallel_size: int | None = field(default=None, metadata=_help("CP ranks; None = 1."))
+    expert_model_parallel_size: int | None = field(default=None, metadata=_help("EP ranks; None = 1."))
+    expert_tensor_parallel_size: int | None = field(default=None, metadata=_help(
+        "TP ranks inside an expert; None = tensor_model_parallel_size."))
+    account_for_embedding_in_pipeline_split: bool | None = field(default=None, metadata=_help(
+        "Refused when true: use pipeline_layout."))
+    account_for_loss_in_pipeline_split: bool | None = field(default=None, metadata=_help(
+        "Refused when true: use pipeline_layout."))
+    pipeline_model_parallel_layout: str | None = field(default=None, metadata=_help(
+        "Refused: use pipeline_layout (transformer layers per stage)."))
+    overlap_p2p_comm: bool = field(default=False, metadata=_help(
+        "Refused when true: pipeline sends are blocking here (ROLL's default is true)."))
+    variable_seq_lengths: bool = field(default=False, metadata=_help(
+        "Refused when true: under PP the micro-batches of a step are padded to one length."))
+    recompute_granularity: str | None = field(default=None, metadata=_help("None, full or selective."))
+    recompute_method: str | None = field(default=None, metadata=_help("With full: uniform or block."))
+    recompute_modules: None | str | list[str] = field(default=None, metadata=_help(
+        "With selective: comma-separated parts (core_attn, layernorm, mlp, moe)."))
+    recompute_num_layers: int | None = field(default=None, metadata=_help(
+        "With full: layers per group (uniform) or per stage (block)."))
+    bias_activation_fusion: bool = field(default=False, metadata=_help(
+        "The fused SwiGLU (model.fusions swiglu)."))
+    apply_rope_fusion: bool = field(default=False, metadata=_help("The fused RoPE (model.fusions rope)."))
+    cross_entropy_loss_fusion: bool = field(default=False, metadata=_help(
+        "The fused cross entropy (model.fusions cross_entropy; bf16 only)."))
+    moe_layer_recompute: bool = field(default=False, metadata=_help(
+        "Refused when true: use recompute_granularity=selective with recompute_modules=moe."))
+    moe_token_dispatcher_type: str = field(default="alltoall", metadata=_help(
+        "alltoall (ROLL's default allgather is refused: gloo has no reduce-scatter)."))
+    moe_aux_loss_coeff: float | None = field(default=None, metadata=_help(
+        "Refused when set: the aux loss weight is the HF config's router_aux_loss_coef."))
+    moe_grouped_gemm: bool | None = field(default=None, metadata=_help(
+        "Refused when true: experts run as separate GEMMs (local spec)."))
+    moe_expert_capacity_factor: float | None = field(default=None, metadata=_help(
+        "Refused when set: routing is dropless."))
+    moe_pad_expert_input_to_capacity: bool | None = field(default=None, metadata=_help(
+        "Refused when true: routing is dropless."))
+    moe_token_drop_policy: str | None = field(default=None, metadata=_help(
+        "Refused when set: routing is dropless."))
+    moe_shared_expert_overlap: bool = field(default=False, metadata=_help("Refused when true."))
+    moe_enable_routing_replay: bool = field(default=False, metadata=_help("Refused when true."))
+    moe_router_dtype: str | None = field(default=None, metadata=_help("Refused when set."))
+    mtp_num_layers: int | None = field(default=0, metadata=_help("Multi-token prediction depths; 0 = none."))
+    calculate_per_token_loss: bool = field(default=True, metadata=_help(
+        "The loss is the mean over the global batch's tokens (ROLL's default false is refused)."))
+    transformer_impl: str | None = field(default=None, metadata=_help(
+        "local (Megatron's local layers, what is built here); transformer_engine is refused."))
+    cuda_graph_impl: str | None = field(default=None, metadata=_help("Refused when set."))
+    cuda_graph_scope: str = field(default="full", metadata=_help(
+        "Read only with cuda_graph_impl, which is refused."))
+    fp8_recipe: str | None = field(default=None, metadata=_help("Refused when set: no fp8 training."))
+    fp8_param: bool = field(default=False, metadata=_help("Refused when true: no fp8 training."))
+    fp8: str | None = field(default=None, metadata=_help("Refused when set: no fp8 training."))
+    additional_configs: None | str | dict[str, Any] = field(default_factory=dict, metadata=_help(
+        "Refused when not empty: name each setting by its field."))
+    # --- optimizer, DDP and checkpoints (ROLL's MegatronArguments)
+    accumulate_allreduce_grads_in_fp32: bool = field(default=False, metadata=_help(
+        "Gradients are accumulated and reduced in fp32 here whatever it says (true under "
+        "bf16/fp16, as ROLL sets it)."))
+    use_distributed_optimizer: bool = field(default=False, metadata=_help(
+        "Shard optimizer state over data-parallel ranks."))
+    distrib_optim_fully_reshardable: bool = field(default=False, metadata=_help(
+        "save_optimizer_format fully_reshardable."))
+    distrib_optim_fully_reshardable_mem_efficient: bool = field(default=False, metadata=_help(
+        "Refused when true: use save_optimizer_format."))
+    overlap_grad_reduce: bool = field(default=False, metadata=_help(
+        "Overlap the gradient reduction with backward."))
+    delay_grad_reduce: bool = field(default=False, metadata=_help(
+        "Refused when true: reductions start as their buckets fill (ROLL's default is true)."))
+    overlap_param_gather: bool = field(default=False, metadata=_help(
+        "Overlap the parameter all-gather with forward (distributed optimizer)."))
+    check_for_nan_in_loss_and_grad: bool = field(default=True, metadata=_help(
+        "Non-finite losses and gradients are always found: the step is skipped and counted."))
+    ddp_average_in_collective: bool = field(default=False, metadata=_help("Refused when true."))
+    ddp_bucket_size: int | None = field(default=None, metadata=_help("Refused when set."))
+    optimizer: str = field(default="adam", metadata=_help("adam or sgd."))
+    optimizer_cpu_offload: bool = field(default=False, metadata=_help("Keep optimizer state on the CPU."))
+    optimizer_offload_fraction: float = field(default=0.0, metadata=_help(
+        "Refused unless 0 (with optimizer_cpu_offload all of it is offloaded)."))
+    save_hf_model: bool = field(default=False, metadata=_help("Refused when true: use export_hf_dir."))
+    save_merged_model: bool = field(default=False, metadata=_help(
+        "Refused when true: use export_merged_dir."))
+    ckpt_format: str = field(default="torch_dist", metadata=_help(
+        "torch_dist: Megatron's distributed checkpoints (ROLL's legacy is refused)."))
+    ckpt_d2h_non_blocking: bool = field(default=False, metadata=_help("Refused when true."))
+    sequence_packing: bool = field(default=False, metadata=_help(
+        "Pack rows (data.sequence_packing; refused beside a data_collator)."))
+    compile_warmup: bool = field(default=False, metadata=_help("Refused when true."))
+    gradient_accumulation_steps: int | None = field(default=None, metadata=_help(
+        "Micro-batches per optimizer step on each rank; None = 1, or derived from "
+        "global_batch_size (transformers' default is 1)."))
+    base_config: TrainConfig | None = field(default=None, init=False, repr=False, compare=False)
+    """The run config this view was made from (:meth:`from_config`): the model, data and stage
+    settings, and the fields this class lacks. None: the defaults."""
+
+    def __post_init__(self) -> None:
+        """ROLL's normalisations (recompute_modules split at commas, fp32 gradient reduction under half
+        precision), the batch script's run directory as an unset ``output_dir``, then
+        transformers' own checks."""
+        if isinstance(self.recompute_modules, str):
+            self.recompute_modules = [p.strip() for p in self.recompute_modules.split(",") if p.strip()]
+        if getattr(self, "bf16", False) or getattr(self, "fp16", False):
+            self.accumulate_allreduce_grads_in_fp32 = True
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        if getattr(self, "output_dir", None) is None and run_dir:
+            self.output_dir = run_dir
+        _on_cpu_if_no_gpu(self)
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:  # transformers' (this class alone has none above it)
+            parent()
+
+    # ---- the view onto the run config ---------------------------------------------------------
+
+    @classmethod
+    def from_config(cls: type[_Args], config: TrainConfig, **overrides: Any) -> _Args:
+        """The view of ``config``: these fields take its values (``overrides`` win), and
+        :meth:`to_config` gives ``config`` back with the view's values. Raises ConfigError
+        when transformers refuses a value (its ``__post_init__`` checks)."""
+        values = _view_values(cls, config)
+        values.update(overrides)
+        try:
+            args = cls(**values)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"{cls.__name__}: {' '.join(str(err).split())}") from None
+        args.base_config = copy.deepcopy(config)
+        return args
+
+    @classmethod
+    def from_yaml(cls: type[_Args], path: str | os.PathLike[str] | None, overrides: Iterable[str] = (),
+                  **kwargs: Any) -> _Args:
+        """A YAML run config (its relative paths read next to it) with ``key=value``
+        overrides, as ``hpc-mca train CONFIG key=value`` reads them; ``kwargs`` set fields."""
+        config, problems = load_items(config_items(path, overrides))
+        if problems:
+            raise ConfigError("\n".join(problems))
+        return cls.from_config(config, **kwargs)
+
+    def to_config(self, base: TrainConfig | None = None) -> TrainConfig:
+        """The run config: ``base`` (default: :attr:`base_config`, else the defaults) with this
+        view's fields read over it as a YAML file's keys, then the batch script's run
+        directory and planned layout (module docstring). Nothing of ``self`` or ``base``
+        changes. Raises ConfigError with every problem, one line each."""
+        start = base if base is not None else self.base_config
+        problems: list[str] = []
+        items: Items = []
+        for name, value in _changed_fields(self):
+            try:
+                items += _translate(self, name, value)
+            except ConfigError as err:
+                problems.append(str(err))
+        config, load_problems = load_items([(key, value, None) for key, value in items],
+                                           copy.deepcopy(start) if start is not None else None)
+        _apply_fusions(config, self)
+        problems += load_problems + _apply_environment(config)
+        if problems:
+            raise ConfigError("\n".join(problems))
+        config.datasets_in_code = True  # a script may hand the trainer its datasets as objects
+        return config
+
+    def resolve(self, world_size: int, base: TrainConfig | None = None) -> TrainConfig:
+        """:meth:`to_config` with the cross-field rules checked for ``world_size`` ranks and
+        the derived fields filled in (a new config; see TrainConfig.resolve)."""
+        return self.to_config(base).resolve(world_size)
+
+
+_Args = TypeVar("_Args", bound=MegatronArguments)
+
+
+@dataclass
+class TrainingArguments(MegatronArguments, transformers.TrainingArguments):
+    """transformers' ``TrainingArguments`` with the Megatron fields (module docstring)."""
+
+
+@dataclass
+class Seq2SeqTrainingArguments(MegatronArguments, transformers.Seq2SeqTrainingArguments):
+    """transformers' ``Seq2SeqTrainingArguments`` with the Megatron fields (module docstring)."""
+
+
+def _on_cpu_if_no_gpu(args: Any) -> None:
+    """transformers refuses bf16/fp16 on a machine without a GPU unless ``use_cpu`` says the
+    run is on the CPU; on such a machine it is (this trainer's ranks run where CUDA is)."""
+    import torch
+
+    if (args.bf16 or args.fp16) and not torch.cuda.is_available():
+        args.use_cpu = True
+
+
+# --- what each field becomes in the run config ------------------------------------------------
+
+Rule = Callable[[Any, Any], Items]
+"""(the field's value, the arguments) -> the config keys it sets; ConfigError to refuse."""
+
+
+def _to(key: str, convert: Callable[[Any], Any] | None = None) -> Rule:
+    """The field sets ``key`` (flat or dotted) to its value (converted)."""
+    return lambda value, args: [(key, convert(value) if convert else value)]
+
+
+def _default_or_none(default: Any) -> Callable[[Any], Any]:
+    return lambda value: default if value is None else value
+
+
+def _refused(default: Any, why: str) -> Rule:
+    """Only ``default`` (or None) is valid: anything else is refused with ``why``."""
+    def rule(value: Any, args: Any) -> Items:
+        if value is None or value == default:
+            return []
+        raise ConfigError(f"{type(args).__name__}.{_field_name(rule)}={value!r}: {why}; "
+                          f"valid: {default!r}")
+    rule.__name__ = "refused"
+    return rule
+
+
+def _fusion(name: str) -> Rule:
+    def rule(value: Any, args: Any) -> Items:
+        return [("model.fusions", [name])] if value else []
+    return rule
+
+
+FUSION_FLAGS = {"bias_activation_fusion": "swiglu", "cross_entropy_loss_fusion": "cross_entropy",
+                "apply_rope_fusion": "rope"}
+"""ROLL's fusion flags -> the model.fusions entry each is."""
+
+
+def _apply_fusions(config: TrainConfig, args: Any) -> None:
+    """The fusion flags as model.fusions entries: a flag on adds its fusion, off removes it;
+    the config's other fusions (layer) stay. With no flag on, an unset model.fusions (the
+    automatic choice) stays unset; naming one replaces the automatic choice, as a YAML list
+    of fusions does."""
+    flags = {name: bool(getattr(args, flag)) for flag, name in FUSION_FLAGS.items()}
+    current = config.model.fusions
+    if current is None and not any(flags.values()):
+        return
+    kept = [name for name in (current or []) if flags.get(name, True)]
+    config.model.fusions = kept + [name for name, on in flags.items() if on and name not in kept]
+
+
+def _transformer_impl(value: Any, args: Any) -> Items:
+    if value in (None, "local"):
+        return []
+    raise ConfigError(f"{type(args).__name__}.transformer_impl={value!r}: this trainer builds "
+                      "Megatron's local layers (model.attention_backend te runs Transformer "
+                      "Engine's attention in them); valid: local")
+
+
+def _reshardable(value: Any, args: Any) -> Items:
+    return [("training.save_optimizer_format", "fully_reshardable")] if value else []
+
+
+def _optimizer(value: Any, args: Any) -> Items:
+    # ROLL's name beside transformers' ``optim``: its default (adam) leaves ``optim`` in force.
+    return [] if value == "adam" else [("training.optim", value)]
+
+
+def _accumulate_fp32(value: Any, args: Any) -> Items:
+    return []  # gradients are reduced in fp32 here: true is what runs, false only in fp32 runs
+
+
+def _check_for_nan(value: Any, args: Any) -> Items:
+    if value:
+        return []
+    raise ConfigError(f"{type(args).__name__}.check_for_nan_in_loss_and_grad=False: non-finite "
+                      "losses and gradients are always found here (the step is skipped and "
+                      "counted, and a run that had any is not finished); valid: true")
+
+
+_NO_FP8 = "no fp8 training here (bf16 or fp16 with fp32 master weights)"
+_DROPLESS = "MoE routing is dropless here (every token reaches its top-k experts)"
+
+MEGATRON_FIELDS: dict[str, Rule] = {
+    "tensor_model_parallel_size": _to("parallel.tensor_model_parallel_size", _default_or_none(1)),
+    "pipeline_model_parallel_size": _to("parallel.pipeline_model_parallel_size", _default_or_none(1)),
+    "sequence_parallel": _to("parallel.sequence_parallel"),
+    "virtual_pipeline_model_parallel_size": _to("parallel.virtual_pipeline_model_parallel_size"),
+    "context_parallel_size": _to("parallel.context_parallel_size", _default_or_none(1)),
+    "expert_model_parallel_size": _to("parallel.expert_model_parallel_size", _default_or_none(1)),
+    "expert_tensor_parallel_size": _to("parallel.expert_tensor_parallel_size"),
+    "account_for_embedding_in_pipeline_split": _refused(False, "stages are split by "
+                                                        "pipeline_layout (layers per stage)"),
+    "account_for_loss_in_pipeline_split": _refused(False, "stages are split by pipeline_layout "
+                                                   "(layers per stage)"),
+    "pipeline_model_parallel_layout": _refused(None, "stages are split by pipeline_layout "
+                                               "(transformer layers per stage, e.g. [3, 4])"),
+    "overlap_p2p_comm": _refused(False, "pipeline stages exchange activations with blocking "
+                                 "sends here"),
+    "variable_seq_lengths": _refused(False, "under pipeline parallelism the micro-batches of a "
+                                     "step are padded to the longest here (ROLL's behaviour "
+                                     "with false)"),
+    "recompute_granularity": _to("parallel.recompute_granularity"),
+    "recompute_method": _to("parallel.recompute_method"),
+    "recompute_modules": _to("parallel.recompute_modules"),
+    "recompute_num_layers": _to("parallel.recompute_num_layers"),
+    "bias_activation_fusion": lambda value, args: [],  # the three fusion flags: _apply_fusions
+    "apply_rope_fusion": lambda value, args: [],
+    "cross_entropy_loss_fusion": lambda value, args: [],
+    "moe_layer_recompute": _refused(False, "use recompute_granularity=selective with "
+                                    "recompute_modules=moe"),
+    "moe_token_dispatcher_type": _refused("alltoall", "experts exchange tokens with Megatron's "
+                                          "alltoall dispatcher here (gloo has no reduce-scatter "
+                                          "for allgather); the routing is the same"),
+    "moe_aux_loss_coeff": _refused(None, "the load-balancing loss weight is the model's "
+                                   "router_aux_loss_coef (its config.json)"),
+    "moe_grouped_gemm": _refused(False, "experts run as separate GEMMs (Megatron's local spec)"),
+    "moe_expert_capacity_factor": _refused(None, _DROPLESS),
+    "moe_pad_expert_input_to_capacity": _refused(False, _DROPLESS),
+    "moe_token_drop_policy": _refused(None, _DROPLESS),
+    "moe_shared_expert_overlap": _refused(False, "shared experts run after the routed ones here"),
+    "moe_enable_routing_replay": _refused(False, "routing is not recorded or replayed here"),
+    "moe_router_dtype": _refused(None, "the router runs in the model's dtype here"),
+    "mtp_num_layers": _to("model.mtp_num_layers", _default_or_none(0)),
+    "calculate_per_token_loss": _to("parallel.calculate_per_token_loss"),
+    "transformer_impl": _transformer_impl,
+    "cuda_graph_impl": _refused(None, "no CUDA graphs here"),
+    "cuda_graph_scope": lambda value, args: [],  # read only with cuda_graph_impl (refused)
+    "fp8_recipe": _refused(None, _NO_FP8),
+    "fp8_param": _refused(False, _NO_FP8),
+    "fp8": _refused(None, _NO_FP8),
+    "additional_configs": _refused({}, "name each setting by its own field"),
+    "accumulate_allreduce_grads_in_fp32": _accumulate_fp32,
+    "use_distributed_optimizer": _to("parallel.use_distributed_optimizer"),
+    "distrib_optim_fully_reshardable": _reshardable,
+    "distrib_optim_fully_reshardable_mem_efficient": _refused(False, "use save_optimizer_format "
+                                                              "(model_space, fully_reshardable "
+                                                              "or dp_reshardable)"),
+    "overlap_grad_reduce": _to("parallel.overlap_grad_reduce"),
+    "delay_grad_reduce": _refused(False, "gradient reductions start as their buckets fill, on "
+                                  "every pipeline stage alike"),
+    "overlap_param_gather": _to("parallel.overlap_param_gather"),
+    "check_for_nan_in_loss_and_grad": _check_for_nan,
+    "ddp_average_in_collective": _refused(False, "gradients are summed, then divided by the "
+                                          "global batch's tokens"),
+    "ddp_bucket_size": _refused(None, "Megatron's default bucket size is used"),
+    "optimizer": _optimizer,
+    "optimizer_cpu_offload": _to("parallel.optimizer_cpu_offload"),
+    "optimizer_offload_fraction": _refused(0.0, "optimizer_cpu_offload offloads all of it"),
+    "save_hf_model": _refused(False, "use export_hf_dir=DIR (the HF model, after the last step)"),
+    "save_merged_model": _refused(False, "use export_merged_dir=DIR (LoRA: the merged HF model, "
+                                  "after the last step)"),
+    "ckpt_format": _refused("torch_dist", "checkpoints are Megatron's distributed checkpoints"),
+    "ckpt_d2h_non_blocking": _refused(False, "use async_save to write shards in the background"),
+    "sequence_packing": _to("data.sequence_packing"),
+    "compile_warmup": _refused(False, "nothing is compiled ahead of the first step"),
+}
+"""ROLL's 57 Megatron fields -> what each sets in the run config, or its one-line refusal."""
+
+SCRIPT_FIELDS = frozenset({
+    "do_train", "do_eval", "do_predict", "predict_with_generate", "generation_max_length",
+    "generation_num_beams", "generation_config", "local_rank", "use_cpu",
+})
+"""transformers fields a script reads and the trainer does not (transformers' own Trainer does
+not read them either): left to the script. (``use_cpu`` only says where transformers' own
+helpers put tensors; the ranks run where CUDA is.)"""
+
+STRATEGIES = ("eval_strategy", "save_strategy", "logging_strategy")
+"""Read whatever their value: each decides whether its ``*_steps`` counts (config.input)."""
+
+_OWN = frozenset({"global_batch_size", "overwrite_output_dir", "profile_steps", "hang_timeout",
+                  "async_save", "save_optimizer_format", "export_hf_dir", "export_merged_dir",
+                  "pipeline_layout", "cp_comm_type", "data_parallel_size", "sequence_parallel_size",
+                  "gradient_accumulation_steps"})
+"""Fields of the run config under their own names (hpc-mca's, and transformers' that have
+the same meaning there are found in the config's index: :func:`_is_config_field`)."""
+
+
+def _field_name(rule: Rule) -> str:
+    return next(name for name, r in MEGATRON_FIELDS.items() if r is rule)
+
+
+def _is_config_field(name: str) -> bool:
+    return field_section(name) is not None
+
+
+def _changed_fields(args: MegatronArguments) -> list[tuple[str, Any]]:
+    """(name, value) of every field to read: the run-config fields and strategies always, the
+    Megatron fields always (their rules skip defaults), transformers' others when they differ
+    from transformers' defaults."""
+    defaults = _transformers_defaults(type(args), bool(getattr(args, "use_cpu", False)))
+    out = []
+    for f in dataclasses.fields(args):
+        if not f.init or f.name in SCRIPT_FIELDS:
+            continue
+        value = getattr(args, f.name)
+        known = (f.name in MEGATRON_FIELDS or f.name in _OWN or f.name in STRATEGIES
+                 or _is_config_field(f.name))
+        if known or value != defaults.get(f.name, value):
+            out.append((f.name, value))
+    return out
+
+
+@functools.cache
+def _transformers_defaults(cls: type, use_cpu: bool = False) -> dict[str, Any]:
+    """transformers' fields of ``cls`` as its own ``__post_init__`` leaves them when nothing is
+    given (``report_to`` becomes [], ``debug`` [] ...; on the CPU, ``dataloader_pin_memory``
+    false): a value equal to these was not given."""
+    base = next(c for c in cls.__mro__ if c.__module__.startswith("transformers."))
+    pristine = base(use_cpu=use_cpu)
+    return {f.name: getattr(pristine, f.name) for f in dataclasses.fields(base) if f.init}
+
+
+def _translate(args: MegatronArguments, name: str, value: Any) -> Items:
+    """The config keys one field sets (module docstring)."""
+    if name in MEGATRON_FIELDS:
+        return MEGATRON_FIELDS[name](value, args)
+    if name == "warmup_steps":  # transformers 5: below 1, a fraction of the run (warmup_ratio)
+        if 0 < value < 1:
+            return [("training.warmup_ratio", float(value)), ("training.warmup_steps", 0)]
+        if value == 0:
+            return [("training.warmup_ratio", 0.0), ("training.warmup_steps", 0)]
+        return [("training.warmup_steps", _config_value(name, value))]  # steps win over a ratio
+    if name in _OWN or name in STRATEGIES or _is_config_field(name):
+        return [(name, _config_value(name, value))]
+    why = KNOWN_ELSEWHERE.get(name, "a setting of transformers' Trainer that this trainer does "
+                                    "not run")
+    default = _transformers_defaults(type(args), bool(getattr(args, "use_cpu", False))).get(name)
+    raise ConfigError(f"{type(args).__name__}.{name}={value!r}: {why}; valid: {default!r} "
+                      f"(transformers' default)")
+
+
+def _config_value(name: str, value: Any) -> Any:
+    """transformers' representation of a value as the config reads it: enums as their
+    names, an unset ``lr_scheduler_kwargs`` as {}, a ``warmup_steps`` below 1 as a ratio."""
+    value = getattr(value, "value", value)  # OptimizerNames, SchedulerType, IntervalStrategy
+    if name == "lr_scheduler_kwargs" and value is None:
+        return {}
+    if isinstance(value, float) and name in ("logging_steps", "save_steps", "eval_steps", "warmup_steps") \
+            and value.is_integer():
+        return int(value)
+    return value
+
+
+def _view_values(cls: type, config: TrainConfig) -> dict[str, Any]:
+    """This class's fields that ``config`` has a value for, in transformers' and ROLL's
+    representation."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    values: dict[str, Any] = {}
+    for section in ("training", "parallel"):
+        for f in dataclasses.fields(getattr(config, section)):
+            if f.name in names:
+                values[f.name] = getattr(getattr(config, section), f.name)
+    tr, par = config.training, config.parallel
+    values.update(mtp_num_layers=config.model.mtp_num_layers, sequence_packing=config.data.sequence_packing,
+                  optimizer=tr.optim, optim="adamw_torch_fused" if tr.fused_optimizer else "adamw_torch",
+                  report_to=list(tr.report_to), eval_strategy="steps" if tr.eval_steps else "no",
+                  save_strategy="steps" if tr.save_steps else "no",
+                  distrib_optim_fully_reshardable=tr.save_optimizer_format == "fully_reshardable")
+    values.update({flag: name in (config.model.fusions or ()) for flag, name in FUSION_FLAGS.items()})
+    if tr.optim != "adam":
+        values["optim"] = tr.optim
+    values["warmup_steps"] = tr.warmup_steps or tr.warmup_ratio
+    if tr.resume_from_checkpoint in ("auto", "latest"):
+        values["resume_from_checkpoint"] = None if tr.resume_from_checkpoint == "auto" else "latest"
+    values["recompute_modules"] = par.recompute_modules
+    return values
+
+
+def _apply_environment(config: TrainConfig) -> list[str]:
+    """The batch script's run directory and planned layout (module docstring); problems."""
+    from hpc_mca.config.loading import set_value
+
+    problems: list[str] = []
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if run_dir:
+        given = config.training.output_dir
+        if not given:
+            config.training.output_dir = run_dir
+        elif Path(given).resolve() != Path(run_dir).resolve():
+            problems.append(f"training.output_dir={given!r} but this job's run directory is "
+                            f"{RUN_DIR_ENV}={run_dir!r}; valid: leave output_dir unset or set it "
+                            f"to {run_dir!r}")
+    defaults = TrainConfig()
+    for item in shlex.split(os.environ.get(PLAN_OVERRIDES_ENV, "")):
+        key, _, text = item.partition("=")
+        dotted = field_section(key.split(".")[-1])
+        if dotted is None:
+            problems.append(f"{PLAN_OVERRIDES_ENV}: unknown key {key!r}; valid: layout fields "
+                            "such as tensor_model_parallel_size")
+            continue
+        section, name = dotted.split(".")
+        if getattr(getattr(config, section), name) != getattr(getattr(defaults, section), name):
+            continue  # the script chose this one itself
+        try:
+            set_value(config, key, parse_value(key, text))
+        except ConfigError as err:
+            problems.append(f"{PLAN_OVERRIDES_ENV}: {err}")
+    return problems
