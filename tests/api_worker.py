@@ -25,6 +25,7 @@ import torch
 from transformers import AutoTokenizer, TrainerCallback
 
 import hpc_mca
+import hpc_mca.errors
 from hpc_mca.config.sections import load_config
 from hpc_mca.models import AutoModel
 from hpc_mca.trainer import McaTrainer
@@ -167,18 +168,30 @@ def main(mode: str, out: str, overrides: list[str]) -> None:
                              ref_model=ref_model)
     else:
         collator = None if config.data.sequence_packing else PadTo(config.data.seq_length or config.data.cutoff_len)
-        trainer = McaTrainer(model=model, args=args, tokenizer=TOKENIZER, data_collator=collator,
+        trainer = McaTrainer(model=model, args=args, processing_class=TOKENIZER, data_collator=collator,
                              train_dataset=Problems(DEMO / "train.jsonl"),
                              eval_dataset=Problems(DEMO / "eval.jsonl"), callbacks=[recorder],
                              compute_metrics=exact_and_token_accuracy)
+    added = Recorder()
+    trainer.add_callback(added)  # after the trainer is built, as ROLL's script adds one
     output = trainer.train()
     evaluated = trainer.evaluate()
+    extra = {}
+    if mode == "sft":  # transformers' Trainer methods a script calls after training
+        extra["test"] = trainer.evaluate(metric_key_prefix="test")
+        trainer.log_metrics("train", output.metrics)
+        trainer.save_metrics("train", output.metrics)
+        trainer.save_state()
+        try:
+            trainer.predict(Problems(DEMO / "eval.jsonl"))
+        except hpc_mca.errors.UserError as err:
+            extra["predict"] = str(err)
     trainer.save_model(Path(out) / "saved")
     if torch.distributed.get_rank() == 0:
         report = {"global_step": output.global_step, "training_loss": output.training_loss,
                   "metrics": output.metrics, "steps": recorder.steps, "logs": recorder.logs,
-                  "evals": recorder.evals, "evaluate": evaluated,
-                  "num_samples": evaluated["eval_num_samples"]}
+                  "evals": recorder.evals, "evaluate": evaluated, "added_steps": added.steps,
+                  "num_samples": evaluated["eval_num_samples"], **extra}
         (Path(out) / "api_report.json").write_text(json.dumps(report))
 
 

@@ -90,6 +90,23 @@ def with_lora(model: Any, finetuning_args: Any) -> None:
         model.models[0] = add_lora(model[0], finetuning_args)
 
 
+def freeze_vision_language(model: Any, finetuning_args: Any) -> None:
+    """ROLL's sft freezes parts of a qwen2_vl model by their Megatron names; a text model
+    (every model here) has none of them."""
+    if model.config.hf_model_type not in ("qwen2_vl",):
+        return
+    frozen: list[str] = []
+    if finetuning_args.freeze_vision_tower:
+        frozen += ["vision_model.blocks", "vision_model.patch_embed"]
+    if finetuning_args.freeze_multi_modal_projector:
+        frozen.append("multi_modal_projector")
+    if finetuning_args.freeze_language_model:
+        frozen += ["embedding", "decoder", "output_layer"]
+    for name, parameter in model.named_parameters():
+        if name.startswith(tuple(frozen)):
+            parameter.requires_grad_(False)
+
+
 def read_data(template: Any, model_args: Any, data_args: Any, training_args: Any, stage: str,
               tokenizer_module: dict[str, Any]) -> dict[str, Any]:
     data_args.cutoff_len += 1  # the wrapper takes one token off again
@@ -121,6 +138,7 @@ def train_sft(training_args: Any, model_args: Any, data_args: Any, finetuning_ar
     model = AutoModel.from_pretrained(model_args.model_name_or_path, training_args)
     data = read_data(template, model_args, data_args, training_args, "sft", tokenizer_module)
     with_lora(model, finetuning_args)
+    freeze_vision_language(model, finetuning_args)
     pad_to_max = bool(training_args.expert_model_parallel_size and training_args.expert_model_parallel_size > 1
                       and not training_args.variable_seq_lengths)
     collator = preshifted(SFTDataCollatorWith4DAttentionMask(
@@ -166,6 +184,7 @@ def main(argv: Sequence[str]) -> None:
         raise ValueError(f"stage {finetuning_args.stage!r}; valid: {', '.join(STAGES)}")
     trainer, output = STAGES[finetuning_args.stage](training_args, model_args, data_args, finetuning_args)
     evaluated = trainer.evaluate() if trainer.data.eval is not None else {}
+    trainer.save_model()  # as LLaMA-Factory's own mca workflow ends
     if trainer.is_world_process_zero():
         report = {"global_step": output.global_step, "training_loss": output.training_loss,
                   "evaluate": evaluated}

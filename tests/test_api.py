@@ -65,9 +65,24 @@ def test_script_trains_as_hpc_mca_train_on_one_rank(one_rank):
     assert seconds <= report["metrics"]["train_runtime"]
     assert report["metrics"]["train_steps_per_second"] == round(4 / report["metrics"]["train_runtime"], 3)
     # the script's callback: every step end, every logged loss, the evaluations at 2 and 4
-    assert report["steps"] == [1, 2, 3, 4]
+    assert report["steps"] == [1, 2, 3, 4] and report["added_steps"] == [1, 2, 3, 4]  # add_callback
     assert [log["loss"] for log in report["logs"]] == losses
-    assert [e["step"] for e in report["evals"]] == [2, 4, 4]  # the last: evaluate() itself
+    assert [e["step"] for e in report["evals"]] == [2, 4, 4, 4]  # the last two: evaluate() itself
+
+
+def test_trainer_methods_a_script_calls_after_training(one_rank):
+    """evaluate(metric_key_prefix=), log_metrics / save_metrics / save_state (transformers'
+    files in output_dir), and predict refused in one line."""
+    run = one_rank["api"]
+    report = json.loads((run / "api_report.json").read_text())
+    assert report["test"]["test_loss"] == report["evaluate"]["eval_loss"]
+    assert set(report["test"]) == {key.replace("eval_", "test_", 1) for key in report["evaluate"]}
+    assert json.loads((run / "train_results.json").read_text())["train_loss"] == report["training_loss"]
+    state = json.loads((run / "trainer_state.json").read_text())
+    assert state["global_step"] == 4
+    assert [row["loss"] for row in state["log_history"] if "loss" in row] == [s["loss"] for s in steps(run)]
+    assert "McaTrainer.predict()" in report["predict"] and "valid: evaluate(" in report["predict"]
+    assert "\n" not in report["predict"]
 
 
 def test_evaluate_compute_metrics_and_saved_model_agree_with_transformers(one_rank):

@@ -122,6 +122,13 @@ def _same_run(tmp_path: Path, root: Path, stage: str, finetuning: str, layout: s
     assert report["evaluate"]["eval_loss"] == pytest.approx(progress[1]["eval_loss"], abs=TOLERANCE)
     lora = yaml.safe_load((script / "resolved_config.yaml").read_text())["finetuning"]
     assert lora["finetuning_type"] == finetuning  # peft's LoRA read back as the run config's
+    if finetuning == "lora":  # save_model: the PEFT adapter of the run config's targets
+        adapter = json.loads((script / "adapter_config.json").read_text())
+        assert adapter["r"] == 8 and adapter["lora_alpha"] == 16
+        assert set(adapter["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                  "up_proj", "down_proj"}
+    else:
+        assert (script / "model.safetensors").is_file() and (script / "config.json").is_file()
 
 
 @pytest.mark.parametrize("finetuning", ["full", "lora"])
@@ -140,26 +147,24 @@ def test_roll_script_trains_as_hpc_mca_train_on_two_ranks(tmp_path, data, stage,
 
 # ---- ROLL's launchers' command lines --------------------------------------------------------
 
+MCA_OPTIONS = ["--tensor_model_parallel_size", "2", "--sequence_parallel", "--pipeline_model_parallel_size",
+               "1", "--use_distributed_optimizer", "--bias_activation_fusion", "--apply_rope_fusion",
+               "--overlap_param_gather", "--overlap_grad_reduce", "--use_mca"]
+"""The Megatron options ROLL's two launchers add (their USE_MCA=true branch)."""
 SFT_LAUNCHER = [
     "--do_train", "--stage=sft", "--finetuning_type=full", "--dataset_dir=DATA", "--dataset=belle_2m",
     "--preprocessing_num_workers=8", "--cutoff_len=8192", "--template=qwen3", "--model_name_or_path=MODEL",
     "--output_dir=./tmp/", "--per_device_train_batch_size=1", "--gradient_accumulation_steps=4",
     "--calculate_per_token_loss=True", "--max_steps=100", "--learning_rate=2e-5", "--logging_steps=1",
-    "--save_steps=50", "--lr_scheduler_type=cosine", "--bf16", "--tensor_model_parallel_size", "2",
-    "--sequence_parallel", "--pipeline_model_parallel_size", "1", "--use_distributed_optimizer",
-    "--bias_activation_fusion", "--apply_rope_fusion", "--overlap_param_gather", "--overlap_grad_reduce",
-    "--use_mca"]
-"""run_sft_train.sh's options with the Megatron options (its USE_MCA=true branch)."""
+    "--save_steps=50", "--lr_scheduler_type=cosine", "--bf16", *MCA_OPTIONS]
+"""run_sft_train.sh's options."""
 DPO_LAUNCHER = [
     "--do_train", "--stage=dpo", "--pref_loss=sigmoid", "--finetuning_type=full", "--dataset_dir=DATA",
     "--dataset=ultrafeedback", "--preprocessing_num_workers=8", "--cutoff_len=8192", "--template=llama3",
     "--model_name_or_path=MODEL", "--output_dir=./tmp/", "--per_device_train_batch_size=1",
     "--gradient_accumulation_steps=8", "--num_train_epochs=2", "--learning_rate=2e-6", "--logging_steps=1",
-    "--save_steps=100", "--lr_scheduler_type=cosine", "--bf16", "--tensor_model_parallel_size", "2",
-    "--sequence_parallel", "--pipeline_model_parallel_size", "1", "--use_distributed_optimizer",
-    "--bias_activation_fusion", "--apply_rope_fusion", "--overlap_param_gather", "--overlap_grad_reduce",
-    "--use_mca"]
-"""run_dpo_train.sh's options, likewise."""
+    "--save_steps=100", "--lr_scheduler_type=cosine", "--bf16", *MCA_OPTIONS]
+"""run_dpo_train.sh's options."""
 
 
 @pytest.mark.parametrize("argv", [SFT_LAUNCHER, DPO_LAUNCHER], ids=["sft", "dpo"])

@@ -112,11 +112,14 @@ class McaModel(torch.nn.Module):
 
     def save_pretrained(self, out_dir: str | Path, merged: bool = False) -> None:
         """Write what the finetuning type exports to ``out_dir`` (every rank calls it: each
-        sends its shards; rank 0 writes)."""
-        from hpc_mca.models.lora_peft import trained_chunks
+        sends its shards; rank 0 writes); a script's own peft LoRA exports as the PEFT adapter
+        (:mod:`hpc_mca.models.lora_peft`)."""
+        from hpc_mca.models.lora_peft import finetuning_from_peft, trained_chunks
 
         chunks = [unwrap(chunk) for chunk in trained_chunks(list(self.models))]
-        converter = converter_for(self.run_config.finetuning, self.run_config.model.adapter_name_or_path)
+        finetuning = (finetuning_from_peft(list(self.models), self.run_config.finetuning)
+                      or self.run_config.finetuning)
+        converter = converter_for(finetuning, self.run_config.model.adapter_name_or_path)
         converter.export_chunks(chunks, Path(out_dir), model_path=self.run_config.model.model_name_or_path,
                                 merged=merged)
 
