@@ -10,7 +10,8 @@ peft's ``get_peft_model`` for LoRA, ``McaTrainer`` / ``DPOTrainer(train_config=D
 It runs through ``hpc-mca run`` with the options of ROLL's launchers, and a YAML run of
 ``hpc-mca train`` reads the same records (LLaMA-Factory's dataset_info.json, the same template):
 every step's loss and gradient norm, and the eval loss, agree within 1e-6 (fp32), for sft, dpo
-(4 pairs per micro-batch) and pt, full and LoRA, on one rank and on two (DP2, TP2).
+(4 pairs per micro-batch) and pt, full and LoRA, on one rank and on two (DP2, TP2; and PP2,
+where the collator's micro-batches of one step differ in length and are padded to one).
 
 Before this issue the same script either failed (13 edits) or, ported, trained silently wrong:
 labels shifted twice (the wrapper's shift and the trainer's) and dpo pairs read as neighbouring
@@ -50,7 +51,8 @@ STAGES = {
            {"dataset": "text", "eval_dataset": "text_eval", "pt_chunking": "document", "seq_length": 64}),
 }
 LAYOUTS = {"one": (1, [], {}), "dp2": (2, [], {}),
-           "tp2": (2, ["--tensor_model_parallel_size", "2"], {"tensor_model_parallel_size": 2})}
+           "tp2": (2, ["--tensor_model_parallel_size", "2"], {"tensor_model_parallel_size": 2}),
+           "pp2": (2, ["--pipeline_model_parallel_size", "2"], {"pipeline_model_parallel_size": 2})}
 
 
 def _alpaca(name: str, prompt: str, response: str | None = None, **extra: object) -> dict:
@@ -140,7 +142,7 @@ def test_roll_script_trains_as_hpc_mca_train_on_one_rank(tmp_path, data, stage, 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, finetuning, layout", [
     ("sft", "full", "tp2"), ("sft", "lora", "dp2"), ("dpo", "full", "dp2"), ("dpo", "lora", "tp2"),
-    ("pt", "full", "dp2"), ("pt", "lora", "tp2")])
+    ("pt", "full", "dp2"), ("pt", "lora", "tp2"), ("pt", "full", "pp2")])
 def test_roll_script_trains_as_hpc_mca_train_on_two_ranks(tmp_path, data, stage, finetuning, layout):
     _same_run(tmp_path, data, stage, finetuning, layout)
 

@@ -94,6 +94,25 @@ class PackedBatch:
         return {f: getattr(self, f) for f in
                 ("input_ids", "labels", "loss_mask", "position_ids", "documents")}
 
+    def padded_to(self, seq_length: int) -> PackedBatch:
+        """An unpacked batch with every row padded at its end to ``seq_length`` slots: token 0,
+        no label, no document, positions running on. After the real tokens and under the
+        causal mask, padding changes nothing the real tokens compute (how a pipeline's
+        micro-batches get the one shape its stages exchange)."""
+        extra = seq_length - self.seq_length
+        if extra < 0 or self.packed or self.cp_size != 1:
+            raise ValueError(f"cannot pad a batch of {self.seq_length} slots (packed={self.packed}, "
+                             f"cp_size={self.cp_size}) to {seq_length}")
+        if extra == 0:
+            return self
+        pad = {"input_ids": 0, "labels": -100, "loss_mask": 0, "documents": 0}
+        fields = {name: torch.nn.functional.pad(getattr(self, name), (0, extra), value=value)
+                  for name, value in pad.items()}
+        last = self.position_ids[:, -1:]
+        more = last + torch.arange(1, extra + 1, device=last.device)
+        fields["position_ids"] = torch.cat([self.position_ids, more], dim=1)
+        return dataclasses.replace(self, **fields)
+
     def cp_shard(self, cp_size: int, cp_rank: int) -> PackedBatch:
         """This CP rank's slots: chunks ``cp_rank`` and ``2·cp_size-1-cp_rank`` of every
         sequence (see the module docstring); the batch itself when ``cp_size`` is 1."""

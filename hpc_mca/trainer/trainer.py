@@ -241,7 +241,7 @@ class Trainer:
         every: list[dict[str, torch.Tensor]] = []
         batches = agreed_batches(lambda: [self._cp_share(b) for b in loader], self.ctx.device)
         with torch.no_grad():
-            for micro in _chunks(batches, self._eval_microbatches()):
+            for micro in map(self._one_shape, _chunks(batches, self._eval_microbatches())):
                 self.objective.before_forward(micro, self._forward_only)
                 outputs = self._forward_only(self.model, self.forward_step, micro)
                 every += outputs
@@ -281,8 +281,17 @@ class Trainer:
         per_step = self.config.training.gradient_accumulation_steps
         micro = iter(loader)
         while True:
-            yield agreed_batches(lambda: [self._cp_share(next(micro)) for _ in range(per_step)],
-                                 self.ctx.device)
+            yield self._one_shape(agreed_batches(
+                lambda: [self._cp_share(next(micro)) for _ in range(per_step)], self.ctx.device))
+
+    def _one_shape(self, micro_batches: list[PackedBatch]) -> list[PackedBatch]:
+        """Under pipeline parallelism, the unpacked micro-batches of one schedule call padded
+        to the longest: the stages exchange activations of one shape (a script's collator
+        may pad each batch to its own length; ROLL pads them alike)."""
+        if self.mpu.get_pipeline_model_parallel_world_size() == 1 or any(b.packed for b in micro_batches):
+            return micro_batches
+        longest = max(b.seq_length for b in micro_batches)
+        return [b.padded_to(longest) for b in micro_batches]
 
     def _cp_share(self, batch: PackedBatch) -> PackedBatch:
         """The chunks of ``batch`` this rank's context-parallel position keeps (every CP rank
