@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import os
 import shlex
 from collections.abc import Callable, Iterable
@@ -195,6 +194,8 @@ class MegatronArguments:
     sequence_packing: bool = field(default=False, metadata=_help(
         "Pack rows (data.sequence_packing; refused beside a data_collator)."))
     compile_warmup: bool = field(default=False, metadata=_help("Refused when true."))
+    # transformers' field with None for "derived" (its default 1 would contradict a
+    # global_batch_size); the type widens transformers' int on purpose.
     gradient_accumulation_steps: int | None = field(default=None, metadata=_help(
         "Micro-batches per optimizer step on each rank; None = 1, or derived from "
         "global_batch_size (transformers' default is 1)."))
@@ -211,8 +212,9 @@ class MegatronArguments:
         if getattr(self, "bf16", False) or getattr(self, "fp16", False):
             self.accumulate_allreduce_grads_in_fp32 = True
         run_dir = os.environ.get(RUN_DIR_ENV)
-        if getattr(self, "output_dir", None) is None and run_dir:
-            self.output_dir = run_dir
+        this: Any = self  # a mixin: output_dir is transformers' field
+        if this.output_dir is None and run_dir:
+            this.output_dir = run_dir
         _on_cpu_if_no_gpu(self)
         parent = getattr(super(), "__post_init__", None)
         if parent is not None:  # transformers' (this class alone has none above it)
@@ -263,7 +265,8 @@ class MegatronArguments:
         problems += load_problems + _apply_environment(config)
         if problems:
             raise ConfigError("\n".join(problems))
-        config.datasets_in_code = True  # a script may hand the trainer its datasets as objects
+        # a script may hand the trainer its datasets as objects (how this config was made)
+        config.datasets_in_code = True  # type: ignore[misc]
         return config
 
     def resolve(self, world_size: int, base: TrainConfig | None = None) -> TrainConfig:
@@ -276,12 +279,12 @@ _Args = TypeVar("_Args", bound=MegatronArguments)
 
 
 @dataclass
-class TrainingArguments(MegatronArguments, transformers.TrainingArguments):
+class TrainingArguments(MegatronArguments, transformers.TrainingArguments):  # type: ignore[misc]
     """transformers' ``TrainingArguments`` with the Megatron fields (module docstring)."""
 
 
 @dataclass
-class Seq2SeqTrainingArguments(MegatronArguments, transformers.Seq2SeqTrainingArguments):
+class Seq2SeqTrainingArguments(MegatronArguments, transformers.Seq2SeqTrainingArguments):  # type: ignore[misc]
     """transformers' ``Seq2SeqTrainingArguments`` with the Megatron fields (module docstring)."""
 
 
@@ -496,14 +499,19 @@ def _changed_fields(args: MegatronArguments) -> list[tuple[str, Any]]:
     return out
 
 
-@functools.cache
+_DEFAULTS: dict[tuple[str, bool], dict[str, Any]] = {}
+
+
 def _transformers_defaults(cls: type, use_cpu: bool = False) -> dict[str, Any]:
     """transformers' fields of ``cls`` as its own ``__post_init__`` leaves them when nothing is
     given (``report_to`` becomes [], ``debug`` [] ...; on the CPU, ``dataloader_pin_memory``
-    false): a value equal to these was not given."""
+    false): a value equal to these was not given. Computed once per class."""
     base = next(c for c in cls.__mro__ if c.__module__.startswith("transformers."))
-    pristine = base(use_cpu=use_cpu)
-    return {f.name: getattr(pristine, f.name) for f in dataclasses.fields(base) if f.init}
+    key = (f"{base.__module__}.{base.__qualname__}", use_cpu)
+    if key not in _DEFAULTS:
+        pristine = base(use_cpu=use_cpu)
+        _DEFAULTS[key] = {f.name: getattr(pristine, f.name) for f in dataclasses.fields(base) if f.init}
+    return _DEFAULTS[key]
 
 
 def _translate(args: MegatronArguments, name: str, value: Any) -> Items:

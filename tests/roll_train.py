@@ -12,7 +12,9 @@ with LLaMA-Factory's ``get_dataset`` at ``cutoff_len + 1``; collate with LLaMA-F
 collators wrapped by a wrapper that drops the last input token and the first label (the
 pre-shifted convention); train with ``McaTrainer`` / ``DPOTrainer(train_config=DPOConfig)``.
 One addition to ROLL's flow: dpo applies LoRA too when asked (after building the reference),
-where ROLL's dpo trains the full model whatever ``finetuning_type`` says. Rank 0 writes ``OUTPUT_DIR/script_report.json`` (the TrainOutput and evaluate()'s metrics).
+where ROLL's dpo trains the full model whatever ``finetuning_type`` says. At the end, as
+LLaMA-Factory's own mca workflow, it evaluates and saves the model; rank 0 writes
+``OUTPUT_DIR/script_report.json`` (the TrainOutput and evaluate()'s metrics).
 """
 
 from __future__ import annotations

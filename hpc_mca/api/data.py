@@ -20,15 +20,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import torch
 
-from hpc_mca.data.batch import PackedBatch
 from hpc_mca.data.errors import DataError
 from hpc_mca.data.packing import pack_alignment
 from hpc_mca.data.preference import pair_rows
 from hpc_mca.data.rows import RowDataset
 from hpc_mca.data.store import SampleStore, check_token_ids
-from hpc_mca.data.tokenize import IGNORE_INDEX
 from hpc_mca.stages import FEEDBACK, PREFERENCE_PAIR, get_stage
 
 __all__ = ["example_rows"]

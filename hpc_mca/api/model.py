@@ -204,7 +204,7 @@ def _built(session: Session, source: str | Mapping[str, Any], load_weights: bool
         attention_backend=config.model.attention_backend, packed_attention=config.model.packed_attention,
         dtype=torch_dtype(config.training),
         config_overrides=model_overrides(config.model, config.parallel, config.training),
-        compile_layers="layer" in config.model.fusions)
+        compile_layers="layer" in (config.model.fusions or ()))
     chunks = build(source, load_weights=load_weights)
     model_path = config.model.model_name_or_path
     # Where peft's get_peft_model (a script's LoRA) puts the adapters, and how they start.

@@ -127,7 +127,7 @@ def finetuning_from_peft(models: list[torch.nn.Module], finetuning: FinetuningAr
     configs = {name: config for chunk in wrapped for name, config in chunk.peft_config.items()}
     if list(configs) != ["default"]:
         raise ConfigError(f"peft adapters {sorted(configs)}: valid: one adapter, 'default'")
-    lora = configs["default"]
+    lora: Any = configs["default"]
     if type(lora).__name__ != "LoraConfig":
         raise ConfigError(f"a {type(lora).__name__} on the model; valid: peft's LoraConfig")
     for key, default in _LORA_DEFAULTS.items():

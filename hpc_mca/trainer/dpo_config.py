@@ -4,6 +4,7 @@ mcore_adapter's names; each field is the run config's ``finetuning`` field named
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["DPOConfig"]
 
@@ -28,7 +29,7 @@ class DPOConfig:
         reference-free)."""
         return self.pref_loss not in ("orpo", "simpo")
 
-    def finetuning_fields(self) -> dict[str, object]:
+    def finetuning_fields(self) -> dict[str, Any]:
         """The run config's ``finetuning`` fields these set."""
         return {"stage": "dpo", "pref_beta": self.beta, "pref_loss": self.pref_loss,
                 "dpo_label_smoothing": self.label_smoothing, "pref_ftx": self.ftx,
