@@ -466,6 +466,14 @@ helpers put tensors; the ranks run where CUDA is.)"""
 STRATEGIES = ("eval_strategy", "save_strategy", "logging_strategy")
 """Read whatever their value: each decides whether its ``*_steps`` counts (config.input)."""
 
+NOT_IN_VIEW: dict[str, str] = {
+    "use_mca": "McaTrainer is the Megatron backend (LLaMA-Factory's FinetuningArguments has use_mca)",
+    "plot_loss": "LLaMA-Factory's FinetuningArguments has it (hpc-mca plot draws a run's curves)",
+    "fused_optimizer": "optim says it: adamw_torch_fused or adamw_torch",
+    "warmup_ratio": "warmup_steps below 1 is the ratio (transformers 5)",
+}
+"""The run config's training and parallel fields that are not fields here, and why."""
+
 _OWN = frozenset({"global_batch_size", "overwrite_output_dir", "profile_steps", "hang_timeout",
                   "async_save", "save_optimizer_format", "export_hf_dir", "export_merged_dir",
                   "pipeline_layout", "cp_comm_type", "data_parallel_size", "sequence_parallel_size",

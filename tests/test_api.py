@@ -305,6 +305,20 @@ def test_every_megatron_field_of_roll_is_honoured_or_refused():
     assert set(MEGATRON_FIELDS) <= names
 
 
+def test_every_training_and_parallel_setting_is_a_field_of_the_view():
+    """One shape: a setting of the run config's training or parallel section is a field of the
+    script arguments under its name (or NOT_IN_VIEW says why not), so a script can set it."""
+    import dataclasses
+
+    from hpc_mca.config.sections import ParallelArguments
+    from hpc_mca.config.sections import TrainingArguments as TrainingSection
+    from hpc_mca.training_args import NOT_IN_VIEW, Seq2SeqTrainingArguments
+
+    view = {f.name for f in dataclasses.fields(Seq2SeqTrainingArguments) if f.init}
+    settings = {f.name for cls in (TrainingSection, ParallelArguments) for f in dataclasses.fields(cls)}
+    assert settings - view == set(NOT_IN_VIEW)
+
+
 def test_batch_script_environment_sets_run_dir_and_planned_layout(monkeypatch, tmp_path):
     """Under hpc-mca submit: the job's run dir and the planned layout reach a script's
     arguments; a layout the script chose itself stays; another output_dir is refused."""
