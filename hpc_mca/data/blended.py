@@ -31,8 +31,10 @@ from typing import Any
 import numpy as np
 
 from .arguments import DataArguments, DataRun
+from .cache import default_cache_dir
 from .errors import DataError
 from .records import indexed_prefix
+from .training_data import TrainingData
 
 DEFAULT_SPLIT = "100,0,0"
 """Train, validation, test shares of each corpus's documents (Megatron's ``--split``)."""
@@ -98,7 +100,6 @@ def index_cache_dir(data: DataArguments, run: DataRun) -> Path:
     else the run directory (shared by all ranks and every requeue of the job)."""
     base = data.preprocessing_cache_dir or run.output_dir
     if not base:
-        from .store import default_cache_dir
 
         base = default_cache_dir()
     return Path(base) / "megatron_indices"
@@ -188,9 +189,8 @@ def build_blended(data: DataArguments, run: DataRun,
 
 def blended_training_data(data: DataArguments, run: DataRun, tokenizer: Any,
                           vocab_size: int | None = None) -> Any:
-    """:class:`~hpc_mca.data.dataset.TrainingData` of ``data.data_path``: one sample per row
+    """:class:`~hpc_mca.data.training_data.TrainingData` of ``data.data_path``: one sample per row
     (every sample fills its row; packed rows also carry cu_seqlens, as the THD path needs)."""
-    from .dataset import TrainingData
     from .packing import pack_alignment
     from .rows import RowDataset
     from .tokenize import pad_id

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from hpc_mca.stages import CONVERSATION, FEEDBACK, PREFERENCE_PAIR, STAGE_NAMES,
 
 from .arguments import DataArguments, DataRun
 from .batch import collate_batch
+from .cache import default_cache_dir
 from .encode import conversation_format, conversation_store, prepare_template, pt_eos_id
 from .errors import DataError
 from .feedback import feedback_rows, tokenize_feedback
@@ -56,36 +56,11 @@ from .store import (
     cached,
     check_token_ids,
     concat_samples,
-    default_cache_dir,
     indexed_prefix,
     subset,
 )
 from .tokenize import encode_documents, load_tokenizer, pad_id, pt_samples, tokenizer_fingerprint
-
-
-@dataclass
-class TrainingData:
-    """What the loop trains and evaluates on."""
-
-    train: RowDataset
-    """Training rows."""
-    eval: RowDataset | None
-    """Evaluation rows, or None."""
-    tokenizer: Any
-    """The tokenizer the rows were made with, as ``data.template`` fixed it (eos, pad, stop
-    words): both backends take their tokenizer from here."""
-
-    def describe(self) -> str:
-        """One line per split: samples, rows, packing efficiency, tokenization counts
-        (``invalid``: records dropped for their turn order or a missing answer, ``truncated``:
-        samples shortened to cutoff_len, ``dropped``: samples left with nothing to train)."""
-        lines = []
-        for name, rows in (("train", self.train), ("eval", self.eval)):
-            if rows is not None:
-                stats = getattr(rows.samples, "stats", {})
-                counts = ", ".join(f"{k} {v}" for k, v in sorted(stats.items()))
-                lines.append(f"{name}: {rows.report.describe()} ({counts})")
-        return "\n".join(lines)
+from .training_data import TrainingData
 
 
 # --- tokenization per stage ----------------------------------------------------------------

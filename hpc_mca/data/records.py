@@ -28,6 +28,7 @@ from typing import Any
 
 from hpc_mca.stages import CONVERSATION, FEEDBACK, PREFERENCE_PAIR, TEXT
 
+from .cache import default_cache_dir
 from .errors import DataError
 from .tables import (
     BUILDERS,
@@ -145,7 +146,6 @@ def _located(path: Path, table: Any) -> Iterator[Record]:
 
 
 def _default_cache() -> Path:
-    from .store import default_cache_dir  # store imports this module
 
     return default_cache_dir() / "datasets"
 

@@ -127,11 +127,6 @@ def check_token_ids(store: SampleStore, vocab_size: int, where: str) -> None:
 # --- cache ---------------------------------------------------------------------------------
 
 
-def default_cache_dir() -> Path:
-    root = os.environ.get("HPC_MCA_CACHE_DIR") or Path.home() / ".cache" / "hpc_mca"
-    return Path(root) / "tokenized"
-
-
 def file_digest(path: str | os.PathLike[str]) -> str:
     """Content hash of a dataset file (its name and location do not matter); of a dataset
     directory, the hash of its files' relative names and contents."""
@@ -265,4 +260,4 @@ class _Subset:
 
 
 __all__ = ["IndexedSamples", "SampleStore", "Samples", "cache_key", "cached", "concat_samples",
-           "default_cache_dir", "file_digest", "indexed_prefix", "subset"]
+           "file_digest", "indexed_prefix", "subset"]
