@@ -44,7 +44,7 @@ def bare_step_times(config_path: Path, steps: int) -> list[float]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from hpc_mca.config.sections import load_config
+    from hpc_mca.config.loading import load_config
     from hpc_mca.data.dataset import build_datasets, train_dataloader
     from hpc_mca.models.build import build_model
     from hpc_mca.runtime.distributed import init_distributed, shutdown

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer, TrainerCallback
 
 import hpc_mca
 import hpc_mca.errors
-from hpc_mca.config.sections import load_config
+from hpc_mca.config.loading import load_config
 from hpc_mca.models import AutoModel
 from hpc_mca.trainer import McaTrainer
 from hpc_mca.training_args import Seq2SeqTrainingArguments

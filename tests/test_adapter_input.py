@@ -39,7 +39,8 @@ from trainer_fixtures import (
     write_pairs,
 )
 
-from hpc_mca.config.sections import ConfigError, load_config
+from hpc_mca.config.loading import load_config
+from hpc_mca.config.sections import ConfigError
 
 WORKER = Path(__file__).with_name("lora_worker.py")
 IDS = [[(i + 12 * row) % 40 + 3 for i in range(12)] for row in range(2)]  # lora_worker's input

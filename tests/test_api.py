@@ -218,7 +218,7 @@ def test_bad_input_through_the_api_stops_every_rank_with_one_line(tmp_path, over
 def test_arguments_are_a_view_of_the_yaml_config(monkeypatch):
     """from_config / from_yaml make the view of a run config; to_config gives that config back,
     with the view's own changes; the caller's objects are never written to."""
-    from hpc_mca.config.sections import load_config
+    from hpc_mca.config.loading import load_config
     from hpc_mca.rundir import PLAN_OVERRIDES_ENV, RUN_DIR_ENV
     from hpc_mca.training_args import Seq2SeqTrainingArguments
 

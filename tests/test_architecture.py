@@ -165,6 +165,102 @@ def test_the_cycle_finder_finds_cycles():
     assert package_cycles(graph) == [["a", "b", "c"], ["e", "e2"]]
 
 
+def _type_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:`` (imports for annotations only: no edge)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(sub) for child in node.body for sub in ast.walk(child))
+    return skip
+
+
+def module_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the modules of its own package it imports at run time (module level or in a
+    function; imports for type checking only are left out), each by dotted name below hpc_mca."""
+    modules = {_module_name(path, package): path for path in package.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        skip = _type_only(tree)
+        base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        targets: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skip or not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.Import):
+                names = [alias.name.removeprefix("hpc_mca.") for alias in node.names]
+            else:
+                stem = (".".join([*base[:len(base) - node.level + 1], *([node.module] if node.module else [])])
+                        if node.level else (node.module or "").removeprefix("hpc_mca"))
+                stem = stem.lstrip(".")
+                names = [stem, *(f"{stem}.{alias.name}" for alias in node.names)]
+            targets.update(n for n in names if n in modules and n != module)
+        graph[module] = {t for t in targets if _package(t) == _package(module)}
+    return graph
+
+
+def module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph``: each strongly connected set of two or more modules."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                member = stack.pop()
+                members.append(member)
+                if member == node:
+                    break
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def test_no_module_import_circle_in_any_package():
+    """Within every package, the modules' run-time imports form no circle (a bottom-of-file
+    or function-local import does not hide one: both count)."""
+    assert module_cycles(module_graph()) == []
+
+
+def test_the_module_circle_finder_finds_a_function_local_circle(tmp_path):
+    fake = tmp_path / "hpc_mca"
+    (fake / "config").mkdir(parents=True)
+    (fake / "config" / "a.py").write_text("from .b import x\n")
+    (fake / "config" / "b.py").write_text("def f():\n    from .a import y\n")
+    (fake / "config" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                          "    from .a import z\n")
+    (fake / "config" / "d.py").write_text("from hpc_mca.config.c import w\n")
+    graph = module_graph(fake)
+    assert graph["config.c"] == set() and graph["config.d"] == {"config.c"}
+    assert module_cycles(graph) == [["config.a", "config.b"]]
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A name with a leading underscore is its module's own: no other module imports it."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("hpc_mca")):
+                found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {alias.name}"
+                          for alias in node.names if alias.name.startswith("_")]
+    assert found == []
+
+
 def test_every_module_has_a_layer():
     for path in PACKAGE.rglob("*.py"):
         layer(_module_name(path))

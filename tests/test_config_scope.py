@@ -12,7 +12,8 @@ from trainer_fixtures import CONFIG_ONLY_LLAMA, config_only_run
 from hpc_mca.config.input import KNOWN_ELSEWHERE
 from hpc_mca.config.schedule import resolve_warmup_steps
 from hpc_mca.config.scope import SCOPES
-from hpc_mca.config.sections import ConfigError, TrainConfig, load_config
+from hpc_mca.config.loading import load_config
+from hpc_mca.config.sections import ConfigError, TrainConfig
 
 
 @pytest.fixture

@@ -7,7 +7,8 @@ import pytest
 import yaml
 from trainer_fixtures import make_model_dir, rewind, run_train, steps, write_indexed
 
-from hpc_mca.config.sections import ConfigError, load_config
+from hpc_mca.config.loading import load_config
+from hpc_mca.config.sections import ConfigError
 from hpc_mca.data.addition import DEMO_DIR
 from hpc_mca.data.blended import BlendedSamples
 from hpc_mca.data.dataset import build_datasets, train_dataloader

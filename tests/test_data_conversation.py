@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_mca.config.sections import load_config
+from hpc_mca.config.loading import load_config
 from hpc_mca.data.addition import DEMO_DIR, alpaca_record, make_problems
 from hpc_mca.data.arguments import DataArguments
 from hpc_mca.data.dataset import build_datasets, load_samples

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpc_mca.config.sections import ConfigError, load_config
+from hpc_mca.config.loading import load_config
+from hpc_mca.config.sections import ConfigError
 from hpc_mca.data.addition import DEMO_DIR
 from hpc_mca.data.dataset import build_datasets
 from hpc_mca.data.errors import DataError

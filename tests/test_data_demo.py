@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from hpc_mca.config.sections import load_config
+from hpc_mca.config.loading import load_config
 from hpc_mca.data.addition import DEMO_DIR, make_problems
 from hpc_mca.data.dataset import build_datasets
 from hpc_mca.data.rows import collate_rows

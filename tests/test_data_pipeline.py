@@ -9,7 +9,7 @@ import pytest
 import torch
 from trainer_fixtures import write_indexed
 
-from hpc_mca.config.sections import load_config
+from hpc_mca.config.loading import load_config
 from hpc_mca.data.addition import DEMO_DIR
 from hpc_mca.data.dataset import build_datasets, check_eval_rows, eval_dataloader, train_dataloader
 from hpc_mca.data.errors import DataError

@@ -33,7 +33,8 @@ from trainer_fixtures import (
     write_pairs,
 )
 
-from hpc_mca.config.sections import ConfigError, FinetuningArguments, load_config
+from hpc_mca.config.loading import load_config
+from hpc_mca.config.sections import ConfigError, FinetuningArguments
 
 WORKER = Path(__file__).with_name("lora_worker.py")  # records trainable count, frozen unchanged
 SETTINGS = {  # LLaMA-Factory's three kinds: last N all, first N some module, extra modules

@@ -270,7 +270,8 @@ def test_kto_loss_by_hand():
                                       "rank(s) with finetuning.stage='kto'"),
 ])
 def test_bad_kto_settings_are_refused_in_one_line(tmp_path, override, message):
-    from hpc_mca.config.sections import ConfigError, load_config
+    from hpc_mca.config.loading import load_config
+    from hpc_mca.config.sections import ConfigError
     from hpc_mca.data.addition import DEMO_DIR
 
     data = tmp_path / "k.jsonl"

@@ -15,8 +15,9 @@ import yaml
 from lf_examples import EXAMPLES
 from trainer_fixtures import CONFIG_ONLY_LLAMA, config_only_run
 
-from hpc_mca.config.input import LF_KEYS
-from hpc_mca.config.sections import ConfigError, TrainConfig, load_config, load_resolved
+from hpc_mca.config.lf_keys import LF_KEYS
+from hpc_mca.config.loading import load_config, load_resolved
+from hpc_mca.config.sections import ConfigError, TrainConfig
 
 
 @pytest.fixture

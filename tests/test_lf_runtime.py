@@ -22,7 +22,7 @@ from trainer_fixtures import rank_env, run_ranks, steps
 from hpc_mca.checkpoint import afresh
 from hpc_mca.checkpoint.compat import checkpoint_to_load
 from hpc_mca.config.input import ConfigError
-from hpc_mca.config.sections import load_config
+from hpc_mca.config.loading import load_config
 from hpc_mca.launch.run import start_afresh_if_asked
 from hpc_mca.rundir import MANIFEST_FILE, PROGRESS_FILE
 from hpc_mca.runtime.env import from_environ

@@ -17,7 +17,8 @@ from trainer_fixtures import (
 
 from hpc_mca.api.session import choose_fusions
 from hpc_mca.config.layout import layout_of
-from hpc_mca.config.sections import ConfigError, load_config
+from hpc_mca.config.loading import load_config
+from hpc_mca.config.sections import ConfigError
 from hpc_mca.trainer.megatron_settings import check_megatron_settings, default_fusions
 
 REFUSED = {

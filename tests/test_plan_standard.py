@@ -96,7 +96,7 @@ def test_standard_plan_is_a_whole_model_per_gpu_and_the_trainer_accepts_it(tmp_p
 
 
 def test_forced_sp_halves_data_parallelism_and_goes_to_the_trainer(tmp_path):
-    from hpc_mca.config.sections import load_config
+    from hpc_mca.config.loading import load_config
 
     config = _config(tmp_path)
     one = make_job_plan(PlanOptions(**EIGHT_GPUS), config)

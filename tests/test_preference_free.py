@@ -115,7 +115,7 @@ def test_the_planner_sizes_no_reference_for_a_reference_free_run():
 def test_hpc_mca_plan_asks_the_config_whether_a_reference_runs(tmp_path, overrides, reference):
     from trainer_fixtures import config_only_run
 
-    from hpc_mca.config.sections import load_config
+    from hpc_mca.config.loading import load_config
     from hpc_mca.slurm.jobplan import PlanOptions, _from_config
 
     root = config_only_run(tmp_path)
@@ -130,7 +130,8 @@ def test_hpc_mca_plan_asks_the_config_whether_a_reference_runs(tmp_path, overrid
 def test_a_ref_model_of_another_shape_is_refused(tmp_path):
     from trainer_fixtures import CONFIG_ONLY_LLAMA, config_only_run
 
-    from hpc_mca.config.sections import ConfigError, load_config
+    from hpc_mca.config.loading import load_config
+    from hpc_mca.config.sections import ConfigError
 
     run = config_only_run(tmp_path)
     (tmp_path / "other").mkdir()

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from trainer_fixtures import make_model_dir, make_sft_data, probe_run, run_ranks, same_curve, steps, write_config
 
-from hpc_mca.config.sections import ConfigError, load_config
+from hpc_mca.config.loading import load_config
+from hpc_mca.config.sections import ConfigError
 from hpc_mca.topology import Layout, ModelShape, Workload
 from hpc_mca.topology.memory import discarded_bytes_per_token
 

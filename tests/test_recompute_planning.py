@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 from test_topology_planner import LLAMA3_8B, QWEN3_30B_A3B
 
-from hpc_mca.config.sections import load_config
+from hpc_mca.config.loading import load_config
 from hpc_mca.slurm.jobplan import PlanOptions, make_job_plan
 from hpc_mca.topology import Layout, Workload, get_gpu
 from hpc_mca.topology import network as net_model

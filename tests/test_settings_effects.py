@@ -88,7 +88,7 @@ def _datasets_of(config):
 
 
 def _data_config(tmp_path: Path, *overrides: str):
-    from hpc_mca.config.sections import load_config
+    from hpc_mca.config.loading import load_config
     from hpc_mca.data.addition import DEMO_DIR
 
     return load_config(None, [
@@ -285,7 +285,7 @@ def _first_step_gradient(config: Path, model_dir: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hpc_mca.config.sections import load_config
+    from hpc_mca.config.loading import load_config
     from hpc_mca.data.dataset import build_datasets, train_dataloader
 
     resolved = load_config(config).resolve(world_size=1)
@@ -410,7 +410,8 @@ def test_expert_tensor_parallel_one_keeps_experts_whole_under_tp2(tmp_path):
     1 (MoE with TP needs sequence parallelism): each rank holds 2 whole experts per layer
     (fc1 [64, 64], where ETP2 would give [32, 64]), checkpoint.json records etp 1, and 3 steps
     equal one process within 1e-5. Without the field (ETP = TP = 2) the layout is refused."""
-    from hpc_mca.config.sections import ConfigError, load_config
+    from hpc_mca.config.loading import load_config
+    from hpc_mca.config.sections import ConfigError
 
     model = make_model_dir(tmp_path, layers=2, moe=True)
     config = write_config(tmp_path, model, make_sft_data(tmp_path, 64, 1, "train"),

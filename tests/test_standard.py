@@ -37,7 +37,8 @@ from trainer_fixtures import (
     write_pairs,
 )
 
-from hpc_mca.config.sections import ConfigError, load_config
+from hpc_mca.config.loading import load_config
+from hpc_mca.config.sections import ConfigError
 
 STANDARD = ["training.use_mca=false"]
 MEGATRON = ["training.use_mca=true"]

@@ -228,7 +228,8 @@ def test_an_uneven_pipeline_goes_from_the_plan_to_the_trainer_config(tmp_path, m
     """--pp 3 on 32 layers: the plan splits 10,12,10, hands the split to the trainer as an
     override, and the trainer's config accepts it (the same rules); a split of the wrong sum is
     refused in one line naming the config key."""
-    from hpc_mca.config.sections import ConfigError, load_config
+    from hpc_mca.config.loading import load_config
+    from hpc_mca.config.sections import ConfigError
 
     config = _config(tmp_path, model_dir)
     job = make_job_plan(PlanOptions(nodes=3, pp=3, tp=8), config)

@@ -185,7 +185,7 @@ def test_demo_script_examples_are_the_pipelines_samples_unshifted() -> None:
 
     from transformers import AutoTokenizer
 
-    from hpc_mca.config.sections import load_config
+    from hpc_mca.config.loading import load_config
     from hpc_mca.data.dataset import load_samples
     from hpc_mca.data.tokenize import load_tokenizer
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from trainer_fixtures import make_model_dir, make_sft_data, run_train, write_config
 
-from hpc_mca.config.sections import ConfigError, load_config
+from hpc_mca.config.loading import load_config
+from hpc_mca.config.sections import ConfigError
 
 TRACKERS = "training.report_to=tensorboard,wandb,mlflow"
 

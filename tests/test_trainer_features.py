@@ -37,7 +37,7 @@ def _config(root, **sections):
 
 
 def _rows(config_path, packing: bool) -> int:
-    from hpc_mca.config.sections import load_config
+    from hpc_mca.config.loading import load_config
     from hpc_mca.data.dataset import build_datasets
 
     config = load_config(config_path, [f"data.sequence_packing={str(packing).lower()}",

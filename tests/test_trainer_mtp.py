@@ -102,7 +102,7 @@ def test_mtp_resumes_exactly(setup):
 def test_packed_equals_unpacked_rows(setup, tmp_path):
     """Every step takes the whole 24-sample data set (as 24 padded rows, or as however many
     packed rows they fill), so both train on the same tokens with per-token losses."""
-    from hpc_mca.config.sections import load_config
+    from hpc_mca.config.loading import load_config
     from hpc_mca.data.dataset import build_datasets
 
     root, _, _ = setup

@@ -17,7 +17,7 @@ and a YAML run of the same token ids train the same. A script's own collator is
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,12 +28,15 @@ from hpc_mca.data.rows import RowDataset
 from hpc_mca.data.store import SampleStore, check_token_ids
 from hpc_mca.stages import FEEDBACK, PREFERENCE_PAIR, get_stage
 
+if TYPE_CHECKING:
+    from hpc_mca.config.sections import TrainConfig
+
 __all__ = ["example_rows"]
 
 PAIR_KEYS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
 
 
-def example_rows(dataset: Any, config: Any, pad_token_id: int, vocab_size: int, what: str) -> RowDataset:
+def example_rows(dataset: Any, config: TrainConfig, pad_token_id: int, vocab_size: int, what: str) -> RowDataset:
     """The rows of ``dataset``'s examples for the default collator (module docstring)."""
     data, stage = config.data, get_stage(config.finetuning.stage)
     seq_length = data.seq_length or data.cutoff_len

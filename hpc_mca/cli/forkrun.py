@@ -41,7 +41,7 @@ def preload(args: Sequence[str]) -> bool:
 
     quiet_library_noise()  # before megatron is imported, as the train command does
     if args[:1] == ["train"] and len(args) > 1:
-        from hpc_mca.config.sections import load_config
+        from hpc_mca.config.loading import load_config
         from hpc_mca.errors import UserError
         from hpc_mca.loop.trackers import skip_unused_tracker_imports
 

@@ -45,7 +45,7 @@ def _plot_loss(config: Path, overrides: tuple[str, ...]) -> None:
     """``training.plot_loss``: draw the run's curves as ``hpc-mca plot`` does, into output_dir.
     Here rather than in the backends: the drawing lives with the login-side commands, above
     them. A failed drawing is reported and leaves the run's result alone."""
-    from hpc_mca.config.sections import load_config
+    from hpc_mca.config.loading import load_config
     from hpc_mca.rundir import STEPS_FILE
 
     training = load_config(config, overrides).training

@@ -10,7 +10,9 @@ Megatron scheduler lazily).
 
 - ``sections``: the dataclasses and the resolved config a run directory keeps.
 - ``loading``: YAML and ``key=value`` overrides into the dataclasses, with every problem in one message.
-- ``input``: key aliases, type coercion, the one-line :class:`ConfigError`.
+- ``input``: type coercion, what to say of an unknown key, the one-line :class:`ConfigError`.
+- ``lf_keys``: LLaMA-Factory's keys that set fields of this config (``packing``, ``save_strategy`` ...).
+- ``choices``: the enumerated fields' choices (pure data).
 - ``rules``: the cross-section checks, each naming the dotted field and what is valid.
 - ``finetuning_rules``: the checks of what trains (LoRA, freeze, adapters) and of each stage's losses.
 - ``scope``: settings that only mean something in a context (a stage, a backend).
@@ -19,6 +21,7 @@ Megatron scheduler lazily).
 - ``run_length``: steps from epochs, samples and batch sizes.
 """
 
+from .loading import load_config
 from .sections import (
     ConfigError,
     DataArguments,
@@ -27,7 +30,6 @@ from .sections import (
     ParallelArguments,
     TrainConfig,
     TrainingArguments,
-    load_config,
 )
 
 __all__ = [

@@ -22,11 +22,14 @@ import json
 import re
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_mca.topology.lora import LoraTargetError, resolve_lora_targets
 
-from .sections import ConfigError, TrainConfig
+from .input import ConfigError
+
+if TYPE_CHECKING:  # the sections import the rules: a runtime import here would be a circle
+    from .sections import TrainConfig
 
 __all__ = ["adapter_shape", "check_adapters"]
 

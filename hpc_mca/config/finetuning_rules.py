@@ -7,10 +7,16 @@ losses and reference, kto's weights). :func:`check_finetuning` is one step of
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_mca.errors import UserError
-from hpc_mca.stages import FEEDBACK, PREFERENCE_PAIR, REFERENCE_FREE_LOSSES, get_stage, reference_runs
+from hpc_mca.stages import (
+    FEEDBACK,
+    PREFERENCE_PAIR,
+    REFERENCE_FREE_LOSSES,
+    get_stage,
+    reference_runs,
+)
 from hpc_mca.topology import Layout
 from hpc_mca.topology.freeze import (
     FreezeError,
@@ -25,8 +31,12 @@ from hpc_mca.topology.lora import LoraTargetError, resolve_lora_targets
 from .adapters import check_adapters
 from .checks import at_least as _at_least
 from .checks import choice as _choice
+from .choices import PREF_LOSSES
+from .input import ConfigError
 from .layout import model_shape, model_type
-from .sections import PREF_LOSSES, ConfigError, TrainConfig
+
+if TYPE_CHECKING:  # the sections import the rules: a runtime import here would be a circle
+    from .sections import TrainConfig
 
 __all__ = ["check_finetuning", "check_kto_micro_step"]
 

@@ -7,10 +7,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpc_mca.topology import Layout, LayoutError, ModelShape
 
-from .sections import ConfigError, ParallelArguments
+from .input import ConfigError
+
+if TYPE_CHECKING:  # the sections import the rules: a runtime import here would be a circle
+    from .sections import ParallelArguments
 
 __all__ = ["layout_of", "model_shape", "model_type", "our_names"]
 

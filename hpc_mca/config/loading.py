@@ -13,18 +13,24 @@ from typing import Any
 
 from hpc_mca.data.templates import TEMPLATE_NAMES
 
+from .choices import OPTIMIZERS, REPORT_TO
 from .input import (
     ConfigError,
     choice_message,
     coerce,
-    lf_assignments,
-    lf_name,
     optimizer_fields,
     parse_value,
     read_yaml,
     unknown_key_message,
 )
-from .sections import _FLAT, _INPUT_PATHS, _SECTION_TYPES, OPTIMIZERS, REPORT_TO, TrainConfig
+from .lf_keys import lf_assignments, lf_name
+from .sections import (
+    INPUT_PATHS,
+    SECTION_TYPES,
+    TrainConfig,
+    field_section,
+    flat_fields,
+)
 
 __all__ = ["config_items", "load_config", "load_items", "load_resolved", "set_value"]
 
@@ -77,7 +83,7 @@ def load_items(items: list[tuple[str, Any, Path | None]],
     written: dict[str, int] = {}  # field -> the position of the item that set it last
     lf_items: dict[str, tuple[int, Any]] = {}  # a LLaMA-Factory key -> its last position, value
     for at, (key, value, base) in enumerate(items):
-        name = lf_name(key, tuple(_SECTION_TYPES))
+        name = lf_name(key, tuple(SECTION_TYPES))
         if name is not None:
             lf_items.pop(name, None)  # re-inserted: they are applied in the order written
             lf_items[name] = (at, value)
@@ -124,7 +130,7 @@ def _flatten(data: dict[str, Any]) -> list[tuple[str, Any]]:
     """Section mappings (``training: {...}``) become dotted keys; other keys pass through."""
     items: list[tuple[str, Any]] = []
     for key, value in data.items():
-        if key in _SECTION_TYPES and isinstance(value, dict):
+        if key in SECTION_TYPES and isinstance(value, dict):
             items += [(f"{key}.{sub}", v) for sub, v in value.items()]
         else:
             items.append((str(key), value))
@@ -151,13 +157,13 @@ def set_value(config: TrainConfig, key: str, value: Any,
         for target, target_value in fields.items():
             setattr(config.training, target.split(".")[1], target_value)
         return list(fields)
-    hint = typing.get_type_hints(_SECTION_TYPES[section])[name]
+    hint = typing.get_type_hints(SECTION_TYPES[section])[name]
     value = coerce(dotted, value, hint)
     for item in (value if isinstance(value, list) else [value]):
         problem = choice_message(dotted, item, _LOAD_CHOICES[dotted]) if dotted in _LOAD_CHOICES else None
         if problem:
             raise ConfigError(problem)
-    if base_dir is not None and dotted in _INPUT_PATHS and value is not None:
+    if base_dir is not None and dotted in INPUT_PATHS and value is not None:
         value = _relative_to(base_dir, value)
     setattr(getattr(config, section), name, value)
     return [dotted]
@@ -166,11 +172,11 @@ def set_value(config: TrainConfig, key: str, value: Any,
 def _lookup(key: str) -> tuple[str, str | None]:
     """``(dotted field, dict subkey or None)`` for a flat or dotted key."""
     parts = key.split(".")
-    if parts[0] in _SECTION_TYPES and len(parts) >= 2 and _FLAT.get(parts[1]) == ".".join(
+    if parts[0] in SECTION_TYPES and len(parts) >= 2 and field_section(parts[1]) == ".".join(
             parts[:2]):
         dotted, rest = ".".join(parts[:2]), parts[2:]
-    elif parts[0] in _FLAT:
-        dotted, rest = _FLAT[parts[0]], parts[1:]
+    elif field_section(parts[0]) is not None:
+        dotted, rest = str(field_section(parts[0])), parts[1:]
     else:
         raise ConfigError(_unknown_key_message(key))
     if not rest:
@@ -181,7 +187,7 @@ def _lookup(key: str) -> tuple[str, str | None]:
 
 
 def _unknown_key_message(key: str) -> str:
-    return unknown_key_message(key, _FLAT)
+    return unknown_key_message(key, flat_fields())
 
 
 def _relative_to(base: Path, value: Any) -> Any:

@@ -13,7 +13,7 @@ import importlib.util
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_mca.data.choices import MIX_STRATEGIES, PT_CHUNKINGS
 from hpc_mca.data.records import FORMATS_BY_READS
@@ -30,13 +30,7 @@ from hpc_mca.topology.choices import CP_COMM_TYPES, recompute_modules_for
 
 from .checks import at_least as _at_least
 from .checks import choice as _choice
-from .finetuning_rules import check_finetuning as _check_finetuning
-from .finetuning_rules import check_kto_micro_step
-from .layout import layout_of, model_shape, model_type, our_names
-from .run_settings import check_run_settings
-from .schedule import SchedulerError, resolve_warmup_steps, scheduler_spec
-from .scope import check_scopes
-from .sections import (
+from .choices import (
     ATTENTION_CHOICES,
     DATASET_FORMATS,
     FINETUNING_TYPES,
@@ -47,11 +41,17 @@ from .sections import (
     REPORT_TO,
     RESERVED_FINETUNING_TYPES,
     TRACKER_PACKAGES,
-    ConfigError,
-    ParallelArguments,
-    TrainConfig,
-    TrainingArguments,
 )
+from .finetuning_rules import check_finetuning as _check_finetuning
+from .finetuning_rules import check_kto_micro_step
+from .input import ConfigError
+from .layout import layout_of, model_shape, model_type, our_names
+from .run_settings import check_run_settings
+from .schedule import SchedulerError, resolve_warmup_steps, scheduler_spec
+from .scope import check_scopes
+
+if TYPE_CHECKING:  # the sections import the rules: a runtime import here would be a circle
+    from .sections import ParallelArguments, TrainConfig, TrainingArguments
 
 # --- resolve: cross-field rules ------------------------------------------------------------
 
@@ -464,7 +464,7 @@ def _derive_batch(tr: TrainingArguments, dp: int) -> None:
     tr.gradient_accumulation_steps = derived
 
 
-_Rule = Callable[[TrainConfig, int], None]
+_Rule = Callable[["TrainConfig", int], None]
 RESOLVE_STEPS: tuple[tuple[_Rule, tuple[_Rule, ...]], ...] = (
     (_check_stage, ()),
     (check_scopes, ()),

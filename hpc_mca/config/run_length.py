@@ -5,8 +5,12 @@ checkpoint's run with the one resuming it) all count the same way, from here."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from .sections import ConfigError, TrainingArguments
+from .input import ConfigError
+
+if TYPE_CHECKING:  # the sections import the rules: a runtime import here would be a circle
+    from .sections import TrainingArguments
 
 
 def total_training_steps(training: TrainingArguments, num_rows: int) -> int:

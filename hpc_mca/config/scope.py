@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_mca.stages import (
     CONVERSATION_DATA_KEYS,
@@ -30,7 +30,10 @@ from hpc_mca.stages import (
     stages_where,
 )
 
-from .sections import ConfigError, TrainConfig
+from .input import ConfigError
+
+if TYPE_CHECKING:  # the sections import the rules: a runtime import here would be a circle
+    from .sections import TrainConfig
 
 __all__ = ["SCOPES", "Scope", "check_scopes", "has_eval_data"]
 

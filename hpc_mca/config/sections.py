@@ -7,7 +7,7 @@ and a YAML file may also nest them under the section names. Values are YAML-type
 Relative input paths (model, tokenizer, datasets) in a YAML file are taken relative to that
 file's directory when they exist there, else relative to the working directory.
 LLaMA-Factory's own names for settings (``packing``, ``flash_attn``, ``save_strategy`` ...) are
-translated into these fields or refused in one line (:data:`.input.LF_KEYS`).
+translated into these fields or refused in one line (:data:`.lf_keys.LF_KEYS`).
 
 :meth:`TrainConfig.resolve` checks the cross-field rules for a world size, before anything is
 allocated, and fills in the derived values (data-parallel size, accumulation steps, global
@@ -30,43 +30,31 @@ import yaml
 from hpc_mca.data.arguments import DataArguments, DataRun
 from hpc_mca.rundir import RESOLVED_CONFIG_FILE, write_atomic
 
+from .choices import (  # re-exported: where callers look
+    ATTENTION_BACKENDS,
+    ATTENTION_CHOICES,
+    DATASET_FORMATS,
+    FINETUNING_TYPES,
+    KERNEL_FUSIONS,
+    OPTIMIZER_FORMATS,
+    OPTIMIZERS,
+    PACKED_ATTENTION,
+    PACKED_KERNELS,
+    PREF_LOSSES,
+    REPORT_TO,
+    RESERVED_FINETUNING_TYPES,
+    RESHARDABLE_FORMATS,
+    TRACKER_PACKAGES,
+)
 from .input import ConfigError
+from .rules import RESOLVE_STEPS
 
 __all__ = ["ATTENTION_BACKENDS", "ATTENTION_CHOICES", "DATASET_FORMATS", "FINETUNING_TYPES",
            "KERNEL_FUSIONS", "OPTIMIZERS", "OPTIMIZER_FORMATS", "PACKED_ATTENTION", "PACKED_KERNELS",
            "PREF_LOSSES", "REPORT_TO", "RESERVED_FINETUNING_TYPES", "RESHARDABLE_FORMATS",
            "TRACKER_PACKAGES", "ConfigError", "DataArguments", "FinetuningArguments", "ModelArguments",
-           "ParallelArguments", "TrainConfig", "TrainingArguments", "field_section", "load_config",
-           "load_resolved", "set_value"]
-
-PREF_LOSSES = ("sigmoid", "ipo", "hinge", "orpo", "simpo")
-"""dpo's preference losses (``finetuning.pref_loss``), as LLaMA-Factory and TRL name them."""
-FINETUNING_TYPES = ("full", "lora", "freeze")
-"""Which parameters train: every one (full), LoRA adapters on the frozen model (lora), or some
-decoder layers and modules of the model, the rest frozen (freeze)."""
-RESERVED_FINETUNING_TYPES: tuple[str, ...] = ()
-DATASET_FORMATS = ("auto", "text", "alpaca", "sharegpt", "indexed")
-ATTENTION_BACKENDS = ("te", "flash", "torch")
-"""Core-attention backends, in the order ``auto`` prefers them (models.attention_backend)."""
-ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)
-"""model.attention_backend choices: a backend, or auto."""
-PACKED_KERNELS = ("varlen", "flex", "sdpa")
-"""Packed-sequence kernels of the torch backend, in the order ``auto`` prefers them
-(hpc_mca.models.packed_kernels)."""
-PACKED_ATTENTION = ("auto", *PACKED_KERNELS)
-"""model.packed_attention choices: a kernel, or auto."""
-KERNEL_FUSIONS = ("swiglu", "cross_entropy", "rope", "layer")
-"""model.fusions choices: kernel fusions that run without Transformer Engine or Apex."""
-OPTIMIZERS = ("adam", "sgd")
-RESHARDABLE_FORMATS = ("fully_reshardable", "dp_reshardable")
-"""Megatron's own distributed-optimizer sharding types that we save when
-training.save_optimizer_format names them: fully_reshardable reshards over TP, PP and DP;
-dp_reshardable only over DP. (Our default, model_space, reshards over all.)"""
-OPTIMIZER_FORMATS = ("model_space", *RESHARDABLE_FORMATS)
-TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
-"""training.report_to name -> the package it needs."""
-REPORT_TO = (*TRACKER_PACKAGES, "none")
-"""training.report_to choices: a tracker, or none."""
+           "ParallelArguments", "TrainConfig", "TrainingArguments", "INPUT_PATHS", "SECTION_TYPES",
+           "field_section", "flat_fields"]
 
 
 @dataclass
@@ -411,8 +399,6 @@ class TrainConfig:
     def resolve(self, world_size: int) -> TrainConfig:
         """A copy with the cross-field rules checked for ``world_size`` ranks and the derived
         fields filled in; raises ConfigError (one line per problem)."""
-        from .rules import RESOLVE_STEPS  # the rules need the dataclasses above
-
         config = copy.deepcopy(self)
         problems: list[str] = []
         failed: set[Any] = set()
@@ -429,19 +415,20 @@ class TrainConfig:
         return config
 
 
-_SECTION_TYPES = {"model": ModelArguments, "data": DataArguments,
+SECTION_TYPES: dict[str, type] = {"model": ModelArguments, "data": DataArguments,
                   "finetuning": FinetuningArguments, "training": TrainingArguments,
                   "parallel": ParallelArguments}
-_INPUT_PATHS = {"model.model_name_or_path", "model.tokenizer_name_or_path", "data.dataset",
+INPUT_PATHS = frozenset({"model.model_name_or_path", "model.tokenizer_name_or_path", "data.dataset",
                 "data.eval_dataset", "data.dataset_dir", "data.data_path",
                 "model.adapter_name_or_path", "finetuning.ref_model_adapters",
-                "finetuning.ref_model"}
+                "finetuning.ref_model"})
+"""The dotted fields that name files or directories (read relative to a YAML file's folder)."""
 
 
 def _field_index() -> dict[str, str]:
     """Flat field name -> dotted name; a flat name must be unique across sections."""
     index: dict[str, str] = {}
-    for section, cls in _SECTION_TYPES.items():
+    for section, cls in SECTION_TYPES.items():
         for f in dataclasses.fields(cls):
             if f.name in index:
                 raise RuntimeError(f"config field {f.name} appears in two sections")
@@ -450,6 +437,7 @@ def _field_index() -> dict[str, str]:
 
 
 _FLAT = _field_index()
+"""Flat field name -> dotted name (read it through :func:`field_section` / :func:`flat_fields`)."""
 
 
 def field_section(name: str) -> str | None:
@@ -458,5 +446,7 @@ def field_section(name: str) -> str | None:
     return _FLAT.get(name)
 
 
-# Loading lives in .loading (it needs the classes above); re-exported here, where callers look.
-from .loading import load_config, load_resolved, set_value  # noqa: E402
+def flat_fields() -> dict[str, str]:
+    """Every run-config field: flat name -> dotted name (a copy)."""
+    return dict(_FLAT)
+

@@ -24,7 +24,8 @@ from hpc_mca.api.session import (
     tokenizer_fits_model,
 )
 from hpc_mca.checkpoint.compat import nothing_to_train
-from hpc_mca.config.sections import load_resolved
+from hpc_mca.config.loading import load_resolved
+from hpc_mca.config.sections import TrainConfig
 from hpc_mca.errors import UserError
 from hpc_mca.loop.trackers import skip_unused_tracker_imports
 from hpc_mca.runtime.env import from_environ
@@ -64,7 +65,7 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
         close_session()
 
 
-def _train(config: Any, callbacks: Iterable[Any]) -> list[Any]:
+def _train(config: TrainConfig, callbacks: Iterable[Any]) -> list[Any]:
     from hpc_mca.api import McaTrainer
     from hpc_mca.api.model import pretrained_model
     from hpc_mca.api.session import open_session

@@ -38,7 +38,7 @@ from hpc_mca.models.mapping import Piece, ShardCoords
 from hpc_mca.models.weights import shard_coords, unwrap
 from hpc_mca.topology.lora import LoraTargets
 
-__all__ = ["ADAPTER_FILE", "save_peft_adapter"]
+__all__ = ["ADAPTER_FILE", "layer_pieces", "save_peft_adapter"]
 
 ADAPTER_FILE = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
@@ -56,7 +56,7 @@ def save_peft_adapter(chunks: Sequence[torch.nn.Module], out_dir: str | Path, sp
     for chunk in chunks:
         coords = shard_coords(unwrap(chunk))
         for _, layer in lora_layers([chunk]):
-            for name, shape, piece, param, owner in _layer_pieces(layer, coords, spec.num_experts):
+            for name, shape, piece, param, owner in layer_pieces(layer, coords, spec.num_experts):
                 shapes[name] = shape
                 if owner:
                     items.append(ExportItem(piece, param))
@@ -97,7 +97,7 @@ def _all_shapes(mine: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     return dict(sorted(merged.items()))
 
 
-def _layer_pieces(layer: MegatronLoraLinear, coords: ShardCoords, num_experts: int
+def layer_pieces(layer: MegatronLoraLinear, coords: ShardCoords, num_experts: int
                   ) -> Iterator[tuple[str, tuple[int, ...], Piece, torch.Tensor, bool]]:
     """(HF adapter tensor, its shape, this rank's piece, the parameter, whether this rank
     sends it) for every adapter weight of ``layer``; experts' tensors are per expert

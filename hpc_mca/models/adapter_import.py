@@ -30,7 +30,7 @@ import torch
 
 from hpc_mca.config.adapters import adapter_shape
 from hpc_mca.config.sections import FinetuningArguments
-from hpc_mca.models.adapter_export import ADAPTER_FILE, _layer_pieces
+from hpc_mca.models.adapter_export import ADAPTER_FILE, layer_pieces
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_config import HFModelSpec, read_hf_config
 from hpc_mca.models.lora import MegatronLoraLinear, apply_lora, lora_layers
@@ -101,7 +101,7 @@ def load_adapter(chunks: Sequence[torch.nn.Module], path: str, spec: HFModelSpec
     for chunk in chunks:
         coords = shard_coords(unwrap(chunk))
         for _, layer in lora_layers([chunk]):
-            for name, shape, piece, param, _ in _layer_pieces(layer, coords, spec.num_experts):
+            for name, shape, piece, param, _ in layer_pieces(layer, coords, spec.num_experts):
                 source = tensors.get(name)
                 if source is None or tuple(source.shape) != tuple(shape):
                     got = "missing" if source is None else f"shape {tuple(source.shape)}"

@@ -23,12 +23,15 @@ same rank, alpha, dropout and targets does; a LoraConfig setting that section ca
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hpc_mca.config.input import ConfigError
 from hpc_mca.config.sections import FinetuningArguments
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 __all__ = ["adaptable_linears", "finetuning_from_peft", "mark_lora_sites", "register_megatron_lora",
            "trained_chunks"]
@@ -64,7 +67,8 @@ def register_megatron_lora() -> None:
 
     peft_create = LoraModel._create_new_module
 
-    def create_new_module(lora_config: Any, adapter_name: str, target: torch.nn.Module, **kwargs: Any) -> Any:
+    def create_new_module(lora_config: LoraConfig, adapter_name: str, target: torch.nn.Module,
+                          **kwargs: Any) -> torch.nn.Module:
         module = _megatron_module(lora_config, adapter_name, target, **kwargs)
         return module if module is not None else peft_create(lora_config, adapter_name, target, **kwargs)
 
@@ -72,7 +76,8 @@ def register_megatron_lora() -> None:
     _REGISTERED = True
 
 
-def _megatron_module(config: Any, adapter_name: str, target: torch.nn.Module, **kwargs: Any) -> Any:
+def _megatron_module(lora_config: LoraConfig, adapter_name: str, target: torch.nn.Module,
+                     **kwargs: Any) -> torch.nn.Module | None:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -88,7 +93,7 @@ def _megatron_module(config: Any, adapter_name: str, target: torch.nn.Module, **
                           "decoder layers' attention and MLP; valid: the names "
                           "hpc_mca.adapters.find_all_linear_modules(model) gives")
     site, seed = marked
-    return MegatronLoraLinear(target, adapter_name, config=config, sites={name: site}, seed=seed,
+    return MegatronLoraLinear(target, adapter_name, config=lora_config, sites={name: site}, seed=seed,
                               **kwargs)
 
 

@@ -118,7 +118,8 @@ def _config_keys(config_path: Path | None, overrides: Iterable[str]) -> set[str]
 
 def load_train_config(config_path: Path, overrides: Iterable[str]) -> TrainConfig:
     """The trainer's config object, with its errors as OpsError."""
-    from hpc_mca.config.sections import ConfigError, load_config
+    from hpc_mca.config.loading import load_config
+    from hpc_mca.config.sections import ConfigError
 
     if not config_path.is_file():
         raise OpsError(f"config file {str(config_path)!r} does not exist; valid: a run config "

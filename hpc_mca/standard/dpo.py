@@ -39,7 +39,7 @@ from hpc_mca.models import hf_attention
 from hpc_mca.models.converters import converter_for, merge_hf_adapters
 from hpc_mca.runtime.sequence_parallel import IGNORE_INDEX
 
-from .trainer import StandardTrainer, _count
+from .trainer import StandardTrainer, batch_count
 
 __all__ = ["StandardDpoTrainer", "frozen_reference"]
 
@@ -117,7 +117,7 @@ class StandardDpoTrainer(StandardTrainer):
         if self.run.sp_rank == 0:  # SP peers hold the same pairs
             self.tally.loss_sum += float(losses.detach().sum())
             self.pref_sums += metrics.double().cpu()
-        loss = losses.sum() * (self.run.world_size / _count(num_items_in_batch))
+        loss = losses.sum() * (self.run.world_size / batch_count(num_items_in_batch))
         return (loss, None) if return_outputs else loss
 
     def step_metrics(self, count: int) -> dict[str, float]:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from hpc_mca.loop.kto import METRICS, kl_estimate, kto_loss, micro_step_metrics, micro_step_sums, step_metrics
 
 from .dpo import StandardDpoTrainer
-from .trainer import _count
+from .trainer import batch_count
 
 __all__ = ["StandardKtoTrainer"]
 
@@ -55,7 +55,7 @@ class StandardKtoTrainer(StandardDpoTrainer):
         if self.run.sp_rank == 0:  # SP peers hold the same examples
             self.tally.loss_sum += float(losses.detach().sum())
         self.kto_sums += metrics
-        loss = losses.sum() * (self.run.world_size / _count(num_items_in_batch))
+        loss = losses.sum() * (self.run.world_size / batch_count(num_items_in_batch))
         return (loss, None) if return_outputs else loss
 
     def step_metrics(self, count: int) -> dict[str, float]:

@@ -46,7 +46,7 @@ from .checkpoint import save_checkpoint
 from .data import eval_streams
 from .hf_adapter import AdaptedTrainer
 
-__all__ = ["StandardTrainer"]
+__all__ = ["StandardTrainer", "batch_count"]
 
 
 @dataclasses.dataclass
@@ -114,7 +114,7 @@ class StandardTrainer(AdaptedTrainer):
         loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), inputs["labels"].flatten(),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
         self.tally.loss_sum += float(loss_sum.detach())
-        loss = loss_sum * (self.run.world_size / _count(num_items_in_batch))
+        loss = loss_sum * (self.run.world_size / batch_count(num_items_in_batch))
         return (loss, logits) if return_outputs else loss
 
     def step_metrics(self, count: int) -> dict[str, float]:
@@ -252,6 +252,6 @@ def checkpoint_info(records: dict[str, Any], env: Any, step: int, samples: int, 
                           **records)
 
 
-def _count(num_items_in_batch: Any) -> float:
+def batch_count(num_items_in_batch: Any) -> float:
     """The divisor of a micro-batch's loss: the global batch's count (at least 1)."""
     return max(float(num_items_in_batch), 1.0) if num_items_in_batch is not None else 1.0

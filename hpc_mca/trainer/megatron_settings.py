@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 from hpc_mca.config.sections import (
-    _FLAT,
     ConfigError,
     ModelArguments,
     ParallelArguments,
     TrainConfig,
     TrainingArguments,
+    flat_fields,
 )
 from hpc_mca.topology import Layout
 
@@ -138,7 +138,8 @@ def megatron_refusal(err: BaseException) -> str:
         text = f"{type(err).__name__} at {Path(frame.filename).name}:{frame.lineno}"
     fields = {f.name for cls in (TransformerConfig, OptimizerConfig, DistributedDataParallelConfig)
               for f in dataclasses.fields(cls)}
-    names = {name: _FLAT[name] for name in fields & set(_FLAT)} | _MEGATRON_NAMES
+    flat = flat_fields()
+    names = {name: flat[name] for name in fields & set(flat)} | _MEGATRON_NAMES
     pattern = re.compile(r"(?<![\w.])(" + "|".join(sorted(names, key=len, reverse=True)) + r")\b")
     return ("Megatron-Core refuses these settings: "
             + pattern.sub(lambda m: names[m.group(1)], text))

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from hpc_mca.config.sections import TrainConfig, load_config
+from hpc_mca.config.loading import load_config
+from hpc_mca.config.sections import TrainConfig
 from hpc_mca.data.samples import infer_seqlen  # LLaMA-Factory's cutoff rule, as the YAML path cuts
 from hpc_mca.models import AutoModel
 from hpc_mca.trainer import McaTrainer
