@@ -261,6 +261,40 @@ def test_no_module_imports_another_modules_private_name():
     assert found == []
 
 
+def library_patches(package: Path = PACKAGE) -> dict[str, list[str]]:
+    """File -> the attributes of other libraries it assigns (``mtp.roll_tensor = ...``,
+    ``torch.cuda.Event = ...``): an assignment whose target's root name was bound by an import
+    of a module outside hpc_mca."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        libraries = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):  # (sys.argv is the process's, not a library's)
+                libraries.update((a.asname or a.name).split(".")[0] for a in node.names
+                                 if not a.name.startswith(("hpc_mca", "sys")))
+            elif isinstance(node, ast.ImportFrom) and not node.level and not (node.module or "").startswith("hpc_mca"):
+                libraries.update(a.asname or a.name for a in node.names)
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and _root(target) in libraries:
+                    found.setdefault(str(path.relative_to(package.parent)), []).append(ast.unparse(target))
+    return found
+
+
+def test_every_library_patch_is_listed_in_the_readme():
+    """README's table under "Running ranks" names every file that patches a library."""
+    import re
+
+    text = (PACKAGE.parent / "README.md").read_text()
+    table = text[text.index("| where | what it replaces | when |"):].split("\n\n", 1)[0]
+    listed = set(re.findall(r"^\| `(hpc_mca/[\w/]+\.py)` \|", table, re.M))
+    patches = library_patches()
+    assert set(patches) == listed, patches
+    assert "torch.cuda.Event" in patches["hpc_mca/runtime/cpu_compat.py"]  # the finder finds one
+
+
 def test_every_module_has_a_layer():
     for path in PACKAGE.rglob("*.py"):
         layer(_module_name(path))

@@ -1,4 +1,6 @@
-"""Megatron-Core on CPU: the one place where hpc-mca patches torch and Megatron.
+"""Megatron-Core on CPU: the patches to torch and Megatron that let it run without CUDA (the
+other places that patch a library, each for its own reason, are listed in README.md under
+"Running ranks").
 
 Megatron-Core is written for CUDA. Its algorithms (tensor/pipeline/expert parallelism, DDP,
 the distributed optimizer, dist_checkpointing) are device-agnostic torch code, but it reaches
