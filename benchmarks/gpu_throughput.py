@@ -196,7 +196,7 @@ def run_transformers(args: argparse.Namespace, config: dict, fp32_master: bool) 
     # The trainer counts label tokens (seq per row); count the same here.
     tokens = args.global_batch * args.seq_length * len(window)
     table = profile_steps(step, device) if args.profile else ""
-    del model, optimizer
+    model = optimizer = None  # type: ignore[assignment]  # freed before the other side runs
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"tokens_per_s": tokens / sum(window), "step_s": statistics.median(window), "note": "",

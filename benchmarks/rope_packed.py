@@ -26,7 +26,6 @@ import time
 from typing import Callable
 
 import torch
-
 from attention_packed import document_lengths
 
 

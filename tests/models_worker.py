@@ -5,7 +5,8 @@ Usage (every rank, under torchrun or as a single process):
 
 ``MODELS_DIR`` holds one HF directory per model and ``inputs.pt`` (token ids); ``JOBS_JSON`` is a
 list of ``{"name", "layout": {...Layout fields}, "models": [...], "export": bool,
-"packed": bool, "opened": bool, "shard_bytes": int, "dtype": "float32" | "bfloat16"}``. For each job and model the rank holding the full logits
+"packed": bool, "opened": bool, "shard_bytes": int, "dtype": "float32" | "bfloat16"}``. For each
+job and model the rank holding the full logits
 (last pipeline stage, TP rank 0, first data-parallel replica) saves
 ``OUT_DIR/<job>/<model>.logits.pt`` (and ``.loss.pt``, Megatron's per-token loss, where one
 stage holds the whole model); with ``export`` the model is written back to

@@ -3,7 +3,6 @@ and the backend switch."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist

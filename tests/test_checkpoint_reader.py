@@ -64,8 +64,8 @@ def test_strided_and_other_dtype_destinations(loaded: dict, reader: str) -> None
 def test_the_layout_points_at_the_tensors_bytes(tmp_path: Path) -> None:
     """The parsed layout of a torch.save archive names the file offset of exactly the requested
     elements, and refuses (None) a request that is not one contiguous run."""
-    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
     from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
     tensor = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     buffer = io.BytesIO()

@@ -10,9 +10,9 @@ import yaml
 from trainer_fixtures import CONFIG_ONLY_LLAMA, config_only_run
 
 from hpc_mca.config.input import KNOWN_ELSEWHERE
+from hpc_mca.config.loading import load_config
 from hpc_mca.config.schedule import resolve_warmup_steps
 from hpc_mca.config.scope import SCOPES
-from hpc_mca.config.loading import load_config
 from hpc_mca.config.sections import ConfigError, TrainConfig
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cp_attention_worker import cp_case
+from trainer_fixtures import run_ranks
+
 from hpc_mca.models.context_parallel import cp_comm_violations
 from hpc_mca.models.packed_attention import packed_attention, packed_layout
-from trainer_fixtures import run_ranks
 
 WORKER = Path(__file__).with_name("cp_attention_worker.py")
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from trainer_fixtures import make_model_dir, run_train, steps, write_config
 
 pytestmark = pytest.mark.slow

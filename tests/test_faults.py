@@ -5,8 +5,8 @@
   moment and inside a save — every run ends with the uninterrupted run's numbers exactly,
   and no process of the job outlives it by more than 5 s;
 * bad input (a truncated jsonl line, token ids beyond the model's vocabulary, a missing file,
-  an attention backend this machine does not have) on 2 and 4 ranks with a budget of 3 requeues: never requeued, exit 2, and ``status`` names
-  the cause, whatever srun made of the other ranks' exit codes;
+  an attention backend this machine does not have) on 2 and 4 ranks with a budget of 3 requeues:
+  never requeued, exit 2, and ``status`` names the cause, whatever srun made of the other ranks' exit codes;
 * a full disk: one line naming the directory and the bytes, no partial checkpoint left, no
   requeue loop; once there is room the run continues from its last checkpoint exactly;
 * ``hpc-mca resume JOBID --nodes 1`` of the demo keeps the global batch, re-derives the

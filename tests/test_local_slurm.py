@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 import slurm_cluster as slurm
+
 
 @pytest.mark.slurm
 @pytest.mark.slow

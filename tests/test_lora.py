@@ -16,9 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from trainer_fixtures import (make_model_dir, make_sft_data, rewind, run_ranks,
-                              run_train, steps, write_config)
+from trainer_fixtures import make_model_dir, make_sft_data, rewind, run_ranks, run_train, steps, write_config
 
 WORKER = Path(__file__).with_name("lora_worker.py")
 LORA = {"finetuning_type": "lora", "lora_rank": 4}

@@ -89,8 +89,8 @@ def test_planner_splits_adapters_as_the_layers_do():
 
 
 def test_fingerprint_tells_other_weights_apart(tmp_path):
-    from safetensors.torch import load_file, save_file
     import torch
+    from safetensors.torch import load_file, save_file
 
     base = tmp_path / "base"
     base.mkdir()

@@ -7,7 +7,6 @@ clipping."""
 from __future__ import annotations
 
 import pytest
-
 from trainer_fixtures import make_model_dir, make_sft_data, run_train, steps, write_config
 
 pytestmark = pytest.mark.slow

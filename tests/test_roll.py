@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from hpc_mca.models.roll import roll_left, roll_plan
 from roll_worker import roll_cases
 from trainer_fixtures import run_ranks
+
+from hpc_mca.models.roll import roll_left, roll_plan
 
 WORKER = Path(__file__).with_name("roll_worker.py")
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from sequence_parallel_worker import LENGTHS, loss_sum, sp_case
+from trainer_fixtures import run_ranks
 
 from hpc_mca.models.hf_attention import document_bounds
 from hpc_mca.runtime.sequence_parallel import IGNORE_INDEX, slice_and_pad
-from sequence_parallel_worker import LENGTHS, loss_sum, sp_case
-from trainer_fixtures import run_ranks
 
 WORKER = Path(__file__).with_name("sequence_parallel_worker.py")
 

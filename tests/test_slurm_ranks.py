@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_rank_bootstrap import assert_same_numbers, run_smoke
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

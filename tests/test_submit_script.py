@@ -293,7 +293,8 @@ def test_submitted_script_requeued_by_its_time_limit_finishes_as_uninterrupted(
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert more.returncode == 0, more.stdout + more.stderr
     new_id = re.match(r"submitted job (\d+):", more.stdout).group(1)
-    assert slurm.wait_for_job(new_id, timeout=600) == "COMPLETED", (run_dir / f"api_sft_{new_id}.out").read_text()[-4000:]
+    log = run_dir / f"api_sft_{new_id}.out"
+    assert slurm.wait_for_job(new_id, timeout=600) == "COMPLETED", log.read_text()[-4000:]
     extended = _numbers(run_dir)
     assert len(extended) == STEPS + 10 and extended[:STEPS] == ours
     manifest = json.loads((run_dir / "manifest.json").read_text())

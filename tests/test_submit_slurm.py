@@ -22,7 +22,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 import slurm_cluster as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

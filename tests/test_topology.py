@@ -8,8 +8,15 @@ import sys
 
 import pytest
 
-from hpc_mca.topology import (Layout, LayoutError, ModelShape, balanced_pipeline_layout,
-                              check_layout, megatron_pipeline_layout, plan)
+from hpc_mca.topology import (
+    Layout,
+    LayoutError,
+    ModelShape,
+    balanced_pipeline_layout,
+    check_layout,
+    megatron_pipeline_layout,
+    plan,
+)
 
 # Llama-3-8B's public config.json values (the keys the planner reads).
 LLAMA3_8B_CONFIG = {

@@ -6,11 +6,21 @@ from dataclasses import replace
 
 import pytest
 
-from hpc_mca.topology import (GPU_PRESETS, Layout, LayoutError, ModelShape, PlanRequest,
-                              Workload, check_layout, estimate_memory, format_plan_table,
-                              get_gpu, plan)
-from hpc_mca.topology.hardware import GiB
+from hpc_mca.topology import (
+    GPU_PRESETS,
+    Layout,
+    LayoutError,
+    ModelShape,
+    PlanRequest,
+    Workload,
+    check_layout,
+    estimate_memory,
+    format_plan_table,
+    get_gpu,
+    plan,
+)
 from hpc_mca.topology.cost import estimate_step_time
+from hpc_mca.topology.hardware import GiB
 from hpc_mca.topology.memory import block_layers, stage_counts
 from hpc_mca.topology.search import MIN_CP_TOKENS
 

@@ -8,8 +8,8 @@ import pytest
 import yaml
 from trainer_fixtures import config_only_run
 
-from hpc_mca.config.run_length import total_training_steps
 from hpc_mca.config.loading import load_config
+from hpc_mca.config.run_length import total_training_steps
 from hpc_mca.config.sections import ConfigError, TrainConfig
 
 

@@ -15,9 +15,16 @@ import json
 
 import pytest
 from safetensors.torch import load_file
-
-from trainer_fixtures import (assert_bad_input_on_every_rank, launch_ranks, make_model_dir,
-                              make_sft_data, rewind, run_train, steps, write_config)
+from trainer_fixtures import (
+    assert_bad_input_on_every_rank,
+    launch_ranks,
+    make_model_dir,
+    make_sft_data,
+    rewind,
+    run_train,
+    steps,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,16 @@ import json
 import math
 
 import pytest
-
-from trainer_fixtures import (assert_bad_input_on_every_rank, launch_ranks, make_model_dir,
-                              rewind, run_train, steps, write_config, write_pairs)
+from trainer_fixtures import (
+    assert_bad_input_on_every_rank,
+    launch_ranks,
+    make_model_dir,
+    rewind,
+    run_train,
+    steps,
+    write_config,
+    write_pairs,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,6 @@ padded rows (CP2, CP4), equal one process."""
 from __future__ import annotations
 
 import pytest
-
 from trainer_fixtures import make_model_dir, make_sft_data, rewind, run_train, steps, write_config
 
 pytestmark = pytest.mark.slow

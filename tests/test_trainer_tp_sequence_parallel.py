@@ -18,9 +18,9 @@ import types
 import pytest
 import torch
 import yaml
+from trainer_fixtures import make_model_dir, make_sft_data, run_train, steps, write_config
 
 from hpc_mca.models.norm import TorchNorm
-from trainer_fixtures import make_model_dir, make_sft_data, run_train, steps, write_config
 
 
 def _config(**fields: object) -> types.SimpleNamespace:

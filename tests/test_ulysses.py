@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from trainer_fixtures import run_ranks
 
 WORKER = Path(__file__).with_name("ulysses_worker.py")

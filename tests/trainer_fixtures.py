@@ -100,7 +100,8 @@ def write_config(root: Path, model_dir: Path, train: Path, evaluation: Path | No
 
 def rank_env() -> dict[str, str]:
     """This environment without any launcher's rank variables (Slurm's, torchrun's)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    launcher = ("SLURM_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
     env.update(HPC_MCA_DIST_TIMEOUT="120", PYTHONWARNINGS="ignore")
     return env
 
@@ -128,7 +129,8 @@ def run_ranks(nproc: int, args: list[str], *, env: dict[str, str] | None = None,
                           timeout=timeout)
 
 
-def run_train(config: Path, run_dir: Path, nproc: int = 1, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_train(config: Path, run_dir: Path, nproc: int = 1, *overrides: str,
+              timeout: int = 600) -> subprocess.CompletedProcess:
     """``hpc-mca train CONFIG`` writing ``run_dir`` on ``nproc`` local ranks (:func:`run_ranks`)."""
     return run_ranks(nproc, ["train", str(config), f"training.output_dir={run_dir}", *overrides],
                      timeout=timeout)

@@ -5,8 +5,8 @@ VM, often more than the short run a test trains; the trainer tests start ~200 su
 ``hpc_mca.cli.forkrun`` pays the imports once per launch and forks the ranks; this server
 pays them once per pytest session: it imports what forkrun preloads, then serves each launch
 by forking a child that becomes ``hpc-mca ARGS`` (one rank, as ``python -m hpc_mca ARGS``;
-or ``python SCRIPT.py ARGS``) or forkrun's launcher for several ranks. Each child starts from the server's state right after
-the imports, never from an earlier run's.
+or ``python SCRIPT.py ARGS``) or forkrun's launcher for several ranks. Each child starts from
+the server's state right after the imports, never from an earlier run's.
 
 What a fresh interpreter would read from its environment at start-up is the server's: a
 launch whose environment differs from the server's in anything but the rank variables,

@@ -49,7 +49,6 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
-
 _HEADER_BYTES = 4096
 """Bytes at each end of an archive holding its headers (a tensor's pickle and the zip records
 before its data; the zip directory after it): a few hundred each."""

@@ -11,10 +11,11 @@ pays them once, then forks the ranks (``torch.multiprocessing.start_processes`` 
 start method), each with torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, and OMP_NUM_THREADS=1 unless set; like torchrun's agent,
 the launcher hosts the rendezvous store and the ranks join it), so the ranks run
-exactly the code they run under torchrun or srun. Forking is safe here because importing starts no Python thread and touches
-no accelerator (checked before forking: a launcher with another Python thread by then refuses
-to fork); the one native thread ``import torch`` leaves is the one every DataLoader worker
-forked after importing torch inherits too. For one node only; jobs on a cluster start their ranks with srun.
+exactly the code they run under torchrun or srun. Forking is safe here because importing
+starts no Python thread and touches no accelerator (checked before forking: a launcher with
+another Python thread by then refuses to fork); the one native thread ``import torch`` leaves
+is the one every DataLoader worker forked after importing torch inherits too. For one node
+only; jobs on a cluster start their ranks with srun.
 
 Exit status: 0 when every rank succeeded, else the first failing rank's own status (2 for a
 bad input, 75 for a stop to be requeued), 1 for a rank that raised or was killed. A rank that

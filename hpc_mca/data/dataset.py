@@ -62,7 +62,6 @@ from .store import (
 from .tokenize import encode_documents, load_tokenizer, pad_id, pt_samples, tokenizer_fingerprint
 from .training_data import TrainingData
 
-
 # --- tokenization per stage ----------------------------------------------------------------
 
 

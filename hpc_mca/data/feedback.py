@@ -18,7 +18,8 @@ trains at once, in the sampler's global order (:class:`MicroStepPairs`). On one 
 TRL's micro-batch; over several it is the set TRL pools its KL estimate over, and the pairs
 do not depend on how the micro-step is split over ranks (DP2 pairs as one process with twice
 the micro-batch). A micro-step of one example would pair it with itself (the KL estimate its
-own reward): the config rules refuse it, as TRL does. A micro-batch of ``B`` examples is ``2B`` rows: answer, KL row, answer, KL row, ...
+own reward): the config rules refuse it, as TRL does. A micro-batch of ``B`` examples is
+``2B`` rows: answer, KL row, answer, KL row, ...
 
 **The store** keeps every example as two samples, unshifted and uncut so the KL row can be
 made from any pair: sample ``2i`` is the prompt's token ids, and its labels hold the example's

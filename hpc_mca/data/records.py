@@ -2,7 +2,8 @@
 
 Files and directories are read through HF ``datasets`` (:mod:`.tables`: ``.jsonl``/``.json``,
 ``.parquet``, ``.arrow``, ``.csv``, ``save_to_disk`` directories, directories of data files;
-local only, memory-mapped; ``.txt``: one ``text`` record per line). Every record keeps where it came from (``path:line`` for jsonl,
+local only, memory-mapped; ``.txt``: one ``text`` record per line). Every record keeps where
+it came from (``path:line`` for jsonl,
 ``path:record N`` for json, ``path:row N`` otherwise) so a bad one is reported as
 ``path:line: reason`` before training starts. A json file ``datasets`` cannot read as a table
 (invalid JSON, a line that is not an object) is read again line by line to name the bad line.

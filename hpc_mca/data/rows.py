@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .masks import get_seqlens_in_batch
-from .packing import aligned, measure_packing, pack, PackingReport
+from .packing import PackingReport, aligned, measure_packing, pack
 from .store import Samples
 from .tokenize import IGNORE_INDEX
 

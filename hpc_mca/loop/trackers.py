@@ -15,8 +15,9 @@ A requeued job continues the same tracker run, so one training run is one curve:
   only grows. The mode (online, offline) is W&B's own setting (``WANDB_MODE``); the project is
   ``WANDB_PROJECT`` or ``hpc-mca``. Files go under ``<run_dir>/wandb``.
 * **MLflow** logs to ``MLFLOW_TRACKING_URI`` or, when unset, the file store
-  ``<run_dir>/mlruns`` (allowed with ``MLFLOW_ALLOW_FILE_STORE``, which MLflow 3 requires); the experiment is ``MLFLOW_EXPERIMENT_NAME`` or ``hpc-mca``. The run id
-  is kept in ``<run_dir>/mlflow_run_id`` and reopened by later jobs.
+  ``<run_dir>/mlruns`` (allowed with ``MLFLOW_ALLOW_FILE_STORE``, which MLflow 3 requires);
+  the experiment is ``MLFLOW_EXPERIMENT_NAME`` or ``hpc-mca``. The run id is kept in
+  ``<run_dir>/mlflow_run_id`` and reopened by later jobs.
 
 W&B and MLflow runs carry the resolved config (flattened dotted keys) and the Slurm job id and
 restart count, so a curve can be traced to the job that drew it.

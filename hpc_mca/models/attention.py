@@ -39,12 +39,6 @@ from hpc_mca.models.context_parallel import (
     context_parallel_attention,
     cp_comm_violations,
 )
-from hpc_mca.models.packed_kernels import (
-    PACKED_KERNELS,
-    flex_packed_attention,
-    packed_plan,
-    varlen_packed_attention,
-)
 from hpc_mca.models.packed_attention import (
     DEFAULT_SEGMENT_TOKENS,
     Segment,
@@ -54,6 +48,12 @@ from hpc_mca.models.packed_attention import (
     packed_layout,
     plan_segments,
     sdpa,
+)
+from hpc_mca.models.packed_kernels import (
+    PACKED_KERNELS,
+    flex_packed_attention,
+    packed_plan,
+    varlen_packed_attention,
 )
 
 __all__ = [

@@ -322,7 +322,8 @@ def _install_checkpoint_without_te() -> None:
 
 
 PATCHES: tuple[Patch, ...] = (
-    Patch("devices", "torch.cuda.current_device()/device='cuda'/.cuda()/.type()/pin_memory across megatron/core", _install_device_mode),
+    Patch("devices", "torch.cuda.current_device()/device='cuda'/.cuda()/.type()/pin_memory across megatron/core",
+          _install_device_mode),
     Patch("rng", "megatron/core/tensor_parallel/random.py CUDA RNG tracker", _install_rng),
     Patch("streams", "torch.cuda.Stream/Event/current_stream/synchronize in DDP, MoE, timers", _install_streams),
     Patch("alltoall", "MoE alltoall dispatcher split sizes on gloo", _install_alltoall_splits),

@@ -94,7 +94,8 @@ class DpoObjective(Objective):
             policy = sum(p.numel() for chunk in chunks for p in chunk.parameters())
             held = 0 if self._reference_is_policy else sum(
                 p.numel() for chunk in self.reference for p in chunk.parameters())
-            print(f"{self.config.finetuning.stage} reference: {_describe(self.config.finetuning, self._reference_is_policy)}; "
+            what = _describe(self.config.finetuning, self._reference_is_policy)
+            print(f"{self.config.finetuning.stage} reference: {what}; "
                   f"parameters held on rank 0: policy {policy}, reference {held}", flush=True)
 
     def auxiliary_models(self) -> list[torch.nn.Module]:

@@ -60,7 +60,8 @@ def make_forward_step(device: torch.device) -> Callable[[Iterator[PackedBatch], 
     return forward_step
 
 
-def token_loss(loss_mask: torch.Tensor, per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def token_loss(loss_mask: torch.Tensor, per_token: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(sum of masked token losses, real token count, {"lm loss": [sum, count]})."""
     mask = loss_mask.reshape(-1).float()
     total = (per_token.float().reshape(-1) * mask).sum()

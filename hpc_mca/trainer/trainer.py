@@ -70,7 +70,8 @@ class Trainer:
         schedule = scheduler_spec(tr.lr_scheduler_type, tr.lr_scheduler_kwargs, tr.learning_rate,
                                   resolve_warmup_steps(tr.warmup_steps, tr.warmup_ratio, self.max_steps),
                                   self.max_steps)
-        self.optimizer = build_optimizer(self.model, optimizer_config(config.training, config.parallel, min_lr=schedule.min_lr))
+        self.optimizer = build_optimizer(self.model, optimizer_config(config.training, config.parallel,
+                                                                      min_lr=schedule.min_lr))
         # The schedule multiplies each loss by the optimizer's loss scale before backward (as
         # Megatron-LM's loop sets up); without it the fp16 optimizer unscales gradients that
         # were never scaled, and trains on 2^-32 of them. (Scale 1 in bf16 and fp32.)
@@ -221,8 +222,8 @@ class Trainer:
             self.lr_scheduler.step()
         self.control = self.callbacks.on_optimizer_step(self.config.training, self.state, self.control)
         self.consumed_samples += self.config.training.global_batch_size
-        return StepResult(loss=loss, tokens=tokens, input_tokens=inputs, grad_norm=float(grad_norm or 0.0), skipped=skipped,
-                          moe_aux_loss=self._moe_aux_loss(len(micro_batches)), mtp_losses=mtp_losses,
+        return StepResult(loss=loss, tokens=tokens, input_tokens=inputs, grad_norm=float(grad_norm or 0.0),
+                          skipped=skipped, moe_aux_loss=self._moe_aux_loss(len(micro_batches)), mtp_losses=mtp_losses,
                           metrics=metrics)
 
     def evaluate(self) -> dict[str, float]:
@@ -232,7 +233,8 @@ class Trainer:
 
     def eval_metrics(self) -> dict[str, float]:
         """Forward-only pass over the eval rows: mean token loss (+ the task metric if given)."""
-        loader = eval_dataloader(self.data.eval, self.config.data_run(), data_parallel_rank=self.mpu.get_data_parallel_rank())
+        loader = eval_dataloader(self.data.eval, self.config.data_run(),
+                                 data_parallel_rank=self.mpu.get_data_parallel_rank())
         for chunk in self.model:
             chunk.eval()
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
@@ -422,7 +424,8 @@ def wrap_ddp(chunks: list[torch.nn.Module], par: ParallelArguments, *,
     if par.overlap_grad_reduce:
         model_config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     if par.overlap_param_gather:
-        model_config.param_sync_func = [m.start_param_sync for m in model] if len(model) > 1 else model[0].start_param_sync
+        model_config.param_sync_func = ([m.start_param_sync for m in model] if len(model) > 1
+                                        else model[0].start_param_sync)
     return model
 
 

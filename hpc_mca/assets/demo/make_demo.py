@@ -28,8 +28,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from hpc_mca.data.addition import (alpaca_record, make_problems, preference_record,
-                                   subtraction_record)
+from hpc_mca.data.addition import alpaca_record, make_problems, preference_record, subtraction_record
 
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
 CHAT_TEMPLATE = (

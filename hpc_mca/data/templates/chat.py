@@ -89,7 +89,8 @@ class ChatTemplate(Template):
         for index in range(offset + 1, len(full), 2):
             before, after = chat(index, True), chat(index + 1, False)
             if not (after.startswith(before) and text.startswith(after)):
-                raise DataError(f"the chat template does not render turn {(index - offset) // 2 + 1} as a prefix of the "
+                turn = (index - offset) // 2 + 1
+                raise DataError(f"the chat template does not render turn {turn} as a prefix of the "
                                 "whole conversation, so its answer cannot be located; valid: a prefix-stable "
                                 "chat_template, plain, or a named template")
             spans.append((len(before), len(after)))

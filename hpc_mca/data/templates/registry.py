@@ -15,7 +15,8 @@ from .template import SlotTemplate
 _CHATML_USER = "<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n"
 _CHATML_ASSISTANT = "{{content}}<|im_end|>\n"
 _CHATML_SYSTEM = "<|im_start|>system\n{{content}}<|im_end|>\n"
-_QWEN_OBSERVATION = "<|im_start|>user\n<tool_response>\n{{content}}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+_QWEN_OBSERVATION = ("<|im_start|>user\n<tool_response>\n{{content}}\n</tool_response><|im_end|>\n"
+                     "<|im_start|>assistant\n")
 _GEMMA_USER = "<start_of_turn>user\n{{content}}<end_of_turn>\n<start_of_turn>model\n"
 _GEMMA_OBSERVATION = "<start_of_turn>tool\n{{content}}<end_of_turn>\n<start_of_turn>model\n"
 _LLAMA3_TURN = "<|start_header_id|>{role}<|end_header_id|>\n\n{{{{content}}}}<|eot_id|>"

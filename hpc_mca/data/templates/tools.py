@@ -85,8 +85,8 @@ def _default_calls(calls: list[Call]) -> str:
 
 
 def _glm4_describe(tools: list[dict[str, Any]]) -> str:
-    text = "".join(f"\n\n## {tool['name']}\n\n{_dumps(tool, indent=4)}\n在调用上述函数时，请使用 Json 格式表示调用的参数。"
-                   for tool in map(_schema, tools))
+    usage = "在调用上述函数时，请使用 Json 格式表示调用的参数。"  # GLM-4's own words, as LLaMA-Factory writes them
+    text = "".join(f"\n\n## {tool['name']}\n\n{_dumps(tool, indent=4)}\n{usage}" for tool in map(_schema, tools))
     return _GLM4_PROMPT.format(tool_text=text)
 
 
