@@ -376,9 +376,9 @@ def agreed_batches(load: Callable[[], list[PackedBatch]], device: torch.device) 
         said: list[str] = [""] * dist.get_world_size()
         dist.all_gather_object(said, problem)
         rank = next(r for r, line in enumerate(said) if line)
-        err = DataError(f"rank {rank}: {said[rank]}")
-        err.on_every_rank = True  # every rank raises this same line; rank 0 reports it
-        raise err
+        agreed = DataError(f"rank {rank}: {said[rank]}")
+        agreed.on_every_rank = True  # every rank raises this same line; rank 0 reports it
+        raise agreed
     return batches
 
 
