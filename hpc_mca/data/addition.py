@@ -26,7 +26,7 @@ def make_problems(count: int, *, seed: int, max_digits: int = 3,
     if count + len(exclude) > space:
         raise ValueError(f"cannot draw {count} distinct problems with {max_digits} digits")
     seen: set[tuple[int, int]] = set()
-    problems = []
+    problems: list[tuple[int, int]] = []
     while len(problems) < count:
         pair = (_operand(rng, max_digits), _operand(rng, max_digits))
         if pair not in seen and pair not in exclude:

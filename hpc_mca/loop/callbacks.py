@@ -41,4 +41,4 @@ class StepFlowCallback(DefaultFlowCallback):
 
 
 def _every(step: int, interval: int | None) -> bool:
-    return bool(interval) and step % interval == 0
+    return bool(interval) and step % (interval or 1) == 0

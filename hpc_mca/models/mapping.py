@@ -139,7 +139,7 @@ def _layer_shapes(spec: HFModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
 
 def hf_tensor_shapes(spec: HFModelSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of ``spec`` holds, in file order (embeddings, layers, head)."""
-    shapes = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size)}
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size)}
     for layer in range(spec.num_layers):
         shapes.update(_layer_shapes(spec, layer))
     shapes["model.norm.weight"] = (spec.hidden_size,)

@@ -153,9 +153,48 @@ def _install_device_mode() -> None:
     # Entered for the life of the process: the mode stack is per thread, and Megatron runs its
     # training step on the main thread (autograd on CPU runs backward on the calling thread).
     _CudaToCpuMode().__enter__()
-    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
-    torch.cuda.device_count = lambda: 1  # type: ignore[assignment]
-    torch.cuda.set_device = lambda device: None  # type: ignore[assignment]
+    torch.cuda.current_device = _device_zero
+    torch.cuda.device_count = _one_device
+    torch.cuda.set_device = _set_device
+
+
+# One function for each torch function replaced: torch.compile's tracing rules are kept per
+# function object, and one object standing in for two torch functions breaks them.
+
+def _device_zero() -> int:
+    return 0
+
+
+def _one_device() -> int:
+    return 1
+
+
+def _set_device(device: Any) -> None:
+    pass
+
+
+def _synchronize(device: Any = None) -> None:
+    pass
+
+
+def _empty_cache() -> None:
+    pass
+
+
+def _record_stream(tensor: torch.Tensor, stream: Any) -> None:
+    pass
+
+
+def _current_stream(device: Any = None) -> Any:
+    return _DEFAULT_STREAM
+
+
+def _default_stream(device: Any = None) -> Any:
+    return _DEFAULT_STREAM
+
+
+def _no_stream(stream: Any = None) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,7 +252,7 @@ class _CpuStream(torch.cpu.Stream):
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> "_CpuEvent":
+    def record_event(self, event: Any = None) -> Any:  # torch.cpu.Stream's takes none
         return event if event is not None else _CpuEvent()
 
     def wait_event(self, event: Any) -> None:
@@ -250,12 +289,12 @@ def _install_streams() -> None:
     torch.cuda.synchronize()/empty_cache() calls around timers and checkpointing."""
     torch.cuda.Stream = _CpuStream  # type: ignore[assignment,misc]
     torch.cuda.Event = _CpuEvent  # type: ignore[assignment,misc]
-    torch.cuda.current_stream = lambda device=None: _DEFAULT_STREAM  # type: ignore[assignment]
-    torch.cuda.default_stream = lambda device=None: _DEFAULT_STREAM  # type: ignore[assignment]
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
-    torch.cuda.empty_cache = lambda: None  # type: ignore[assignment]
-    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
+    torch.cuda.current_stream = _current_stream
+    torch.cuda.default_stream = _default_stream
+    torch.cuda.stream = _no_stream  # type: ignore[assignment]
+    torch.cuda.synchronize = _synchronize
+    torch.cuda.empty_cache = _empty_cache
+    torch.Tensor.record_stream = _record_stream  # type: ignore[assignment]
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,7 +357,7 @@ def _install_checkpoint_without_te() -> None:
         original(self, *args, **kwargs)
         self.fp8 = False
 
-    random.CheckpointWithoutOutput.__init__ = __init__  # type: ignore[method-assign]
+    random.CheckpointWithoutOutput.__init__ = __init__
 
 
 PATCHES: tuple[Patch, ...] = (

@@ -75,7 +75,8 @@ def decide(named: Iterable[str], *, usable: Iterable[str], job_excluded: Iterabl
     named = list(dict.fromkeys(named))
     current = list(dict.fromkeys(job_excluded))
     spent = set(already)
-    added, over = [], []
+    added: list[str] = []
+    over: list[str] = []
     for node in named:
         if node in current or node in added:
             continue

@@ -77,12 +77,13 @@ def job_status(job_id: str, runs_root: Path) -> RunStatus:
     bad = read_bad_input(run.run_dir) if run is not None else None
     current = current_job_id(run.manifest) if run is not None and run.manifest else None
     total, runs = run_totals(job_id, job, run)
-    faults = dict(hangs=read_hangs(run.run_dir), excluded=tuple(read_excluded(run.run_dir))) if run else {}
+    hangs = tuple(read_hangs(run.run_dir)) if run else ()
+    excluded = tuple(read_excluded(run.run_dir)) if run else ()
     if current is None or current == job_id:
         return RunStatus(job_id, job, run, progress, bad_input=bad, total_elapsed_s=total, runs=runs,
-                         **faults)
+                         hangs=hangs, excluded=excluded)
     return RunStatus(job_id, job, run, progress, current, commands.job_state(current), bad,
-                     total, runs, **faults)
+                     total, runs, hangs=hangs, excluded=excluded)
 
 
 def read_hangs(run_dir: Path) -> tuple[dict, ...]:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from hpc_mca.rundir import read_bad_input
 
@@ -26,6 +26,9 @@ from .errors import OpsError
 from .manifest import find_run
 from .progress import Progress, read_progress
 from .status import progress_fields
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 EXIT_STATUS: dict[str, int] = {
     "COMPLETED": 0,
@@ -151,7 +154,7 @@ class BarView:
 
     def __init__(self, out: TextIO) -> None:
         self.out = out
-        self.bar = None  # made at the first update, so nothing is drawn before there is a state
+        self.bar: tqdm | None = None  # made at the first update: nothing drawn before a state
         self.last: str | None = None
 
     def update(self, snap: Snapshot) -> None:
@@ -164,6 +167,7 @@ class BarView:
 
             self.bar = tqdm(total=None, file=self.out, bar_format="{desc}", dynamic_ncols=True,
                             leave=True, mininterval=0, delay=0)
+        bar = self.bar
         progress = snap.progress
         step = progress.step if progress else None
         total = progress.max_steps if progress else None
@@ -172,16 +176,17 @@ class BarView:
         fields = " | ".join(progress_fields(progress) + [f"requeues {snap.requeues}"])
         fields = fields.replace("{", "{{").replace("}", "}}")
         if step is not None and total:
-            self.bar.total, self.bar.n = total, min(step, total)
-            self.bar.bar_format = self.BAR.format(fields=fields)
+            bar.total, bar.n = total, min(step, total)
+            bar.bar_format = self.BAR.format(fields=fields)
         else:
-            self.bar.bar_format = self.NO_BAR.format(fields=fields)
-        self.bar.set_description_str(state_text(snap), refresh=False)
-        self.bar.refresh()
+            bar.bar_format = self.NO_BAR.format(fields=fields)
+        bar.set_description_str(state_text(snap), refresh=False)
+        bar.refresh()
 
     def close(self, snap: Snapshot) -> None:
         self.update(snap)
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
         print(status_line(snap), file=self.out, flush=True)
 
 

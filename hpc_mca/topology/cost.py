@@ -427,7 +427,7 @@ def _data_parallel(model: ModelShape, layout: Layout, work: Workload, net: Netwo
 def _optimizer(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
                rank: int) -> float:
     dense, expert = _trained_counts(model, layout, work, rank)
-    shard = dense + expert
+    shard: float = dense + expert
     if work.use_distributed_optimizer:
         dp = layout.dp or 1
         shard = dense / (dp * layout.cp) + expert / max(
