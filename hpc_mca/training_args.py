@@ -211,7 +211,7 @@ class MegatronArguments:
         this: Any = self  # a mixin: output_dir is transformers' field
         if this.output_dir is None and run_dir:
             this.output_dir = run_dir
-        _on_cpu_if_no_gpu(self)
+        _on_cpu_if_no_gpu(this)
         parent = getattr(super(), "__post_init__", None)
         if parent is not None:  # transformers' (this class alone has none above it)
             parent()
@@ -219,7 +219,7 @@ class MegatronArguments:
     # ---- the view onto the run config ---------------------------------------------------------
 
     @classmethod
-    def from_config(cls: type[_Args], config: TrainConfig, **overrides: Any) -> _Args:
+    def from_config(cls: type[_Args], config: TrainConfig, **overrides: object) -> _Args:
         """The view of ``config``: these fields take its values (``overrides`` win), and
         :meth:`to_config` gives ``config`` back with the view's values. Raises ConfigError
         when transformers refuses a value (its ``__post_init__`` checks)."""
@@ -234,7 +234,7 @@ class MegatronArguments:
 
     @classmethod
     def from_yaml(cls: type[_Args], path: str | os.PathLike[str] | None, overrides: Iterable[str] = (),
-                  **kwargs: Any) -> _Args:
+                  **kwargs: object) -> _Args:
         """A YAML run config (its relative paths read next to it) with ``key=value``
         overrides, as ``hpc-mca train CONFIG key=value`` reads them; ``kwargs`` set fields."""
         config, problems = load_items(config_items(path, overrides))
@@ -268,7 +268,7 @@ class Seq2SeqTrainingArguments(MegatronArguments, transformers.Seq2SeqTrainingAr
     """transformers' ``Seq2SeqTrainingArguments`` with the Megatron fields (module docstring)."""
 
 
-def _on_cpu_if_no_gpu(args: Any) -> None:
+def _on_cpu_if_no_gpu(args: transformers.TrainingArguments) -> None:
     """transformers refuses bf16/fp16 on a machine without a GPU unless ``use_cpu`` says the
     run is on the CPU; on such a machine it is (this trainer's ranks run where CUDA is)."""
     import torch

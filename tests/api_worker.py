@@ -142,7 +142,9 @@ class BadCollator(PadTo):
 def main(mode: str, out: str, overrides: list[str]) -> None:
     reference = overrides.pop(0) if mode == "dpo_ref" else None
     kind = overrides.pop(0) if mode == "bad_collator" else None
-    yaml = "sft_addition.yaml" if mode in ("sft", "refusals", "bad_collator") else "dpo_addition.yaml"
+    resume = overrides.pop(0) if mode == "sft_resume_from" else None  # train(resume_from_checkpoint=)
+    yaml = ("sft_addition.yaml" if mode in ("sft", "sft_resume_from", "refusals", "bad_collator")
+            else "dpo_addition.yaml")
     config = load_config(DEMO / yaml, ["dataset=[]", "eval_dataset=[]", f"output_dir={out}",
                                        "report_to=none", *overrides])
     args = Seq2SeqTrainingArguments.from_config(config)
@@ -174,7 +176,7 @@ def main(mode: str, out: str, overrides: list[str]) -> None:
                              compute_metrics=exact_and_token_accuracy)
     added = Recorder()
     trainer.add_callback(added)  # after the trainer is built, as ROLL's script adds one
-    output = trainer.train()
+    output = trainer.train() if resume is None else trainer.train(resume_from_checkpoint=resume)
     evaluated = trainer.evaluate()
     extra = {}
     if mode == "sft":  # transformers' Trainer methods a script calls after training

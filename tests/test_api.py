@@ -124,6 +124,19 @@ def test_script_resumes_its_run_dir(tmp_path, one_rank):
     assert report["steps"] == [3, 4] and report["global_step"] == 4
 
 
+def test_train_resumes_from_the_checkpoint_it_is_given(tmp_path, one_rank):
+    """``trainer.train(resume_from_checkpoint=PATH)`` (transformers' argument; the script's
+    arguments name no checkpoint): a new run directory goes on from another run's step-2
+    checkpoint to the uninterrupted run's numbers."""
+    checkpoint = one_rank["api"] / "checkpoints" / "iter_0000002"
+    out = tmp_path / "elsewhere"
+    proc = run_ranks(1, [str(WORKER), "sft_resume_from", str(out), str(checkpoint), *SHORT, *UNPACKED],
+                     timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _numbers(out) == _numbers(one_rank["api"])[2:]
+    assert json.loads((out / "api_report.json").read_text())["steps"] == [3, 4]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["dp2", "tp2"])
 def test_script_trains_as_hpc_mca_train_on_two_ranks(tmp_path, layout):

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hpc_mca"
 LAYERS = {
     # 0: contracts everyone shares: the bad-input base class, the run directory's files, the
     # stage registry (pure data: each stage's traits and where its objectives live).
-    "errors": 0, "rundir": 0, "stages": 0,
+    "errors": 0, "frozen": 0, "rundir": 0, "stages": 0,
     # 1: pure planning and data: no knowledge of the trainer. Each owns its config section.
     "topology": 1, "data": 1,
     # 2: the run config: sections, rules, schedule names, run length (the login side validates
@@ -259,6 +259,55 @@ def test_no_module_imports_another_modules_private_name():
                 found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {alias.name}"
                           for alias in node.names if alias.name.startswith("_")]
     assert found == []
+
+
+def private_reaches(package: Path = PACKAGE) -> list[str]:
+    """``obj._name`` where ``_name`` is a private member (a method, or an attribute set on
+    ``self``) of one of the package's classes and the access is not inside that class: one
+    class reaching into another's internals. Reaching a library's private member (a documented
+    patch or a workaround) is not the package's own coupling and is left to the patch table."""
+    trees = {path: ast.parse(path.read_text(), str(path)) for path in sorted(package.rglob("*.py"))}
+    owners: dict[str, set[str]] = {}  # private member -> the classes defining it
+    for tree in trees.values():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                name = None
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    name = node.name
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                        isinstance(node.value, ast.Name) and node.value.id == "self":
+                    name = node.attr
+                if name and name.startswith("_") and not name.startswith("__"):
+                    owners.setdefault(name, set()).add(cls.name)
+    found = []
+    for path, tree in trees.items():
+        def visit(node: ast.AST, inside: str | None) -> None:
+            for child in ast.iter_child_nodes(node):
+                here = child.name if isinstance(child, ast.ClassDef) else inside
+                if isinstance(child, ast.Attribute) and child.attr in owners and not (
+                        isinstance(child.value, ast.Name) and child.value.id in ("self", "cls")) and not (
+                        isinstance(child.value, ast.Call) and ast.unparse(child.value.func) == "super") and \
+                        inside not in owners[child.attr]:
+                    found.append(f"{path.relative_to(package.parent)}:{child.lineno}: {ast.unparse(child)}")
+                visit(child, here)
+        visit(tree, None)
+    return found
+
+
+def test_no_class_reaches_another_classes_private_member():
+    """A private member (leading underscore) is used by its own class only: what another class
+    needs is public (the Python API's trainer gathers parameters through
+    ``Trainer.gather_params``, not ``_gather_params``)."""
+    assert private_reaches() == []
+
+
+def test_the_private_reach_finder_finds_one(tmp_path):
+    fake = tmp_path / "hpc_mca"
+    fake.mkdir()
+    (fake / "a.py").write_text("class A:\n    def __init__(self):\n        self._x = 1\n\n"
+                               "    def same(self, other):\n        return other._x\n")
+    (fake / "b.py").write_text("def f(a):\n    return a._x + a._unknown_library_member\n")
+    assert private_reaches(fake) == ["hpc_mca/b.py:2: a._x"]
 
 
 def library_patches(package: Path = PACKAGE) -> dict[str, list[str]]:

@@ -153,7 +153,7 @@ def test_loaders_keep_every_pair_in_one_micro_batch(tokenizer, packed):
     store = _store(tokenizer, 40)
     rows = pair_rows(store, 64, 0, packed=packed, align=4)
     assert len(rows) == (len(rows.rows) if packed else 40)
-    run = DataRun(stage="dpo", seed=1, micro_batch_size=2, global_batch_size=4,
+    run = DataRun(stage="dpo", seed=1, seq_length=64, micro_batch_size=2, global_batch_size=4,
                   data_parallel_size=2)
     seen = 0
     for micro, _ in zip(train_dataloader(rows, run, data_parallel_rank=1), range(8)):

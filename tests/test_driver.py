@@ -22,6 +22,7 @@ from transformers.trainer_callback import CallbackHandler, TrainerCallback, Trai
 from hpc_mca.checkpoint.requeue import StopSignal
 from hpc_mca.loop.boundary import Decision, StepBoundary
 from hpc_mca.loop.callbacks import StepFlowCallback
+from hpc_mca.loop.counters import RunCounters
 from hpc_mca.loop.driver import RunLoop, any_non_finite
 from hpc_mca.loop.metrics import MetricsWriter
 from hpc_mca.loop.records import StepResult
@@ -51,17 +52,20 @@ class Recorder(TrainerCallback):
 class ScriptedBackend:
     """A backend whose steps are given: losses 1/step, step 3 skipped (non-finite)."""
 
-    def __init__(self, max_steps: int) -> None:
-        self.state = TrainerState(max_steps=max_steps)
+    def __init__(self, counters: RunCounters) -> None:
+        self.counters = counters
+        self.state = TrainerState(max_steps=counters.max_steps)
         self.control = TrainerControl()
         self.saved: list[tuple[int, str]] = []
 
     def step(self, handler: CallbackHandler) -> StepResult:
-        self.state.global_step += 1
+        skipped = self.counters.global_step + 1 == 3
+        self.counters.step_taken(8, skipped=skipped)
+        self.state.global_step = self.counters.global_step
         self.control = handler.on_step_end(Args(), self.state, self.control)
         step = self.state.global_step
         return StepResult(loss=1.0 / step, tokens=10, input_tokens=12,
-                          grad_norm=float("nan") if step == 3 else 0.5, skipped=step == 3,
+                          grad_norm=float("nan") if skipped else 0.5, skipped=skipped,
                           metrics={"extra": float(step)})
 
     def learning_rate(self) -> float:
@@ -84,14 +88,15 @@ def group(monkeypatch: pytest.MonkeyPatch):
         dist.destroy_process_group()
 
 
-def _loop(tmp_path: Path, max_steps: int, recorder: Recorder) -> tuple[RunLoop, ScriptedBackend]:
-    backend = ScriptedBackend(max_steps)
+def _loop(tmp_path: Path, max_steps: int, recorder: Recorder, listen: bool = True) -> tuple[RunLoop, ScriptedBackend]:
+    counters = RunCounters(max_steps, skipped_iters=5)  # 5 skipped before this process
+    backend = ScriptedBackend(counters)
     flow = StepFlowCallback(True, Args.logging_steps, Args.eval_steps)
     handler = CallbackHandler([flow, recorder], None, None, None, None)
     metrics = MetricsWriter(tmp_path, True, [], max_steps, 1.0, 1)
-    boundary = StepBoundary(4, max_steps, StopSignal(tmp_path, torch.device("cpu"), True), True)
-    loop = RunLoop(backend, events=handler, args=Args(), metrics=metrics, boundary=boundary,
-                   device=torch.device("cpu"), unit="tokens", skipped_iters=5)
+    boundary = StepBoundary(4, StopSignal(tmp_path, torch.device("cpu"), True, listen=listen), True)
+    loop = RunLoop(backend, counters=counters, boundary=boundary, events=handler, args=Args(),
+                   metrics=metrics, device=torch.device("cpu"), unit="tokens")
     return loop, backend
 
 
@@ -100,7 +105,7 @@ def test_the_step_end_records_logs_evaluates_saves_and_finishes(group, tmp_path,
     loop, backend = _loop(tmp_path, 6, recorder)
     (tmp_path / STEPS_FILE).write_text('{"step": 99}\n')  # a fresh run starts it afresh
     try:
-        loop.begin(0, job_id="7", restart_count=0)
+        loop.begin(job_id="7", restart_count=0)
         loop.run(lambda: backend.step(loop.events))
         loop.finish()
     finally:
@@ -110,7 +115,8 @@ def test_the_step_end_records_logs_evaluates_saves_and_finishes(group, tmp_path,
     assert lines[0] == {"step": 1, "loss": 1.0, "tokens": 10, "input_tokens": 12, "grad_norm": 0.5,
                         "lr": 0.1, "skipped": False, "seconds": lines[0]["seconds"], "extra": 1.0}
     assert [line["skipped"] for line in lines] == [False, False, True, False, False, False]
-    assert loop.skipped_iters == 6  # 5 before this process, 1 here
+    assert loop.counters.skipped_iters == 6  # 5 before this process, 1 here
+    assert loop.counters.state_dict() == {"global_step": 6, "consumed_samples": 48, "skipped_iters": 6}
     assert recorder.events == [("log", 2), ("evaluate", 3), ("log", 4), ("save", 4), ("log", 6),
                                ("evaluate", 6), ("save", 6)]
     assert backend.saved == [(4, "interval"), (6, "end")]
@@ -133,13 +139,13 @@ def test_a_signal_saves_and_stops_for_a_requeue(group, tmp_path):
         return backend.step(loop.events)
 
     try:
-        loop.begin(0, job_id=None, restart_count=0)
+        loop.begin(job_id=None, restart_count=0)
         loop.run(step)
         loop.finish()
     finally:
         loop.close()
     assert backend.saved == [(2, "signal")]
-    assert loop.requeue and backend.state.global_step == 2
+    assert loop.requeue and loop.counters.requeue and backend.state.global_step == 2
     assert json.loads((tmp_path / PROGRESS_FILE).read_text())["finished"] is False
 
 
@@ -148,3 +154,29 @@ def test_any_non_finite_reads_every_sum(group):
     assert not any_non_finite([torch.tensor(1.0), torch.tensor(-3.0)], cpu)
     assert any_non_finite([torch.tensor(1.0), torch.tensor(math.inf)], cpu)
     assert any_non_finite([torch.tensor(math.nan)], cpu)
+
+
+def test_the_step_end_refuses_a_step_the_counters_did_not_count(group, tmp_path):
+    """transformers' record (what callbacks read) and the run's counters (what is saved)
+    advance together; a backend that moved only one of them is stopped at its step end."""
+    loop, backend = _loop(tmp_path, 6, Recorder())
+    try:
+        loop.begin(job_id=None, restart_count=0)
+        backend.state.global_step += 1
+        with pytest.raises(RuntimeError, match="TrainerState is at step 1, the run's counters at 0"):
+            loop.end_step(StepResult(loss=1.0, tokens=10, input_tokens=12, grad_norm=0.5, skipped=False))
+    finally:
+        loop.close()
+
+
+def test_a_boundary_made_without_listening_takes_the_signals_when_the_loop_listens(group, tmp_path):
+    """The Megatron trainer makes its boundary with the trainer and listens from train() on: a
+    trainer that is made and never trained leaves SIGUSR1/SIGTERM as they were."""
+    loop, _ = _loop(tmp_path, 6, Recorder(), listen=False)
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    try:
+        loop.listen()
+        assert signal.getsignal(signal.SIGUSR1) == loop.boundary.signal._on_signal
+    finally:
+        loop.close()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL

@@ -89,6 +89,29 @@ def test_dataloader_num_workers(runs, tmp_path):
         load_config(DEMO, ["dataloader_num_workers=-1"]).resolve(1)
 
 
+def test_dataloader_prefetch_factor(tmp_path):
+    """Workers that prepare more micro-batches ahead hand out the very same batches; the
+    setting is refused where torch would not prefetch (no workers) or below one batch."""
+    from hpc_mca.data.dataset import build_datasets, train_dataloader
+
+    config = load_config(DEMO, [f"output_dir={tmp_path}"]).resolve(1)
+    data = build_datasets(config.data, config.data_run())
+
+    def batches(*overrides: str) -> list:
+        view = load_config(DEMO, [f"output_dir={tmp_path}", *overrides]).resolve(1).data_run()
+        loader = train_dataloader(data.train, view, data_parallel_rank=0, consumed_samples=8)
+        assert loader.prefetch_factor == (view.prefetch_factor if view.num_workers else None)
+        return [b for b, _ in zip(loader, range(6))]
+
+    for mine, ref in zip(batches("dataloader_num_workers=2", "dataloader_prefetch_factor=4"), batches(),
+                         strict=True):
+        for key in ("input_ids", "position_ids", "labels"):
+            assert getattr(mine, key).equal(getattr(ref, key)), key
+    for bad in (["dataloader_prefetch_factor=2"], ["dataloader_num_workers=1", "dataloader_prefetch_factor=0"]):
+        with pytest.raises(ConfigError, match="dataloader_prefetch_factor=.*valid: null"):
+            load_config(DEMO, bad).resolve(1)
+
+
 # --- save_only_model ----------------------------------------------------------------------
 
 
@@ -198,8 +221,9 @@ def _start(run_dir: Path, **slurm: str) -> tuple[str, str]:
     training = load_config(DEMO, [f"output_dir={run_dir}", "overwrite_output_dir=true"]).training
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))}
     env.update({f"SLURM_{k.upper()}": v for k, v in slurm.items()}, MASTER_PORT="29999")
-    start_afresh_if_asked(training, from_environ(env))
-    return training.resume_from_checkpoint, ",".join(sorted(p.name for p in run_dir.parent.iterdir()))
+    fresh = start_afresh_if_asked(training, from_environ(env))
+    left = ",".join(sorted(p.name for p in run_dir.parent.iterdir()))
+    return "never" if fresh else training.resume_from_checkpoint, left
 
 
 def test_overwrite_output_dir_leaves_a_requeued_or_continued_run(tmp_path, monkeypatch):

@@ -122,6 +122,7 @@ def test_a_rank_writes_the_chosen_fusions_into_the_run_config(root):
     (root / "chosen").mkdir(exist_ok=True)
     config = load_config(_config(root, "chosen"), ["bf16=true"]).resolve(1)
     assert config.model.fusions is None
-    choose_fusions(config)
-    assert config.to_dict()["model"]["fusions"] == ([] if not torch.cuda.is_available()
+    chosen = config.amended("model", fusions=choose_fusions(config))
+    assert chosen.to_dict()["model"]["fusions"] == ([] if not torch.cuda.is_available()
                                                      else ["layer", "cross_entropy"])
+    assert config.model.fusions is None and chosen.frozen  # a new resolved config; the old one stands

@@ -35,6 +35,8 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(vocab_size=160, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=32)),
     "mixtral": ("MixtralConfig", dict(vocab_size=128, num_local_experts=4, num_experts_per_tok=2)),
+    # q/k/v biases (attention_bias), head_dim 32 != 64/4; residual_dropout (default 0.1) is refused
+    "seed_oss": ("SeedOssConfig", dict(vocab_size=129, head_dim=32, residual_dropout=0.0)),
 }
 MOE = ["qwen3_moe", "mixtral"]
 DENSE = [name for name in FAMILIES if name not in MOE]

@@ -254,6 +254,28 @@ def test_unsupported_options_are_refused(llama, tmp_path, changes, fragments):
     _one_line_error(lambda: read_hf_config(model), str(model / "config.json"), *fragments)
 
 
+@pytest.mark.parametrize("attention_bias", [True, False])
+def test_seed_oss_qkv_bias_follows_attention_bias(attention_bias):
+    import transformers
+
+    config = transformers.SeedOssConfig(**TINY, head_dim=32, residual_dropout=0.0,
+                                        attention_bias=attention_bias).to_dict()
+    kwargs = transformer_config_kwargs(read_hf_config(config), Layout())
+    assert (kwargs["add_qkv_bias"], kwargs["add_bias_linear"], kwargs["kv_channels"]) == (
+        attention_bias, False, 32)
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    ({}, "residual_dropout=0.1"),  # transformers' default, and Seed-OSS's own
+    ({"residual_dropout": 0.0, "attention_out_bias": True}, "attention_out_bias=true"),
+])
+def test_seed_oss_options_megatron_computes_otherwise_are_refused(changes, fragment):
+    import transformers
+
+    config = transformers.SeedOssConfig(**TINY, **changes).to_dict()
+    _one_line_error(lambda: read_hf_config(config), "config: ", fragment)
+
+
 def test_sliding_window_refused_only_when_it_matters(tmp_path):
     from hpc_mca.models.hf_config import check_sequence_length
 

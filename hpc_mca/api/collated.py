@@ -29,13 +29,16 @@ longer than the limit, ids past the vocabulary) is a :class:`DataError` naming t
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hpc_mca.data.batch import PackedBatch
 from hpc_mca.data.errors import DataError
 from hpc_mca.data.tokenize import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from .data import ExampleDataset
 
 __all__ = ["ALIGNED", "PRESHIFTED", "CollatedRows", "batch_from_collated", "label_convention"]
 
@@ -51,7 +54,7 @@ class CollatedRows(torch.utils.data.Dataset):
 
     packed = False
 
-    def __init__(self, dataset: Any, collator: Callable[[list[Any]], Mapping[str, Any]], *, vocab_size: int,
+    def __init__(self, dataset: ExampleDataset, collator: Callable[[list[Any]], object], *, vocab_size: int,
                  max_length: int, pairs: bool, what: str) -> None:
         self.dataset, self.collator = dataset, collator
         self.vocab_size, self.max_length, self.pairs, self.what = vocab_size, max_length, pairs, what
@@ -112,13 +115,13 @@ class CollatedRows(torch.utils.data.Dataset):
         return batch
 
 
-def _describe(collator: Any) -> str:
+def _describe(collator: object) -> str:
     wrapped = getattr(collator, "__wrapped__", None)  # functools.wraps, as ROLL's wrapper
     own = getattr(collator, "__qualname__", None) or type(collator).__name__
     return f"{own} around {type(wrapped).__name__}" if wrapped is not None else own
 
 
-def _tensors(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+def _tensors(batch: object, where: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                 torch.Tensor | None]:
     """input_ids, labels, attention_mask and position_ids of a collated batch, each checked."""
     if not isinstance(batch, Mapping):
@@ -147,7 +150,7 @@ def _tensors(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tensor, torch.
     return ids, labels, mask, positions
 
 
-def _integers(value: Any, key: str, where: str) -> torch.Tensor:
+def _integers(value: object, key: str, where: str) -> torch.Tensor:
     try:
         tensor = torch.as_tensor(value)
     except (TypeError, ValueError) as err:

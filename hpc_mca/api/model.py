@@ -24,7 +24,7 @@ import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -39,6 +39,7 @@ from .session import Session, open_session
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from hpc_mca.runtime.distributed import RankContext
     from hpc_mca.training_args import MegatronArguments
 
 __all__ = ["AutoConfig", "AutoModel", "McaConfig", "McaModel"]
@@ -72,20 +73,29 @@ class McaConfig:
         return dict(self.hf_config.to_dict(), hf_model_type=self.hf_model_type)
 
 
+class ChunkBuilder(Protocol):
+    """Chunks of another model in a model's layout: of ``source`` (an HF directory, a
+    config.json or a config dict), with its weights when ``load_weights`` (None: when the
+    directory has any)."""
+
+    def __call__(self, source: str | Path | Mapping[str, Any], *, load_weights: bool | None
+                 ) -> list[torch.nn.Module]: ...
+
+
 class McaModel(torch.nn.Module):
     """This rank's share of a Megatron-Core GPT model: ``models`` (its chunks, one per virtual
     pipeline stage), the :class:`McaConfig` it was built from, and the run config it was built
     for."""
 
     def __init__(self, chunks: list[torch.nn.Module], *, config: McaConfig, source: str | Mapping[str, Any],
-                 session: Session, builder: Any) -> None:
+                 session: Session, builder: ChunkBuilder) -> None:
         super().__init__()
         self.models = torch.nn.ModuleList(chunks)
         self.config = config
         self.name_or_path = source if isinstance(source, str) else None
         self.source = source
         self.session = session
-        self._builder = builder  # (source, load_weights) -> chunks in the same layout
+        self._builder = builder
 
     @property
     def run_config(self) -> TrainConfig:
@@ -100,7 +110,7 @@ class McaModel(torch.nn.Module):
     def __iter__(self) -> Iterator[torch.nn.Module]:
         return iter(self.models)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # Any: Megatron's GPTModel.forward, open and untyped
         """The first chunk's forward (the whole model without pipeline parallelism); training
         runs the chunks through Megatron's schedules (:class:`~hpc_mca.api.McaTrainer`)."""
         return self.models[0](*args, **kwargs)
@@ -195,12 +205,11 @@ def _session(args: MegatronArguments, model_path: str | None) -> Session:
 
 def _built(session: Session, source: str | Mapping[str, Any], load_weights: bool,
            args: MegatronArguments | None) -> McaModel:
-    from hpc_mca.models.build import build_model
     from hpc_mca.models.lora_peft import mark_lora_sites
 
     config, ctx = session.config, session.ctx
     build = functools.partial(
-        _build, build_model, ctx, seq_length=config.data.seq_length or config.data.cutoff_len,
+        _build, ctx, seq_length=config.derived.seq_length,
         attention_backend=config.model.attention_backend, packed_attention=config.model.packed_attention,
         dtype=torch_dtype(config.training),
         config_overrides=model_overrides(config.model, config.parallel, config.training),
@@ -216,10 +225,16 @@ def _built(session: Session, source: str | Mapping[str, Any], load_weights: bool
     return McaModel(chunks, config=mca_config, source=source, session=session, builder=build)
 
 
-def _build(build_model: Any, ctx: Any, source: Any, *, load_weights: bool | None, **kwargs: Any) -> Any:
+def _build(ctx: RankContext, source: str | Path | Mapping[str, Any], *, load_weights: bool | None,
+           seq_length: int, attention_backend: str, packed_attention: str, dtype: torch.dtype,
+           config_overrides: Mapping[str, Any], compile_layers: bool) -> list[torch.nn.Module]:
+    from hpc_mca.models.build import build_model
+
     if load_weights is None:
         load_weights = not isinstance(source, Mapping) and any(Path(source).glob("*.safetensors"))
-    return build_model(source, ctx, load_weights=load_weights, **kwargs)
+    return build_model(source, ctx, load_weights=load_weights, seq_length=seq_length,
+                       attention_backend=attention_backend, packed_attention=packed_attention, dtype=dtype,
+                       config_overrides=config_overrides, compile_layers=compile_layers)
 
 
 def _hf_config(source: str | Mapping[str, Any]) -> PretrainedConfig:

@@ -50,7 +50,7 @@ def open_session(config: TrainConfig, env: RankEnv | None = None, *, checked: bo
     global _SESSION
     env = env or from_environ()
     if not checked:
-        check_inputs(config, env)
+        config = check_inputs(config, env)
     if _SESSION is not None:
         if layout_of(_SESSION.config.parallel) != layout_of(config.parallel):
             err = LayoutError([f"this process already trains with {layout_of(_SESSION.config.parallel)}; "
@@ -79,52 +79,56 @@ def close_session() -> None:
         shutdown()
 
 
-def check_inputs(config: TrainConfig, env: RankEnv) -> None:
+def check_inputs(config: TrainConfig, env: RankEnv) -> TrainConfig:
     """The checks every rank makes alike before any collective; a UserError raised here is
-    marked as found by every rank."""
+    marked as found by every rank. Returns the config this rank trains with: ``config`` (as
+    resolved) with the choices made here (the fusions, a resume skipped after a fresh start)."""
     try:
         if config.data.dataset or config.data.data_path is not None:
             data_files_exist(config.data)
         tokenizer_fits_model(config.model, model_shape(config.model).vocab_size)
-        choose_fusions(config)
+        if config.model.fusions is None:
+            config = config.amended("model", fusions=choose_fusions(config))
         if config.training.use_mca:
             attention_backend_available(config)
             check_megatron_settings(config, layout_of(config.parallel))
-        start_afresh_if_asked(config.training, env)  # before anything reads output_dir
+        if start_afresh_if_asked(config.training, env):  # before anything reads output_dir
+            config = config.amended("training", resume_from_checkpoint="never")
         resume_check(config, env.world_size, model_shape(config.model))  # before any collective
     except UserError as err:
         err.on_every_rank = True  # every rank read the same inputs and stops here alike
         raise
+    return config
 
 
-def choose_fusions(config: TrainConfig) -> None:
-    """``model.fusions`` unset: set it to what this rank's machine runs fastest
-    (:func:`default_fusions`), so that the run's saved config names what ran."""
+def choose_fusions(config: TrainConfig) -> list[str]:
+    """The fusions for a config that names none (``model.fusions`` unset): what this rank's
+    machine runs fastest (:func:`default_fusions`); the run's saved config names what ran."""
     from hpc_mca.models.attention_backend import select_attention_backend
 
-    if config.model.fusions is None:
-        backend = select_attention_backend(config.model.attention_backend) if config.training.use_mca else ""
-        config.model.fusions = default_fusions(config, cuda=torch.cuda.is_available(), backend=backend,
-                                               moe=model_shape(config.model).is_moe)
+    backend = select_attention_backend(config.model.attention_backend) if config.training.use_mca else ""
+    return default_fusions(config, cuda=torch.cuda.is_available(), backend=backend,
+                           moe=model_shape(config.model).is_moe)
 
 
-def start_afresh_if_asked(training: TrainingArguments, env: RankEnv) -> None:
+def start_afresh_if_asked(training: TrainingArguments, env: RankEnv) -> bool:
     """``training.overwrite_output_dir``: on a run's first start, an output_dir holding an
     older run is moved aside by global rank 0 and this run resumes nothing (see
-    :mod:`hpc_mca.checkpoint.afresh`); a requeue or continuation of the run leaves it."""
+    :mod:`hpc_mca.checkpoint.afresh`); a requeue or continuation of the run leaves it.
+    True when the run must then resume nothing (``resume_from_checkpoint`` becomes never)."""
     if not training.overwrite_output_dir:
-        return
+        return False
     # torchrun's own restarts (--max-restarts) re-run the same command as a Slurm requeue does.
     restarts = env.restart_count or int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
     moved = start_afresh(Path(training.output_dir), job_id=env.job_id, restart_count=restarts,
                          is_main=env.rank == 0)
     if moved is None:
-        return
-    if training.resume_from_checkpoint in ("", "auto"):
-        training.resume_from_checkpoint = "never"  # whichever rank looks before the rename
+        return False
     if env.rank == 0:
         print(f"training.overwrite_output_dir: the earlier run in {training.output_dir} was "
               f"moved to {moved}; this run starts afresh", flush=True)
+    # every rank, whichever looks before the rename: an explicit checkpoint path still applies
+    return training.resume_from_checkpoint in ("", "auto")
 
 
 def data_files_exist(data: DataArguments) -> None:

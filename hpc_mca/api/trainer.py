@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sized
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from transformers import trainer_pt_utils
@@ -58,9 +58,13 @@ from .model import McaModel, run_config_for
 from .session import attention_backend_available, model_shape, open_session
 
 if TYPE_CHECKING:
-    from transformers import TrainerCallback, TrainerState
+    from transformers import PreTrainedTokenizerBase, TrainerCallback, TrainerState
 
+    from hpc_mca.data.arguments import DataRun
+    from hpc_mca.trainer.objective import Objective
     from hpc_mca.training_args import MegatronArguments
+
+    from .data import ExampleDataset
 
 __all__ = ["DPOTrainer", "McaTrainer"]
 
@@ -79,13 +83,14 @@ class McaTrainer:
     """Trains ``model`` as ``args`` say (module docstring). Everything is built here, on every
     rank alike; bad input raises the project's one-line errors (``UserError``) first."""
 
-    def __init__(self, model: McaModel, args: MegatronArguments | None = None, tokenizer: Any = None,
-                 data_collator: Callable[[list[Any]], Any] | None = None, train_dataset: Any = None,
-                 eval_dataset: Any = None, callbacks: Iterable[TrainerCallback] | None = None,
+    def __init__(self, model: McaModel, args: MegatronArguments | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None,
+                 data_collator: Callable[[list[Any]], Any] | None = None, train_dataset: ExampleDataset | None = None,
+                 eval_dataset: ExampleDataset | None = None, callbacks: Iterable[TrainerCallback] | None = None,
                  compute_metrics: Callable[[Any], dict[str, float]] | None = None,
-                 ref_model: McaModel | None = None, *, processing_class: Any = None,
+                 ref_model: McaModel | None = None, *, processing_class: PreTrainedTokenizerBase | None = None,
                  config: TrainConfig | None = None, train_config: DPOConfig | None = None,
-                 **kwargs: Any) -> None:
+                 **kwargs: object) -> None:
         try:
             _refuse_unsupported(kwargs)
             config = config or _trainer_config(args, model, train_config)
@@ -96,11 +101,11 @@ class McaTrainer:
         self.model = model
         self.args: Any = args if args is not None else config.training
         """The script's arguments (``hpc-mca train``: the run config's training section)."""
-        self.session = open_session(config) if config is not model.run_config else model.session
-        self.config, ctx = config, self.session.ctx
-        self.data_collator = data_collator
         if ref_model is not None:  # dpo's reference: the given model (frozen), named in the log
-            config.finetuning.ref_model = ref_model.name_or_path or "a model given to DPOTrainer"
+            config = config.amended("finetuning", ref_model=ref_model.name_or_path or "a model given to DPOTrainer")
+        self.session = open_session(config) if config is not model.run_config else model.session
+        self.config, ctx = self.session.config, self.session.ctx
+        self.data_collator = data_collator
         run_dir = Path(config.training.output_dir)
         if ctx.is_main:
             config.save_resolved(run_dir)
@@ -158,7 +163,7 @@ class McaTrainer:
     save_state = trainer_pt_utils.save_state
     metrics_format = trainer_pt_utils.metrics_format
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: object) -> Any:
         """Train to ``max_steps`` (resuming from output_dir's checkpoint, as configured, or
         from ``resume_from_checkpoint``: True = the latest, a path = that checkpoint) and
         return transformers' ``TrainOutput``. Stopped early for a requeue (the batch script's
@@ -189,10 +194,11 @@ class McaTrainer:
         leaves that to the batch script's records)."""
         if resume_from_checkpoint is not None:
             self._resume_from(resume_from_checkpoint)
-        self.history = self.trainer.train()
+        self.history = self.trainer.train(None if resume_from_checkpoint is None
+                                          else self._resume_spec(resume_from_checkpoint))
         return self.history
 
-    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+    def evaluate(self, eval_dataset: ExampleDataset | None = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """Evaluate the model now on the eval rows (or ``eval_dataset``'s) and return the
         metrics named ``{metric_key_prefix}_...`` as transformers' does (``eval_loss``, the
@@ -214,8 +220,8 @@ class McaTrainer:
         named[f"{metric_key_prefix}_num_samples"] = _evaluated_examples(self.data.eval, run)
         return named
 
-    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
-                metric_key_prefix: str = "test") -> Any:
+    def predict(self, test_dataset: ExampleDataset, ignore_keys: list[str] | None = None,
+                metric_key_prefix: str = "test") -> NoReturn:
         """Refused: transformers' predict returns every token's logits, which this trainer
         does not gather over the vocabulary-parallel ranks."""
         raise ConfigError("McaTrainer.predict(): the logits of every token are not gathered here "
@@ -242,13 +248,13 @@ class McaTrainer:
         never past a sliding window (which the layers here do not apply)."""
         from hpc_mca.models.hf_config import read_hf_config
 
-        data = self.config.data
         if not self._own_data:
-            return data.seq_length or data.cutoff_len
+            return self.config.derived.seq_length
         spec = read_hf_config(self.config.model.model_name_or_path)
         return min(spec.max_position_embeddings, spec.sliding_window or spec.max_position_embeddings)
 
-    def _training_data(self, objective: Any, tokenizer: Any, train: Any, evaluation: Any,
+    def _training_data(self, objective: Objective, tokenizer: PreTrainedTokenizerBase | None,
+                       train: ExampleDataset | None, evaluation: ExampleDataset | None,
                        from_config: bool) -> TrainingData:
         """The rows: the config's files (None), tokenized by rank 0 first, or the script's
         datasets, read by every rank alike; bad data stops every rank with one line. Eval rows
@@ -279,7 +285,7 @@ class McaTrainer:
             raise
         return data
 
-    def _rows(self, dataset: Any, what: str, max_length: int) -> Any:
+    def _rows(self, dataset: ExampleDataset, what: str, max_length: int) -> Any:
         if self.data_collator is None:
             return example_rows(dataset, self.config, pad_id(self.tokenizer), self.vocab_size, what)
         pairs = get_stage(self.config.finetuning.stage).reads == PREFERENCE_PAIR
@@ -290,12 +296,15 @@ class McaTrainer:
         rows.probe(batch)  # every rank alike, before training
         return rows
 
+    @staticmethod
+    def _resume_spec(value: str | bool) -> str:
+        """transformers' ``resume_from_checkpoint`` argument as the config's setting."""
+        return "latest" if value is True else "never" if value is False else str(value)
+
     def _resume_from(self, value: str | bool) -> None:
         from hpc_mca.checkpoint.compat import resume_check
 
-        training = self.config.training
-        training.resume_from_checkpoint = ("latest" if value is True else "never" if value is False
-                                           else str(value))
+        self.config = self.config.amended("training", resume_from_checkpoint=self._resume_spec(value))
         try:
             resume_check(self.config, self.session.ctx.env.world_size, model_shape(self.config.model))
         except UserError as err:
@@ -310,13 +319,21 @@ class DPOTrainer(McaTrainer):
     need none)."""
 
     def __init__(self, model: McaModel, ref_model: McaModel | None = None,
-                 args: MegatronArguments | None = None, train_config: DPOConfig | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(model=model, args=args, ref_model=ref_model,
+                 args: MegatronArguments | None = None, train_config: DPOConfig | None = None, *,
+                 tokenizer: PreTrainedTokenizerBase | None = None,
+                 data_collator: Callable[[list[Any]], Any] | None = None, train_dataset: ExampleDataset | None = None,
+                 eval_dataset: ExampleDataset | None = None, callbacks: Iterable[TrainerCallback] | None = None,
+                 compute_metrics: Callable[[Any], dict[str, float]] | None = None,
+                 processing_class: PreTrainedTokenizerBase | None = None, config: TrainConfig | None = None,
+                 **kwargs: object) -> None:
+        super().__init__(model=model, args=args, tokenizer=tokenizer, data_collator=data_collator,
+                         train_dataset=train_dataset, eval_dataset=eval_dataset, callbacks=callbacks,
+                         compute_metrics=compute_metrics, ref_model=ref_model,
+                         processing_class=processing_class, config=config,
                          train_config=train_config or DPOConfig(), **kwargs)
 
 
-def _refuse_unsupported(kwargs: dict[str, Any]) -> None:
+def _refuse_unsupported(kwargs: Mapping[str, object]) -> None:
     for name, value in kwargs.items():
         if value is None:
             continue
@@ -350,8 +367,8 @@ def _trainer_config(args: MegatronArguments | None, model: McaModel, train_confi
     return config
 
 
-def _check_inputs(config: TrainConfig, model: McaModel, collator: Any, train: Any, evaluation: Any,
-                  ref_model: Any) -> None:
+def _check_inputs(config: TrainConfig, model: McaModel, collator: object, train: ExampleDataset | None,
+                  evaluation: ExampleDataset | None, ref_model: object) -> None:
     """What only the trainer can check: the datasets it is given against the config."""
     data, training = config.data, config.training
     problems = []
@@ -391,7 +408,7 @@ def _check_inputs(config: TrainConfig, model: McaModel, collator: Any, train: An
         raise ConfigError("\n".join(problems))
 
 
-def _evaluated_examples(rows: Any, run: Any) -> int:
+def _evaluated_examples(rows: Sized, run: DataRun) -> int:
     """Examples in the eval rows one evaluation covers (whole steps on every rank)."""
     step = run.eval_batch_size * run.data_parallel_size
     count = len(rows) // step * step

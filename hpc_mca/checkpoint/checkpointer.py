@@ -32,9 +32,9 @@ import json
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,10 @@ from .store import (
     reopen_finished,
 )
 
+if TYPE_CHECKING:
+    from hpc_mca.runtime.distributed import RankContext
+    from hpc_mca.topology import ModelShape
+
 
 class Checkpointer:
     """Save/resume for one rank of one run; every method is called on every rank.
@@ -82,7 +86,7 @@ class Checkpointer:
     merged in), where the last durable checkpoint and the finished state are shown.
     """
 
-    def __init__(self, config: TrainConfig, ctx: Any, run_dir: Path, model_shape: Any, *,
+    def __init__(self, config: TrainConfig, ctx: RankContext, run_dir: Path, model_shape: ModelShape, *,
                  loop: Resumable, progress: Callable[..., None]) -> None:
         tr = config.training
         self.config, self.ctx, self.run_dir = config, ctx, Path(run_dir)
@@ -105,8 +109,8 @@ class Checkpointer:
     def resume(self) -> CheckpointInfo | None:
         """Set up where the writer's results go (see :mod:`.helper`: in this process, or the
         async writer's helper, started and warmed now), then load the checkpoint
-        ``training.resume_from_checkpoint`` selects into the loop (model, optimizer, and its
-        state dict: LR scheduler, step, samples, RNG); None for a fresh start."""
+        ``training.resume_from_checkpoint`` selects into the loop (model, optimizer, the run's
+        counters as one unit, and its state dict: LR scheduler, RNG); None for a fresh start."""
         if self.async_save:
             start_writer_helper()
             self._warm = threading.Thread(target=warm_writer_helper, daemon=True)
@@ -131,6 +135,7 @@ class Checkpointer:
             load_model(unwrap(chunk), loaded.get(key, {}))
         load_optimizer(self.loop.optimizer, loaded["optimizer"],
                        model_state(model, sharded_metadata(saved_format)))
+        self.loop.counters.load_state_dict(loaded["trainer"])
         self.loop.load_state_dict(loop_state(loaded, with_rng))
         self.last_saved_step = info.step
         self._after_resume(info, path, with_rng, time.perf_counter() - started)
@@ -179,7 +184,7 @@ class Checkpointer:
         """Checkpoint the loop at its current step, once per step (a second call at the same
         step does nothing). ``reason``: why (interval, end, signal, callback), recorded in
         checkpoint.json; ``stop_time``: when the stop this save serves was requested."""
-        counters = self.loop.state_dict()["trainer"]
+        counters = self.loop.counters.state_dict()
         step = counters["global_step"]
         if step == self.last_saved_step:
             return
@@ -313,15 +318,13 @@ class Checkpointer:
         print(f"checkpoint {final} saved ({info.reason}) in {seconds:.2f} s ({where}){since}",
               flush=True)
 
-    def _info(self, counters: Any, reason: str) -> CheckpointInfo:
+    def _info(self, counters: Mapping[str, int], reason: str) -> CheckpointInfo:
         import megatron.core
 
         env = self.ctx.env
-        return CheckpointInfo(
-            step=counters["global_step"], consumed_samples=counters["consumed_samples"],
-            skipped_iters=counters["skipped_iters"], saved_at=time.time(), job_id=env.job_id,
-            restart_count=env.restart_count, reason=reason,
-            megatron_core=getattr(megatron.core, "__version__", ""), **self.records)
+        return CheckpointInfo.of_save(counters, self.records, reason=reason, job_id=env.job_id,
+                                      restart_count=env.restart_count,
+                                      megatron_core=getattr(megatron.core, "__version__", ""))
 
     def _strategy(self) -> Any:
         if self._save_strategy is None:
@@ -387,7 +390,7 @@ class Checkpointer:
             if reopened:
                 print(reopened, flush=True)
 
-    def _progress(self, **fields: Any) -> None:
+    def _progress(self, **fields: object) -> None:
         env = self.ctx.env
         self._write_progress(job_id=env.job_id, restart_count=env.restart_count, **fields)
 
@@ -431,7 +434,7 @@ def _unclonable(state: dict) -> dict:
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    def alias(item: Any) -> Any:
+    def alias(item: object) -> object:
         if isinstance(item, ShardedTensor) and _cloned_by_the_writer(item.data):
             return dataclasses.replace(item, data=_exact_storage(item.data))
         return item

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_mca.config.run_length import steps_for
 from hpc_mca.config.sections import (
@@ -44,6 +44,9 @@ from .store import (
     resolve_checkpoint,
 )
 
+if TYPE_CHECKING:
+    from hpc_mca.topology import ModelShape
+
 
 class CheckpointMismatch(ConfigError):
     """The configured run cannot continue from the checkpoint. Raised before anything is
@@ -65,7 +68,7 @@ _TRAINING_FIELDS = {
 _DP_RESHARDABLE_FIXED = ("tp", "pp", "vp", "ep", "etp", "cp", "pipeline_layout")
 
 
-def model_record(shape: Any) -> dict[str, Any]:
+def model_record(shape: ModelShape) -> dict[str, Any]:
     """The model fields a checkpoint records: a ModelShape as a dict, without its label."""
     record = dataclasses.asdict(shape)
     record.pop("name", None)
@@ -87,7 +90,7 @@ def training_record(config: TrainConfig, optimizer_format: str) -> dict[str, Any
     """What the data position and the optimizer state depend on, for a resolved TrainConfig."""
     tr, par = config.training, config.parallel
     return {"global_batch_size": tr.global_batch_size, "seed": tr.seed,
-            "seq_length": config.data.seq_length or config.data.cutoff_len, "optim": tr.optim,
+            "seq_length": config.derived.seq_length, "optim": tr.optim,
             # Packed rows depend on where samples may start.
             "pack_alignment": (pack_alignment(config.parallel.context_parallel_size,
                                               config.data.pack_alignment)
@@ -183,7 +186,7 @@ def describe_batch_changes(info: CheckpointInfo, training: dict[str, Any]) -> st
     return f"global batch {training.get('global_batch_size')} kept: {', '.join(changed)}"
 
 
-def records(config: TrainConfig, world_size: int, shape: Any) -> dict[str, dict[str, Any]]:
+def records(config: TrainConfig, world_size: int, shape: ModelShape) -> dict[str, dict[str, Any]]:
     """What a checkpoint of this run records and a resume compares: model, layout, training."""
     optimizer_format = (config.training.save_optimizer_format
                         if config.parallel.use_distributed_optimizer else "plain")
@@ -234,7 +237,7 @@ def check_checkpoint(path: Path, recorded: dict[str, dict[str, Any]]) -> Checkpo
 
 
 def resume_check(config: TrainConfig, world_size: int,
-                 shape: Any) -> ResumePoint | None:
+                 shape: ModelShape) -> ResumePoint | None:
     """The checkpoint a resolved config will resume from on ``world_size`` ranks and its info,
     None for a fresh start; CheckpointMismatch when it cannot."""
     path = checkpoint_to_load(config.training)

@@ -32,9 +32,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 FORMAT = "model_space"
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -77,7 +80,7 @@ class _Piece:
     offset: int  # its first element, counted in the parameter's elements
 
 
-def _leaves(item: Any) -> Iterator[Any]:
+def _leaves(item: object) -> Iterator[object]:
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     if isinstance(item, ShardedTensorFactory):
@@ -144,7 +147,7 @@ def _box_tensor(piece: _Piece, key: str, flat: torch.Tensor, box: Box, instance:
         allow_shape_mismatch=shard.allow_shape_mismatch)
 
 
-def _param_ranges(optimizer: Any) -> Iterator[tuple[torch.nn.Parameter, int, int]]:
+def _param_ranges(optimizer: DistributedOptimizer) -> Iterator[tuple[torch.nn.Parameter, int, int]]:
     """(model parameter, start, stop) of this DP rank's slice of every parameter, in the
     optimizer's fixed bucket order."""
     for gbuf_range_maps in optimizer.gbuf_ranges:
@@ -154,7 +157,7 @@ def _param_ranges(optimizer: Any) -> Iterator[tuple[torch.nn.Parameter, int, int
                     yield param, ranges["param"].start, ranges["param"].end
 
 
-def _states(optimizer: Any, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+def _states(optimizer: DistributedOptimizer, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
     """The 1-D tensors (main weight and moments) of ``param``'s slice, named as in the file."""
     tensors = optimizer._get_main_param_and_optimizer_states(param)
     tensors.pop("step", None)  # a 0-d count, kept in the param groups (common state)
@@ -173,7 +176,7 @@ def _box_layout(pieces: list[_Piece], start: int, stop: int) -> Iterator[tuple[_
             position += math.prod(box[1])
 
 
-def param_state(optimizer: Any, model_state: dict[str, Any]) -> dict[str, Any]:
+def param_state(optimizer: DistributedOptimizer, model_state: dict[str, Any]) -> dict[str, Any]:
     """Sharded state of a DistributedOptimizer's parameter state: ``{index: {name: [boxes]}}``
     whose ShardedTensors are views of the live state (the same structure serves as the load
     template; :func:`load_param_state` copies what was read into place)."""
@@ -195,7 +198,7 @@ def param_state(optimizer: Any, model_state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def load_param_state(optimizer: Any, loaded: dict[str, Any], model_state: dict[str, Any]) -> None:
+def load_param_state(optimizer: DistributedOptimizer, loaded: dict[str, Any], model_state: dict[str, Any]) -> None:
     """Put loaded boxes (the tensors :func:`param_state`'s template was filled with) back into
     the optimizer's state."""
     pieces = _pieces_by_param(model_state)

@@ -40,8 +40,9 @@ import io
 import os
 import pickle
 import sys
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -65,7 +66,8 @@ class _Layout:
     stride: tuple[int, ...]
 
 
-def _layout(storage: tuple, offset: int, size: Any, stride: Any, *_: Any) -> _Layout:
+def _layout(storage: tuple[str, torch.dtype, str, str, int], offset: int, size: Sequence[int],
+            stride: Sequence[int], *_: object) -> _Layout:
     """Stands in for ``torch._utils._rebuild_tensor_v2`` while reading an archive's pickle:
     records the layout instead of building a tensor. ``storage`` is the persistent id
     ``("storage", <dtype of the torch.XStorage named>, key, location, numel)``."""
@@ -97,7 +99,7 @@ class _LayoutUnpickler(pickle.Unpickler):
             return _storage_dtypes()[name]
         raise _NotATensor(f"{module}.{name}")
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: object) -> object:
         return pid
 
 
@@ -110,11 +112,16 @@ def _contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def _stored_view(stream: Any, offset: int, length: int, req: ReadItem) -> tuple[torch.dtype, int] | None:
+def _stored_view(stream: io.FileIO, offset: int, length: int, req: ReadItem) -> tuple[torch.dtype, int] | None:
     """The dtype and file offset of the requested part of a stored tensor, when that part is
     one contiguous run of the archive's storage record; None otherwise."""
-    archive = torch._C.PyTorchFileReader(_create_file_view(stream, offset, length))
-    if archive.has_record("byteorder") and archive.get_record("byteorder").decode() != sys.byteorder:
+    # torch's file view is a readable binary stream (torch.load reads archives through it);
+    # its annotation says only IOBase.
+    view = cast(IO[bytes], _create_file_view(stream, offset, length))
+    archive = torch._C.PyTorchFileReader(view)
+    # has_record and get_record_offset are methods of torch's C++ reader its stub leaves out.
+    has_byteorder = archive.has_record("byteorder")  # type: ignore[attr-defined]
+    if has_byteorder and archive.get_record("byteorder").decode() != sys.byteorder:
         return None  # PyTorch's path swaps the bytes; this one does not
     try:
         layout = _LayoutUnpickler(io.BytesIO(archive.get_record("data.pkl"))).load()
@@ -125,7 +132,7 @@ def _stored_view(stream: Any, offset: int, length: int, req: ReadItem) -> tuple[
     start = layout.offset + sum(s * step for s, step in zip(req.storage_offsets, layout.stride))
     if not _contiguous(tuple(req.lengths), layout.stride):
         return None
-    storage_at = offset + archive.get_record_offset(f"data/{layout.key}")
+    storage_at = offset + archive.get_record_offset(f"data/{layout.key}")  # type: ignore[attr-defined]
     return layout.dtype, storage_at + start * layout.dtype.itemsize
 
 
@@ -169,7 +176,7 @@ class DirectFileSystemReader(FileSystemReader):
         done.set_result(None)
         return done
 
-    def _read_file(self, stream: Any, reqs: list[ReadItem], planner: LoadPlanner) -> list[ReadItem]:
+    def _read_file(self, stream: io.FileIO, reqs: list[ReadItem], planner: LoadPlanner) -> list[ReadItem]:
         """Read the requests of one file (sorted by offset); returns those left to PyTorch's
         path."""
         fallback: list[ReadItem] = []
@@ -198,7 +205,7 @@ class DirectFileSystemReader(FileSystemReader):
             os.posix_fadvise(fd, info.offset, head, os.POSIX_FADV_WILLNEED)
             os.posix_fadvise(fd, info.offset + info.length - head, head, os.POSIX_FADV_WILLNEED)
 
-    def _place(self, stream: Any, req: ReadItem,
+    def _place(self, stream: io.FileIO, req: ReadItem,
                planner: LoadPlanner) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """(destination, the CPU tensor to read into, file offset) for one request; None to
         leave it to PyTorch's path."""
@@ -226,9 +233,10 @@ def direct_reads() -> Iterator[None]:
 
     original = torch_strategy._get_filesystem_reader
 
-    def reader(checkpoint_dir: Any, cache_metadata: bool = False, **kwargs: Any) -> FileSystemReader:
+    def reader(checkpoint_dir: str | Path, cache_metadata: bool = False,
+               async_strategy: str = "mcore") -> FileSystemReader:
         if cache_metadata or torch_strategy.MultiStorageClientFeature.is_enabled():
-            return original(checkpoint_dir, cache_metadata=cache_metadata, **kwargs)
+            return original(checkpoint_dir, cache_metadata=cache_metadata, async_strategy=async_strategy)
         return DirectFileSystemReader(checkpoint_dir)
 
     torch_strategy._get_filesystem_reader = reader

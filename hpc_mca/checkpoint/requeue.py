@@ -79,9 +79,13 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from hpc_mca.rundir import SIGNAL_FILE
+
+if TYPE_CHECKING:  # torch is imported where a collective needs it
+    import torch
 
 SIGNAL_FILE_ENV = "HPC_MCA_SIGNAL_FILE"
 _CODES = {"USR1": 1, "TERM": 2}
@@ -91,18 +95,20 @@ _CODES = {"USR1": 1, "TERM": 2}
 class StopSignal:
     """USR1/TERM to the batch shell (its signal file) or to this rank, agreed by all ranks.
 
-    Installs its handlers when made; :meth:`restore` gives the defaults back. :meth:`agree` is
-    a collective that every rank calls at every step boundary.
+    Installs its handlers when made (``listen``), else at :meth:`listen`; :meth:`restore`
+    gives the defaults back. :meth:`agree` is a collective that every rank calls at every
+    step boundary.
     """
 
-    def __init__(self, run_dir: Path, device: Any, is_main: bool) -> None:
+    def __init__(self, run_dir: Path, device: torch.device, is_main: bool, *, listen: bool = True) -> None:
         self.signal_file = Path(os.environ.get(SIGNAL_FILE_ENV) or Path(run_dir) / SIGNAL_FILE)
         self.device, self.is_main = device, is_main
         self.received = 0
         self.received_at: float | None = None
         """When the stop was requested: the batch shell's record of the signal (rank 0 reads
         it), else when this rank got a signal; for the signal-to-durable line."""
-        self._install()
+        if listen:
+            self.listen()
 
     @staticmethod
     def describe(code: int) -> str:
@@ -110,11 +116,12 @@ class StopSignal:
         # line says which (it asks Slurm how far the limit is).
         return {1: "USR1", 2: "TERM"}.get(code, "")
 
-    def _install(self) -> None:
+    def listen(self) -> None:
+        """From now until :meth:`restore`, a USR1/TERM to this rank is a stop request."""
         for name in _CODES:
             signal.signal(getattr(signal, f"SIG{name}"), self._on_signal)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name.removeprefix("SIG")
         self.received = max(self.received, _CODES[name])
         self.received_at = self.received_at or time.time()

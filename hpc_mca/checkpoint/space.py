@@ -102,8 +102,10 @@ def is_out_of_space(err: BaseException) -> bool:
         # (exception, traceback summary).
         failures = getattr(current, "failures", None)
         if isinstance(failures, dict):
-            stack += [f[0] if isinstance(f, tuple) and f else f for f in failures.values()
-                      if isinstance(f, (tuple, BaseException))]
+            for failure in failures.values():
+                first = failure[0] if isinstance(failure, tuple) and failure else failure
+                if isinstance(first, BaseException):
+                    stack.append(first)
     return False
 
 

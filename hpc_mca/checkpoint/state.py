@@ -10,14 +10,16 @@ files and everything else as the "common" state written once)::
                                  TP/PP/DP, no gather), Megatron's fully_reshardable (the same
                                  tensors, gathered over DP first) or dp_reshardable (DP shards)
     lr_scheduler                 OptimizerParamScheduler.state_dict() (common)
-    trainer                      global_step, consumed_samples, skipped_iters (common)
+    trainer                      the run's counters: global_step, consumed_samples,
+                                 skipped_iters (common; saved and put back as one unit)
     config                       the resolved run config as a dict (common)
     rng_state                    per-rank RNG states: ShardedObject of global shape (world,)
 
 What a checkpoint takes from the training loop is the :class:`Resumable` protocol: the model
-chunks and the optimizer (sharded and loaded in place, being Megatron's), and the loop's own
-small state (:class:`LoopState`) through ``state_dict``/``load_state_dict``. The checkpointer
-never reads or writes anything else of the loop.
+chunks and the optimizer (sharded and loaded in place, being Megatron's), the run's counters
+(:class:`Counters`, a torch ``Stateful``) and the loop's own small state (:class:`LoopState`),
+each through its ``state_dict``/``load_state_dict``. The checkpointer never reads or writes
+anything else of the loop.
 
 The torch AdamW fallback (no Apex/TE) keeps a per-parameter ``step`` tensor that Megatron's
 distributed optimizer handles only half-way: ``state_dict()`` reads it from every parameter
@@ -35,8 +37,8 @@ its own copy of the step back.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any, Protocol, TypedDict
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -48,21 +50,24 @@ from hpc_mca.models.weights import (
 
 from . import model_space
 
+if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.transformer.module import MegatronModule
 
-class LoopCounters(TypedDict):
-    global_step: int
-    """Optimizer steps taken."""
-    consumed_samples: int
-    """Samples of the training order used so far: the data sampler's position (the next
-    global batch starts here, on any DP size)."""
-    skipped_iters: int
-    """Steps whose gradients were not finite (no update)."""
+
+class Counters(Protocol):
+    """The run's counters as a checkpoint sees them (:class:`hpc_mca.loop.counters.RunCounters`:
+    global_step, consumed_samples, skipped_iters): a torch ``Stateful`` whose state is saved
+    under ``trainer`` and put back whole."""
+
+    def state_dict(self) -> dict[str, int]: ...
+
+    def load_state_dict(self, state_dict: Mapping[str, int]) -> None: ...
 
 
 class LoopState(TypedDict, total=False):
-    """The training loop's resumable state beside its model and optimizer."""
+    """The training loop's resumable state beside its model, optimizer and counters."""
 
-    trainer: LoopCounters
     lr_scheduler: dict[str, Any]
     """``OptimizerParamScheduler.state_dict()``."""
     rng_state: dict[str, Any]
@@ -75,8 +80,13 @@ class Resumable(Protocol):
 
     model: list[torch.nn.Module]
     """The DDP-wrapped model chunks (this rank's pipeline stages)."""
-    optimizer: Any
-    """The Megatron optimizer over ``model``."""
+    optimizer: MegatronOptimizer
+    """The Megatron optimizer over ``model`` (a ChainedOptimizer when there are several)."""
+
+    @property
+    def counters(self) -> Counters:
+        """The run's counters, saved and restored as one unit."""
+        ...
 
     def state_dict(self) -> LoopState: ...
 
@@ -101,7 +111,7 @@ def sharded_metadata(optimizer_format: str) -> dict[str, Any]:
 
 
 def model_state(chunks: list[torch.nn.Module], metadata: dict[str, Any]) -> dict[str, Any]:
-    models = [unwrap(chunk) for chunk in chunks]
+    models: list[MegatronModule] = [unwrap(chunk) for chunk in chunks]  # GPTModels, no wrappers
     states = [_trained_only(model, model.sharded_state_dict(metadata=metadata)) for model in models]
     if len(models) == 1:
         return {"model": states[0]}
@@ -128,7 +138,7 @@ def _trained_only(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, An
             for key, value in state.items() if id(getattr(value, "data", None)) in trained}
 
 
-def _per_layer(item: Any) -> Any:
+def _per_layer(item: object) -> object:
     """A ShardedTensor (or the factory that builds them) of one layer of Megatron's stacked
     ``decoder.layers.*`` tensors as a tensor of that layer alone, keyed by its model-wide
     number (``decoder.layers.3.mlp...``): a checkpoint of only the trained layers then covers
@@ -192,7 +202,7 @@ def build_state(loop: Resumable, *, loading: bool, with_rng: bool, config: dict[
             state["optimizer"] = loop.optimizer.sharded_state_dict(
                 state, is_loading=loading, metadata=metadata)
         state["lr_scheduler"] = own["lr_scheduler"]
-    state["trainer"] = dict(own["trainer"])
+    state["trainer"] = loop.counters.state_dict()
     if config is not None:
         state["config"] = config
     if with_rng:
@@ -201,14 +211,15 @@ def build_state(loop: Resumable, *, loading: bool, with_rng: bool, config: dict[
 
 
 def loop_state(loaded: dict[str, Any], with_rng: bool) -> LoopState:
-    """The loop's part of a loaded checkpoint, for ``Resumable.load_state_dict``."""
-    state: LoopState = {"trainer": loaded["trainer"], "lr_scheduler": loaded["lr_scheduler"]}
+    """The loop's part of a loaded checkpoint beside its counters, for
+    ``Resumable.load_state_dict``."""
+    state: LoopState = {"lr_scheduler": loaded["lr_scheduler"]}
     if with_rng:
         state["rng_state"] = loaded["rng_state"]
     return state
 
 
-def _model_space_state(optimizer: Any, models: dict[str, Any]) -> dict[str, Any]:
+def _model_space_state(optimizer: MegatronOptimizer, models: dict[str, Any]) -> dict[str, Any]:
     """The optimizer entry in the model_space format: the common state of each distributed
     optimizer (param groups with the step, grad scaler) and their boxes (see .model_space).
 
@@ -238,11 +249,11 @@ def rng_object(states: dict[str, Any]) -> Any:
 # --- the optimizer ---------------------------------------------------------------------------
 
 
-def _sub_optimizers(optimizer: Any) -> list[Any]:
+def _sub_optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
-def init_optimizer_state(optimizer: Any) -> None:
+def init_optimizer_state(optimizer: MegatronOptimizer) -> None:
     """Allocate the state of a fresh optimizer so a load has a template to fill.
 
     Megatron's ``init_state_fn`` for Adam creates exp_avg/exp_avg_sq but not torch Adam's
@@ -262,10 +273,12 @@ def init_optimizer_state(optimizer: Any) -> None:
                     state["step"] = torch.tensor(0.0)
 
 
-def load_optimizer(optimizer: Any, loaded: Any, models: dict[str, Any] | None = None) -> None:
+def load_optimizer(optimizer: MegatronOptimizer, loaded: dict[str, Any] | list[dict[str, Any]],
+                   models: dict[str, Any] | None = None) -> None:
     """Put a loaded optimizer state back (see the module docstring for the ``step`` handling).
-    ``models``: a fresh model sharded state dict (:func:`model_state`), which the model_space
-    format needs to place its boxes."""
+    ``loaded``: one optimizer's state, or one per optimizer of a chained one. ``models``: a
+    fresh model sharded state dict (:func:`model_state`), which the model_space format needs
+    to place its boxes."""
     subs = _sub_optimizers(optimizer)
     if isinstance(loaded, dict) and loaded.get("param_state_sharding_type") == model_space.FORMAT:
         _load_model_space(subs, loaded, models)
@@ -275,10 +288,13 @@ def load_optimizer(optimizer: Any, loaded: Any, models: dict[str, Any] | None = 
         optimizer._synchronize_steps()
 
 
-def _load_model_space(subs: list[Any], loaded: dict[str, Any], models: dict[str, Any] | None) -> None:
+def _load_model_space(subs: list[MegatronOptimizer], loaded: dict[str, Any], models: dict[str, Any] | None) -> None:
     """Every saved param group goes to every optimizer (Megatron picks each current group's
     saved counterpart by its identifying keys, is_expert_parallel among them), then each
     optimizer's boxes are copied in."""
+    if models is None:
+        raise ValueError(f"optimizer format {model_space.FORMAT}: load_optimizer needs the model's "
+                         "sharded state dict (models=) to place the boxes")
     common = loaded["common"]
     groups = [group for part in common for group in part["optimizer"]["param_groups"]]
     merged = {**common[0], "optimizer": {**common[0]["optimizer"], "param_groups": groups}}
@@ -288,14 +304,14 @@ def _load_model_space(subs: list[Any], loaded: dict[str, Any], models: dict[str,
             model_space.load_param_state(sub, loaded["param_state"][str(i)], models)
 
 
-def _load_megatron_format(subs: list[Any], loaded: Any) -> None:
+def _load_megatron_format(subs: list[MegatronOptimizer], loaded: dict[str, Any] | list[dict[str, Any]]) -> None:
     """A plain optimizer, or Megatron's fully/dp_reshardable: one part per optimizer."""
-    if len(subs) == 1:
-        parts = [loaded]
-    elif isinstance(loaded, dict):
-        parts = [loaded[k] for k in sorted(loaded)]
-    else:
+    if isinstance(loaded, list):
         parts = list(loaded)
+    elif len(subs) == 1:
+        parts = [loaded]
+    else:
+        parts = [loaded[k] for k in sorted(loaded)]
     if len(parts) != len(subs):
         raise RuntimeError(f"the checkpoint has {len(parts)} optimizer(s), this run "
                            f"{len(subs)}")
@@ -303,7 +319,7 @@ def _load_megatron_format(subs: list[Any], loaded: Any) -> None:
         _load_one(sub, part)
 
 
-def _load_one(optimizer: Any, state: dict[str, Any]) -> None:
+def _load_one(optimizer: MegatronOptimizer, state: dict[str, Any]) -> None:
     sharding = state.get("param_state_sharding_type")
     if sharding not in RESHARDABLE_FORMATS:
         optimizer.load_state_dict(state)  # plain optimizer: Megatron restores its common step
@@ -337,7 +353,7 @@ def _step_set_aside(inner: torch.optim.Optimizer) -> Iterator[None]:
             inner.state[param]["step"] = step.detach().clone()
 
 
-def optimizer_step(optimizer: Any) -> float | None:
+def optimizer_step(optimizer: MegatronOptimizer) -> float | None:
     """The inner optimizer's step count (the same for every parameter), for checks."""
     for sub in _sub_optimizers(optimizer):
         for state in sub.optimizer.state.values():

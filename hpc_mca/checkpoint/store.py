@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -83,6 +84,26 @@ class CheckpointInfo:
     reason: str = ""
     """interval, end, signal or requested."""
     megatron_core: str = ""
+
+    @classmethod
+    def of_save(cls, counters: Mapping[str, int], records: Mapping[str, dict[str, Any]], *, reason: str,
+                job_id: str | None, restart_count: int, format: str = FORMAT,
+                megatron_core: str = "") -> CheckpointInfo:
+        """checkpoint.json of a save made now: the run's counters as they are saved
+        (:meth:`hpc_mca.loop.counters.RunCounters.state_dict`) and what a resume compares
+        (:func:`hpc_mca.checkpoint.compat.records`: model, layout, training)."""
+        return cls(step=counters["global_step"], consumed_samples=counters["consumed_samples"],
+                   skipped_iters=counters["skipped_iters"], layout=records["layout"],
+                   model=records["model"], training=records["training"], format=format,
+                   saved_at=time.time(), job_id=job_id, restart_count=restart_count, reason=reason,
+                   megatron_core=megatron_core)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The run's counters this checkpoint saved, by their names in the run
+        (:meth:`hpc_mca.loop.counters.RunCounters.load_state_dict` takes them back)."""
+        return {"global_step": self.step, "consumed_samples": self.consumed_samples,
+                "skipped_iters": self.skipped_iters}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
@@ -182,7 +203,7 @@ def prune(root: Path, keep: int | None) -> list[Path]:
     return removed
 
 
-def export_targets(run_dir: Path, hf_dir: str, merged_dir: str) -> list[tuple[Path, bool]]:
+def export_targets(run_dir: Path, hf_dir: str | None, merged_dir: str | None) -> list[tuple[Path, bool]]:
     """Where a finished run exports its model, and whether each export has the LoRA adapters
     merged: ``training.export_hf_dir`` and ``export_merged_dir`` (relative to the run
     directory unless absolute), those that are set."""

@@ -9,15 +9,19 @@ one-line ``Error: ...`` per problem and exit status 1.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from hpc_mca.stages import STAGE_NAMES
 from hpc_mca.topology.choices import PRECISIONS, RECOMPUTE
 from hpc_mca.topology.hardware import GPU_PRESETS
+
+if TYPE_CHECKING:
+    from hpc_mca.slurm.jobplan import PlanOptions
+    from hpc_mca.slurm.submit import SubmitOptions
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -122,13 +126,13 @@ def slurm_options(func: F) -> F:
     ], func)
 
 
-def plan_options_from(kwargs: dict[str, Any]) -> Any:
+def plan_options_from(kwargs: Mapping[str, Any]) -> PlanOptions:
     from hpc_mca.slurm.jobplan import PlanOptions
 
     return PlanOptions(**{name: kwargs[name] for name in PLAN_FIELDS})
 
 
-def submit_options_from(kwargs: dict[str, Any]) -> Any:
+def submit_options_from(kwargs: Mapping[str, Any]) -> SubmitOptions:
     import shlex
 
     from hpc_mca.slurm.manifest import default_runs_root

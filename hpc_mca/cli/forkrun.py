@@ -30,7 +30,10 @@ import os
 import runpy
 import sys
 import threading
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import SimpleQueue
 
 GRACE_S = 15.0
 
@@ -60,7 +63,7 @@ def preload(args: Sequence[str]) -> bool:
     return True
 
 
-def _rank(local_rank: int, nproc: int, ports: Any, args: list[str]) -> None:
+def _rank(local_rank: int, nproc: int, ports: SimpleQueue[int], args: list[str]) -> None:
     # The launcher hosts the rendezvous store, as torchrun's agent does: every rank joins it as
     # a client (TORCHELASTIC_USE_AGENT_STORE), on the port the launcher bound after the fork.
     port = ports.get()

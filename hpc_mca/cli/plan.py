@@ -27,7 +27,7 @@ from ._options import ops_errors, plan_options, plan_options_from, slurm_options
               help="Inside a batch job (the raw template): plan for its allocation, record "
                    "$HPC_MCA_RUN_DIR/job_plan.json, print the overrides (hpc_mca/slurm/startplan.py).")
 def plan(config: Path | None, overrides: tuple[str, ...], show_sbatch: bool, as_json: bool,
-         explain: bool, at_job_start: bool, **options) -> None:
+         explain: bool, at_job_start: bool, **options: object) -> None:
     """Plan TP/PP/CP/EP/DP, micro-batch, recompute and memory for a job; submit nothing.
 
     CONFIG is a run config (YAML) with key=value OVERRIDES, as for submit; without one, give
@@ -53,7 +53,8 @@ def plan(config: Path | None, overrides: tuple[str, ...], show_sbatch: bool, as_
         rendered = (checked_job(job, submit_options_from(options))
                     if config is not None or show_sbatch else None)
         if as_json:
-            out = {"plan": plan_summary(job.plan), "plan_overrides": list(job.plan_overrides)}
+            out: dict[str, object] = {"plan": plan_summary(job.plan),
+                                      "plan_overrides": list(job.plan_overrides)}
             if explain:
                 out["explain"] = explain_rows(job.plan)
             click.echo(json.dumps(out, indent=1))
@@ -67,4 +68,5 @@ def plan(config: Path | None, overrides: tuple[str, ...], show_sbatch: bool, as_
             click.echo(table)
             return
         click.echo(table, err=True)
+        assert rendered is not None  # rendered above whenever show_sbatch is set
         click.echo(rendered.script, nl=False)

@@ -5,8 +5,13 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from hpc_mca.topology import Layout
+    from hpc_mca.trainer.smoke import SmokeConfig
 
 
 @click.command()
@@ -64,7 +69,7 @@ def smoke(tp: int, pp: int, vp: int | None, ep: int, experts: int, topk: int,
     _run(cfg, layout, seed, out)
 
 
-def _run(cfg, layout, seed: int, out: Path | None) -> None:
+def _run(cfg: SmokeConfig, layout: Layout, seed: int, out: Path | None) -> None:
     from hpc_mca.runtime.distributed import init_distributed, shutdown
     from hpc_mca.trainer.smoke import run_smoke
 

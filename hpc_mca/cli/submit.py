@@ -25,7 +25,7 @@ from .watch import follow_job, interval_option
               help="Then follow the job like hpc-mca watch and exit with its final state.")
 @interval_option
 def submit(config: Path, overrides: tuple[str, ...], preflight: bool, wait: bool,
-           interval: float, **options) -> None:
+           interval: float, **options: object) -> None:
     """Submit a training job: every rank runs `hpc-mca train CONFIG OVERRIDES...`.
 
     CONFIG may instead be a Python script (SCRIPT.py ARGS...: one using hpc-mca's API, e.g.

@@ -39,7 +39,7 @@ _TENSOR = re.compile(r"base_model\.model\.model\.layers\.\d+\.\w+\."
                      r"(?:\w+_proj|experts(?:\.base_layer)*)\.lora_[AB]\.weight")
 """peft's names for LoRA factors on a decoder layer's linear (or an MoE layer's experts)."""
 
-_UNSUPPORTED = {"use_dora": False, "use_rslora": False, "modules_to_save": None,
+_UNSUPPORTED: dict[str, object] = {"use_dora": False, "use_rslora": False, "modules_to_save": None,
                 "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None,
                 "bias": "none", "fan_in_fan_out": False, "exclude_modules": None,
                 "trainable_token_indices": None, "lora_bias": False, "layer_replication": None,

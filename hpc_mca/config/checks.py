@@ -11,7 +11,7 @@ from .input import ConfigError, choice_message
 __all__ = ["at_least", "choice"]
 
 
-def choice(dotted: str, value: Any, choices: typing.Iterable[Any]) -> None:
+def choice(dotted: str, value: object, choices: typing.Iterable[Any]) -> None:
     problem = choice_message(dotted, value, tuple(choices))
     if problem:
         raise ConfigError(problem)

@@ -1,25 +1,26 @@
 """The rules of what trains and how (``finetuning.*`` with the model it applies to): LoRA
-targets, adapters as input, freeze's layers, and each stage's loss settings (dpo's preference
-losses and reference, kto's weights). :func:`check_finetuning` is one step of
-:data:`hpc_mca.config.rules.RESOLVE_STEPS`, run after the stage and the model passed theirs.
+targets, adapters as input, freeze's layers, and the stage's loss settings and objective.
+:func:`check_finetuning` is one step of :data:`hpc_mca.config.rules.RESOLVE_STEPS`, run after
+the stage and the model passed theirs.
+
+What is checked for a stage is read from its registry row (:class:`hpc_mca.stages.Stage`),
+never from its name or its kind of rows: each setting its loss reads (``loss_settings``: dpo's
+preference loss and reference, kto's weights, β), and what its objective leaves out (MTP
+losses, prompt tokens, packed rows, a micro-step of one example). A new stage with these
+traits needs no edit here.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hpc_mca.errors import UserError
-from hpc_mca.stages import (
-    FEEDBACK,
-    PREFERENCE_PAIR,
-    REFERENCE_FREE_LOSSES,
-    get_stage,
-    reference_runs,
-)
+from hpc_mca.stages import REFERENCE_FREE_LOSSES, Stage, get_stage, reference_runs
 from hpc_mca.topology import Layout
 from hpc_mca.topology.freeze import (
     FreezeError,
+    FreezeRule,
     freeze_rule,
     freeze_sizing,
     hf_parameter_sizes,
@@ -36,9 +37,14 @@ from .input import ConfigError
 from .layout import model_shape, model_type
 
 if TYPE_CHECKING:  # the sections import the rules: a runtime import here would be a circle
+    from hpc_mca.topology.model import ModelShape
+
     from .sections import TrainConfig
 
-__all__ = ["check_finetuning", "check_kto_micro_step"]
+__all__ = ["check_finetuning", "check_micro_step"]
+
+POSITIVE_SETTINGS = ("pref_beta", "kto_chosen_weight", "kto_rejected_weight")
+"""Loss settings that must be > 0 where the stage's loss reads them."""
 
 
 def check_finetuning(config: TrainConfig, world_size: int) -> None:
@@ -58,10 +64,9 @@ def check_finetuning(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"training.export_merged_dir={config.training.export_merged_dir!r} "
                           "merges LoRA adapters into the base model; valid with "
                           "finetuning.finetuning_type='lora' (full runs: training.export_hf_dir)")
-    if get_stage(ft.stage).reads == PREFERENCE_PAIR:
-        _check_dpo(config)
-    if get_stage(ft.stage).reads == FEEDBACK:
-        _check_kto(config)
+    stage = get_stage(ft.stage)
+    _check_loss_settings(config, stage)
+    _check_objective(config, stage)
 
 
 def _check_adapters(config: TrainConfig) -> None:
@@ -125,7 +130,7 @@ def _check_freeze(config: TrainConfig) -> None:
         _check_freeze_stages(config, shape, rule)
 
 
-def _check_freeze_stages(config: TrainConfig, shape: Any, rule: Any) -> None:
+def _check_freeze_stages(config: TrainConfig, shape: ModelShape, rule: FreezeRule) -> None:
     """Every pipeline rank trains something: a rank with nothing to train has an empty
     optimizer, whose state Megatron can neither save (the distributed optimizer) nor, written
     by rank 0 as the checkpoint's common state, load on the others."""
@@ -146,52 +151,49 @@ def _check_freeze_stages(config: TrainConfig, shape: Any, rule: Any) -> None:
                           "parallel.pipeline_layout moving trained layers there")
 
 
-def _check_dpo(config: TrainConfig) -> None:
-    ft, data = config.finetuning, config.data
-    _choice("finetuning.pref_loss", ft.pref_loss, PREF_LOSSES)
-    if not ft.pref_beta > 0:
-        raise ConfigError(f"finetuning.pref_beta={ft.pref_beta} must be > 0")
-    if not 0.0 <= ft.dpo_label_smoothing < 0.5:
-        raise ConfigError(f"finetuning.dpo_label_smoothing={ft.dpo_label_smoothing} must be in "
-                          "[0, 0.5)")
-    if ft.dpo_label_smoothing and ft.pref_loss != "sigmoid":
-        raise ConfigError(f"finetuning.dpo_label_smoothing={ft.dpo_label_smoothing} applies to "
-                          f"pref_loss='sigmoid' only, not {ft.pref_loss!r}; valid: 0")
-    _at_least("finetuning.pref_ftx", ft.pref_ftx, 0.0)
-    _check_reference(config)
-    if config.model.mtp_num_layers:
-        raise ConfigError(f"model.mtp_num_layers={config.model.mtp_num_layers} with "
-                          "finetuning.stage='dpo': MTP losses are not part of the preference "
-                          "objective; valid: model.mtp_num_layers=0")
-    if data.train_on_prompt:
-        raise ConfigError("data.train_on_prompt=true with finetuning.stage='dpo': the "
-                          "preference compares answers only; valid: false")
-    need = 2 * data.cutoff_len
-    if data.sequence_packing and (data.seq_length or data.cutoff_len) < need:
-        raise ConfigError(f"data.seq_length={data.seq_length or data.cutoff_len} with "
-                          f"sequence_packing and finetuning.stage='dpo': a packed row must hold "
-                          f"a whole pair of up to 2 × cutoff_len={need} tokens; valid: "
-                          f"data.seq_length >= {need}")
-
-
-def _check_kto(config: TrainConfig) -> None:
-    """kto (hpc_mca.loop.kto): β and both weights positive; what its objective leaves out
-    (MTP, prompt training) and packed rows (each micro-batch builds its KL rows) refused."""
-    ft, data = config.finetuning, config.data
-    for name in ("pref_beta", "kto_chosen_weight", "kto_rejected_weight"):
+def _check_loss_settings(config: TrainConfig, stage: Stage) -> None:
+    """Each ``finetuning.*`` setting the stage's loss reads (its row's ``loss_settings``)."""
+    ft, reads = config.finetuning, stage.loss_settings
+    if "pref_loss" in reads:
+        _choice("finetuning.pref_loss", ft.pref_loss, PREF_LOSSES)
+    for name in POSITIVE_SETTINGS:
         value = getattr(ft, name)
-        if not value > 0:
-            raise ConfigError(f"finetuning.{name}={value} must be > 0 with finetuning.stage='kto'")
-    if config.model.mtp_num_layers:
+        if name in reads and not value > 0:
+            raise ConfigError(f"finetuning.{name}={value} must be > 0 with finetuning.stage={stage.name!r}")
+    if "dpo_label_smoothing" in reads:
+        if not 0.0 <= ft.dpo_label_smoothing < 0.5:
+            raise ConfigError(f"finetuning.dpo_label_smoothing={ft.dpo_label_smoothing} must be in "
+                              "[0, 0.5)")
+        if ft.dpo_label_smoothing and ft.pref_loss != "sigmoid":
+            raise ConfigError(f"finetuning.dpo_label_smoothing={ft.dpo_label_smoothing} applies to "
+                              f"pref_loss='sigmoid' only, not {ft.pref_loss!r}; valid: 0")
+    if "pref_ftx" in reads:
+        _at_least("finetuning.pref_ftx", ft.pref_ftx, 0.0)
+    if "ref_model" in reads:
+        _check_reference(config)
+
+
+def _check_objective(config: TrainConfig, stage: Stage) -> None:
+    """What the stage's objective leaves out (its row's traits): MTP losses, prompt tokens,
+    packed rows; a packed row holds a whole example."""
+    data, name = config.data, stage.name
+    if config.model.mtp_num_layers and not stage.mtp_loss:
         raise ConfigError(f"model.mtp_num_layers={config.model.mtp_num_layers} with "
-                          "finetuning.stage='kto': MTP losses are not part of the kto objective; "
-                          "valid: model.mtp_num_layers=0")
-    if data.train_on_prompt:
-        raise ConfigError("data.train_on_prompt=true with finetuning.stage='kto': kto scores "
-                          "answers only; valid: false")
-    if data.sequence_packing:
-        raise ConfigError("data.sequence_packing=true with finetuning.stage='kto': each "
-                          "micro-batch builds its KL rows unpacked; valid: false")
+                          f"finetuning.stage={name!r}: MTP losses are not part of the {name} "
+                          "objective; valid: model.mtp_num_layers=0")
+    if data.train_on_prompt and stage.answers_only:
+        raise ConfigError(f"data.train_on_prompt=true with finetuning.stage={name!r}: its loss "
+                          "scores answers only; valid: false")
+    if data.sequence_packing and not stage.packing:
+        raise ConfigError(f"data.sequence_packing=true with finetuning.stage={name!r}: its loss "
+                          "reads unpacked rows (built per micro-batch); valid: false")
+    need = stage.rows_per_example * data.cutoff_len
+    if data.sequence_packing and stage.rows_per_example > 1 and (data.seq_length or data.cutoff_len) < need:
+        whole = "pair" if stage.rows_per_example == 2 else "example"
+        raise ConfigError(f"data.seq_length={data.seq_length or data.cutoff_len} with "
+                          f"sequence_packing and finetuning.stage={name!r}: a packed row must hold "
+                          f"a whole {whole} of up to {stage.rows_per_example} × cutoff_len={need} "
+                          f"tokens; valid: data.seq_length >= {need}")
 
 
 def _check_reference(config: TrainConfig) -> None:
@@ -223,17 +225,19 @@ def _check_reference(config: TrainConfig) -> None:
                           "valid: a model of the same family, sizes and vocabulary")
 
 
-def check_kto_micro_step(config: TrainConfig, world_size: int) -> None:
-    """kto pairs each example's KL row with another example's answer within the micro-step
-    (``per_device_train_batch_size`` × data-parallel ranks, hpc_mca.data.feedback): with one
-    example there it would pair with itself, and the KL estimate would be its own reward
-    (TRL's KTOTrainer refuses that micro-batch too). Run after the parallel rules derive the
-    data-parallel size."""
-    if get_stage(config.finetuning.stage).reads != FEEDBACK:
-        return
+def check_micro_step(config: TrainConfig, world_size: int) -> None:
+    """A micro-step (``per_device_train_batch_size`` × data-parallel ranks) holds at least the
+    examples the stage's loss relates (its row's ``micro_step_examples``): kto pairs each
+    example's KL row with another example's answer within the micro-step
+    (hpc_mca.data.feedback), so with one example there it would pair with itself, and the KL
+    estimate would be its own reward (TRL's KTOTrainer refuses that micro-batch too). Run after
+    the parallel rules derive the data-parallel size."""
+    stage = get_stage(config.finetuning.stage)
+    least = stage.micro_step_examples
     micro, dp = config.training.per_device_train_batch_size, config.parallel.data_parallel_size or 1
-    if micro * dp < 2:
+    if micro * dp < least:
         raise ConfigError(f"training.per_device_train_batch_size={micro} on {dp} data-parallel "
-                          "rank(s) with finetuning.stage='kto': a micro-step of one example pairs "
-                          "its KL row with its own answer, so the KL estimate is its own reward; "
-                          "valid: per_device_train_batch_size >= 2, or 2 or more data-parallel ranks")
+                          f"rank(s) with finetuning.stage={stage.name!r}: its loss relates each "
+                          f"example to another of its micro-step, which needs {least} or more; "
+                          f"valid: per_device_train_batch_size >= {-(-least // dp)}, or {least} or "
+                          "more data-parallel ranks")

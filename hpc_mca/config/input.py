@@ -145,7 +145,7 @@ VALID_VALUES = {"training.resume_from_checkpoint": "auto, never, or a checkpoint
 """What a free-text field accepts, for the message when a value has the wrong type."""
 
 
-def coerce(dotted: str, value: Any, hint: Any) -> Any:
+def coerce(dotted: str, value: object, hint: object) -> Any:
     """Check ``value`` against the field's annotation; numbers written as strings are parsed."""
     if value is None and dotted in NULL_MEANS:
         return NULL_MEANS[dotted]
@@ -185,7 +185,7 @@ def coerce(dotted: str, value: Any, hint: Any) -> Any:
     return _coerce_scalar(dotted, value, hint)
 
 
-def _blend_items(value: Any) -> list[str]:
+def _blend_items(value: object) -> list[str]:
     """data.data_path as strings: Megatron writes it space-separated, YAML lists give numbers."""
     if isinstance(value, str):
         value = value.replace(",", " ").split()
@@ -196,21 +196,22 @@ def _blend_items(value: Any) -> list[str]:
                       "[0.7, prefixA, 0.3, prefixB]")
 
 
-def _coerce_scalar(dotted: str, value: Any, hint: type) -> Any:
+def _coerce_scalar(dotted: str, value: object, hint: object) -> Any:
     if hint is bool:
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{dotted}={value!r} must be true or false")
     if hint is int and isinstance(value, int) and not isinstance(value, bool):
         return value
-    if hint is float and not isinstance(value, bool):
+    if hint is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
         try:
             return float(value)
         except (TypeError, ValueError):
             pass
     if hint is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return str(value)
-    kind = {int: "an integer", float: "a number", str: "a string"}[hint]
+    kinds: dict[object, str] = {int: "an integer", float: "a number", str: "a string"}
+    kind = kinds[hint]
     valid = f"; valid: {VALID_VALUES[dotted]}" if dotted in VALID_VALUES else ""
     raise ConfigError(f"{dotted}={value!r} must be {kind}{valid}")
 
@@ -224,7 +225,7 @@ Assignments = dict[str, Any]
 """Dotted field -> value: what another tool's key or value sets here."""
 
 
-def optimizer_fields(value: Any, own: tuple[str, ...]) -> Assignments:
+def optimizer_fields(value: object, own: tuple[str, ...]) -> Assignments:
     """training.optim: one of ``own``, or a transformers name of AdamW (and the kernel)."""
     if value in own:
         return {"training.optim": value}
@@ -246,7 +247,7 @@ OTHER_VALUES: dict[str, dict[str, str]] = {
 """Values another tool gives a field of ours that are refused here, with the reason."""
 
 
-def choice_message(dotted: str, value: Any, choices: tuple[Any, ...]) -> str | None:
+def choice_message(dotted: str, value: object, choices: tuple[Any, ...]) -> str | None:
     """None when ``value`` is one of ``choices``, else the one line refusing it (with the
     reason for another tool's value, or a close spelling)."""
     if value in choices:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .input import Assignments, ConfigError
 from .scope import has_eval_data
@@ -27,7 +27,7 @@ class LfKey:
 
     sets: tuple[str, ...]
     """The dotted fields it may set (empty: accepted, nothing to set)."""
-    translate: Callable[[Any, TrainConfig], Assignments]
+    translate: Callable[[object, TrainConfig], Assignments]
     """(value, the config with every plain key applied) -> the fields it sets; ConfigError in
     one line for a value that is refused. It sees the whole config because some keys mean
     different fields in different runs (export_dir: lora or full)."""
@@ -37,35 +37,35 @@ class LfKey:
     under ``save_strategy: no``)."""
 
 
-def _flag(key: str, value: Any) -> bool:
+def _flag(key: str, value: object) -> bool:
     if isinstance(value, bool):
         return value
     raise ConfigError(f"{key}={value!r} must be true or false")
 
 
-def _do_train(value: Any, config: TrainConfig) -> Assignments:
+def _do_train(value: object, config: TrainConfig) -> Assignments:
     if not _flag("do_train", value):
         raise ConfigError("do_train=false: hpc-mca train always trains (evaluation-only runs are "
                           "not supported); valid: true, or remove the key")
     return {}
 
 
-def _trust_remote_code(value: Any, config: TrainConfig) -> Assignments:
+def _trust_remote_code(value: object, config: TrainConfig) -> Assignments:
     # Either value is fine: no remote code ever runs, and a model that needs some (auto_map in
     # its config.json) is refused by the model rule whatever this says.
     _flag("trust_remote_code", value)
     return {}
 
 
-def _packing(key: str) -> Callable[[Any, TrainConfig], Assignments]:
+def _packing(key: str) -> Callable[[object, TrainConfig], Assignments]:
     return lambda value, config: {"data.sequence_packing": _flag(key, value)}
 
 
-def _liger(key: str) -> Callable[[Any, TrainConfig], Assignments]:
+def _liger(key: str) -> Callable[[object, TrainConfig], Assignments]:
     """LLaMA-Factory's ``enable_liger_kernel`` and transformers' ``use_liger_kernel``: false is
     what runs here; true is refused, since the kernels in use were as fast or faster on one H200
     (README, "On one GPU": benchmarks/kernel_options.py)."""
-    def refuse_true(value: Any, config: TrainConfig) -> Assignments:
+    def refuse_true(value: object, config: TrainConfig) -> Assignments:
         if _flag(key, value):
             raise ConfigError(f"{key}=true: liger-kernel is not used here (its fused linear "
                               "cross-entropy, RMSNorm and SwiGLU measured no faster than the "
@@ -75,7 +75,7 @@ def _liger(key: str) -> Callable[[Any, TrainConfig], Assignments]:
     return refuse_true
 
 
-def _streaming(value: Any, config: TrainConfig) -> Assignments:
+def _streaming(value: object, config: TrainConfig) -> Assignments:
     if _flag("streaming", value):
         raise ConfigError("streaming=true: datasets are tokenized once into memory-mapped Arrow "
                           "files and read whole, never streamed; valid: false (a corpus too large "
@@ -89,7 +89,7 @@ both become the torch backend (torch's SDPA / varlen kernels: the same attention
 package); ``fa2`` is the flash-attn package; ``fa3`` has no backend here."""
 
 
-def _flash_attn(value: Any, config: TrainConfig) -> Assignments:
+def _flash_attn(value: object, config: TrainConfig) -> Assignments:
     value = "disabled" if value is False else value  # YAML reads a bare `off` as false
     if value == "fa3":
         raise ConfigError("flash_attn='fa3': no attention backend here runs FlashAttention-3; "
@@ -101,7 +101,7 @@ def _flash_attn(value: Any, config: TrainConfig) -> Assignments:
     return {"model.attention_backend": FLASH_ATTN[value]}
 
 
-def _gradient_checkpointing(value: Any, config: TrainConfig) -> Assignments:
+def _gradient_checkpointing(value: object, config: TrainConfig) -> Assignments:
     # Every layer recomputed in backward, as transformers' gradient checkpointing does.
     on = _flag("gradient_checkpointing", value)
     return {"parallel.recompute_granularity": "full" if on else None,
@@ -118,7 +118,7 @@ _STEPS_OF = {"eval_strategy": "training.eval_steps", "evaluation_strategy": "tra
              "save_strategy": "training.save_steps", "logging_strategy": "training.logging_steps"}
 
 
-def _strategy_value(key: str, value: Any) -> str:
+def _strategy_value(key: str, value: object) -> str:
     value = "no" if value is False else value  # YAML reads a bare `no` as false
     if value == "epoch":
         raise ConfigError(f"{key}='epoch': an epoch's length in steps is known only once the data "
@@ -130,8 +130,8 @@ def _strategy_value(key: str, value: Any) -> str:
     return str(value)
 
 
-def _eval_strategy(key: str) -> Callable[[Any, TrainConfig], Assignments]:
-    def translate(value: Any, config: TrainConfig) -> Assignments:
+def _eval_strategy(key: str) -> Callable[[object, TrainConfig], Assignments]:
+    def translate(value: object, config: TrainConfig) -> Assignments:
         if _strategy_value(key, value) == "no":
             return {"training.eval_steps": None}  # still evaluated once, after the last step
         tr = config.training
@@ -145,7 +145,7 @@ def _has_eval_data(config: TrainConfig) -> bool:
     return has_eval_data(config)
 
 
-def _save_strategy(value: Any, config: TrainConfig) -> Assignments:
+def _save_strategy(value: object, config: TrainConfig) -> Assignments:
     if _strategy_value("save_strategy", value) == "no":
         return {"training.save_steps": None}  # still saved at the end and on a stop signal
     if config.training.save_steps is None:
@@ -153,7 +153,7 @@ def _save_strategy(value: Any, config: TrainConfig) -> Assignments:
     return {}
 
 
-def _logging_strategy(value: Any, config: TrainConfig) -> Assignments:
+def _logging_strategy(value: object, config: TrainConfig) -> Assignments:
     if _strategy_value("logging_strategy", value) == "no":
         raise ConfigError("logging_strategy='no': the loss is always logged (every "
                           "training.logging_steps steps and the last step: the run log, "
@@ -161,11 +161,11 @@ def _logging_strategy(value: Any, config: TrainConfig) -> Assignments:
     return {}
 
 
-def _tokenized_path(value: Any, config: TrainConfig) -> Assignments:
+def _tokenized_path(value: object, config: TrainConfig) -> Assignments:
     return {} if value is None else {"data.preprocessing_cache_dir": value}
 
 
-def _export_dir(value: Any, config: TrainConfig) -> Assignments:
+def _export_dir(value: object, config: TrainConfig) -> Assignments:
     if value is None:
         return {}
     if not isinstance(value, str) or not value:
@@ -186,7 +186,7 @@ def lf_name(key: str, sections: tuple[str, ...]) -> str | None:
     return None
 
 
-def lf_assignments(name: str, value: Any, config: TrainConfig, at: int,
+def lf_assignments(name: str, value: object, config: TrainConfig, at: int,
                    written: Mapping[str, int]) -> Assignments:
     """The fields LLaMA-Factory's key ``name`` (item ``at`` of the config) sets, less those a
     plain key written after it set (``written``: field -> position), unless the key decides

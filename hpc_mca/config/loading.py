@@ -143,7 +143,7 @@ _LOAD_CHOICES: dict[str, tuple[str, ...]] = {"data.template": TEMPLATE_NAMES,
 is in the load message, with a close spelling); the rules check the others."""
 
 
-def set_value(config: TrainConfig, key: str, value: Any,
+def set_value(config: TrainConfig, key: str, value: object,
               base_dir: Path | None = None) -> list[str]:
     """Set one flat or dotted key (``lr_scheduler_kwargs.min_lr`` sets a kwarg), type-checked;
     returns the dotted fields it set (transformers' ``optim: adamw_torch_fused`` sets two)."""
@@ -190,7 +190,7 @@ def _unknown_key_message(key: str) -> str:
     return unknown_key_message(key, flat_fields())
 
 
-def _relative_to(base: Path, value: Any) -> Any:
+def _relative_to(base: Path, value: object) -> Any:
     if isinstance(value, list):
         return [_relative_to(base, v) for v in value]
     if not isinstance(value, str) or not value or os.path.isabs(value):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpc_mca.data.arguments import DataArguments
 from hpc_mca.data.choices import MIX_STRATEGIES, PT_CHUNKINGS
 from hpc_mca.data.records import FORMATS_BY_READS
 from hpc_mca.data.templates import TEMPLATE_NAMES
@@ -43,7 +44,7 @@ from .choices import (
     TRACKER_PACKAGES,
 )
 from .finetuning_rules import check_finetuning as _check_finetuning
-from .finetuning_rules import check_kto_micro_step
+from .finetuning_rules import check_micro_step
 from .input import ConfigError
 from .layout import layout_of, model_shape, model_type, our_names
 from .run_settings import check_run_settings
@@ -123,7 +124,7 @@ def _check_stage(config: TrainConfig, world_size: int) -> None:
     _choice("finetuning.finetuning_type", ft.finetuning_type, FINETUNING_TYPES)
 
 
-def _check_blend(config: TrainConfig) -> None:
+def _check_blend(config: TrainConfig, data_path: list[str]) -> None:
     """data.data_path (Megatron's blend): pt only, instead of data.dataset, with a step count."""
     from hpc_mca.data.blended import parse_blend, parse_split
     from hpc_mca.data.errors import DataError
@@ -143,7 +144,7 @@ def _check_blend(config: TrainConfig) -> None:
         raise ConfigError("data.data_path needs training.max_steps > 0: the blend is drawn for "
                           "max_steps × global_batch_size samples")
     try:
-        parse_blend(data.data_path)
+        parse_blend(data_path)
         parse_split(data.split or "100,0,0")
     except DataError as err:
         raise ConfigError(str(err)) from None
@@ -153,7 +154,7 @@ def _check_data(config: TrainConfig, world_size: int) -> None:
     data, stage = config.data, config.finetuning.stage
     data.seq_length = data.seq_length or data.cutoff_len  # first: the layout rules read it
     if data.data_path is not None:
-        _check_blend(config)
+        _check_blend(config, data.data_path)
     elif data.split is not None:
         raise ConfigError(f"data.split={data.split!r} without data.data_path; valid: data.split "
                           "with data.data_path, or data.val_size for data.dataset")
@@ -178,7 +179,7 @@ def _check_data(config: TrainConfig, world_size: int) -> None:
                           f"{data.cutoff_len}; valid: >= {data.cutoff_len}")
 
 
-def _check_mix(data: Any) -> None:
+def _check_mix(data: DataArguments) -> None:
     _choice("data.mix_strategy", data.mix_strategy, MIX_STRATEGIES)
     probs = data.interleave_probs
     if not probs:
@@ -474,7 +475,7 @@ RESOLVE_STEPS: tuple[tuple[_Rule, tuple[_Rule, ...]], ...] = (
     (_check_training, ()),
     (_check_schedule, ()),
     (_check_parallel, (_check_model,)),
-    (check_kto_micro_step, (_check_stage, _check_parallel)),
+    (check_micro_step, (_check_stage, _check_parallel)),
     (check_run_settings, ()),
 )
 """The rules in order, each with the steps whose derived values (or model) it needs: a step

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 def check_run_settings(config: TrainConfig, world_size: int) -> None:
-    """training.ddp_timeout, hang_timeout, dataloader_num_workers, and overwrite_output_dir against
+    """training.ddp_timeout, hang_timeout, dataloader_num_workers and _prefetch_factor, and overwrite_output_dir against
     resume_from_checkpoint: one line each, the first found."""
     training = config.training
     if training.ddp_timeout <= 0:
@@ -27,6 +27,11 @@ def check_run_settings(config: TrainConfig, world_size: int) -> None:
     if training.dataloader_num_workers < 0:
         raise ConfigError(f"training.dataloader_num_workers={training.dataloader_num_workers}: "
                           "valid: 0 (load in the training process) or more worker processes")
+    prefetch = training.dataloader_prefetch_factor
+    if prefetch is not None and (prefetch < 1 or training.dataloader_num_workers == 0):
+        raise ConfigError(f"training.dataloader_prefetch_factor={prefetch} with dataloader_num_workers="
+                          f"{training.dataloader_num_workers}; valid: null, or a positive number of "
+                          "micro-batches with dataloader_num_workers > 0 (torch prefetches only in workers)")
     if training.overwrite_output_dir and training.resume_from_checkpoint == "latest":
         raise ConfigError("training.resume_from_checkpoint=latest (true) with "
                           "training.overwrite_output_dir=true: the first start moves output_dir's run "

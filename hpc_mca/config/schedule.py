@@ -46,9 +46,12 @@ import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hpc_mca.errors import UserError
+
+if TYPE_CHECKING:
+    from .sections import TrainingArguments
 
 __all__ = [
     "MegatronLRScheduler",  # noqa: F822 - built on first use by the module __getattr__
@@ -330,7 +333,14 @@ _FACTORS: dict[str, Callable[[SchedulerSpec, int], float]] = {
 # --- the Megatron scheduler ------------------------------------------------------------------
 
 
-def build_lr_scheduler(spec: SchedulerSpec, optimizer: Any, weight_decay: float = 0.0) -> Any:
+class ParamGroups(Protocol):
+    """What the scheduler touches of an optimizer: a Megatron optimizer's or torch's groups."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+
+def build_lr_scheduler(spec: SchedulerSpec, optimizer: ParamGroups, weight_decay: float = 0.0) -> Any:
     """A :class:`MegatronLRScheduler` for ``spec`` on ``optimizer``.
 
     ``optimizer`` is a Megatron optimizer or anything with a ``param_groups`` list of dicts (all
@@ -351,7 +361,8 @@ def build_lr_scheduler(spec: SchedulerSpec, optimizer: Any, weight_decay: float 
     )
 
 
-def get_megatron_lr_scheduler(training: Any, num_training_steps: int, optimizer: Any) -> Any:
+def get_megatron_lr_scheduler(training: TrainingArguments, num_training_steps: int,
+                              optimizer: ParamGroups) -> Any:
     """The scheduler for a :class:`~hpc_mca.config.sections.TrainingArguments` (read by attribute:
     lr_scheduler_type, lr_scheduler_kwargs, learning_rate, warmup_steps, warmup_ratio,
     weight_decay) over ``num_training_steps`` optimizer steps."""
@@ -381,14 +392,16 @@ def _scheduler_class() -> type:
         the resume line.
         """
 
-        def __init__(self, optimizer: Any, spec: SchedulerSpec, **kwargs: Any) -> None:
+        def __init__(self, optimizer: ParamGroups, spec: SchedulerSpec, **kwargs: float | str) -> None:
             self.spec = spec
             self.rederived: dict[str, tuple[Any, Any]] = {}
             super().__init__(optimizer, override_opt_param_scheduler=True,
                              use_checkpoint_opt_param_scheduler=False, **kwargs)
 
         def get_lr(self, param_group: dict) -> float:
-            return param_group.get("max_lr", self.max_lr) * self.spec.factor(self.num_steps)
+            peak = param_group.get("max_lr", self.max_lr)
+            assert peak is not None  # this class always passes max_lr to Megatron's __init__
+            return float(peak) * self.spec.factor(self.num_steps)
 
         def step(self, increment: int = 1) -> None:
             super().step(increment)

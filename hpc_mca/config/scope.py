@@ -15,12 +15,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hpc_mca.stages import (
     CONVERSATION_DATA_KEYS,
-    FEEDBACK,
-    PREFERENCE_PAIR,
+    LOSS_SETTINGS,
     STAGE_NAMES,
     TEXT,
     TEXT_DATA_KEYS,
@@ -28,11 +27,14 @@ from hpc_mca.stages import (
     get_stage,
     stage_context,
     stages_where,
+    stages_with,
 )
 
 from .input import ConfigError
 
 if TYPE_CHECKING:  # the sections import the rules: a runtime import here would be a circle
+    from _typeshed import DataclassInstance
+
     from .sections import TrainConfig
 
 __all__ = ["SCOPES", "Scope", "check_scopes", "has_eval_data"]
@@ -46,8 +48,12 @@ class Scope:
     """Dotted field names."""
     holds: Callable[[TrainConfig], bool]
     """Whether the context is there."""
-    context: str
-    """The context, as the message names it."""
+    context: str | Callable[[], str]
+    """The context, as the message names it; a function for a context of stages, read from
+    the registry when the message is made (a stage registered after this import counts)."""
+
+    def describe(self) -> str:
+        return self.context if isinstance(self.context, str) else self.context()
 
 
 def has_eval_data(config: TrainConfig) -> bool:
@@ -83,25 +89,24 @@ def _stage_holds(test: Callable[[Stage], bool]) -> Callable[[TrainConfig], bool]
     return holds
 
 
-def _data_keys_scope(keys: tuple[str, ...], why: str = "") -> Scope:
+def _data_keys_scope(keys: tuple[str, ...], why: Callable[[], str] = lambda: "") -> Scope:
     """The ``data.*`` keys that act only for the stages whose rows read them."""
     return Scope(tuple(f"data.{key}" for key in keys),
                  _stage_holds(lambda stage: stage.data_keys == keys),
-                 stage_context(stages_where("data_keys", keys)) + why)
+                 lambda: stage_context(stages_where("data_keys", keys)) + why())
+
+
+def _loss_scope(name: str) -> Scope:
+    """``finetuning.<name>``, which acts only for the stages whose loss reads it (their rows'
+    ``loss_settings``: dpo's ``pref_*``, kto's weights, both's β)."""
+    def reads(stage: Stage) -> bool:
+        return name in stage.loss_settings
+
+    return Scope((f"finetuning.{name}",), _stage_holds(reads), lambda: stage_context(stages_with(reads)))
 
 
 SCOPES: tuple[Scope, ...] = (
-    Scope(("finetuning.pref_beta",),  # dpo's β, kto's β
-          _stage_holds(lambda stage: stage.reads in (PREFERENCE_PAIR, FEEDBACK)),
-          stage_context(stages_where("reads", PREFERENCE_PAIR) + stages_where("reads", FEEDBACK))),
-    Scope(("finetuning.kto_chosen_weight", "finetuning.kto_rejected_weight"),
-          _stage_holds(lambda stage: stage.reads == FEEDBACK),
-          stage_context(stages_where("reads", FEEDBACK))),
-    Scope(("finetuning.pref_loss", "finetuning.pref_ftx",
-           "finetuning.dpo_label_smoothing", "finetuning.simpo_gamma",
-           "finetuning.use_ref_model", "finetuning.ref_model"),
-          _stage_holds(lambda stage: stage.reads == PREFERENCE_PAIR),
-          stage_context(stages_where("reads", PREFERENCE_PAIR))),
+    *(_loss_scope(name) for name in LOSS_SETTINGS),
     Scope(("finetuning.lora_rank", "finetuning.lora_alpha", "finetuning.lora_dropout",
            "finetuning.lora_target"),
           lambda c: c.finetuning.finetuning_type == "lora", "finetuning.finetuning_type='lora'"),
@@ -119,7 +124,7 @@ SCOPES: tuple[Scope, ...] = (
           "model.mtp_num_layers > 0"),
     _data_keys_scope(TEXT_DATA_KEYS),
     _data_keys_scope(CONVERSATION_DATA_KEYS,
-                     f" ({' and '.join(stages_where('reads', TEXT))} trains on plain text)"),
+                     lambda: f" ({' and '.join(stages_where('reads', TEXT))} trains on plain text)"),
     Scope(("data.pack_alignment",), lambda c: c.data.sequence_packing,
           "data.sequence_packing=true"),
     Scope(("parallel.recompute_num_layers",),
@@ -140,7 +145,7 @@ SCOPES: tuple[Scope, ...] = (
 """Every context-bound setting; tests/test_config_scope.py checks each one's refusal."""
 
 
-def _default(section: Any, name: str) -> Any:
+def _default(section: DataclassInstance, name: str) -> object:
     spec = {f.name: f for f in dataclasses.fields(section)}[name]
     if spec.default_factory is not dataclasses.MISSING:
         return spec.default_factory()
@@ -158,7 +163,7 @@ def check_scopes(config: TrainConfig, world_size: int) -> None:
             section = getattr(config, section_name)
             value = getattr(section, name)
             if value != _default(section, name):
-                lines.append(f"{dotted}={value!r} acts only with {scope.context}, which this "
+                lines.append(f"{dotted}={value!r} acts only with {scope.describe()}, which this "
                              "run does not have; valid: remove it, or set that context")
     if lines:
         raise ConfigError("\n".join(lines))

@@ -18,7 +18,6 @@ valid choices. Nothing here imports torch.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from typing import Any, ClassVar
 import yaml
 
 from hpc_mca.data.arguments import DataArguments, DataRun
+from hpc_mca.frozen import Freezable, thawed_copy
 from hpc_mca.rundir import RESOLVED_CONFIG_FILE, write_atomic
 
 from .choices import (  # re-exported: where callers look
@@ -53,12 +53,12 @@ __all__ = ["ATTENTION_BACKENDS", "ATTENTION_CHOICES", "DATASET_FORMATS", "FINETU
            "KERNEL_FUSIONS", "OPTIMIZERS", "OPTIMIZER_FORMATS", "PACKED_ATTENTION", "PACKED_KERNELS",
            "PREF_LOSSES", "REPORT_TO", "RESERVED_FINETUNING_TYPES", "RESHARDABLE_FORMATS",
            "TRACKER_PACKAGES", "ConfigError", "DataArguments", "FinetuningArguments", "ModelArguments",
-           "ParallelArguments", "TrainConfig", "TrainingArguments", "INPUT_PATHS", "SECTION_TYPES",
+           "ParallelArguments", "Derived", "TrainConfig", "TrainingArguments", "INPUT_PATHS", "SECTION_TYPES",
            "field_section", "flat_fields"]
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(Freezable):
     """Which model to build and how its attention runs."""
 
     model_name_or_path: str = ""
@@ -95,7 +95,7 @@ class ModelArguments:
 
 
 @dataclass
-class FinetuningArguments:
+class FinetuningArguments(Freezable):
     """Which training stage runs and which parameters it updates."""
 
     stage: str = "sft"
@@ -162,7 +162,7 @@ class FinetuningArguments:
 
 
 @dataclass
-class TrainingArguments:
+class TrainingArguments(Freezable):
     """Optimisation, schedule, logging and precision, in transformers' TrainingArguments names."""
 
     output_dir: str = ""
@@ -224,6 +224,9 @@ class TrainingArguments:
     dataloader_num_workers: int = 0
     """Worker processes of the training and evaluation DataLoaders; 0 = load in the training
     process. The batches are the same for every value."""
+    dataloader_prefetch_factor: int | None = None
+    """Micro-batches each DataLoader worker prepares ahead (torch's ``prefetch_factor``); null:
+    torch's default (2). Only with dataloader_num_workers > 0; the batches do not change."""
     plot_loss: bool = False
     """When ``hpc-mca train`` ends, rank 0 draws the run's curves (loss, eval loss, LR...) into
     output_dir/training_loss.png, as ``hpc-mca plot`` draws them."""
@@ -283,7 +286,7 @@ class TrainingArguments:
 
 
 @dataclass
-class ParallelArguments:
+class ParallelArguments(Freezable):
     """Megatron-Core parallelism, memory and communication settings."""
 
     tensor_model_parallel_size: int = 1
@@ -345,8 +348,23 @@ class ParallelArguments:
     """Keep optimizer state on the CPU."""
 
 
+@dataclass(frozen=True)
+class Derived:
+    """The values :meth:`TrainConfig.resolve` derives, none of them None (the section fields
+    they come from are ``Optional``: unset there means "derive it")."""
+
+    seq_length: int
+    """Tokens per training row (``data.seq_length``, else ``data.cutoff_len``)."""
+    data_parallel_size: int
+    """Ranks that read different rows (``parallel.data_parallel_size``)."""
+    gradient_accumulation_steps: int
+    """Micro-batches per optimizer step on one rank."""
+    global_batch_size: int
+    """Rows per optimizer step over all data-parallel ranks."""
+
+
 @dataclass
-class TrainConfig:
+class TrainConfig(Freezable):
     """A whole run: the five argument groups."""
 
     model: ModelArguments = field(default_factory=ModelArguments)
@@ -378,28 +396,41 @@ class TrainConfig:
         return write_atomic(Path(run_dir) / RESOLVED_CONFIG_FILE, self.to_yaml())
 
     def data_run(self) -> DataRun:
-        """What the data pipeline reads of the sections besides ``data`` (after
-        :meth:`resolve`, which derives the data-parallel size and the global batch)."""
-        tr, par, model = self.training, self.parallel, self.model
-        return DataRun(stage=self.finetuning.stage, seed=tr.seed,
+        """What the data pipeline reads besides the ``data`` section, with the values
+        :meth:`resolve` derives (RuntimeError before it)."""
+        tr, par, model, derived = self.training, self.parallel, self.model, self.derived
+        return DataRun(stage=self.finetuning.stage, seed=tr.seed, seq_length=derived.seq_length,
                        tokenizer_path=model.tokenizer_name_or_path or model.model_name_or_path,
                        output_dir=tr.output_dir, micro_batch_size=tr.per_device_train_batch_size,
                        eval_batch_size=tr.per_device_eval_batch_size,
-                       global_batch_size=tr.global_batch_size, max_steps=tr.max_steps,
-                       # None only before resolve; data then reads as one data-parallel rank.
-                       data_parallel_size=par.data_parallel_size or 1,
+                       global_batch_size=derived.global_batch_size, max_steps=tr.max_steps,
+                       data_parallel_size=derived.data_parallel_size,
                        context_parallel_size=par.context_parallel_size,
-                       num_workers=tr.dataloader_num_workers)
+                       num_workers=tr.dataloader_num_workers,
+                       prefetch_factor=tr.dataloader_prefetch_factor)
 
     @property
     def micro_batches_per_step(self) -> int:
-        """Micro-batches per optimizer step on one rank (after :meth:`resolve`)."""
-        return self.training.gradient_accumulation_steps or 1
+        """Micro-batches per optimizer step on one rank (RuntimeError before :meth:`resolve`)."""
+        return self.derived.gradient_accumulation_steps
+
+    @property
+    def derived(self) -> Derived:
+        """The derived values of this resolved config (RuntimeError before :meth:`resolve`)."""
+        data, tr, par = self.data, self.training, self.parallel
+        values = {"seq_length": data.seq_length, "data_parallel_size": par.data_parallel_size,
+                  "gradient_accumulation_steps": tr.gradient_accumulation_steps,
+                  "global_batch_size": tr.global_batch_size}
+        known = {name: value for name, value in values.items() if value is not None}
+        if not self.frozen or len(known) < len(values):
+            raise RuntimeError(f"TrainConfig.derived before resolve() (unset: {sorted(set(values) - set(known))})")
+        return Derived(**known)
 
     def resolve(self, world_size: int) -> TrainConfig:
         """A copy with the cross-field rules checked for ``world_size`` ranks and the derived
-        fields filled in; raises ConfigError (one line per problem)."""
-        config = copy.deepcopy(self)
+        fields filled in, frozen (:mod:`hpc_mca.frozen`: setting a field raises); raises
+        ConfigError (one line per problem). ``self`` does not change."""
+        config = thawed_copy(self)
         problems: list[str] = []
         failed: set[Any] = set()
         for check, needs in RESOLVE_STEPS:
@@ -412,7 +443,21 @@ class TrainConfig:
                 failed.add(check)
         if problems:
             raise ConfigError("\n".join(problems))
+        config.freeze()
         return config
+
+    def amended(self, section: str, **changes: object) -> TrainConfig:
+        """A new resolved, frozen config: this resolved one with the fields ``changes`` of
+        ``section`` (``"model"``, ``"training"`` ...) set. How a rank records what it decides
+        after resolution, from facts the rules do not see (the fusions its machine runs, a
+        resume skipped after a fresh start, the reference model a script handed over): none of
+        these feeds a derived value, so the derived fields stand. ``self`` does not change."""
+        if not self.frozen:
+            raise RuntimeError("TrainConfig.amended() on a config that was not resolved")
+        fresh = thawed_copy(self)
+        setattr(fresh, section, dataclasses.replace(getattr(fresh, section), **changes))
+        fresh.freeze()
+        return fresh
 
 
 SECTION_TYPES: dict[str, type] = {"model": ModelArguments, "data": DataArguments,

@@ -7,28 +7,31 @@ classes are only read through the arguments given.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import shlex
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from hpc_mca.frozen import thawed_copy
 from hpc_mca.rundir import PLAN_OVERRIDES_ENV, RUN_DIR_ENV
 
 from .input import KNOWN_ELSEWHERE, ConfigError, parse_value
 from .loading import load_items, set_value
 from .sections import TrainConfig, field_section
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance  # the script arguments (hpc_mca.training_args), a layer above
+
 __all__ = ["FUSION_FLAGS", "MEGATRON_FIELDS", "NOT_IN_VIEW", "SCRIPT_FIELDS", "STRATEGIES", "config_of",
            "view_values"]
 
-Items = list[tuple[str, Any]]
+Items = list[tuple[str, object]]
 """(key, value) pairs for the config loader: flat or dotted keys, as a YAML file writes them."""
 
 
-def config_of(args: Any, base: TrainConfig | None) -> TrainConfig:
+def config_of(args: DataclassInstance, base: TrainConfig | None) -> TrainConfig:
     """The run config of script arguments ``args``: ``base`` (None: the defaults) with every
     field read over it as a YAML file's keys, then the fusion flags, the batch script's run
     directory and planned layout. Nothing of ``args`` or ``base`` changes. ConfigError with
@@ -41,7 +44,7 @@ def config_of(args: Any, base: TrainConfig | None) -> TrainConfig:
         except ConfigError as err:
             problems.append(str(err))
     config, load_problems = load_items([(key, value, None) for key, value in items],
-                                       copy.deepcopy(base) if base is not None else None)
+                                       thawed_copy(base) if base is not None else None)
     _apply_fusions(config, args)
     problems += load_problems + _apply_environment(config)
     if problems:
@@ -51,22 +54,22 @@ def config_of(args: Any, base: TrainConfig | None) -> TrainConfig:
     return config
 
 
-Rule = Callable[[Any, Any], Items]
+Rule = Callable[[object, "DataclassInstance"], Items]
 """(the field's value, the arguments) -> the config keys it sets; ConfigError to refuse."""
 
 
-def _to(key: str, convert: Callable[[Any], Any] | None = None) -> Rule:
+def _to(key: str, convert: Callable[[Any], object] | None = None) -> Rule:
     """The field sets ``key`` (flat or dotted) to its value (converted)."""
     return lambda value, args: [(key, convert(value) if convert else value)]
 
 
-def _default_or_none(default: Any) -> Callable[[Any], Any]:
+def _default_or_none(default: object) -> Callable[[object], object]:
     return lambda value: default if value is None else value
 
 
-def _refused(default: Any, why: str) -> Rule:
+def _refused(default: object, why: str) -> Rule:
     """Only ``default`` (or None) is valid: anything else is refused with ``why``."""
-    def rule(value: Any, args: Any) -> Items:
+    def rule(value: object, args: DataclassInstance) -> Items:
         if value is None or value == default:
             return []
         raise ConfigError(f"{type(args).__name__}.{_field_name(rule)}={value!r}: {why}; "
@@ -80,7 +83,7 @@ FUSION_FLAGS = {"bias_activation_fusion": "swiglu", "cross_entropy_loss_fusion":
 """ROLL's fusion flags -> the model.fusions entry each is."""
 
 
-def _apply_fusions(config: TrainConfig, args: Any) -> None:
+def _apply_fusions(config: TrainConfig, args: DataclassInstance) -> None:
     """The fusion flags as model.fusions entries: a flag on adds its fusion, off removes it;
     the config's other fusions (layer) stay. With no flag on, an unset model.fusions (the
     automatic choice) stays unset; naming one replaces the automatic choice, as a YAML list
@@ -93,7 +96,7 @@ def _apply_fusions(config: TrainConfig, args: Any) -> None:
     config.model.fusions = kept + [name for name, on in flags.items() if on and name not in kept]
 
 
-def _transformer_impl(value: Any, args: Any) -> Items:
+def _transformer_impl(value: object, args: DataclassInstance) -> Items:
     if value in (None, "local"):
         return []
     raise ConfigError(f"{type(args).__name__}.transformer_impl={value!r}: this trainer builds "
@@ -101,20 +104,20 @@ def _transformer_impl(value: Any, args: Any) -> Items:
                       "Engine's attention in them); valid: local")
 
 
-def _reshardable(value: Any, args: Any) -> Items:
+def _reshardable(value: object, args: DataclassInstance) -> Items:
     return [("training.save_optimizer_format", "fully_reshardable")] if value else []
 
 
-def _optimizer(value: Any, args: Any) -> Items:
+def _optimizer(value: object, args: DataclassInstance) -> Items:
     # ROLL's name beside transformers' ``optim``: its default (adam) leaves ``optim`` in force.
     return [] if value == "adam" else [("training.optim", value)]
 
 
-def _accumulate_fp32(value: Any, args: Any) -> Items:
+def _accumulate_fp32(value: object, args: DataclassInstance) -> Items:
     return []  # gradients are reduced in fp32 here: true is what runs, false only in fp32 runs
 
 
-def _check_for_nan(value: Any, args: Any) -> Items:
+def _check_for_nan(value: object, args: DataclassInstance) -> Items:
     if value:
         return []
     raise ConfigError(f"{type(args).__name__}.check_for_nan_in_loss_and_grad=False: non-finite "
@@ -236,7 +239,7 @@ def _is_config_field(name: str) -> bool:
     return field_section(name) is not None
 
 
-def _changed_fields(args: Any) -> list[tuple[str, Any]]:
+def _changed_fields(args: DataclassInstance) -> list[tuple[str, Any]]:
     """(name, value) of every field to read: the run-config fields and strategies always, the
     Megatron fields always (their rules skip defaults), transformers' others when they differ
     from transformers' defaults."""
@@ -268,11 +271,11 @@ def _transformers_defaults(cls: type, use_cpu: bool = False) -> dict[str, Any]:
     return _DEFAULTS[key]
 
 
-def _translate(args: Any, name: str, value: Any) -> Items:
+def _translate(args: DataclassInstance, name: str, value: object) -> Items:
     """The config keys one field sets (module docstring)."""
     if name in MEGATRON_FIELDS:
         return MEGATRON_FIELDS[name](value, args)
-    if name == "warmup_steps":  # transformers 5: below 1, a fraction of the run (warmup_ratio)
+    if name == "warmup_steps" and isinstance(value, (int, float)):  # transformers 5: below 1, a ratio
         if 0 < value < 1:
             return [("training.warmup_ratio", float(value)), ("training.warmup_steps", 0)]
         if value == 0:
@@ -287,7 +290,7 @@ def _translate(args: Any, name: str, value: Any) -> Items:
                       f"(transformers' default)")
 
 
-def _config_value(name: str, value: Any) -> Any:
+def _config_value(name: str, value: object) -> Any:
     """transformers' representation of a value as the config reads it: enums as their
     names, an unset ``lr_scheduler_kwargs`` as {}, a ``warmup_steps`` below 1 as a ratio."""
     value = getattr(value, "value", value)  # OptimizerNames, SchedulerType, IntervalStrategy

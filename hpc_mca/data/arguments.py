@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hpc_mca.frozen import Freezable
+
 __all__ = ["DataArguments", "DataRun"]
 
 
 @dataclass
-class DataArguments:
+class DataArguments(Freezable):
     """What to train on and how samples become fixed-length rows."""
 
     dataset: list[str] = field(default_factory=list)
@@ -116,6 +118,8 @@ class DataRun:
     """finetuning.stage: which tokenization, rows and held-out split the samples get."""
     seed: int
     """training.seed: data order, held-out split, mixing and the blend's draw."""
+    seq_length: int
+    """Tokens per row (data.seq_length as resolve derives it: else data.cutoff_len)."""
     tokenizer_path: str = ""
     """model.tokenizer_name_or_path, else model.model_name_or_path: the tokenizer to load
     when the caller passes none."""
@@ -135,3 +139,6 @@ class DataRun:
     """parallel.context_parallel_size: packed samples start at multiples of 2·CP."""
     num_workers: int = 0
     """training.dataloader_num_workers: worker processes of each DataLoader (0 = none)."""
+    prefetch_factor: int | None = None
+    """training.dataloader_prefetch_factor: micro-batches each worker prepares ahead (None:
+    torch's default)."""

@@ -105,13 +105,16 @@ class PackedBatch:
                              f"cp_size={self.cp_size}) to {seq_length}")
         if extra == 0:
             return self
-        pad = {"input_ids": 0, "labels": -100, "loss_mask": 0, "documents": 0}
-        fields = {name: torch.nn.functional.pad(getattr(self, name), (0, extra), value=value)
-                  for name, value in pad.items()}
+
+        def padded(tensor: torch.Tensor, value: int) -> torch.Tensor:
+            return torch.nn.functional.pad(tensor, (0, extra), value=value)
+
         last = self.position_ids[:, -1:]
         more = last + torch.arange(1, extra + 1, device=last.device)
-        fields["position_ids"] = torch.cat([self.position_ids, more], dim=1)
-        return dataclasses.replace(self, **fields)
+        return dataclasses.replace(
+            self, input_ids=padded(self.input_ids, 0), labels=padded(self.labels, -100),
+            loss_mask=padded(self.loss_mask, 0), documents=padded(self.documents, 0),
+            position_ids=torch.cat([self.position_ids, more], dim=1))
 
     def cp_shard(self, cp_size: int, cp_rank: int) -> PackedBatch:
         """This CP rank's slots: chunks ``cp_rank`` and ``2·cp_size-1-cp_rank`` of every
@@ -133,13 +136,14 @@ class PackedBatch:
     @property
     def num_documents(self) -> int:
         """Documents of the whole micro-batch: packed documents, or rows."""
-        return len(self.cu_seqlens_padded) - 1 if self.packed else self.rows
+        cu = self.cu_seqlens_padded  # set exactly when packed
+        return len(cu) - 1 if cu is not None else self.rows
 
     def document_index(self) -> torch.Tensor:
         """int64, one per token of this batch (or share) in the model's flattened order: the
         document it belongs to, numbered 0.. over the whole micro-batch. A padding slot
         counts to the document whose span holds it (it carries no loss)."""
-        if not self.packed:
+        if self.cu_seqlens_padded is None:  # not packed
             rows = torch.arange(self.rows, device=self.input_ids.device)
             return rows.unsqueeze(1).expand(self.input_ids.shape).reshape(-1)
         cu = self.cu_seqlens_padded.long()
@@ -150,7 +154,7 @@ class PackedBatch:
     def cp_slots(self, cp_size: int, cp_rank: int) -> torch.Tensor:
         """Where CP rank ``cp_rank``'s share sits in this (whole) batch: indices into the
         flattened stream when packed, column indices of every row otherwise."""
-        if self.packed:
+        if self.cu_seqlens_padded is not None:  # packed
             return cp_indices(self.cu_seqlens_padded, cp_size, cp_rank)
         return cp_indices(torch.tensor([0, self.seq_length]), cp_size, cp_rank, what="the row")
 

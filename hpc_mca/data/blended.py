@@ -26,7 +26,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -35,6 +35,10 @@ from .cache import default_cache_dir
 from .errors import DataError
 from .records import indexed_prefix
 from .training_data import TrainingData
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_SPLIT = "100,0,0"
 """Train, validation, test shares of each corpus's documents (Megatron's ``--split``)."""
@@ -52,6 +56,7 @@ def parse_blend(items: list[str]) -> tuple[list[str], list[float]]:
     (equal weights). Each prefix must name a .bin/.idx pair. DataError (one line) otherwise."""
     if not items:
         raise DataError("data.data_path is empty; valid: [weight, prefix, ...] or [prefix, ...]")
+    pairs: list[tuple[float | None, str]]
     if _number(items[0]) is None:
         pairs = [(1.0, item) for item in items]
     elif len(items) % 2:
@@ -59,6 +64,7 @@ def parse_blend(items: list[str]) -> tuple[list[str], list[float]]:
                         "pairs; valid: [0.7, prefixA, 0.3, prefixB] or prefixes alone")
     else:
         pairs = [(_number(w), p) for w, p in zip(items[::2], items[1::2])]
+    weights: list[float] = []
     for weight, prefix in pairs:
         if weight is None or _number(prefix) is not None:
             raise DataError(f"data.data_path={items!r} mixes weights and prefixes out of turn; "
@@ -66,23 +72,25 @@ def parse_blend(items: list[str]) -> tuple[list[str], list[float]]:
         if not weight > 0 or not np.isfinite(weight):
             raise DataError(f"data.data_path: weight {weight} of {prefix!r} is not positive; "
                             "valid: weights > 0")
+        weights.append(weight)
     prefixes = []
     for _, path in pairs:
-        prefix = indexed_prefix(path)
-        if prefix is None:
+        found = indexed_prefix(path)
+        if found is None:
             raise DataError(f"data.data_path: no Megatron .bin/.idx pair at {path!r}")
-        prefixes.append(os.path.abspath(prefix))
-    return prefixes, [w for w, _ in pairs]
+        prefixes.append(os.path.abspath(found))
+    return prefixes, weights
 
 
 def parse_split(split: str) -> list[float]:
     """The three train/valid/test shares of a ``"969,30,1"`` string (missing ones are 0)."""
     parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
     values = [_number(p.strip()) for p in parts]
-    if not 1 <= len(values) <= 3 or any(v is None or v < 0 for v in values) or not sum(values):
+    shares = [v for v in values if not (v is None or v < 0)]
+    if not 1 <= len(values) <= 3 or len(shares) != len(values) or not sum(shares):
         raise DataError(f"data.split={split!r} is not train,valid,test shares; valid: e.g. "
                         "'969,30,1' or '100,0,0'")
-    return values + [0.0] * (3 - len(values))  # type: ignore[operator]
+    return shares + [0.0] * (3 - len(shares))
 
 
 def check_helpers() -> None:
@@ -98,9 +106,8 @@ def check_helpers() -> None:
 def index_cache_dir(data: DataArguments, run: DataRun) -> Path:
     """Where megatron's blend indices are cached: ``data.preprocessing_cache_dir`` when set,
     else the run directory (shared by all ranks and every requeue of the job)."""
-    base = data.preprocessing_cache_dir or run.output_dir
+    base: str | Path = data.preprocessing_cache_dir or run.output_dir
     if not base:
-
         base = default_cache_dir()
     return Path(base) / "megatron_indices"
 
@@ -124,24 +131,20 @@ def _as_one_process() -> Iterator[None]:
     import torch.distributed as dist
 
     original = dist.is_initialized
-    dist.is_initialized = lambda: False  # type: ignore[assignment]
+    dist.is_initialized = lambda: False
     try:
         yield
     finally:
-        dist.is_initialized = original  # type: ignore[assignment]
-
-
-def _seq_length(data: DataArguments) -> int:
-    return data.seq_length or data.cutoff_len
+        dist.is_initialized = original
 
 
 def _build(data: DataArguments, run: DataRun, prefixes: list[str], weights: list[float],
-           sizes: list[int]) -> list[Any]:
+           sizes: list[int]) -> list[_Windows | None]:
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     gpt_config = GPTDatasetConfig(
-        random_seed=run.seed, sequence_length=_seq_length(data),
+        random_seed=run.seed, sequence_length=run.seq_length,
         blend=(prefixes, weights), split=data.split or DEFAULT_SPLIT,
         path_to_cache=str(index_cache_dir(data, run)), tokenizer=_TokensOnly(),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
@@ -154,7 +157,9 @@ def _build(data: DataArguments, run: DataRun, prefixes: list[str], weights: list
 def _blend_sizes(data: DataArguments, run: DataRun, shares: list[float]) -> list[int]:
     """Samples to draw per split: what the run trains on (max_steps × global batch), and for
     evaluation ``val_size`` (a count, or a fraction of that), else one evaluation step."""
-    train = run.max_steps * run.global_batch_size  # type: ignore[operator]  # set by resolve
+    # Set by resolve, which every config that reaches the data pipeline went through.
+    assert run.global_batch_size is not None
+    train = run.max_steps * run.global_batch_size
     if shares[1] == 0:
         return [train, 0, 0]
     val = data.val_size
@@ -167,28 +172,30 @@ def _blend_sizes(data: DataArguments, run: DataRun, shares: list[float]) -> list
 
 
 def build_blended(data: DataArguments, run: DataRun,
-                  vocab_size: int | None = None) -> tuple[Any, Any]:
+                  vocab_size: int | None = None) -> tuple[BlendedSamples, BlendedSamples | None]:
     """``(train, eval or None)`` Samples of ``data.data_path`` for a resolved config."""
     prefixes, weights = parse_blend(data.data_path or [])
     shares = parse_split(data.split or DEFAULT_SPLIT)
     if shares[0] == 0:
         raise DataError(f"data.split={data.split!r} leaves no training documents")
     check_helpers()
+    sizes = _blend_sizes(data, run, shares)
     try:
-        train, valid, _ = _build(data, run, prefixes, weights, _blend_sizes(data, run, shares))
+        train, valid, _ = _build(data, run, prefixes, weights, sizes)
     except (AssertionError, IndexError, ValueError) as err:
         # A corpus whose split share holds no document, or too few tokens for one sample.
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DataError(f"data.data_path: megatron-core could not build the blend with "
                         f"data.split={data.split or DEFAULT_SPLIT!r}, data.seq_length="
-                        f"{_seq_length(data)}: {reason}") from None
-    length = _seq_length(data)
+                        f"{run.seq_length}: {reason}") from None
+    length = run.seq_length
     evaluation = BlendedSamples(valid, length, vocab_size) if valid else None
+    assert train is not None  # a training share was checked above, so megatron built its split
     return BlendedSamples(train, length, vocab_size), evaluation
 
 
-def blended_training_data(data: DataArguments, run: DataRun, tokenizer: Any,
-                          vocab_size: int | None = None) -> Any:
+def blended_training_data(data: DataArguments, run: DataRun, tokenizer: PreTrainedTokenizerBase,
+                          vocab_size: int | None = None) -> TrainingData:
     """:class:`~hpc_mca.data.training_data.TrainingData` of ``data.data_path``: one sample per row
     (every sample fills its row; packed rows also carry cu_seqlens, as the THD path needs)."""
     from .packing import pack_alignment
@@ -200,18 +207,26 @@ def blended_training_data(data: DataArguments, run: DataRun, tokenizer: Any,
              if data.sequence_packing else 1)
 
     def rows(samples: BlendedSamples) -> RowDataset:
-        return RowDataset(samples, _seq_length(data), pad_id(tokenizer),
+        return RowDataset(samples, run.seq_length, pad_id(tokenizer),
                           packed=data.sequence_packing, align=align)
 
     return TrainingData(rows(train), rows(evaluation) if evaluation is not None else None,
                         tokenizer)
 
 
+class _Windows(Protocol):
+    """What megatron's BlendedDataset and GPTDataset offer: samples of seq_length+1 tokens."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]: ...
+
+
 class BlendedSamples:
     """A megatron Blended/GPT dataset as shifted samples: sample i is its seq_length+1 tokens
     cut into inputs and next-token labels, all trained."""
 
-    def __init__(self, dataset: Any, seq_length: int, vocab_size: int | None = None) -> None:
+    def __init__(self, dataset: _Windows, seq_length: int, vocab_size: int | None = None) -> None:
         self.dataset, self.vocab_size = dataset, vocab_size
         self.lengths = np.full(len(dataset), seq_length, dtype=np.int64)
         self.stats = {"samples": len(dataset)}

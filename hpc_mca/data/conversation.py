@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
 
 from .errors import DataError
 from .records import Record
@@ -119,7 +118,7 @@ def _sharegpt(record: Record, ranking: bool) -> Example | None:
     return Example(record.where, messages[:-1], messages[-1:], system, _tools(record))
 
 
-def _turn(record: Record, turn: Any, key: str) -> dict[str, str]:
+def _turn(record: Record, turn: object, key: str) -> dict[str, str]:
     if isinstance(turn, dict) and "from" in turn and "value" in turn:
         role, content = turn["from"], turn["value"]
     elif isinstance(turn, dict) and "role" in turn and "content" in turn:
@@ -132,7 +131,7 @@ def _turn(record: Record, turn: Any, key: str) -> dict[str, str]:
     return _message(record, ROLES[role], content, key)
 
 
-def _message(record: Record, role: str, content: Any, key: str) -> dict[str, str]:
+def _message(record: Record, role: str, content: object, key: str) -> dict[str, str]:
     if not isinstance(content, str):
         raise DataError(f"{record.where}: a turn's content in {key!r} must be a string, got "
                         f"{type(content).__name__}")

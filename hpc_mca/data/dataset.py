@@ -28,7 +28,7 @@ import dataclasses
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -62,22 +62,27 @@ from .store import (
 from .tokenize import encode_documents, load_tokenizer, pad_id, pt_samples, tokenizer_fingerprint
 from .training_data import TrainingData
 
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from transformers import PreTrainedTokenizerBase
+
 # --- tokenization per stage ----------------------------------------------------------------
 
 
-def _tokenize_pt(records: list[Record], tokenizer: Any, data: Any) -> SampleStore:
+def _tokenize_pt(records: list[Record], tokenizer: PreTrainedTokenizerBase, data: DataArguments) -> SampleStore:
     texts = [text_of(record, data.text_field) for record in records]
     documents = list(encode_documents(tokenizer, texts, pt_eos_id(tokenizer, data.template)))
     samples = list(pt_samples(documents, data.cutoff_len, data.pt_chunking))
     return SampleStore.from_samples(samples, {"records": len(records), "samples": len(samples)})
 
 
-def _tokenize_sft(records: list[Record], tokenizer: Any, data: Any) -> SampleStore:
+def _tokenize_sft(records: list[Record], tokenizer: PreTrainedTokenizerBase, data: DataArguments) -> SampleStore:
     fmt = conversation_format(records, data)
     return conversation_store(records, tokenizer, prepare_template(tokenizer, data), data, fmt, ranking=False)
 
 
-_READERS: dict[str, Callable[[list[Record], Any, Any], SampleStore]] = {
+_READERS: dict[str, Callable[[list[Record], PreTrainedTokenizerBase, DataArguments], SampleStore]] = {
     TEXT: _tokenize_pt,
     CONVERSATION: _tokenize_sft,
     PREFERENCE_PAIR: tokenize_pairs,
@@ -100,7 +105,7 @@ CONVERSATION_KEYS = ("template", "train_on_prompt", "mask_history", "enable_thin
 """The ``data.*`` settings that change the tokens of a conversation (sft, dpo)."""
 
 
-def fix_tokenizer(tokenizer: Any, data: Any, stage: str) -> None:
+def fix_tokenizer(tokenizer: PreTrainedTokenizerBase, data: DataArguments, stage: str) -> None:
     """Let ``data.template`` fix the tokenizer in place (eos, pad, stop words), as
     LLaMA-Factory does before any stage reads data; pt skips chat and plain, which change
     nothing and need no chat template."""
@@ -108,16 +113,16 @@ def fix_tokenizer(tokenizer: Any, data: Any, stage: str) -> None:
         prepare_template(tokenizer, data)
 
 
-def _settings(stage: str, data: Any) -> dict[str, Any]:
+def _settings(stage: str, data: DataArguments) -> dict[str, Any]:
     """The settings a cached tokenization depends on."""
-    keys = ("dataset_format", "cutoff_len", "max_samples")
+    keys: tuple[str, ...] = ("dataset_format", "cutoff_len", "max_samples")
     keys += _stage(stage).data_keys
     # The template's settings change token ids (pt: its document end, see encode.PT_EOS).
     keys += ("template",) if _stage(stage).reads == TEXT else CONVERSATION_KEYS
     return {"stage": stage, **{key: getattr(data, key, None) for key in dict.fromkeys(keys)}}
 
 
-def _indexed_source(path: str, data: Any, stage: str, field: str) -> str | None:
+def _indexed_source(path: str, data: DataArguments, stage: str, field: str) -> str | None:
     """The indexed prefix ``path`` names, or None for a records file (checked to exist)."""
     prefix = indexed_prefix(path)
     if data.dataset_format == "indexed" or (prefix and _stage(stage).reads == TEXT):
@@ -128,7 +133,7 @@ def _indexed_source(path: str, data: Any, stage: str, field: str) -> str | None:
     return None
 
 
-def load_samples(path: str, tokenizer: Any, data: Any, stage: str,
+def load_samples(path: str, tokenizer: PreTrainedTokenizerBase, data: DataArguments, stage: str,
                  field: str = "data.dataset", vocab_size: int | None = None,
                  source: DatasetSource | None = None) -> Samples:
     """Shifted samples of one dataset file, directory or indexed prefix (``data`` is a
@@ -159,8 +164,8 @@ def load_samples(path: str, tokenizer: Any, data: Any, stage: str,
     return store
 
 
-def _load_all(data: Any, field_name: str, tokenizer: Any, stage: str, vocab_size: int | None,
-              seed: int) -> Samples:
+def _load_all(data: DataArguments, field_name: str, tokenizer: PreTrainedTokenizerBase, stage: str,
+              vocab_size: int | None, seed: int) -> Samples:
     """The samples of ``data.dataset`` (mixed by ``data.mix_strategy``) or of
     ``data.eval_dataset`` (concatenated)."""
     field = f"data.{field_name}"
@@ -177,7 +182,7 @@ def _load_all(data: Any, field_name: str, tokenizer: Any, stage: str, vocab_size
     return samples
 
 
-def _mixed(samples: Samples, sizes: list[int], data: Any, stage: str, seed: int) -> Samples:
+def _mixed(samples: Samples, sizes: list[int], data: DataArguments, stage: str, seed: int) -> Samples:
     # Pairs are mixed whole (samples 2p, 2p + 1 stay neighbours); the others mix samples.
     unit = _stage(stage).rows_per_example
     source, index = mix_order([n // unit for n in sizes], data.mix_strategy,
@@ -197,7 +202,14 @@ def _split_val(samples: Samples, val_size: float, seed: int) -> tuple[Samples, S
     return subset(samples, np.sort(order[n_val:])), subset(samples, np.sort(order[:n_val]))
 
 
-def build_datasets(data: DataArguments, run: DataRun, tokenizer: Any = None,
+class _MakeRows(Protocol):
+    """How a stage's samples become rows (:class:`RowDataset` or a subclass that keeps pairs)."""
+
+    def __call__(self, samples: Samples, seq_length: int, pad_token_id: int, *, packed: bool,
+                 align: int) -> RowDataset: ...
+
+
+def build_datasets(data: DataArguments, run: DataRun, tokenizer: PreTrainedTokenizerBase | None = None,
                    vocab_size: int | None = None) -> TrainingData:
     """Train/eval rows of a resolved config's data section (``run``: what else it reads, see
     ``TrainConfig.data_run``); with the model's ``vocab_size``, token ids at or above it are
@@ -220,11 +232,12 @@ def build_datasets(data: DataArguments, run: DataRun, tokenizer: Any = None,
         train, evaluation = subset(train, kept), subset(train, held)
     elif data.val_size:
         train, evaluation = _split_val(train, data.val_size, seed)
-    seq_length = data.seq_length or data.cutoff_len
+    seq_length = run.seq_length
     cp = run.context_parallel_size
     align = pack_alignment(cp, data.pack_alignment) if data.sequence_packing else 1
-    make_rows = {PREFERENCE_PAIR: pair_rows, FEEDBACK: partial(feedback_rows, cutoff_len=data.cutoff_len)
-                 }.get(_stage(stage).reads, RowDataset)
+    row_makers: dict[str, _MakeRows] = {
+        PREFERENCE_PAIR: pair_rows, FEEDBACK: partial(feedback_rows, cutoff_len=data.cutoff_len)}
+    make_rows = row_makers.get(_stage(stage).reads, RowDataset)
 
     def rows(samples: Samples) -> RowDataset:
         return make_rows(samples, seq_length, pad_id(tokenizer),
@@ -237,15 +250,20 @@ def build_datasets(data: DataArguments, run: DataRun, tokenizer: Any = None,
 # --- loaders -------------------------------------------------------------------------------
 
 
-def _loader(dataset: RowDataset, sampler: DataSampler, num_workers: int = 0) -> torch.utils.data.DataLoader:
+def _plain_batches(sampler: DataSampler) -> DataSampler:
+    return sampler
+
+
+def _loader(dataset: RowDataset, sampler: DataSampler, run: DataRun) -> torch.utils.data.DataLoader:
     # Pair rows (dpo, unpacked) are sampled a pair at a time and collate their two rows each.
     collate = getattr(dataset, "collate", collate_batch)
     # kto rows also need each example's predecessor in the micro-step (its KL row's answer).
-    sampler = getattr(dataset, "batch_sampler", lambda plain: plain)(sampler)
+    batches: Callable[[DataSampler], Iterable[list[int]] | Iterable[list[tuple[int, int]]]] = getattr(
+        dataset, "batch_sampler", _plain_batches)
     # The sampler runs in this process and hands each worker whole micro-batches in order, so
     # the batches do not depend on the number of workers (the rows are read, not drawn).
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
-                                       num_workers=num_workers)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=batches(sampler), collate_fn=collate,
+                                       num_workers=run.num_workers, prefetch_factor=run.prefetch_factor)
 
 
 def train_dataloader(dataset: RowDataset, run: DataRun, *, data_parallel_rank: int,
@@ -257,7 +275,7 @@ def train_dataloader(dataset: RowDataset, run: DataRun, *, data_parallel_rank: i
                           data_parallel_size=run.data_parallel_size,
                           global_batch_size=run.global_batch_size, seed=run.seed,
                           consumed_samples=consumed_samples)
-    return _loader(dataset, sampler, run.num_workers)
+    return _loader(dataset, sampler, run)
 
 
 def check_eval_rows(rows: RowDataset | None, run: DataRun) -> None:
@@ -288,4 +306,4 @@ def eval_dataloader(dataset: RowDataset, run: DataRun, *,
                           data_parallel_rank=data_parallel_rank,
                           data_parallel_size=run.data_parallel_size, shuffle=False,
                           total_samples=len(dataset) // step * step)
-    return _loader(dataset, sampler, run.num_workers)
+    return _loader(dataset, sampler, run)

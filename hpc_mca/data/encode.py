@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -26,6 +26,11 @@ from .store import SampleStore
 from .templates import get_template
 from .tokenize import causal_shift
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from .templates import Template
+
 PT_EOS = {"llama3": "<|end_of_text|>"}
 """Templates whose pt documents end with another token than the (fixed) eos, as in
 LLaMA-Factory's pretraining processor."""
@@ -36,12 +41,12 @@ _JOB: dict[str, Any] = {}
 neither the tokenizer nor the template is pickled)."""
 
 
-def setting(data: Any, key: str) -> Any:
+def setting(data: DataArguments, key: str) -> Any:
     """``data.<key>``, or DataArguments' default when ``data`` (a partial namespace) lacks it."""
     return getattr(data, key, _DEFAULTS[key])
 
 
-def prepare_template(tokenizer: Any, data: Any) -> Any:
+def prepare_template(tokenizer: PreTrainedTokenizerBase, data: DataArguments) -> Template:
     """``data.template`` for this tokenizer (fixed in place), checked against train_on_prompt."""
     template = get_template(setting(data, "template"), tokenizer, enable_thinking=setting(data, "enable_thinking"),
                             default_system=setting(data, "default_system"),
@@ -50,19 +55,19 @@ def prepare_template(tokenizer: Any, data: Any) -> Any:
     return template
 
 
-def pt_eos_id(tokenizer: Any, template_name: str) -> int | None:
+def pt_eos_id(tokenizer: PreTrainedTokenizerBase, template_name: str) -> int | None:
     """The id ending a pt document for ``template_name``; None = the tokenizer's eos."""
     token = PT_EOS.get(template_name)
     if token is None:
         return None
-    found = tokenizer.convert_tokens_to_ids(token)
+    found = cast("int | None", tokenizer.convert_tokens_to_ids(token))  # one token: one id, or None
     if found is None or found == tokenizer.unk_token_id:
         raise DataError(f"data.template={template_name!r} ends pt documents with {token!r}, which this "
                         "tokenizer lacks; valid: the template's own model family, or another template")
     return int(found)
 
 
-def conversation_format(records: list[Record], data: Any, feedback: bool = False) -> str:
+def conversation_format(records: list[Record], data: DataArguments, feedback: bool = False) -> str:
     """``data.dataset_format``, or for auto the format the first record's keys tell; a
     ``kto_tag`` outside stage kto (``feedback``) is refused in one line."""
     if records and not feedback:
@@ -85,7 +90,7 @@ def examples_of(records: list[Record], fmt: str, ranking: bool) -> tuple[list[Ex
 
 def _encode_chunk(bounds: tuple[int, int]) -> list[tuple[Built, ...]]:
     job = _JOB
-    out = []
+    out: list[tuple[Built, ...]] = []
     for example in job["examples"][bounds[0]:bounds[1]]:
         if job["ranking"]:
             out.append(pairwise_samples(job["template"], job["tokenizer"], example, job["cutoff_len"]))
@@ -96,8 +101,8 @@ def _encode_chunk(bounds: tuple[int, int]) -> list[tuple[Built, ...]]:
     return out
 
 
-def encode_examples(examples: list[Example], tokenizer: Any, template: Any, data: Any,
-                    ranking: bool) -> list[tuple[Built, ...]]:
+def encode_examples(examples: list[Example], tokenizer: PreTrainedTokenizerBase, template: Template,
+                    data: DataArguments, ranking: bool) -> list[tuple[Built, ...]]:
     """One tuple of samples per example (sft: one; dpo: chosen, rejected), in order."""
     _JOB.update(examples=examples, tokenizer=tokenizer, template=template, ranking=ranking,
                 cutoff_len=data.cutoff_len, train_on_prompt=setting(data, "train_on_prompt"),
@@ -120,8 +125,8 @@ def _shifted(built: Built) -> tuple[np.ndarray, np.ndarray] | None:
     return (input_ids, labels) if (labels >= 0).any() else None
 
 
-def conversation_store(records: list[Record], tokenizer: Any, template: Any, data: Any, fmt: str,
-                       ranking: bool) -> SampleStore:
+def conversation_store(records: list[Record], tokenizer: PreTrainedTokenizerBase, template: Template,
+                       data: DataArguments, fmt: str, ranking: bool) -> SampleStore:
     """Shifted samples of sft records (or dpo pairs, chosen and rejected interleaved), with the
     counts the data line reports: records, samples (pairs), invalid, truncated, dropped."""
     examples, invalid = examples_of(records, fmt, ranking)
@@ -129,10 +134,11 @@ def conversation_store(records: list[Record], tokenizer: Any, template: Any, dat
     samples: list[tuple[np.ndarray, np.ndarray]] = []
     for built in encode_examples(examples, tokenizer, template, data, ranking):
         shifted = [_shifted(sample) for sample in built]
+        kept = [sample for sample in shifted if sample is not None]
         counts["truncated"] += built[0].truncated
-        if any(sample is None for sample in shifted):
+        if len(kept) < len(shifted):
             counts["dropped"] += 1  # nothing left to train (the budget went to earlier turns)
             continue
-        samples += shifted  # type: ignore[arg-type]
+        samples += kept
     counts["pairs" if ranking else "samples"] = len(samples) // (2 if ranking else 1)
     return SampleStore.from_samples(samples, dict(counts))

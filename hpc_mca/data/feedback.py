@@ -31,7 +31,7 @@ tag (1 desirable, 0 undesirable) in every slot; sample ``2i + 1`` is the answer'
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -47,11 +47,17 @@ from .samples import infer_seqlen, is_supervised
 from .store import Samples, SampleStore
 from .tokenize import IGNORE_INDEX, causal_shift
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from .arguments import DataArguments
+    from .templates import Template
+
 TAG = "kto_tag"
 """The record field of the feedback (a dataset_info entry's ``columns.kto_tag`` maps onto it)."""
 
 
-def tokenize_feedback(records: list[Record], tokenizer: Any, data: Any) -> SampleStore:
+def tokenize_feedback(records: list[Record], tokenizer: PreTrainedTokenizerBase, data: DataArguments) -> SampleStore:
     """Prompt and answer samples of kto records (see the module docstring), with the counts
     the data line reports: records, samples (examples), desirable, invalid, truncated."""
     fmt = conversation_format(records, data, feedback=True)
@@ -83,7 +89,8 @@ def feedback_tag(record: Record) -> bool:
     return tag
 
 
-def feedback_parts(template: Any, tokenizer: Any, example: Example) -> tuple[list[int], list[int]]:
+def feedback_parts(template: Template, tokenizer: PreTrainedTokenizerBase,
+                   example: Example) -> tuple[list[int], list[int]]:
     """(prompt ids, answer ids) of a valid example, uncut: LLaMA-Factory's feedback encoding."""
     prompt, answer = template.encode_oneturn(tokenizer, example.prompt + example.response,
                                              example.system or None, example.tools or None)

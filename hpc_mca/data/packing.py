@@ -8,8 +8,9 @@ Pure Python (no torch), so benchmarks and planners can call :func:`measure_packi
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import SupportsInt
 
 from .errors import DataError
 
@@ -90,12 +91,12 @@ class PackingReport:
                 f"padded {self.padding_efficiency:.4f}")
 
 
-def pack(lengths: Sequence[int], seq_length: int, align: int = 1) -> list[list[int]]:
+def pack(lengths: Collection[SupportsInt], seq_length: int, align: int = 1) -> list[list[int]]:
     """Packed rows for samples of ``lengths``, each taking ``aligned(length, align)`` slots."""
     return best_fit_decreasing([aligned(int(n), align) for n in lengths], seq_length)
 
 
-def measure_packing(lengths: Sequence[int], seq_length: int, align: int = 1,
+def measure_packing(lengths: Collection[SupportsInt], seq_length: int, align: int = 1,
                     rows: list[list[int]] | None = None) -> PackingReport:
     """Efficiency of packing ``lengths`` (or of the given ``rows``) into ``seq_length`` rows."""
     rows = pack(lengths, seq_length, align) if rows is None else rows

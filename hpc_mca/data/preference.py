@@ -25,7 +25,7 @@ both cases the documents of a micro-batch alternate chosen, rejected.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
@@ -38,8 +38,13 @@ from .records import Record
 from .rows import RowDataset
 from .store import Samples, SampleStore
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def tokenize_pairs(records: list[Record], tokenizer: Any, data: Any) -> SampleStore:
+    from .arguments import DataArguments
+
+
+def tokenize_pairs(records: list[Record], tokenizer: PreTrainedTokenizerBase, data: DataArguments) -> SampleStore:
     """Shifted samples of pairwise records, chosen and rejected interleaved."""
     for record in records:
         check_pairwise(record)

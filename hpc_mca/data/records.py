@@ -25,7 +25,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_mca.stages import CONVERSATION, FEEDBACK, PREFERENCE_PAIR, TEXT
 
@@ -40,6 +40,9 @@ from .tables import (
     load_table,
     table_rows,
 )
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 FILE_SUFFIXES = tuple(BUILDERS)
 SFT_FORMATS = ("alpaca", "sharegpt")
@@ -136,7 +139,7 @@ def _records(path: Path, field: str, cache_dir: str | os.PathLike[str] | None
     yield from _located(path, table)
 
 
-def _located(path: Path, table: Any) -> Iterator[Record]:
+def _located(path: Path, table: Dataset) -> Iterator[Record]:
     kind = {".jsonl": "", ".txt": "", ".json": "record "}.get(path.suffix, "row ") if path.is_file() \
         else "row "
     # A .txt file's rows are its lines, blank ones included; a jsonl file skips blank lines.
@@ -190,7 +193,7 @@ def _json_list(path: Path) -> Iterator[Record]:
         yield Record(where, _object(where, item))
 
 
-def _object(where: str, data: Any) -> dict[str, Any]:
+def _object(where: str, data: object) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -219,7 +222,7 @@ def text_of(record: Record, text_field: str) -> str:
     return _string(record, text_field, record.data[text_field])
 
 
-def _string(record: Record, key: str, value: Any) -> str:
+def _string(record: Record, key: str, value: object) -> str:
     if not isinstance(value, str):
         raise DataError(f"{record.where}: {key!r} must be a string, got {type(value).__name__}")
     return value

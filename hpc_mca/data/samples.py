@@ -19,13 +19,18 @@ turn before the answer; prompt and the longer answer share one ``infer_seqlen`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .conversation import Example
 from .errors import DataError
 from .tokenize import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from .templates import Template
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ def is_pairwise(example: Example) -> bool:
     return len(example.prompt) % 2 == 1 and len(example.response) >= 2
 
 
-def supervised_sample(template: Any, tokenizer: Any, example: Example, cutoff_len: int, *,
+def supervised_sample(template: Template, tokenizer: PreTrainedTokenizerBase, example: Example, cutoff_len: int, *,
                       train_on_prompt: bool = False, mask_history: bool = False) -> Built:
     """LLaMA-Factory's sft sample of a (valid) example."""
     drop_thoughts = mask_history and not getattr(template, "preserve_thinking", False)
@@ -107,7 +112,8 @@ def supervised_sample(template: Any, tokenizer: Any, example: Example, cutoff_le
     return Built(tokens, labels, truncated)
 
 
-def pairwise_samples(template: Any, tokenizer: Any, example: Example, cutoff_len: int) -> tuple[Built, Built]:
+def pairwise_samples(template: Template, tokenizer: PreTrainedTokenizerBase, example: Example,
+                     cutoff_len: int) -> tuple[Built, Built]:
     """LLaMA-Factory's chosen and rejected samples of a (valid) pairwise example."""
     system, tools = example.system or None, example.tools or None
     prompt, chosen = template.encode_oneturn(tokenizer, example.prompt + example.response[:1], system, tools)
@@ -123,7 +129,7 @@ def pairwise_samples(template: Any, tokenizer: Any, example: Example, cutoff_len
                  for answer in (chosen, rejected))  # type: ignore[return-value]
 
 
-def check_prompt_training(template: Any, train_on_prompt: bool, mask_history: bool = False) -> None:
+def check_prompt_training(template: Template, train_on_prompt: bool, mask_history: bool = False) -> None:
     """LLaMA-Factory refuses ``train_on_prompt`` with ``mask_history`` (one trains every prompt,
     the other only the last answer) and with an efficient_eos template (its prompts carry the
     previous answer's eos label)."""

@@ -25,7 +25,12 @@ are read and ignored for a local file, as LLaMA-Factory does. ``history``, ``sys
 ``tools`` (JSON text of tool definitions) goes to the template's tool format. An entry with a
 hub, script or cloud source is read from its ``file_name`` when it has one (nothing is
 downloaded), else refused; any other key is refused. ``columns.kto_tag`` (a boolean column:
-true = desirable answer) makes the entry kto feedback: read by stage kto only, which needs it.
+true = desirable answer) makes the entry unpaired feedback: read by the stages whose rows are
+feedback only (kto), which need it.
+
+Which entries fit a stage follows how the stage reads its rows (its registry row's ``reads``),
+never its name: ``ranking: true`` entries are preference pairs, a :data:`MARKER_COLUMNS`
+column makes an entry its kind's, and plain-text stages take the ``prompt`` column.
 """
 
 from __future__ import annotations
@@ -35,12 +40,15 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_mca.stages import FEEDBACK, PREFERENCE_PAIR, TEXT, get_stage, stages_where
 
 from .errors import DataError
 from .records import SFT_FORMATS, Record, check_dataset_source, columns_of, read_records
+
+if TYPE_CHECKING:
+    from .arguments import DataArguments
 
 ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output",
                   "history": "history", "system": "system", "tools": "tools", "chosen": "chosen",
@@ -64,6 +72,10 @@ _REMOTE_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_f
 """LLaMA-Factory's keys of entries fetched from a hub, a script or the cloud: an entry that
 also has a local ``file_name`` is read from that file (jobs run offline), one without is
 refused."""
+MARKER_COLUMNS = {"kto_tag": (FEEDBACK, "its boolean feedback column")}
+"""Entry columns that make an entry one kind of rows' data (:attr:`hpc_mca.stages.Stage.reads`):
+column key -> (the kind, what the column is, for the message). An entry naming the column is
+read only by the stages of that kind, which need it."""
 _TAG_ROLES = {"user_tag": "user", "assistant_tag": "assistant", "system_tag": "system",
               "observation_tag": "observation", "function_tag": "function_call"}
 
@@ -101,16 +113,17 @@ class DatasetSource:
                 "columns": self.columns, "tags": self.tags, **drawn}
 
 
-def resolve_sources(data: Any, field_name: str = "dataset", seed: int = 0) -> list[DatasetSource]:
+def resolve_sources(data: DataArguments, field_name: str = "dataset", seed: int = 0) -> list[DatasetSource]:
     """The datasets of ``data.dataset`` (or ``eval_dataset``) as sources; DataError (one
     line) for a missing dataset_info.json, a name it lacks or an entry it cannot read.
     ``seed`` seeds the draw of entries with ``num_samples``."""
     names = list(getattr(data, field_name) or ())
-    if not getattr(data, "dataset_dir", None):
+    dataset_dir: str | None = getattr(data, "dataset_dir", None)
+    if not dataset_dir:
         return [DatasetSource(name, name) for name in names]
-    info_path = Path(data.dataset_dir) / "dataset_info.json"
+    info_path = Path(dataset_dir) / "dataset_info.json"
     if not info_path.is_file():
-        raise DataError(f"data.dataset_dir={data.dataset_dir!r} has no dataset_info.json")
+        raise DataError(f"data.dataset_dir={dataset_dir!r} has no dataset_info.json")
     try:
         info = json.loads(info_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
@@ -121,7 +134,7 @@ def resolve_sources(data: Any, field_name: str = "dataset", seed: int = 0) -> li
         if name not in info:
             raise DataError(f"data.{field_name}: dataset {name!r} is not in {info_path}"
                             + _closest(name, list(info)))
-    return [_entry(name, info[name], Path(data.dataset_dir), info_path, seed) for name in names]
+    return [_entry(name, info[name], Path(dataset_dir), info_path, seed) for name in names]
 
 
 def _closest(name: str, known: list[str], n: int = 3, cutoff: float = 0.6) -> str:
@@ -151,7 +164,7 @@ def _check_entry_keys(entry: dict[str, Any], where: str) -> None:
         raise DataError(f"{where}: num_samples={count!r} must be a positive integer")
 
 
-def _entry(name: str, entry: Any, root: Path, info_path: Path, seed: int) -> DatasetSource:
+def _entry(name: str, entry: object, root: Path, info_path: Path, seed: int) -> DatasetSource:
     where = f"{info_path}: dataset {name!r}"
     if isinstance(entry, dict):
         _check_entry_keys(entry, where)
@@ -178,7 +191,7 @@ def _entry(name: str, entry: Any, root: Path, info_path: Path, seed: int) -> Dat
                          entry.get("num_samples"), seed)
 
 
-def check_sources(data: Any) -> None:
+def check_sources(data: DataArguments) -> None:
     """Every dataset of the config exists (read nothing): for plan/submit and rank start."""
     for field_name in ("dataset", "eval_dataset"):
         for source in resolve_sources(data, field_name):
@@ -201,7 +214,7 @@ def source_records(source: DatasetSource, stage: str, max_samples: int | None, f
         raise DataError(f"{field_name}: dataset {source.name!r} has ranking={source.ranking}, "
                         f"which does not fit finetuning.stage={stage!r} ({pairs} needs ranking: "
                         "true, the other stages ranking: false)")
-    _check_feedback(source, stage, field_name)
+    _check_markers(source, stage, field_name)
     present = columns_of(source.path, field_name, cache_dir)
     for key in _needed(source, stage):
         column = source.columns[key]
@@ -214,17 +227,20 @@ def source_records(source: DatasetSource, stage: str, max_samples: int | None, f
     return [Record(r.where, convert(source, r)) for r in records]
 
 
-def _check_feedback(source: DatasetSource, stage: str, field_name: str) -> None:
-    """An entry with ``columns.kto_tag`` is kto's, and kto reads no other (one line each)."""
-    feedback = "kto_tag" in source.columns
-    wanted = get_stage(stage).reads == FEEDBACK
-    if feedback != wanted:
-        kto = " and ".join(stages_where("reads", FEEDBACK))
+def _check_markers(source: DatasetSource, stage: str, field_name: str) -> None:
+    """An entry with a :data:`MARKER_COLUMNS` column is its kind's, and the stages of that kind
+    read no other (one line each)."""
+    reads = get_stage(stage).reads
+    for column, (kind, what) in MARKER_COLUMNS.items():
+        marked, wanted = column in source.columns, reads == kind
+        if marked == wanted:
+            continue
+        readers = " and ".join(stages_where("reads", kind))
         raise DataError(f"{field_name}: dataset {source.name!r} "
-                        + (f"has columns.kto_tag, which finetuning.stage={stage!r} does not read; "
-                           f"valid: stage {kto}, or an entry without kto_tag" if feedback else
-                           f"lacks columns.kto_tag, which finetuning.stage={stage!r} needs; valid: "
-                           "an entry naming its boolean feedback column as columns.kto_tag"))
+                        + (f"has columns.{column}, which finetuning.stage={stage!r} does not read; "
+                           f"valid: stage {readers}, or an entry without {column}" if marked else
+                           f"lacks columns.{column}, which finetuning.stage={stage!r} needs; valid: "
+                           f"an entry naming {what} as columns.{column}"))
 
 
 def _drawn(records: list[Record], count: int, seed: int) -> list[Record]:
@@ -270,7 +286,7 @@ def _sharegpt(source: DatasetSource, record: Record) -> dict[str, Any]:
     return out
 
 
-def _turn(source: DatasetSource, record: Record, turn: Any) -> Any:
+def _turn(source: DatasetSource, record: Record, turn: object) -> dict[str, Any]:
     role_tag, content_tag = source.tags["role_tag"], source.tags["content_tag"]
     if not (isinstance(turn, dict) and role_tag in turn and content_tag in turn):
         raise DataError(f"{record.where}: a turn must have {role_tag!r} and {content_tag!r} "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,7 +33,8 @@ not earlier assistant turns of the history)."""
 class Samples(Protocol):
     """What rows and samplers need from a set of samples."""
 
-    lengths: np.ndarray
+    @property
+    def lengths(self) -> np.ndarray: ...
 
     def __len__(self) -> int: ...
 
@@ -145,7 +147,7 @@ def cache_key(paths: list[str], tokenizer_digest: str, settings: dict[str, Any])
     return hashlib.blake2b(payload.encode(), digest_size=16).hexdigest()
 
 
-def cached(path: Path, build: Any, overwrite: bool = False) -> tuple[SampleStore, bool]:
+def cached(path: Path, build: Callable[[], SampleStore], overwrite: bool = False) -> tuple[SampleStore, bool]:
     """``(store, hit)``: the store at ``path``, or ``build()`` saved there."""
     if path.is_file() and not overwrite:
         return SampleStore.load(path), True
@@ -223,8 +225,9 @@ def concat_samples(parts: list[Samples]) -> Samples:
     """The samples of ``parts`` one after the other."""
     if len(parts) == 1:
         return parts[0]
-    if all(isinstance(p, SampleStore) for p in parts):
-        return SampleStore.concat(parts)  # type: ignore[arg-type]
+    stores = [p for p in parts if isinstance(p, SampleStore)]
+    if len(stores) == len(parts):
+        return SampleStore.concat(stores)
     return _Concat(parts)
 
 

@@ -18,9 +18,13 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from .errors import DataError
+
+if TYPE_CHECKING:
+    from datasets import Dataset, Features
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow",
             ".csv": "csv", ".txt": "text"}
@@ -60,7 +64,7 @@ def check_local(path: str | os.PathLike[str], field: str) -> Path:
 
 
 @contextlib.contextmanager
-def _offline_and_quiet() -> Iterator[Any]:
+def _offline_and_quiet() -> Iterator[ModuleType]:
     """``datasets`` with its offline flag set and its log below errors (a file it cannot type
     is reported by us, not as a library traceback line), both restored afterwards."""
     import datasets
@@ -85,7 +89,7 @@ def _offline_and_quiet() -> Iterator[Any]:
             datasets.enable_progress_bars()
 
 
-def load_table(path: Path, cache_dir: Path, field: str) -> Any:
+def load_table(path: Path, cache_dir: Path, field: str) -> Dataset:
     """The ``datasets.Dataset`` of a local file or directory (memory-mapped Arrow).
 
     Raises ``datasets``' own errors for a file it cannot parse; :func:`..records.read_records`
@@ -107,7 +111,7 @@ def load_table(path: Path, cache_dir: Path, field: str) -> Any:
                                      cache_dir=str(cache_dir), **options)
 
 
-def _text_features(datasets: Any, path: Path) -> Any:
+def _text_features(datasets: ModuleType, path: Path) -> Features:
     """Every column of a csv file (named by its header line) as a string column."""
     import csv
 
@@ -116,7 +120,7 @@ def _text_features(datasets: Any, path: Path) -> Any:
     return datasets.Features({name: datasets.Value("string") for name in header})
 
 
-def table_rows(table: Any, batch_size: int = 1024) -> Iterator[dict[str, Any]]:
+def table_rows(table: Dataset, batch_size: int = 1024) -> Iterator[dict[str, Any]]:
     """The rows of a ``datasets.Dataset`` as plain dicts, without the nulls Arrow adds."""
     for batch in table.iter(batch_size=batch_size):
         columns = list(batch)
@@ -124,7 +128,7 @@ def table_rows(table: Any, batch_size: int = 1024) -> Iterator[dict[str, Any]]:
             yield _drop_nulls(dict(zip(columns, values)))
 
 
-def _drop_nulls(value: Any) -> Any:
+def _drop_nulls(value: object) -> Any:
     # Arrow gives every row every column of the file (and every struct every key seen in
     # any row), as None where the record had none. The parsers treat a missing key as
     # absent, so the nulls go and the record reads as it was written.

@@ -15,19 +15,22 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .choices import PT_CHUNKINGS
 from .errors import DataError
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 IGNORE_INDEX = -100
 """Label of a position without loss (padding, prompts), as in transformers."""
 _BATCH = 512
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     """A fast tokenizer from a local directory (never downloads)."""
     from transformers import AutoTokenizer
 
@@ -41,7 +44,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     return tokenizer
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """A digest of everything that changes token ids: vocabulary, rules, template, specials."""
     parts = [type(tokenizer).__name__, tokenizer.backend_tokenizer.to_str(),
              str(getattr(tokenizer, "chat_template", None)),
@@ -49,13 +52,13 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=16).hexdigest()
 
 
-def eos_id(tokenizer: Any) -> int:
+def eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
     if tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no eos_token; documents and responses need one")
     return int(tokenizer.eos_token_id)
 
 
-def pad_id(tokenizer: Any) -> int:
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """Id written into padding slots (never trained on): pad, else eos."""
     return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                else eos_id(tokenizer))
@@ -74,7 +77,8 @@ def causal_shift(tokens: np.ndarray, trained: np.ndarray,
 # --- pt ------------------------------------------------------------------------------------
 
 
-def encode_documents(tokenizer: Any, texts: Sequence[str], end: int | None = None) -> Iterator[np.ndarray]:
+def encode_documents(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str],
+                     end: int | None = None) -> Iterator[np.ndarray]:
     """Token ids of each document with ``end`` (default: eos) appended."""
     eos = eos_id(tokenizer) if end is None else end
     for start in range(0, len(texts), _BATCH):

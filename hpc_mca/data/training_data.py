@@ -5,9 +5,12 @@ of its own: both the file pipeline, :mod:`.dataset`, and Megatron's blended corp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .rows import RowDataset
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["TrainingData"]
 
@@ -20,7 +23,7 @@ class TrainingData:
     """Training rows."""
     eval: RowDataset | None
     """Evaluation rows, or None."""
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     """The tokenizer the rows were made with, as ``data.template`` fixed it (eos, pad, stop
     words): both backends take their tokenizer from here."""
 

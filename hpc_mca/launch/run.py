@@ -44,7 +44,7 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
     except UserError as err:
         err.on_every_rank = True  # every rank read the same file
         raise
-    check_inputs(config, env)
+    config = check_inputs(config, env)
     skip_unused_tracker_imports(config.training.report_to)  # before megatron is imported
     if config.training.profile_steps:
         from hpc_mca.loop.profiling import ProfilerCallback

@@ -1,5 +1,6 @@
 """What both backends' loops share: the run-loop driver that owns the step end (:mod:`.driver`),
-the step-boundary decision (save, stop, requeue), the metrics and trackers a run writes,
+the run's counters a checkpoint saves as one unit (:mod:`.counters`), the step-boundary
+decision (save, stop, requeue), the metrics and trackers a run writes,
 callbacks and the profiler, the fused-optimizer choice, the preference loss and the
 exact-match eval metric.
 

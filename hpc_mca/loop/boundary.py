@@ -2,7 +2,8 @@
 
 Inputs, all read at the end of every optimizer step:
 
-* ``save_steps`` (every N steps) and the last step (always saved: the finished marker names a
+* ``save_steps`` (every N steps) and the last step (``max_steps`` of the run's counters,
+  :class:`~hpc_mca.loop.counters.RunCounters`; always saved: the finished marker names a
   checkpoint of the final step);
 * a stop request agreed by all ranks (:class:`hpc_mca.checkpoint.requeue.StopSignal`: a
   USR1/TERM to the batch shell or to a rank), which saves and stops early, leaving the run
@@ -22,6 +23,8 @@ import time
 from transformers.trainer_callback import TrainerControl
 
 from hpc_mca.checkpoint.requeue import StopSignal
+
+from .counters import RunCounters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,14 +47,16 @@ class StepBoundary:
     """Decides save/stop at each step end; :meth:`decide` is a collective (every rank, every
     step), so all ranks take the same decision at the same step."""
 
-    def __init__(self, save_steps: int, max_steps: int, signal: StopSignal, is_main: bool) -> None:
-        self.save_steps, self.max_steps = save_steps, max_steps
+    def __init__(self, save_steps: int | None, signal: StopSignal, is_main: bool) -> None:
+        self.save_steps = save_steps or 0  # None: no interval saves
         self.signal, self.is_main = signal, is_main
 
-    def decide(self, step: int, control: TrainerControl) -> Decision:
+    def decide(self, counters: RunCounters, control: TrainerControl) -> Decision:
+        """The decision at the end of the step ``counters`` name (the run's last at
+        ``counters.max_steps``)."""
         code = self.signal.agree()
-        last = step >= self.max_steps
-        if last or control.should_training_stop:
+        step = counters.global_step
+        if counters.at_end or control.should_training_stop:
             # The run ends here; a signal that arrives with its last step changes nothing.
             return Decision(save=True, stop=True, reason="end")
         if code:

@@ -10,9 +10,14 @@ boundary (:mod:`.boundary`) turns the last two into a save or the end of the run
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from transformers.trainer_callback import DefaultFlowCallback, TrainerControl, TrainerState
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments as HFArguments
+
+    from hpc_mca.config.sections import TrainingArguments
 
 
 class StepFlowCallback(DefaultFlowCallback):
@@ -30,14 +35,23 @@ class StepFlowCallback(DefaultFlowCallback):
     def __init__(self, has_eval: bool, logging_steps: int, eval_steps: int | None) -> None:
         self.has_eval, self.logging_steps, self.eval_steps = has_eval, logging_steps, eval_steps
 
-    def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
+    def on_step_end(self, args: HFArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: object) -> TrainerControl:
         step, last = state.global_step, state.global_step >= state.max_steps
         control.should_log |= _every(step, self.logging_steps) or last
         control.should_evaluate |= self.has_eval and (_every(step, self.eval_steps) or last)
         return control
 
-    def on_epoch_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
+    def on_epoch_end(self, args: HFArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: object) -> TrainerControl:
         return control
+
+
+def callback_args(training: TrainingArguments) -> HFArguments:
+    """What the Megatron backend's callbacks get as transformers' ``args``: the run's training
+    section, which carries transformers' TrainingArguments names (what callbacks read), not
+    the class; the handler's events are typed for the class."""
+    return cast("HFArguments", training)
 
 
 def _every(step: int, interval: int | None) -> bool:

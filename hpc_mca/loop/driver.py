@@ -5,17 +5,18 @@ The backends differ in how a step is taken: the Megatron backend
 (:class:`hpc_mca.trainer.trainer.Trainer`) runs its own loop through :meth:`RunLoop.run`;
 the standard backend lets transformers' ``Trainer`` run the loop and calls
 :meth:`RunLoop.end_step` from its ``on_step_end`` callback. Either way, once the step's
-:class:`~hpc_mca.loop.records.StepResult` is known (losses already reduced over the job), the
-step end is this module's, in this order:
+:class:`~hpc_mca.loop.records.StepResult` is known (losses already reduced over the job) and
+the backend has advanced the run's :class:`~hpc_mca.loop.counters.RunCounters` (step, samples,
+and a skipped step: non-finite gradients on any rank, :func:`any_non_finite`), the step end
+is this module's, in this order:
 
-1. the step's wall time (the device synchronised first), its steps.jsonl line and the
-   skipped-step count (non-finite gradients on any rank: :func:`any_non_finite`);
+1. the step's wall time (the device synchronised first) and its steps.jsonl line;
 2. the save/stop decision of :class:`~hpc_mca.loop.boundary.StepBoundary`;
 3. logging and evaluation where ``TrainerControl`` asks for them
    (:class:`~hpc_mca.loop.callbacks.StepFlowCallback` sets the intervals), the save the
    decision asks for (the backend writes its own checkpoint format), then a new throughput
    window, so tokens/s covers training steps only;
-4. the stop, recorded as a requeue when a signal asked for it.
+4. the stop, recorded in the counters as a requeue when a signal asked for it.
 
 At the end (:meth:`RunLoop.finalize`), a run that trained to its end is exported as the config
 asks and marked finished, the same way on both backends.
@@ -30,7 +31,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,16 +44,20 @@ from hpc_mca.runtime.distributed import collective_timeout_s
 from hpc_mca.runtime.heartbeat import Heartbeat
 
 from .boundary import Decision, StepBoundary
+from .counters import RunCounters
 from .metrics import MetricsWriter
 from .records import StepResult
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments as HFArguments
 
 __all__ = ["LoopBackend", "RunLoop", "any_non_finite"]
 
 
 class LoopBackend(Protocol):
     """What the run loop needs from a backend. ``state`` and ``control`` are transformers'
-    records (the backend's ``global_step`` is already the finished step's when
-    :meth:`RunLoop.end_step` runs)."""
+    records, which the callbacks get (its ``global_step`` is the run counters' when
+    :meth:`RunLoop.end_step` runs: the backend advanced both after its optimizer step)."""
 
     state: TrainerState
     control: TrainerControl
@@ -81,38 +86,48 @@ class Window:
 
 class RunLoop:
     """The step end, begin and finish of one run on this rank (see the module docstring).
+    ``counters``: the run's (:class:`~.counters.RunCounters`, restored from the checkpoint
+    before :meth:`begin`), which the backend advances and this loop reads;
     ``events``/``args``: the backend's callback handler and the arguments its callbacks get;
-    ``unit``: what the loss is a mean over (steps.jsonl's count field); ``skipped_iters``:
-    steps without an update before this process started (from the checkpoint).
-    ``boundary`` may come later (before the first step): its stop signal takes over
-    SIGTERM/USR1 from when it is made until :meth:`close`. ``hang_timeout``: the config's
-    ``training.hang_timeout``, for the heartbeat the batch script's watchdog reads."""
+    ``boundary``: the save/stop decision, whose stop signal takes over SIGTERM/USR1 from when
+    it listens until :meth:`close`; ``unit``: what the loss is a mean over (steps.jsonl's
+    count field); ``hang_timeout``: the config's ``training.hang_timeout``, for the heartbeat
+    the batch script's watchdog reads."""
 
-    def __init__(self, backend: LoopBackend, *, events: CallbackHandler, args: Any,
-                 metrics: MetricsWriter, device: torch.device, boundary: StepBoundary | None = None,
-                 unit: str = "tokens", skipped_iters: int = 0, hang_timeout: int | None = None) -> None:
-        self.backend, self.events, self.args = backend, events, args
+    def __init__(self, backend: LoopBackend, *, counters: RunCounters, boundary: StepBoundary,
+                 events: CallbackHandler, args: HFArguments, metrics: MetricsWriter,
+                 device: torch.device, unit: str = "tokens", hang_timeout: int | None = None) -> None:
+        self.backend, self.counters, self.boundary = backend, counters, boundary
+        self.events, self.args = events, args
         self.metrics, self.device, self.unit = metrics, device, unit
-        self.boundary = boundary
-        self.skipped_iters = skipped_iters
         self.history: list[StepResult] = []
-        self.requeue = False
         self.window = Window(time.perf_counter())
         self.step_end = self.window.start  # where the next step's time starts
         self.hang_timeout = hang_timeout
         self.heartbeat: Heartbeat | None = None
 
+    @property
+    def requeue(self) -> bool:
+        """This process stopped early on a signal (the counters' record of it)."""
+        return self.counters.requeue
+
     # ---- around the run ---------------------------------------------------------------------
 
-    def begin(self, step: int, *, job_id: str | None, restart_count: int) -> None:
-        """Before the first step this process trains, from ``step`` (the checkpoint's; the
-        standard backend's Trainer loads it only once its loop runs): a fresh run starts its
-        steps.jsonl afresh (a resumed one was truncated to its checkpoint by the resume),
-        progress.json says where the run stands, and the throughput window opens."""
-        assert self.boundary is not None, "RunLoop.boundary is set before the first step"
+    def listen(self) -> None:
+        """From now until :meth:`close`, SIGTERM/USR1 are stop requests the boundary acts on
+        (for a boundary whose signal was made without listening)."""
+        self.boundary.signal.listen()
+
+    def begin(self, *, job_id: str | None, restart_count: int) -> None:
+        """Before the first step this process trains, from the counters' step (restored from
+        the checkpoint: the standard backend's Trainer loads its own files only once its loop
+        runs): a fresh run starts its steps.jsonl afresh (a resumed one was truncated to its
+        checkpoint by the resume), progress.json says where the run stands, and the
+        throughput window opens."""
+        step = self.counters.global_step
         if step == 0 and self.metrics.enabled:
             (self.metrics.run_dir / STEPS_FILE).unlink(missing_ok=True)
-        self.metrics.write_progress(step=step, max_steps=self.boundary.max_steps, finished=False,
+        self.metrics.write_progress(step=step, max_steps=self.counters.max_steps, finished=False,
                                     job_id=job_id, restart_count=restart_count)
         self.window = Window(time.perf_counter())
         self.step_end = self.window.start
@@ -128,38 +143,38 @@ class RunLoop:
         boundary's stop, with transformers' train begin/end events around them."""
         backend = self.backend
         backend.control = self.events.on_train_begin(self.args, backend.state, backend.control)
-        while backend.state.global_step < self.boundary.max_steps:
+        while not self.counters.at_end:
             if self.end_step(take_step()).stop:
                 break
         backend.control = self.events.on_train_end(self.args, backend.state, backend.control)
 
     def finish(self) -> None:
         """After the last step: progress.json records where the run ended."""
-        step = self.backend.state.global_step
-        self.metrics.write_progress(step=step, finished=step >= self.boundary.max_steps)
+        counters = self.counters
+        self.metrics.write_progress(step=counters.global_step, finished=counters.at_end)
 
     def finalize(self, *, finished: bool, run_dir: Path, training: TrainingArguments,
                  export: Callable[[Path, bool], None], steps_per_epoch: int, is_main: bool,
-                 **progress: Any) -> None:
+                 job_id: str | None, restart_count: int) -> None:
         """The end of a run that trained to its end (``finished``: not stopped for a requeue):
         each export the config asks for (``export(out, merged)`` on every rank: the backend
         decides who writes), then rank 0 marks the run finished (its job never requeues again)
-        and progress.json says so, with ``progress``'s fields. Every rank, whichever backend."""
+        and progress.json says so, with the job's id and restart count. Every rank, whichever
+        backend."""
         if not finished:
             return
         for out, merged in export_targets(run_dir, training.export_hf_dir, training.export_merged_dir):
             export(out, merged)
         _barrier()  # every export written before the run counts as finished
         if is_main:
-            step = self.backend.state.global_step
+            step = self.counters.global_step
             mark_finished(run_dir, step, steps_per_epoch=steps_per_epoch)
-            self.metrics.write_progress(step=step, finished=True, **progress)
+            self.metrics.write_progress(step=step, finished=True, job_id=job_id, restart_count=restart_count)
         _barrier()
 
     def close(self) -> None:
         """Always, however the run ended: the signal handlers go back, the trackers close."""
-        if self.boundary is not None:
-            self.boundary.signal.restore()
+        self.boundary.signal.restore()
         if self.heartbeat is not None:
             self.heartbeat.close()
         self.metrics.close()
@@ -168,8 +183,11 @@ class RunLoop:
 
     def end_step(self, result: StepResult) -> Decision:
         """Everything after a step (see the module docstring); every rank, every step."""
-        backend = self.backend
-        step = backend.state.global_step
+        backend, counters = self.backend, self.counters
+        step = counters.global_step
+        if backend.state.global_step != step:
+            raise RuntimeError(f"the backend's TrainerState is at step {backend.state.global_step}, "
+                               f"the run's counters at {step}: one was advanced without the other")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # a step ends when its kernels do
         now = time.perf_counter()
@@ -177,7 +195,6 @@ class RunLoop:
         if self.heartbeat is not None:
             self.heartbeat.step_done(step, result.seconds)
         self.history.append(result)
-        self.skipped_iters += int(result.skipped)
         self.window.input_tokens += result.input_tokens
         self.window.steps += 1
         lr = self.backend.learning_rate()
@@ -186,7 +203,7 @@ class RunLoop:
                                  lr=lr, skipped=result.skipped, seconds=round(result.seconds, 6),
                                  **{f"mtp_loss_{k}": v for k, v in enumerate(result.mtp_losses, 1)},
                                  **result.metrics)
-        decision = self.boundary.decide(step, backend.control)
+        decision = self.boundary.decide(counters, backend.control)
         backend.control.should_save = decision.save
         backend.control.should_training_stop = decision.stop
         # Read once: on_log/on_evaluate clear the flags they answer.
@@ -204,7 +221,7 @@ class RunLoop:
             self.window = Window(time.perf_counter())
             self.step_end = self.window.start
         if decision.stop:
-            self.requeue = decision.requeue
+            counters.requeue = decision.requeue
         return decision
 
     def evaluate(self) -> dict[str, float]:
@@ -212,7 +229,7 @@ class RunLoop:
         callbacks' ``on_evaluate``."""
         backend = self.backend
         metrics = backend.eval_metrics()
-        self.metrics.scalars(backend.state.global_step, metrics)
+        self.metrics.scalars(self.counters.global_step, metrics)
         self.metrics.write_progress(**{k.replace("/", "_"): v for k, v in metrics.items()})
         if self.metrics.enabled:
             print(" | ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
@@ -225,10 +242,10 @@ class RunLoop:
 
     def _log(self, result: StepResult, lr: float, now: float) -> None:
         backend, window = self.backend, self.window
-        step = backend.state.global_step
+        step = self.counters.global_step
         elapsed = max(now - window.start, 1e-9)
         values = {"train/loss": result.loss, "train/lr": lr, "train/grad_norm": result.grad_norm,
-                  "train/skipped_iters": float(self.skipped_iters),
+                  "train/skipped_iters": float(self.counters.skipped_iters),
                   **self.metrics.throughput(window.input_tokens / elapsed)}
         if result.moe_aux_loss is not None:
             values["train/moe_aux_loss"] = result.moe_aux_loss

@@ -25,9 +25,12 @@ without desirable (or undesirable) examples logs none.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hpc_mca.config.sections import FinetuningArguments
 
 SUMS = ("kl/gaps", "kl/rows", "count/chosen", "count/rejected", "rewards/chosen",
         "rewards/rejected", "logps/chosen", "logps/rejected")
@@ -58,7 +61,7 @@ def kl_estimate(sums: torch.Tensor) -> float:
 
 
 def kto_loss(policy: torch.Tensor, reference: torch.Tensor, tags: torch.Tensor, kl: float,
-             ft: Any) -> torch.Tensor:
+             ft: FinetuningArguments) -> torch.Tensor:
     """The weighted loss of each example (answer rows only); ``ft`` is FinetuningArguments."""
     answers = policy.view(-1, 2)[:, 0]
     ratios = answers - reference.view(-1, 2)[:, 0].to(answers)

@@ -126,7 +126,7 @@ class MetricsWriter:
                             tokens_per_s=values["perf/tokens_per_s"], eta_s=eta,
                             skipped_iters=int(values.get("train/skipped_iters", 0)))
 
-    def record_step(self, **fields: Any) -> None:
+    def record_step(self, **fields: float) -> None:
         """Append one step's numbers to steps.jsonl."""
         if self.enabled:
             with open(self.run_dir / STEPS_FILE, "a", encoding="utf-8") as out:
@@ -140,14 +140,14 @@ class MetricsWriter:
             if first and started is not None:
                 self.write_progress(startup_s=round(time.time() - started, 3))
 
-    def write_progress(self, **fields: Any) -> None:
+    def write_progress(self, **fields: object) -> None:
         """Merge ``fields`` into progress.json (write to a temp file, then rename). A ``step``
         given without its loss brings that step's own figures (see the module doc)."""
         if not self.enabled:
             return
         step = fields.get("step")
-        if step is not None and step != self.progress.get("step") and "loss" not in fields:
-            fields = {**self._figures_of(int(step)), **fields}
+        if isinstance(step, int) and step != self.progress.get("step") and "loss" not in fields:
+            fields = {**self._figures_of(step), **fields}
         self.progress.update(fields, updated=time.time())
         write_atomic(self.run_dir / PROGRESS_FILE,
                      json.dumps(self.progress, indent=1, default=_jsonable))
@@ -211,7 +211,7 @@ def _process_start() -> float | None:
         return None
 
 
-def _jsonable(value: Any) -> Any:
+def _jsonable(value: object) -> str | None:
     return None if isinstance(value, float) and not math.isfinite(value) else str(value)
 
 

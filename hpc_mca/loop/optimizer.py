@@ -16,18 +16,21 @@ puts every counter where the kernel needs it before each step (a no-op once it i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from hpc_mca.config.sections import ParallelArguments, TrainingArguments
+
+if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
+    from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
 
 __all__ = ["optimizer_config", "use_fused_adam"]
 
 _ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
 
-def use_fused_adam(optimizer: Any) -> int:
+def use_fused_adam(optimizer: MegatronOptimizer | torch.optim.Optimizer) -> int:
     """Switch every torch Adam/AdamW inside Megatron's ``optimizer`` (chained or not), or
     ``optimizer`` itself when it is torch's (the standard backend's), to the fused kernel where
     torch has one for its parameters; returns how many were switched."""
@@ -56,7 +59,8 @@ def _fusable(inner: torch.optim.Optimizer) -> bool:
         for group in inner.param_groups for p in group["params"])
 
 
-def _steps_on_param_devices(inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _steps_on_param_devices(inner: torch.optim.Optimizer, args: tuple[object, ...],
+                            kwargs: dict[str, object]) -> None:
     for param, state in inner.state.items():
         step = state.get("step")
         if isinstance(step, torch.Tensor) and (step.device != param.device
@@ -64,7 +68,7 @@ def _steps_on_param_devices(inner: torch.optim.Optimizer, args: Any, kwargs: Any
             state["step"] = step.to(device=param.device, dtype=torch.float32)
 
 
-def optimizer_config(tr: TrainingArguments, par: ParallelArguments, min_lr: float) -> Any:
+def optimizer_config(tr: TrainingArguments, par: ParallelArguments, min_lr: float) -> OptimizerConfig:
     """Megatron's OptimizerConfig for the run's training and parallel sections (both
     backends: the standard one takes its param-group rule from it)."""
     from megatron.core.optimizer import OptimizerConfig

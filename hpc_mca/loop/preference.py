@@ -10,14 +10,18 @@ is this module's, so both compute the same numbers.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.function import FunctionCtx
 
 from hpc_mca.data.batch import PackedBatch
 from hpc_mca.stages import REFERENCE_FREE_LOSSES, reference_runs
+
+if TYPE_CHECKING:
+    from hpc_mca.config.sections import FinetuningArguments
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected")
@@ -32,23 +36,23 @@ class _SumOverGroup(torch.autograd.Function):
     addend only."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         total = local.clone()
         dist.all_reduce(total, group=group)
         return total
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
-def sum_over_group(local: torch.Tensor, group: Any) -> torch.Tensor:
+def sum_over_group(local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The sum of ``local`` over ``group``, on every rank; its gradient flows into this rank's
     ``local`` unchanged (see :class:`_SumOverGroup`)."""
     return _SumOverGroup.apply(local, group)
 
 
-def document_logps(batch: PackedBatch, per_token_loss: torch.Tensor, cp_group: Any
+def document_logps(batch: PackedBatch, per_token_loss: torch.Tensor, cp_group: dist.ProcessGroup | None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-probability of each document's labelled tokens, their count), over the
     whole documents (CP shares summed), float32 [documents]."""
@@ -64,14 +68,14 @@ def document_logps(batch: PackedBatch, per_token_loss: torch.Tensor, cp_group: A
     return logp, count
 
 
-def metric_names(ft: Any) -> tuple[str, ...]:
+def metric_names(ft: FinetuningArguments) -> tuple[str, ...]:
     """The per-pair metrics a run logs: TRL's six, and for orpo also TRL's ORPOTrainer's
     ``nll_loss`` (the chosen answer's mean token NLL), ``log_odds_ratio`` (log σ of the log
     odds ratio) and ``log_odds_chosen`` (the log odds ratio)."""
     return METRICS + ORPO_METRICS if ft.pref_loss == "orpo" else METRICS
 
 
-def uses_reference(ft: Any) -> bool:
+def uses_reference(ft: FinetuningArguments) -> bool:
     """Whether this run's preference loss reads a reference model (see
     :func:`hpc_mca.stages.reference_runs`)."""
     return reference_runs(ft.stage, ft.pref_loss, ft.use_ref_model)
@@ -83,7 +87,7 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
                        torch.log1p(-torch.exp(x)))
 
 
-def _reference_free(means: torch.Tensor, ft: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _reference_free(means: torch.Tensor, ft: FinetuningArguments) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(loss of each pair, orpo's extra metric sums) from per-token mean log-probabilities
     [pairs, 2]. orpo: NLL of the chosen answer − β·log σ(log odds ratio); simpo:
     −log σ(β·(c − r) − γ). LLaMA-Factory's definitions; TRL's ORPOTrainer and CPOTrainer
@@ -98,7 +102,7 @@ def _reference_free(means: torch.Tensor, ft: Any) -> tuple[torch.Tensor, list[to
 
 
 def preference_loss(policy: torch.Tensor, reference: torch.Tensor | None, lengths: torch.Tensor,
-                    ft: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                    ft: FinetuningArguments) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss of each pair, metric sums [len(metric_names(ft))]) from per-document values laid
     out chosen, rejected, chosen, ... ; ``ft`` is the run's FinetuningArguments. ``reference``
     is None for a reference-free run: orpo and simpo (on per-token mean log-probabilities, as
@@ -107,7 +111,8 @@ def preference_loss(policy: torch.Tensor, reference: torch.Tensor | None, length
     0)."""
     pairs = policy.view(-1, 2)
     chosen_mean = pairs[:, 0] / lengths.view(-1, 2)[:, 0].clamp(min=1.0)
-    beta, extra = ft.pref_beta, []
+    beta = ft.pref_beta
+    extra: list[torch.Tensor] = []
     if ft.pref_loss in REFERENCE_FREE_LOSSES:
         logps = pairs / lengths.view(-1, 2).clamp(min=1.0)
         losses, extra = _reference_free(logps, ft)
@@ -126,7 +131,7 @@ def preference_loss(policy: torch.Tensor, reference: torch.Tensor | None, length
     return losses, metrics
 
 
-def _with_reference(ratios: torch.Tensor, lengths: torch.Tensor, ft: Any) -> torch.Tensor:
+def _with_reference(ratios: torch.Tensor, lengths: torch.Tensor, ft: FinetuningArguments) -> torch.Tensor:
     """sigmoid, ipo and hinge on the summed log-ratios [pairs, 2] (see hpc_mca.trainer.dpo)."""
     beta = ft.pref_beta
     if ft.pref_loss == "ipo":

@@ -19,10 +19,13 @@ window. Other ranks run unprofiled.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.trainer_callback import TrainerCallback, TrainerControl, TrainerState
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
 
 __all__ = ["ProfilerCallback", "activities", "operator_table"]
 
@@ -36,8 +39,8 @@ class ProfilerCallback(TrainerCallback):
         self.first, self.last = first, last
         self.profiler: torch.profiler.profile | None = None
 
-    def on_step_begin(self, args: Any, state: TrainerState, control: TrainerControl,
-                      **kwargs: Any) -> TrainerControl:
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: object) -> TrainerControl:
         if state.is_world_process_zero and state.global_step + 1 == self.first:
             print(f"profiling steps {self.first}-{self.last}: their step times and the next "
                   "step's (or the window's last, by backend) include the profiler's overhead "
@@ -46,16 +49,16 @@ class ProfilerCallback(TrainerCallback):
             self.profiler.start()
         return control
 
-    def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> TrainerControl:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: object) -> TrainerControl:
         if self.profiler is not None and state.global_step >= self.last:
-            self._finish(Path(args.output_dir), state.global_step)
+            self._finish(_output_dir(args), state.global_step)
         return control
 
-    def on_train_end(self, args: Any, state: TrainerState, control: TrainerControl,
-                     **kwargs: Any) -> TrainerControl:
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: object) -> TrainerControl:
         if self.profiler is not None:  # stopped (signal, max_steps) inside the window
-            self._finish(Path(args.output_dir), state.global_step)
+            self._finish(_output_dir(args), state.global_step)
         return control
 
     def _finish(self, output_dir: Path, step: int) -> None:
@@ -73,6 +76,13 @@ class ProfilerCallback(TrainerCallback):
         print(f"profile of steps {self.first}-{step}: {out / stem}.json.gz (trace), "
               f"{out / stem}.txt (operators by self {'device' if cuda else 'CPU'} time)",
               flush=True)
+
+
+def _output_dir(args: TrainingArguments) -> Path:
+    out = args.output_dir
+    # transformers fills an unset one in when its arguments are made; the run config's is a str.
+    assert out is not None
+    return Path(out)
 
 
 def activities(cuda: bool) -> list[torch.profiler.ProfilerActivity]:

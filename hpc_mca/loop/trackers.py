@@ -31,12 +31,15 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import yaml
 
 from hpc_mca.config.sections import TRACKER_PACKAGES
 from hpc_mca.rundir import tensorboard_dir, write_atomic
+
+if TYPE_CHECKING:
+    from hpc_mca.runtime.env import RankEnv
 
 __all__ = ["Tracker", "job_fields", "open_trackers", "skip_unused_tracker_imports"]
 
@@ -84,7 +87,7 @@ def skip_unused_tracker_imports(report_to: list[str]) -> list[str]:
     return turned_off
 
 
-def job_fields(env: Any) -> dict[str, Any]:
+def job_fields(env: RankEnv) -> dict[str, Any]:
     """What a tracker run records of the job (a RankEnv): Slurm job id and restart count."""
     return {"id": env.job_id, "restart_count": env.restart_count, "world_size": env.world_size}
 

@@ -4,7 +4,7 @@ This package imports nothing itself (so ``hpc_mca.models.hf_config`` and ``.chec
 used for cheap pre-checks); the heavy modules import torch and megatron.core when imported.
 
 - ``hf_config``: ``read_hf_config`` parses config.json into an ``HFModelSpec`` (llama, mistral,
-  qwen2, qwen3, qwen3_moe, mixtral) and refuses what it cannot reproduce.
+  qwen2, qwen3, qwen3_moe, mixtral, seed_oss) and refuses what it cannot reproduce.
 - ``megatron_config``: ``transformer_config_kwargs``, ``layer_spec`` (local spec with a
   selectable core attention), ``rope_inv_freq``.
 - ``norm``: ``TorchNorm``, the layer spec's torch norm that runs under TP sequence parallelism.

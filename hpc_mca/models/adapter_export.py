@@ -27,16 +27,20 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hpc_mca.config.sections import FinetuningArguments
 from hpc_mca.models.export import ExportItem, export_tensors, write_companion_files
 from hpc_mca.models.hf_config import HFModelSpec
-from hpc_mca.models.lora import MegatronLoraLinear, lora_layers
+from hpc_mca.models.lora import MegatronLoraLinear, lora_alpha, lora_layers
 from hpc_mca.models.mapping import Piece, ShardCoords
 from hpc_mca.models.weights import shard_coords, unwrap
 from hpc_mca.topology.lora import LoraTargets
+
+if TYPE_CHECKING:  # peft is imported lazily, inside the function that uses it
+    from peft import LoraConfig
 
 __all__ = ["ADAPTER_FILE", "layer_pieces", "save_peft_adapter"]
 
@@ -45,7 +49,7 @@ _PEFT_PREFIX = "base_model.model."
 
 
 def save_peft_adapter(chunks: Sequence[torch.nn.Module], out_dir: str | Path, spec: HFModelSpec,
-                      targets: LoraTargets, finetuning: Any, base_model: str) -> None:
+                      targets: LoraTargets, finetuning: FinetuningArguments, base_model: str) -> None:
     """Write the adapters of ``chunks`` as a PEFT adapter directory (every rank calls it).
     ``finetuning``: the run's FinetuningArguments; ``base_model``: recorded as the adapter's
     ``base_model_name_or_path``."""
@@ -102,12 +106,13 @@ def layer_pieces(layer: MegatronLoraLinear, coords: ShardCoords, num_experts: in
     """(HF adapter tensor, its shape, this rank's piece, the parameter, whether this rank
     sends it) for every adapter weight of ``layer``; experts' tensors are per expert
     (``...experts.gate_up_proj[3].lora_A``), stacked later."""
-    site, base = layer.site, layer.get_base_layer()
+    site, base = layer.site, layer.base_linear
     expert = site.expert is not None
     tp_rank, tp_size = (coords.etp_rank, coords.etp_size) if expert else (coords.tp_rank, coords.tp_size)
     first_replica = (coords.edp_rank if expert else coords.dp_rank) == 0
-    for part, a in layer.lora_A["default"].items():
-        b = layer.lora_B["default"][part]
+    b_factors = layer.factors("B", "default")
+    for part, a in layer.factors("A", "default").items():
+        b = b_factors[part]
         name = site.hf_name(part)
         r = a.weight.shape[0]
         if layer.column:
@@ -138,7 +143,8 @@ def _row_pieces(name: str, kind: str, local: int, rank: int, size: int) -> tuple
 def _peft_tensors(tensors: dict[str, torch.Tensor], targets: LoraTargets,
                   spec: HFModelSpec) -> dict[str, torch.Tensor]:
     """Assembled adapter tensors under peft's names (experts stacked as peft stacks them)."""
-    out, experts = {}, {}
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         if "[" not in name:
             out[f"{_PEFT_PREFIX}{name}.weight"] = tensor.contiguous()
@@ -161,11 +167,13 @@ def _peft_tensors(tensors: dict[str, torch.Tensor], targets: LoraTargets,
     return out
 
 
-def _lora_config(spec: HFModelSpec, targets: LoraTargets, finetuning: Any, base_model: str) -> Any:
+def _lora_config(spec: HFModelSpec, targets: LoraTargets, finetuning: FinetuningArguments,
+                 base_model: str) -> LoraConfig:
     from peft import LoraConfig
 
     parameters = targets.hf_parameters(spec.moe_prefix)
-    return LoraConfig(r=finetuning.lora_rank, lora_alpha=finetuning.lora_alpha,
+    # lora_alpha: peft annotates int but takes any number (written as given to adapter_config.json).
+    return LoraConfig(r=finetuning.lora_rank, lora_alpha=lora_alpha(finetuning),  # type: ignore[arg-type]
                       lora_dropout=finetuning.lora_dropout,
                       target_modules=targets.hf_modules() or None,
                       target_parameters=parameters or None, bias="none", task_type="CAUSAL_LM",

@@ -130,7 +130,7 @@ def merge_adapter(chunks: list[torch.nn.Module], finetuning: FinetuningArguments
     apply_lora(chunks, adapter_finetuning(finetuning, path, spec), model_path=model_path, seed=seed)
     load_adapter(chunks, path, spec)
     for _, layer in lora_layers(chunks):
-        weight = layer.get_base_layer().weight
+        weight = layer.base_linear.weight
         weight.add_(layer.delta_weight("default").to(weight.dtype))
     _unwrap_layers(chunks)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypeGuard
 
 import torch
 from megatron.core import tensor_parallel
@@ -55,6 +55,10 @@ from hpc_mca.models.packed_kernels import (
     packed_plan,
     varlen_packed_attention,
 )
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "DEFAULT_SEGMENT_TOKENS",
@@ -144,7 +148,7 @@ class _CoreAttentionBase(MegatronModule):
         return p, contextlib.nullcontext()
 
     @staticmethod
-    def _is_thd(packed_seq_params: Optional[PackedSeqParams]) -> bool:
+    def _is_thd(packed_seq_params: Optional[PackedSeqParams]) -> TypeGuard[PackedSeqParams]:
         return packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
 
 
@@ -166,9 +170,22 @@ class TorchCoreAttention(_CoreAttentionBase):
 
     backend_name = "torch"
 
-    def __init__(self, *args: Any, segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
-                 packed_kernel: str = "sdpa", **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        *,
+        segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
+        packed_kernel: str = "sdpa",
+    ):
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
+                         softmax_scale, cp_comm_type, pg_collection)
         if packed_kernel not in PACKED_KERNELS:
             raise ValueError(f"packed_kernel={packed_kernel!r} is not one of {PACKED_KERNELS}")
         self.segment_tokens = segment_tokens
@@ -176,7 +193,7 @@ class TorchCoreAttention(_CoreAttentionBase):
         """THD kernel (see packed_kernels); the caller resolved it with resolve_packed_kernel."""
         self.cp_group = self._context_parallel_group()
 
-    def _context_parallel_group(self) -> Optional[Any]:
+    def _context_parallel_group(self) -> Optional[ProcessGroup]:
         """The CP group when ``context_parallel_size > 1`` (checking ``cp_comm_type`` against
         this layer's local key/value heads), else None."""
         config = self.config
@@ -240,24 +257,30 @@ class TorchCoreAttention(_CoreAttentionBase):
         row; the rows are read as one stream of equal-length documents (padding sits after the
         real tokens of a row, so causality alone keeps it out of them).
         """
-        common = dict(comm_type=self.cp_comm_type, scale=self.softmax_scale,
-                      dropout_p=dropout_p, segment_tokens=self.segment_tokens)
+        group, comm = self.cp_group, self.cp_comm_type
+        # Both set when forward gets here: _context_parallel_group refused a missing comm type.
+        assert group is not None and comm is not None
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, cu_pad: Tensor) -> Tensor:
+            return context_parallel_attention(q, k, v, cu, cu_pad, group, comm_type=comm,
+                                              scale=self.softmax_scale, dropout_p=dropout_p,
+                                              segment_tokens=self.segment_tokens)
+
         cp = self.config.context_parallel_size
         if self._is_thd(params):
             if query.dim() == 4:
                 query, key, value = (x.squeeze(1) for x in (query, key, value))
             cu = _first(params.cu_seqlens_q)
             cu_pad = _first(params.cu_seqlens_q_padded, cu)
-            ctx = context_parallel_attention(query, key, value, cu, cu_pad, self.cp_group,
-                                             **common)
+            ctx = attend(query, key, value, cu, cu_pad)
             return ctx.reshape(ctx.size(0), -1)
         if attention_mask is not None:
             raise ValueError("an explicit attention_mask under context parallelism is not "
                              "supported by the torch backend (causal masks only)")
         s, b = query.size(0), query.size(1)
         cu = torch.arange(b + 1, dtype=torch.int64) * (s * cp)
-        stream = [x.transpose(0, 1).reshape(b * s, *x.shape[2:]) for x in (query, key, value)]
-        ctx = context_parallel_attention(*stream, cu, cu, self.cp_group, **common)
+        q, k, v = (x.transpose(0, 1).reshape(b * s, *x.shape[2:]) for x in (query, key, value))
+        ctx = attend(q, k, v, cu, cu)
         return ctx.reshape(b, s, -1).transpose(0, 1)
 
     def _forward_sbhd(
@@ -338,8 +361,19 @@ class FlashCoreAttention(_CoreAttentionBase):
 
     backend_name = "flash"
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
+                         softmax_scale, cp_comm_type, pg_collection)
         try:
             from flash_attn import flash_attn_func, flash_attn_varlen_func
         except ImportError as err:
@@ -414,7 +448,8 @@ class FlashCoreAttention(_CoreAttentionBase):
         return ctx.masked_fill(after_last[:, None, None], 0.0).reshape(ctx.size(0), -1)
 
 
-def core_attention_class(preference: str = "auto", packed_kernel: str = "sdpa") -> Any:
+def core_attention_class(preference: str = "auto", packed_kernel: str = "sdpa"
+                         ) -> type[MegatronModule] | ModuleSpec:
     """The Megatron layer-spec ``core_attention`` for the selected backend: a class, or for the
     torch backend with a fused packed kernel (see :mod:`.packed_kernels`) a ModuleSpec that
     hands the kernel to every layer."""

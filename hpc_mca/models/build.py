@@ -38,6 +38,8 @@ from hpc_mca.runtime.distributed import RankContext
 from hpc_mca.topology import LayoutError, ModelShape, check_layout
 
 if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = ["build_model"]
@@ -124,7 +126,7 @@ def _check_layout(spec: HFModelSpec, ctx: RankContext, sequence_parallel: bool) 
 def _build_chunk(
     spec: HFModelSpec,
     config: TransformerConfig,
-    layer: Any,
+    layer: ModuleSpec,
     padded_vocab: int,
     max_len: int,
     stage: int,
@@ -156,7 +158,7 @@ def _build_chunk(
     return model.to(ctx.device)
 
 
-def _mask_padded_vocab(model: torch.nn.Module, vocab_size: int) -> None:
+def _mask_padded_vocab(model: GPTModel, vocab_size: int) -> None:
     """Make logits of Megatron's vocabulary padding the dtype's minimum, so that they take no
     probability in softmax/cross-entropy and can never be sampled or argmax-ed.
 
@@ -170,7 +172,8 @@ def _mask_padded_vocab(model: torch.nn.Module, vocab_size: int) -> None:
     if real == width:
         return
 
-    def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+    def hook(module: torch.nn.Module, args: tuple[object, ...], output: tuple[torch.Tensor, torch.Tensor | None]
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # In place: no second logits-sized tensor. Autograd allows it because the matmul
         # saves its inputs, not its output, and index_fill's backward zeroes those gradients.
         logits, bias = output

@@ -22,7 +22,7 @@ all-reduces and keeps its own slice there.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,11 +40,17 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class _GroupCtx(Protocol):
+    """The autograd context of :class:`_GatherSequence`: torch's, carrying the group."""
+
+    group: dist.ProcessGroup
+
+
 class _GatherSequence(torch.autograd.Function):
     """[t, ...] on each rank → [cp·t, ...] in rank order; backward sums each rank's share."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    def forward(ctx: _GroupCtx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         ctx.group = group
         size = dist.get_world_size(group)
         out = x.new_empty((size * x.size(0),) + tuple(x.shape[1:]))
@@ -52,7 +58,7 @@ class _GatherSequence(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: _GroupCtx, grad: Tensor) -> tuple[Tensor, None]:
         group = ctx.group
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         grad = grad.contiguous()
@@ -103,19 +109,20 @@ def context_parallel_attention(
     order = torch.argsort(everyone)  # rank-order positions → stream order
     stream = everyone[order]
     whole = packed_layout(cu_seqlens.cpu(), cu_pad, slots=stream)
-    common = dict(causal=True, scale=scale, dropout_p=dropout_p, segment_tokens=segment_tokens)
     device_order = order.to(query.device)
     if comm_type == "all_gather":
         mine = packed_layout(cu_seqlens.cpu(), cu_pad, slots=shards[rank])
         k = _GatherSequence.apply(key, group)[device_order]
         v = _GatherSequence.apply(value, group)[device_order]
-        return packed_attention(query, k, v, mine, whole, **common)
+        return packed_attention(query, k, v, mine, whole, causal=True, scale=scale, dropout_p=dropout_p,
+                                segment_tokens=segment_tokens)
     if comm_type == "a2a":
         # The exchange puts the ranks' chunks in rank order; reorder them to stream order for
         # the attention and back before returning each rank its own chunks.
         q, k, v = (seq_to_heads(x, group, seq_dim=0, head_dim=1)[device_order]
                    for x in (query, key, value))
-        out = packed_attention(q, k, v, whole, whole, **common)
+        out = packed_attention(q, k, v, whole, whole, causal=True, scale=scale, dropout_p=dropout_p,
+                               segment_tokens=segment_tokens)
         back = out[torch.argsort(device_order)]  # stream order → rank order
         return heads_to_seq(back, group, seq_dim=0, head_dim=1)
     raise ValueError(cp_comm_violations(comm_type, size, key.size(1))[0])

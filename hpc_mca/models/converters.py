@@ -31,12 +31,14 @@ import copy
 import functools
 import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from hpc_mca.config.sections import FinetuningArguments
 
 if TYPE_CHECKING:  # imported lazily, inside the methods that use them
     import torch
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
     from hpc_mca.topology.freeze import FreezeSizing
 
@@ -93,7 +95,7 @@ class ModelConverter:
         directory ``out`` (rank 0); what was written, for the log line."""
         self._check_merge(merged)
         if merged:
-            model = copy.deepcopy(model).merge_and_unload()
+            model = _peft_model(copy.deepcopy(model)).merge_and_unload()
         _save_hf_weights(model, out)
         return "HF model (LoRA merged)" if merged else "HF model"
 
@@ -172,6 +174,7 @@ class LoraFinetuning(ModelConverter):
 
         from hpc_mca.models.adapter_import import split_adapters
         from hpc_mca.models.hf_config import read_hf_config
+        from hpc_mca.models.lora import lora_alpha
         from hpc_mca.topology.lora import resolve_lora_targets
 
         merged, resumed = split_adapters(self.adapters, self.finetuning.create_new_adapter)
@@ -182,7 +185,9 @@ class LoraFinetuning(ModelConverter):
         spec = read_hf_config(model_path)
         targets = resolve_lora_targets(ft.lora_target, is_moe=spec.is_moe)
         parameters = targets.hf_parameters(spec.moe_prefix)
-        lora = LoraConfig(r=ft.lora_rank, lora_alpha=ft.lora_alpha, lora_dropout=ft.lora_dropout,
+        # lora_alpha: peft annotates int but takes any number (scaling = alpha / r).
+        lora = LoraConfig(r=ft.lora_rank, lora_alpha=lora_alpha(ft),  # type: ignore[arg-type]
+                          lora_dropout=ft.lora_dropout,
                           target_modules=targets.hf_modules() or None,
                           target_parameters=parameters or None, task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
@@ -232,7 +237,7 @@ class LoraFinetuning(ModelConverter):
         return adapters_disabled(chunks)
 
     def hf_adapters_off(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
-        return model.disable_adapter()  # peft's switch
+        return _peft_model(model).disable_adapter()  # peft's switch
 
 
 class FreezeFinetuning(ModelConverter):
@@ -254,7 +259,7 @@ class FreezeFinetuning(ModelConverter):
                          seed: int) -> torch.nn.Module:
         from hpc_mca.models.freeze import freeze_hf_model
 
-        return freeze_hf_model(model, self.finetuning)
+        return freeze_hf_model(_hf_model(model), self.finetuning)
 
     def resume_record(self, model_path: str) -> dict[str, Any]:
         """The base model the frozen parameters come from (a Megatron checkpoint holds only
@@ -348,14 +353,15 @@ def _seed_hf_adapters(model: torch.nn.Module, seed: int) -> None:
     import torch
     from peft.tuners.lora import LoraLayer
 
-    from hpc_mca.models.lora import initial_a
+    from hpc_mca.models.lora import initial_a, linears
 
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, LoraLayer):
                 hf_name = name.removeprefix("base_model.model.")
-                for a in module.lora_A.values():
-                    a.weight.copy_(initial_a(hf_name, *a.weight.shape, seed))
+                for a in linears(module.lora_A).values():
+                    rank, fan_in = a.weight.shape
+                    a.weight.copy_(initial_a(hf_name, rank, fan_in, seed))
 
 
 def _save_hf_weights(model: torch.nn.Module, out: Path) -> None:
@@ -363,7 +369,7 @@ def _save_hf_weights(model: torch.nn.Module, out: Path) -> None:
     transformers' 50 GB."""
     from hpc_mca.models.export import DEFAULT_MAX_SHARD_BYTES
 
-    model.save_pretrained(str(out), max_shard_size=DEFAULT_MAX_SHARD_BYTES)
+    _hf_model(model).save_pretrained(str(out), max_shard_size=DEFAULT_MAX_SHARD_BYTES)
 
 
 def _save_peft_adapter(model: torch.nn.Module, out: Path) -> None:
@@ -372,6 +378,16 @@ def _save_peft_adapter(model: torch.nn.Module, out: Path) -> None:
     as peft updated it)."""
     card = out / "README.md"
     had_card = card.exists()
-    model.save_pretrained(str(out))
+    _peft_model(model).save_pretrained(str(out))
     if not had_card:
         card.unlink(missing_ok=True)
+
+
+def _hf_model(model: torch.nn.Module) -> PreTrainedModel:
+    # The standard backend's model is a transformers one (standard.model loads it so).
+    return cast("PreTrainedModel", model)
+
+
+def _peft_model(model: torch.nn.Module) -> PeftModel:
+    # Only LoRA has adapters to merge or switch off, and its model is peft's (convert_hf_model).
+    return cast("PeftModel", model)

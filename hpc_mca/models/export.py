@@ -129,6 +129,8 @@ def export_tensors(items: Sequence[ExportItem], shapes: dict[str, tuple[int, ...
     if _rank() != 0:
         for item in items:
             dist.send(item.tensor().contiguous(), dst=0)
+    elif sink is None:
+        raise ValueError("export_tensors: rank 0 assembles the tensors and needs a sink for them")
     else:
         _assemble(shapes, plan, items, out_dtype, sink)
     return out_dtype
@@ -138,9 +140,9 @@ def _merged_weights(chunks: Sequence[torch.nn.Module]) -> dict[int, torch.Tensor
     """id(LoRA base weight) -> that weight with its adapters merged in (its dtype)."""
     from hpc_mca.models.lora import lora_layers
 
-    merged = {}
+    merged: dict[int, torch.Tensor] = {}
     for _, layer in lora_layers(list(chunks)):
-        weight = layer.get_base_layer().weight
+        weight = layer.base_linear.weight
         merged[id(weight)] = (weight.detach().float() + layer.delta_weight()).to(weight.dtype)
     return merged
 

@@ -11,6 +11,8 @@ holds only them (``checkpoint.state``), the frozen rest coming from the HF weigh
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from hpc_mca.config.sections import FinetuningArguments
@@ -18,6 +20,9 @@ from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_config import HFModelSpec, read_hf_config
 from hpc_mca.models.mapping import hf_tensor_shapes
 from hpc_mca.topology.freeze import FreezeRule, freeze_rule
+
+if TYPE_CHECKING:  # transformers is imported by the standard backend, not here
+    from transformers import PreTrainedModel
 
 __all__ = ["freeze_chunks", "freeze_hf_model", "rule_for", "trains_part"]
 
@@ -70,7 +75,7 @@ def _trains(rule: FreezeRule, name: str, hf_names: list[str], spec: HFModelSpec)
     return next(iter(verdicts.values()))
 
 
-def freeze_hf_model(model: torch.nn.Module, finetuning: FinetuningArguments) -> torch.nn.Module:
+def freeze_hf_model(model: PreTrainedModel, finetuning: FinetuningArguments) -> PreTrainedModel:
     """Freeze what the rule does not train in the transformers model (in place), by the
     model's own parameter names, as LLaMA-Factory applies it."""
     names = [name for name, _ in model.named_parameters()]

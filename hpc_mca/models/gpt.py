@@ -5,10 +5,13 @@ Imported by :mod:`.build` when it builds (megatron is imported here, at module l
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 __all__ = ["McaGPTModel"]
 
@@ -16,14 +19,14 @@ __all__ = ["McaGPTModel"]
 class McaGPTModel(GPTModel):
     """Megatron's GPTModel; its parameters, state dict and forward are GPTModel's."""
 
-    _require_grads_hook: Any = None
+    _require_grads_hook: RemovableHandle | None = None
 
     def enable_input_require_grads(self) -> None:
         """Make the embedding's output require grad (transformers' method of the same name):
         with the embedding frozen (LoRA), activation recomputation still gets a graph to
         backpropagate into the layers' adapters. Only the first pipeline stage embeds."""
         if self.pre_process and self._require_grads_hook is None:
-            def require_grads(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+            def require_grads(module: torch.nn.Module, args: tuple[object, ...], output: torch.Tensor) -> None:
                 output.requires_grad_(True)
 
             self._require_grads_hook = self.embedding.register_forward_hook(require_grads)

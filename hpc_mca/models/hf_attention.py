@@ -18,12 +18,12 @@ this one wants; a padding mask given anyway is refused (pack instead).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from hpc_mca.models.packed_attention import packed_attention, packed_layout, plan_segments
+from hpc_mca.models.packed_attention import Segment, TokenLayout, packed_attention, packed_layout, plan_segments
 from hpc_mca.runtime.sequence_parallel import gather_positions, get_sequence_parallel_group
 from hpc_mca.runtime.ulysses import heads_to_seq, seq_to_heads
 
@@ -56,11 +56,11 @@ class _PlanCache:
 
     def __init__(self) -> None:
         self.positions: Optional[Tensor] = None
-        self.plan: Any = None
+        self.plan: Optional[tuple[TokenLayout, list[Segment]]] = None
 
-    def get(self, positions: Tensor) -> Any:
+    def get(self, positions: Tensor) -> tuple[TokenLayout, list[Segment]]:
         positions = positions.detach().cpu()
-        if self.positions is None or not torch.equal(self.positions, positions):
+        if self.plan is None or self.positions is None or not torch.equal(self.positions, positions):
             layout = packed_layout(document_bounds(positions))
             self.positions = positions
             self.plan = (layout, plan_segments(layout, layout, SEGMENT_TOKENS))
@@ -72,15 +72,16 @@ _CACHE = _PlanCache()
 
 def packed_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
                              attention_mask: Optional[Tensor], dropout: float = 0.0,
-                             scaling: Optional[float] = None, **kwargs: Any
-                             ) -> tuple[Tensor, None]:
+                             scaling: Optional[float] = None, *, position_ids: Optional[Tensor] = None,
+                             **kwargs: object) -> tuple[Tensor, None]:
     """transformers' attention-function contract: ``[b, heads, s, d]`` in, ``[b, s, heads, d]``
-    out, causal within each document of ``kwargs["position_ids"]``."""
-    del module
+    out, causal within each document of ``position_ids``. ``kwargs``: the model's other
+    attention settings, none of which apply here."""
+    del module, kwargs
     if attention_mask is not None:
         raise ValueError(f"attn_implementation={NAME!r} takes packed rows told apart by "
                          "position_ids, not an attention mask; pack the batch instead")
-    positions = kwargs.get("position_ids")
+    positions = position_ids
     if positions is None:
         raise ValueError(f"attn_implementation={NAME!r} needs position_ids")
     group = get_sequence_parallel_group()

@@ -17,6 +17,8 @@ qwen2       as llama plus biases on the q/k/v projections
 qwen3       as llama plus RMSNorm on each query/key head (qk-norm), explicit head_dim
 qwen3_moe   qwen3 attention, every layer a softmax top-k MoE (norm_topk_prob honoured)
 mixtral     mistral attention, every layer a softmax top-k MoE (renormalised top-k)
+seed_oss    as llama plus explicit head_dim and, with attention_bias, biases on q/k/v
+            only; a bias on o_proj (attention_out_bias) and residual_dropout are refused
 =========== ======================================================================
 """
 
@@ -26,9 +28,12 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_mca.models.errors import ModelLoadError
+
+if TYPE_CHECKING:  # transformers is imported lazily, where a config is parsed
+    from transformers import PreTrainedConfig
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -39,10 +44,12 @@ __all__ = [
     "read_hf_config",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "seed_oss")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _QKV_BIAS_TYPES = frozenset({"qwen2"})
+_QKV_BIAS_OPTION_TYPES = frozenset({"seed_oss"})
+"""Families whose ``attention_bias`` puts biases on q/k/v only (o_proj has its own flag)."""
 _QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe"})
 _MOE_TYPES = frozenset({"qwen3_moe", "mixtral"})
 _ALWAYS_WINDOWED_TYPES = frozenset({"mistral", "mixtral"})
@@ -147,7 +154,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _transformers_config(model_type: str, raw: Mapping[str, Any], where: str) -> Any:
+def _transformers_config(model_type: str, raw: Mapping[str, Any], where: str) -> PreTrainedConfig:
     """The transformers config object, which fills defaults and normalises rope keys."""
     from transformers import CONFIG_MAPPING
 
@@ -158,18 +165,30 @@ def _transformers_config(model_type: str, raw: Mapping[str, Any], where: str) ->
         raise ModelLoadError(f"{where}: transformers rejects this config: {message}") from None
 
 
-def _refuse_unsupported_options(cfg: Any, model_type: str, where: str) -> None:
+def _refuse_unsupported_options(cfg: PreTrainedConfig, model_type: str, where: str) -> None:
     """Options of these families that Megatron's local spec does not compute the same way."""
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"{where}: hidden_act={act!r} is not supported (supported: 'silu')")
-    if getattr(cfg, "attention_bias", False) and model_type not in _QKV_BIAS_TYPES:
+    if getattr(cfg, "attention_bias", False) and model_type not in (
+        _QKV_BIAS_TYPES | _QKV_BIAS_OPTION_TYPES
+    ):
         raise ModelLoadError(
             f"{where}: attention_bias=true (a bias on o_proj too) is not supported for "
             f"{model_type} (supported: false; q/k/v-only biases as in qwen2)"
         )
     if getattr(cfg, "mlp_bias", False):
         raise ModelLoadError(f"{where}: mlp_bias=true is not supported (supported: false)")
+    if getattr(cfg, "attention_out_bias", False):
+        raise ModelLoadError(
+            f"{where}: attention_out_bias=true (a bias on o_proj) is not supported (supported: false)"
+        )
+    residual_dropout = getattr(cfg, "residual_dropout", 0.0) or 0.0
+    if residual_dropout:
+        raise ModelLoadError(
+            f"{where}: residual_dropout={residual_dropout} is not supported (supported: 0.0; "
+            "Megatron's hidden_dropout would drop the embeddings too)"
+        )
     if model_type == "qwen3_moe":
         dense_layers = list(getattr(cfg, "mlp_only_layers", None) or [])
         step = getattr(cfg, "decoder_sparse_step", 1)
@@ -182,11 +201,11 @@ def _refuse_unsupported_options(cfg: Any, model_type: str, where: str) -> None:
         raise ModelLoadError(f"{where}: {model_type} config has no experts (num_experts)")
 
 
-def _num_experts(cfg: Any) -> int:
+def _num_experts(cfg: PreTrainedConfig) -> int:
     return int(getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0)
 
 
-def _rope_spec(cfg: Any, where: str) -> RopeSpec:
+def _rope_spec(cfg: PreTrainedConfig, where: str) -> RopeSpec:
     """RoPE from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x)."""
     params = getattr(cfg, "rope_parameters", None)
     if params is None:
@@ -218,7 +237,7 @@ def _rope_spec(cfg: Any, where: str) -> RopeSpec:
     return spec
 
 
-def _sliding_window(cfg: Any, model_type: str) -> int | None:
+def _sliding_window(cfg: PreTrainedConfig, model_type: str) -> int | None:
     """The window that some layer actually uses, or None when every layer attends fully."""
     window = getattr(cfg, "sliding_window", None)
     if window is None:
@@ -231,7 +250,7 @@ def _sliding_window(cfg: Any, model_type: str) -> int | None:
     return None
 
 
-def _dtype_name(cfg: Any) -> str | None:
+def _dtype_name(cfg: PreTrainedConfig) -> str | None:
     value = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
     if value is None:
         return None
@@ -239,7 +258,7 @@ def _dtype_name(cfg: Any) -> str | None:
 
 
 def _spec_from_config(
-    cfg: Any, model_type: str, raw: Mapping[str, Any], where: str, directory: Path | None
+    cfg: PreTrainedConfig, model_type: str, raw: Mapping[str, Any], where: str, directory: Path | None
 ) -> HFModelSpec:
     heads = int(cfg.num_attention_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -259,7 +278,8 @@ def _spec_from_config(
         rope=_rope_spec(cfg, where),
         max_position_embeddings=int(cfg.max_position_embeddings),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        qkv_bias=model_type in _QKV_BIAS_TYPES,
+        qkv_bias=model_type in _QKV_BIAS_TYPES
+        or (model_type in _QKV_BIAS_OPTION_TYPES and bool(cfg.attention_bias)),
         qk_norm=model_type in _QK_NORM_TYPES,
         sliding_window=_sliding_window(cfg, model_type),
         num_experts=experts,

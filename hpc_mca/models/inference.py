@@ -8,9 +8,19 @@ activations between pipeline stages) with ``forward_only=True``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
+    from collections.abc import Callable, Iterator
+
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    _Batch = dict[str, torch.Tensor]
+    _Collect = Callable[[torch.Tensor], tuple[torch.Tensor, _Batch]]
+    _ForwardStep = Callable[[Iterator[_Batch], GPTModel], tuple[torch.Tensor, _Collect]]
 
 __all__ = ["forward_logits", "thd_packed_seq_params"]
 
@@ -21,7 +31,7 @@ def forward_logits(
     vocab_size: int,
     *,
     position_ids: torch.Tensor | None = None,
-    packed_seq_params: Any = None,
+    packed_seq_params: PackedSeqParams | None = None,
     micro_batch_size: int | None = None,
 ) -> torch.Tensor | None:
     """Logits ``[batch, seq, vocab_size]`` on the ranks of the last pipeline stage, None on
@@ -46,7 +56,8 @@ def forward_logits(
         {"tokens": tokens, "position_ids": positions}
         for tokens, positions in zip(input_ids.split(size), position_ids.to(device).split(size))
     ]
-    iterators: Any = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
+    iterators: list[Iterator[_Batch]] | Iterator[_Batch] = (
+        [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches))
     modes = [chunk.training for chunk in chunks]
     for chunk in chunks:
         chunk.eval()  # no dropout; MoE layers refuse TP without sequence parallel when training
@@ -68,11 +79,11 @@ def forward_logits(
     return torch.cat([out["logits"] for out in outputs]) if outputs else None
 
 
-def _logits_step(vocab_size: int, packed_seq_params: Any) -> Any:
+def _logits_step(vocab_size: int, packed_seq_params: PackedSeqParams | None) -> _ForwardStep:
     """A schedule forward step whose "loss" function hands back the gathered logits."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    def forward_step(data_iterator: Any, model: torch.nn.Module) -> Any:
+    def forward_step(data_iterator: Iterator[_Batch], model: GPTModel) -> tuple[torch.Tensor, _Collect]:
         data = next(data_iterator)
         output = model(data["tokens"], data["position_ids"], None,
                        packed_seq_params=packed_seq_params)
@@ -88,7 +99,7 @@ def _logits_step(vocab_size: int, packed_seq_params: Any) -> Any:
 
 def thd_packed_seq_params(
     cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None = None, cp_size: int = 1
-) -> Any:
+) -> PackedSeqParams:
     """``PackedSeqParams`` for one packed row of documents, in THD format.
 
     ``max_seqlen_*`` is the longest *padded* document: Megatron sizes the RoPE table from it

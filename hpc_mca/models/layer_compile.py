@@ -24,13 +24,17 @@ dynamic shapes (torch.compile's default).
 from __future__ import annotations
 
 import types
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # megatron is imported by the module that builds the chunks
+    from megatron.core.models.gpt.gpt_model import GPTModel
 
 __all__ = ["compile_layers"]
 
 
-def compile_layers(chunks: list[torch.nn.Module]) -> None:
+def compile_layers(chunks: list[GPTModel]) -> None:
     """Compile every decoder layer of ``chunks`` (Megatron GPTModels, before DDP wraps them)
     with its core attention left eager."""
     for chunk in chunks:

@@ -39,9 +39,9 @@ import contextlib
 import math
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, Self, cast
 
 import torch
 from peft import LoraConfig
@@ -50,7 +50,16 @@ from peft.tuners.lora import LoraLayer
 from hpc_mca.config.sections import FinetuningArguments
 from hpc_mca.topology.lora import LoraTargets
 
-__all__ = ["LoraSite", "MegatronLoraLinear", "adapters_disabled", "initial_a", "lora_layers", "lora_sites"]
+if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from torch.distributed import ProcessGroup
+
+    from hpc_mca.models.hf_config import HFModelSpec
+    from hpc_mca.models.mapping import ShardCoords
+
+__all__ = ["LoraSite", "MegatronLoraLinear", "adapters_disabled", "initial_a", "linears", "lora_alpha", "lora_layers",
+           "lora_sites"]
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -88,17 +97,38 @@ def initial_a(hf_name: str, rank: int, fan_in: int, seed: int) -> torch.Tensor:
     return torch.empty(rank, fan_in).uniform_(-bound, bound, generator=gen)
 
 
+def lora_alpha(finetuning: FinetuningArguments) -> float:
+    """``finetuning.lora_alpha``, which the config rules set (None there: 2 * lora_rank)
+    before any model is built."""
+    if finetuning.lora_alpha is None:
+        raise ValueError("finetuning.lora_alpha is unset: the config rules set it before a model is built")
+    return finetuning.lora_alpha
+
+
+def linears(factors: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """A LoRA ``ModuleDict`` of factors by key (a layer's ``lora_A``/``lora_B``, or one adapter's
+    parts in :class:`MegatronLoraLinear`), typed: ``update_layer``, peft's and ours, builds
+    them as torch Linears."""
+    return cast("dict[str, torch.nn.Linear]", dict(cast(torch.nn.ModuleDict, factors).items()))
+
+
+class _GroupCtx(Protocol):
+    """The autograd context of :class:`_SumGradOver`: torch's, carrying the group."""
+
+    group: ProcessGroup | None
+
+
 class _SumGradOver(torch.autograd.Function):
     """Identity forward; the gradient summed over ``group`` (a weight replicated over the
     expert-TP ranks, each of which sees part of its gradient)."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: _GroupCtx, weight: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: _GroupCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
         torch.distributed.all_reduce(grad, group=ctx.group)
         return grad, None
@@ -110,9 +140,9 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
 
     def __init__(self, base_layer: torch.nn.Module, adapter_name: str, *, config: LoraConfig,
                  r: int, lora_alpha: float, sites: dict[str, LoraSite], seed: int,
-                 target_name: str, **kwargs: Any) -> None:
+                 target_name: str, ephemeral_gpu_offload: bool = False, **kwargs: object) -> None:
         super().__init__()
-        LoraLayer.__init__(self, base_layer, **kwargs)
+        LoraLayer.__init__(self, base_layer, ephemeral_gpu_offload=ephemeral_gpu_offload, **kwargs)
         self.site = sites[target_name]
         self.seed = seed
         self._active_adapter = adapter_name
@@ -125,8 +155,17 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
         return self.site.kind != "row"
 
     @property
-    def tp_group(self) -> Any:
-        return self.get_base_layer().tp_group
+    def base_linear(self) -> ColumnParallelLinear | RowParallelLinear:
+        """The Megatron linear the adapters sit on (peft's ``get_base_layer``)."""
+        return self.get_base_layer()
+
+    def factors(self, kind: str, adapter: str) -> dict[str, torch.nn.Linear]:
+        """``adapter``'s A (``kind`` "A") or B factors, by part."""
+        return linears((self.lora_A if kind == "A" else self.lora_B)[adapter])
+
+    @property
+    def tp_group(self) -> ProcessGroup | None:
+        return self.base_linear.tp_group
 
     @property
     def tp_size(self) -> int:
@@ -137,24 +176,24 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
     def sequence_parallel(self) -> bool:
         """The base linear moves the sequence over TP (gathers the input of a column linear,
         reduce-scatters the output of a row linear); experts' linears never do."""
-        base = self.get_base_layer()
+        base = self.base_linear
         return (bool(getattr(base, "sequence_parallel", False)) and self.tp_size > 1
                 and not getattr(base, "explicit_expert_comm", False))
 
     @property
     def through_dispatcher(self) -> bool:
         """Expert linears under expert-TP > 1: the token dispatcher does the TP communication."""
-        return bool(getattr(self.get_base_layer(), "explicit_expert_comm", False)) and self.tp_size > 1
+        return bool(getattr(self.base_linear, "explicit_expert_comm", False)) and self.tp_size > 1
 
     def update_layer(self, adapter_name: str, r: int, lora_alpha: float, config: LoraConfig,
-                     **kwargs: Any) -> None:
+                     **kwargs: object) -> None:
         if r <= 0:
             raise ValueError(f"LoRA rank r={r} must be a positive integer")
         self.r[adapter_name], self.lora_alpha[adapter_name] = r, lora_alpha
         self.scaling[adapter_name] = lora_alpha / r
         self.lora_dropout[adapter_name] = (torch.nn.Dropout(config.lora_dropout)
                                            if config.lora_dropout > 0 else torch.nn.Identity())
-        base = self.get_base_layer()
+        base = self.base_linear
         in_local = base.input_size_per_partition if not self.column else base.input_size
         self.lora_A[adapter_name] = torch.nn.ModuleDict(
             {p: torch.nn.Linear(in_local, r, bias=False) for p in self.site.parts})
@@ -169,7 +208,7 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
 
     def _rows(self, part: str) -> int:
         """Output rows of ``part``'s B on this rank."""
-        base, site = self.get_base_layer(), self.site
+        base, site = self.base_linear, self.site
         if site.kind == "qkv":
             heads = site.heads_per_group if part == "q_proj" else 1
             return site.query_groups * heads * site.head_dim
@@ -181,15 +220,15 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
 
     @torch.no_grad()
     def _init_weights(self, adapter_name: str) -> None:
-        base = self.get_base_layer()
-        for part, a in self.lora_A[adapter_name].items():
+        base, b_factors = self.base_linear, self.factors("B", adapter_name)
+        for part, a in self.factors("A", adapter_name).items():
             fan_in = base.input_size
             full = initial_a(self.site.hf_name(part), a.weight.shape[0], fan_in, self.seed)
             if not self.column:
                 rank = self.tp_group.rank() if self.tp_group is not None else 0
                 full = full.narrow(1, rank * a.weight.shape[1], a.weight.shape[1])
             a.weight.copy_(full)
-            self.lora_B[adapter_name][part].weight.zero_()
+            b_factors[part].weight.zero_()
 
     def _mark_parallel(self, adapter_name: str) -> None:
         """The attributes Megatron's DDP, optimizer and gradient clipping read: which tensors
@@ -197,19 +236,20 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
         (reduced over the expert-data-parallel group)."""
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-        expert = bool(getattr(self.get_base_layer(), "is_expert", False))
-        for kind, modules in (("A", self.lora_A[adapter_name]), ("B", self.lora_B[adapter_name])):
+        expert = bool(getattr(self.base_linear, "is_expert", False))
+        for kind in ("A", "B"):
             split = kind == ("B" if self.column else "A") and self.tp_size > 1
-            for linear in modules.values():
+            for linear in self.factors(kind, adapter_name).values():
                 if split:
                     set_tensor_model_parallel_attributes(linear.weight, True, 0 if self.column else 1, 1)
                 elif self.sequence_parallel:
-                    # Replicated, fed this rank's tokens only: summed over TP by Megatron.
-                    linear.weight.sequence_parallel = True
+                    # Replicated, fed this rank's tokens only: summed over TP by Megatron. (Marks
+                    # Megatron reads off the tensor, which torch's types do not declare.)
+                    setattr(linear.weight, "sequence_parallel", True)
                 if expert:
-                    linear.weight.allreduce = False
+                    setattr(linear.weight, "allreduce", False)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         """Module casts (Float16Module's bf16 cast) leave the adapter weights in float32."""
         super()._apply(fn, recurse)
         for name in ("lora_A", "lora_B"):
@@ -220,7 +260,9 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
 
     # ---- forward --------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    def forward(self, x: torch.Tensor, *args: object, **kwargs: object
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # args/kwargs: the base linear's own (a column linear's weight, runtime_gather_output).
         result, bias = self.base_layer(x, *args, **kwargs)
         if self.disable_adapters:
             return result, bias
@@ -233,9 +275,10 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
 
     def _delta(self, adapter: str, x: torch.Tensor) -> torch.Tensor:
         tp, group = self.tp_size, self.tp_group
-        out = {}
-        for part, a in self.lora_A[adapter].items():
-            b = self.lora_B[adapter][part]
+        out: dict[str, torch.Tensor] = {}
+        b_factors = self.factors("B", adapter)
+        for part, a in self.factors("A", adapter).items():
+            b = b_factors[part]
             if self.through_dispatcher:
                 # The replicated factor's gradient is partial on each expert-TP rank.
                 a_w = a.weight if not self.column else _SumGradOver.apply(a.weight, group)
@@ -247,7 +290,7 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
         # Under sequence parallelism the output's sequence length is not the input's.
         return self._assemble(out, next(iter(out.values())).shape[:-1]) * self.scaling[adapter]
 
-    def _across_tp(self, u: torch.Tensor, group: Any) -> torch.Tensor:
+    def _across_tp(self, u: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         """A's output ``u`` as B needs it: the TP communication of the base linear, on r
         columns (see the module docstring)."""
         from megatron.core.tensor_parallel.mappings import (
@@ -283,8 +326,8 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
     @torch.no_grad()
     def delta_weight(self, adapter: str = "default") -> torch.Tensor:
         """``scaling * B @ A`` of every part, laid out as this rank's base weight (float32)."""
-        deltas = {p: self.lora_B[adapter][p].weight @ a.weight
-                  for p, a in self.lora_A[adapter].items()}
+        b_factors = self.factors("B", adapter)
+        deltas = {p: b_factors[p].weight @ a.weight for p, a in self.factors("A", adapter).items()}
         if not self.column:
             return next(iter(deltas.values())) * self.scaling[adapter]
         # Assemble along the rows: the same layout as the output's last dimension.
@@ -302,12 +345,13 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        base = self.get_base_layer().sharded_state_dict(prefix, sharded_offsets, metadata)
+        base = self.base_linear.sharded_state_dict(prefix, sharded_offsets, metadata)
         out = {f"{prefix}base_layer.{k[len(prefix):]}": v for k, v in base.items()}
         adapter = "default" if "default" in self.lora_A else next(iter(self.lora_A))
-        tensors, axes = {}, {}
-        for kind, modules in (("A", self.lora_A[adapter]), ("B", self.lora_B[adapter])):
-            for part, linear in modules.items():
+        tensors: dict[str, torch.Tensor] = {}
+        axes: dict[str, int] = {}
+        for kind in ("A", "B"):
+            for part, linear in self.factors(kind, adapter).items():
                 key = f"lora_{kind}.{part}.weight"
                 tensors[key] = linear.weight
                 if kind == ("B" if self.column else "A"):
@@ -350,8 +394,8 @@ _LAYER = re.compile(r"(?:.*\.)?decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])")
 
 
-def site_of(name: str, rest: str, layer: int, targets: LoraTargets, spec: Any,
-            coords: Any) -> LoraSite | None:
+def site_of(name: str, rest: str, layer: int, targets: LoraTargets, spec: HFModelSpec,
+            coords: ShardCoords) -> LoraSite | None:
     """The site of Megatron linear ``rest`` (its name inside global layer ``layer``), or None
     when it gets no adapter. ``spec``: the HFModelSpec; ``coords``: this rank's ShardCoords."""
     parts = targets.parts(rest)
@@ -392,15 +436,18 @@ def apply_lora(chunks: list[torch.nn.Module], finetuning: FinetuningArguments, *
     targets = resolve_lora_targets(ft.lora_target, is_moe=spec.is_moe, model_type=spec.model_type)
     for chunk in chunks:
         sites = lora_sites(chunk, targets, spec)
-        peft_config = LoraConfig(r=ft.lora_rank, lora_alpha=ft.lora_alpha,
+        # lora_alpha: peft annotates int but takes any number (scaling = alpha / r).
+        peft_config = LoraConfig(r=ft.lora_rank, lora_alpha=lora_alpha(ft),  # type: ignore[arg-type]
                                  lora_dropout=ft.lora_dropout, target_modules=sorted(sites))
         layer = functools.partial(MegatronLoraLinear, sites=sites, seed=seed)
-        peft_config._register_custom_module({ColumnParallelLinear: layer, RowParallelLinear: layer})
+        custom = {ColumnParallelLinear: layer, RowParallelLinear: layer}
+        # peft annotates classes but only calls them: the partial binds this chunk's sites.
+        peft_config._register_custom_module(custom)  # type: ignore[arg-type]
         inject_adapter_in_model(peft_config, chunk)
     return chunks
 
 
-def lora_sites(chunk: torch.nn.Module, targets: LoraTargets, spec: Any) -> dict[str, LoraSite]:
+def lora_sites(chunk: GPTModel, targets: LoraTargets, spec: HFModelSpec) -> dict[str, LoraSite]:
     """Module name -> site, for the linears of this chunk's decoder layers that get adapters."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 

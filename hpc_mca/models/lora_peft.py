@@ -68,7 +68,7 @@ def register_megatron_lora() -> None:
     peft_create = LoraModel._create_new_module
 
     def create_new_module(lora_config: LoraConfig, adapter_name: str, target: torch.nn.Module,
-                          **kwargs: Any) -> torch.nn.Module:
+                          **kwargs: Any) -> torch.nn.Module:  # Any: peft's open keywords (r, device_map, ...)
         module = _megatron_module(lora_config, adapter_name, target, **kwargs)
         return module if module is not None else peft_create(lora_config, adapter_name, target, **kwargs)
 
@@ -77,7 +77,7 @@ def register_megatron_lora() -> None:
 
 
 def _megatron_module(lora_config: LoraConfig, adapter_name: str, target: torch.nn.Module,
-                     **kwargs: Any) -> torch.nn.Module | None:
+                     **kwargs: Any) -> torch.nn.Module | None:  # Any: peft's keywords, typed by MegatronLoraLinear
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from peft.tuners.tuners_utils import BaseTunerLayer
 

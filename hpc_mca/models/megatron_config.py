@@ -26,6 +26,9 @@ from hpc_mca.models.norm import TorchNorm
 from hpc_mca.topology import Layout, megatron_pipeline_layout
 
 if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = ["block_spec", "layer_spec", "rope_inv_freq", "transformer_config",
@@ -91,7 +94,7 @@ def transformer_config(
     gloo: bool,
     loading: bool,
     overrides: Mapping[str, Any] | None = None,
-) -> Any:
+) -> TransformerConfig:
     """Megatron's ``TransformerConfig`` for ``spec`` under ``layout``, as the ranks build it
     (its ``__post_init__`` validates the settings: ValueError/AssertionError when it refuses).
 
@@ -150,7 +153,7 @@ def _moe_kwargs(spec: HFModelSpec) -> dict[str, Any]:
     }
 
 
-def layer_spec(spec: HFModelSpec, core_attention: type) -> Any:
+def layer_spec(spec: HFModelSpec, core_attention: type[MegatronModule] | ModuleSpec) -> ModuleSpec:
     """Megatron's local GPT layer spec for ``spec`` with ``core_attention`` and the norms
     (:class:`TorchNorm`, which runs under sequence parallelism) swapped in."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -172,7 +175,7 @@ def layer_spec(spec: HFModelSpec, core_attention: type) -> Any:
     return layer
 
 
-def block_spec(layer: Any, config: TransformerConfig, vp_stage: int | None) -> Any:
+def block_spec(layer: ModuleSpec, config: TransformerConfig, vp_stage: int | None) -> TransformerBlockSubmodules:
     """The decoder block of one model chunk: ``layer`` repeated for the layers this chunk
     builds, and the layer's own RMSNorm as the final norm (Megatron would otherwise pick
     TE/Apex norms when those are installed, changing parameter types between machines)."""

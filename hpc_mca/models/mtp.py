@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, overload
 
 import torch
 from torch import Tensor
@@ -32,7 +32,13 @@ from hpc_mca.models.norm import TorchNorm
 from hpc_mca.models.roll import roll_left, roll_plan
 
 if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlockSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from torch.distributed import ProcessGroup
 
 __all__ = ["MTP_LOSSES", "MtpLosses", "initialise", "install", "mtp_block_spec"]
 
@@ -64,8 +70,8 @@ MTP_LOSSES = MtpLosses()
 """Filled by the replaced ``process_mtp_loss``; read by the trainer's objective each step."""
 
 
-def mtp_block_spec(config: TransformerConfig, layer: Any, backend: str,
-                   vp_stage: int | None) -> Any:
+def mtp_block_spec(config: TransformerConfig, layer: ModuleSpec, backend: str,
+                   vp_stage: int | None) -> MultiTokenPredictionBlockSubmodules | None:
     """Megatron's MTP block spec for this chunk (None where it holds no MTP layer). Off the
     TE backend its three norms per layer are the decoder's :class:`TorchNorm` (Megatron's
     local provider gives its torch norm, which refuses sequence parallelism); TE's norms
@@ -86,7 +92,7 @@ def mtp_block_spec(config: TransformerConfig, layer: Any, backend: str,
 _LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")
 
 
-def initialise(chunks: list[torch.nn.Module], seed: int) -> None:
+def initialise(chunks: list[GPTModel], seed: int) -> None:
     """Fresh MTP weights that do not depend on the parallel layout.
 
     MTP layers are not read from HF weights, and Megatron's random init depends on the
@@ -137,8 +143,21 @@ def _draw(key: str, param: Tensor, tp_size: int, seed: int,
     return torch.randn(shape, generator=generator) * std
 
 
+@overload
+def packed_aware_roll(tensor: Tensor, shifts: int = -1, dims: int = -1,
+                      cp_group: Optional[ProcessGroup] = None,
+                      packed_seq_params: Optional[PackedSeqParams] = None) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
+def packed_aware_roll(tensor: None, shifts: int = -1, dims: int = -1,
+                      cp_group: Optional[ProcessGroup] = None,
+                      packed_seq_params: Optional[PackedSeqParams] = None) -> tuple[None, None]: ...
+
+
 def packed_aware_roll(tensor: Optional[Tensor], shifts: int = -1, dims: int = -1,
-                      cp_group: Any = None, packed_seq_params: Any = None
+                      cp_group: Optional[ProcessGroup] = None,
+                      packed_seq_params: Optional[PackedSeqParams] = None
                       ) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """Megatron's ``roll_tensor`` contract; packed THD streams roll within their (padded)
     documents through :func:`hpc_mca.models.roll.roll_left`."""
@@ -159,11 +178,12 @@ def packed_aware_roll(tensor: Optional[Tensor], shifts: int = -1, dims: int = -1
 
 
 def process_mtp_loss(hidden_states: Tensor, labels: Optional[Tensor],
-                     loss_mask: Optional[Tensor], output_layer: Callable,
+                     loss_mask: Optional[Tensor], output_layer: ColumnParallelLinear,
                      output_weight: Optional[Tensor], runtime_gather_output: Optional[bool],
                      is_training: bool, compute_language_model_loss: Callable,
                      config: TransformerConfig,
-                     cp_group: Any = None, tp_group: Any = None, packed_seq_params: Any = None,
+                     cp_group: Optional[ProcessGroup] = None, tp_group: Optional[ProcessGroup] = None,
+                     packed_seq_params: Optional[PackedSeqParams] = None,
                      scale_logits_fn: Optional[Callable[[Tensor], Tensor]] = None,
                      input_ids: Optional[Tensor] = None) -> Tensor:
     """Upstream's signature (``gpt_model`` calls it by keyword); see the module docstring.

@@ -17,7 +17,7 @@ local spec has always built): parameter names, checkpoints, HF weight mapping an
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,8 +37,9 @@ class TorchNorm:
     instead of calling them; ``__new__`` returns the torch module itself.
     """
 
-    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
-                **_unused: Any) -> torch.nn.Module:
+    # The type: ignore: Megatron calls the class, and __new__ hands back the torch module (above).
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,  # type: ignore[misc]
+                **_unused: object) -> torch.nn.Module:
         # The keyword arguments Megatron passes besides these duplicate config fields. The two
         # that change the numbers are refused; persist_layer_norm only picks an Apex kernel.
         if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:

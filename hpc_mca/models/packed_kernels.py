@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -36,6 +36,12 @@ from torch import Tensor
 from hpc_mca.config.sections import PACKED_ATTENTION, PACKED_KERNELS
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.packed_attention import TokenLayout, packed_layout
+
+if TYPE_CHECKING:  # megatron is imported by the modules that call these kernels
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from torch.nn.attention.flex_attention import BlockMask
+
+_T = TypeVar("_T")
 
 __all__ = [
     "PACKED_KERNELS",
@@ -56,7 +62,8 @@ def _varlen_attn() -> Optional[Callable[..., Tensor]]:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    # Called without return_aux, as here, it returns the attention output alone.
+    return cast("Callable[..., Tensor]", varlen_attn)
 
 
 def varlen_available(cuda: Optional[bool] = None) -> bool:
@@ -137,7 +144,7 @@ class PackedPlan:
         self.self_attention = self_attention
         self._device: dict[tuple[str, str], Any] = {}
 
-    def on(self, key: str, device: torch.device, make: Callable[[], Any]) -> Any:
+    def on(self, key: str, device: torch.device, make: Callable[[], _T]) -> _T:
         """``make()`` once per (key, device)."""
         slot = (key, str(device))
         if slot not in self._device:
@@ -149,7 +156,7 @@ class PackedPlan:
         return self.on("valid", device, lambda: self.q_layout.valid.to(device))
 
 
-def packed_plan(params: Any, total_q: int, total_kv: int) -> PackedPlan:
+def packed_plan(params: PackedSeqParams, total_q: int, total_kv: int) -> PackedPlan:
     """The plan of the micro-batch ``params`` (a PackedSeqParams) describes, cached on it."""
     key = (total_q, total_kv)
     cached = getattr(params, "_hpc_mca_packed_plan", None)
@@ -222,7 +229,7 @@ def _compiled_flex() -> Callable[..., Tensor]:
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _document_block_mask(plan: PackedPlan, device: torch.device) -> Any:
+def _document_block_mask(plan: PackedPlan, device: torch.device) -> BlockMask:
     from torch.nn.attention.flex_attention import create_block_mask
 
     layout = plan.q_layout.to(device)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,12 +22,18 @@ from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_config import HFModelSpec, read_hf_config
 from hpc_mca.models.mapping import ParamPlan, ShardCoords, plan_param
 
+if TYPE_CHECKING:  # megatron is imported lazily, by the modules that build the chunks
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.module import Float16Module
+    from torch.distributed import ProcessGroup
+
 __all__ = ["load_hf_weights", "local_plans", "shard_coords", "unwrap"]
 
 _LAYER_INDEX = re.compile(r"decoder\.layers\.(\d+)\.")
 
 
-def _rank_and_size(group: Any) -> tuple[int, int]:
+def _rank_and_size(group: ProcessGroup | None) -> tuple[int, int]:
     if group is None:
         return 0, 1
     return group.rank(), group.size()
@@ -36,12 +42,13 @@ def _rank_and_size(group: Any) -> tuple[int, int]:
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     """The GPTModel inside DDP / Float16Module wrappers (their parameter names gain
     ``module.`` prefixes that the mapping does not know)."""
-    while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
+    model: torch.nn.Module | DistributedDataParallel | Float16Module = chunk
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    return model
 
 
-def shard_coords(chunk: torch.nn.Module) -> ShardCoords:
+def shard_coords(chunk: GPTModel) -> ShardCoords:
     """This rank's weight coordinates, from the process groups the chunk was built with."""
     pg = chunk.pg_collection
     tp_rank, tp_size = _rank_and_size(pg.tp)

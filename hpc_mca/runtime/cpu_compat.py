@@ -28,12 +28,17 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple  # private: see _backward
 from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
+from torch.types import Device
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, Work
 
 __all__ = ["PATCHES", "Patch", "activate", "active_patches", "needed"]
 
@@ -83,7 +88,7 @@ def activate(skip: Iterable[str] = ()) -> list[str]:
 # 1. Devices: a torch function mode that rewrites CUDA devices to CPU.
 # --------------------------------------------------------------------------------------------
 
-def _is_cuda(device: Any) -> bool:
+def _is_cuda(device: object) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"
     if isinstance(device, str):
@@ -94,6 +99,8 @@ def _is_cuda(device: Any) -> bool:
 
 
 _CPU = torch.device("cpu")
+_Gradients: TypeAlias = "torch.Tensor | Sequence[torch.Tensor | None] | None"
+"""What backward takes as the gradients of its outputs."""
 _CUDA_TYPE_NAMES = {  # tensor.type() on CPU -> the name Megatron's optimizer checks expect
     "torch.FloatTensor": "torch.cuda.FloatTensor",
     "torch.HalfTensor": "torch.cuda.HalfTensor",
@@ -114,7 +121,9 @@ class _CudaToCpuMode(TorchFunctionMode):
     parallelism) builds its chunk index that way.
     """
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
+                           args: tuple[Any, ...] = (),  # whatever the intercepted torch function takes
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]  # already in CPU memory; pinning needs an accelerator
@@ -132,7 +141,10 @@ class _CudaToCpuMode(TorchFunctionMode):
             args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)
 
-    def _backward(self, tensors, gradient=None, retain_graph=None, create_graph=False, inputs=None, **kw):
+    def _backward(self, tensors: torch.Tensor | Sequence[torch.Tensor], gradient: _Gradients = None,
+                  retain_graph: bool | None = None, create_graph: bool = False,
+                  inputs: torch.Tensor | Sequence[torch.Tensor] | None = None, *,
+                  grad_tensors: _Gradients = None) -> None:
         """Run backward with this mode active.
 
         A mode is switched off while its handler runs, and backward executes Python code of
@@ -140,7 +152,8 @@ class _CudaToCpuMode(TorchFunctionMode):
         "cuda". Re-entering the mode and calling ``torch.autograd.backward`` would dispatch
         back here forever, so this calls the engine the way ``torch.autograd.backward`` does.
         """
-        gradient = kw.pop("grad_tensors", gradient)
+        # Tensor.backward's gradient, or torch.autograd.backward's grad_tensors by keyword.
+        gradient = gradient if grad_tensors is None else grad_tensors
         tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
         grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(gradient, len(tensors)), is_grads_batched=False)
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs or ())
@@ -169,11 +182,11 @@ def _one_device() -> int:
     return 1
 
 
-def _set_device(device: Any) -> None:
+def _set_device(device: Device) -> None:
     pass
 
 
-def _synchronize(device: Any = None) -> None:
+def _synchronize(device: Device = None) -> None:
     pass
 
 
@@ -181,19 +194,19 @@ def _empty_cache() -> None:
     pass
 
 
-def _record_stream(tensor: torch.Tensor, stream: Any) -> None:
+def _record_stream(tensor: torch.Tensor, s: _Stream) -> None:
     pass
 
 
-def _current_stream(device: Any = None) -> Any:
+def _current_stream(device: Device = None) -> _CpuStream:
     return _DEFAULT_STREAM
 
 
-def _default_stream(device: Any = None) -> Any:
+def _default_stream(device: Device = None) -> _CpuStream:
     return _DEFAULT_STREAM
 
 
-def _no_stream(stream: Any = None) -> contextlib.AbstractContextManager[None]:
+def _no_stream(stream: _Stream | None) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()
 
 
@@ -213,29 +226,43 @@ def _install_rng() -> None:
     """
     from megatron.core.tensor_parallel import random as mrandom
 
-    gen = torch.default_generator
-
-    def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
-        return gen.get_state()
-
-    def set_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
-        gen.set_state(new_state)
-
-    def manual_seed(seed: int) -> None:
-        gen.manual_seed(int(seed))
-
     # fork() warns whenever the CPU generator changed inside a forked region; here the forked
     # generator IS the CPU generator, so the warning would fire on every dropout call.
     logging.getLogger(mrandom.__name__).addFilter(
         lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage()
     )
-    mrandom._get_cuda_rng_state = get_state
-    mrandom._set_cuda_rng_state = set_state
-    for module in (torch.cuda, torch.cuda.random):
-        module.get_rng_state = get_state  # type: ignore[attr-defined]
-        module.set_rng_state = set_state  # type: ignore[attr-defined]
-        module.manual_seed = manual_seed  # type: ignore[attr-defined]
-        module.manual_seed_all = manual_seed  # type: ignore[attr-defined]
+    mrandom._get_cuda_rng_state = _megatron_get_rng_state
+    mrandom._set_cuda_rng_state = _megatron_set_rng_state
+    # torch.cuda re-exports torch.cuda.random's functions: both names are the same function.
+    torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = _get_rng_state
+    torch.cuda.set_rng_state = torch.cuda.random.set_rng_state = _set_rng_state
+    torch.cuda.manual_seed = torch.cuda.random.manual_seed = _manual_seed
+    torch.cuda.manual_seed_all = torch.cuda.random.manual_seed_all = _manual_seed_all
+
+
+def _megatron_get_rng_state(device: int | str | torch.device = "cuda", clone: bool = False,
+                            graph_safe: bool = False) -> torch.Tensor:
+    return torch.default_generator.get_state()
+
+
+def _megatron_set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    torch.default_generator.set_state(new_state)
+
+
+def _get_rng_state(device: int | str | torch.device = "cuda") -> torch.Tensor:
+    return torch.default_generator.get_state()
+
+
+def _set_rng_state(new_state: torch.Tensor, device: int | str | torch.device = "cuda") -> None:
+    torch.default_generator.set_state(new_state)
+
+
+def _manual_seed(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _manual_seed_all(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,30 +273,33 @@ class _CpuStream(torch.cpu.Stream):
     """torch.cpu.Stream plus the methods Megatron calls on CUDA streams (all no-ops: CPU ops
     run synchronously in program order)."""
 
-    def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
+    def __init__(self, device: Device = None, priority: int = 0, *, stream_id: int = 0, device_index: int = 0,
+                 device_type: int = 0) -> None:
         super().__init__()
 
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> Any:  # torch.cpu.Stream's takes none
+    # torch.cpu.Stream's takes no event and returns None; torch.cuda.Stream's, replaced, returns one.
+    def record_event(self, event: _Event | None = None) -> _Event:  # type: ignore[override]
         return event if event is not None else _CpuEvent()
 
-    def wait_event(self, event: Any) -> None:
+    def wait_event(self, event: _Event) -> None:
         pass
 
-    def wait_stream(self, stream: Any) -> None:
+    def wait_stream(self, stream: _Stream) -> None:
         pass
 
 
 class _CpuEvent:
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+                 external: bool = False) -> None:
         pass
 
-    def record(self, stream: Any = None) -> None:
+    def record(self, stream: _Stream | None = None) -> None:
         pass
 
-    def wait(self, stream: Any = None) -> None:
+    def wait(self, stream: _Stream | None = None) -> None:
         pass
 
     def synchronize(self) -> None:
@@ -280,6 +310,9 @@ class _CpuEvent:
 
 
 _DEFAULT_STREAM = _CpuStream()
+_Stream: TypeAlias = "torch.Stream | _CpuStream"
+"""A stream the stand-ins may be handed: torch's, or (torch.cuda.Stream replaced) ours."""
+_Event: TypeAlias = "torch.Event | _CpuEvent"
 
 
 def _install_streams() -> None:
@@ -287,10 +320,11 @@ def _install_streams() -> None:
     torch.cuda.Stream(...)), distributed/param_and_grad_buffer.py
     (torch.cuda.current_stream().wait_stream), transformer/moe/* (Event/Stream) and the
     torch.cuda.synchronize()/empty_cache() calls around timers and checkpointing."""
+    # The stand-ins take torch's arguments but hand out CPU streams and contexts, not CUDA ones.
     torch.cuda.Stream = _CpuStream  # type: ignore[assignment,misc]
     torch.cuda.Event = _CpuEvent  # type: ignore[assignment,misc]
-    torch.cuda.current_stream = _current_stream
-    torch.cuda.default_stream = _default_stream
+    torch.cuda.current_stream = _current_stream  # type: ignore[assignment]
+    torch.cuda.default_stream = _default_stream  # type: ignore[assignment]
     torch.cuda.stream = _no_stream  # type: ignore[assignment]
     torch.cuda.synchronize = _synchronize
     torch.cuda.empty_cache = _empty_cache
@@ -310,8 +344,10 @@ def _install_alltoall_splits() -> None:
     original = torch.distributed.all_to_all_single
 
     @functools.wraps(original)
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
-        return original(output, input, _as_list(output_split_sizes), _as_list(input_split_sizes), *args, **kwargs)
+    def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: _SplitSizes = None,
+                          input_split_sizes: _SplitSizes = None, group: ProcessGroup | None = None,
+                          async_op: bool = False) -> Work | None:
+        return original(output, input, _as_list(output_split_sizes), _as_list(input_split_sizes), group, async_op)
 
     torch.distributed.all_to_all_single = all_to_all_single
     from megatron.core.tensor_parallel import mappings
@@ -320,7 +356,11 @@ def _install_alltoall_splits() -> None:
         mappings.all_to_all_single = all_to_all_single
 
 
-def _as_list(sizes: Any) -> Any:
+_SplitSizes: TypeAlias = "torch.Tensor | Sequence[int] | None"
+"""Split sizes as torch takes them (a list), or as Megatron's dispatcher hands them over."""
+
+
+def _as_list(sizes: _SplitSizes) -> list[int] | None:
     if isinstance(sizes, torch.Tensor):
         return sizes.tolist()
     if sizes is not None and not isinstance(sizes, list):
@@ -353,8 +393,8 @@ def _install_checkpoint_without_te() -> None:
     original = random.CheckpointWithoutOutput.__init__
 
     @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
+    def __init__(self: random.CheckpointWithoutOutput, fp8: object = False) -> None:
+        original(self, fp8)  # fp8: the quantization setting, only compared with None
         self.fp8 = False
 
     random.CheckpointWithoutOutput.__init__ = __init__

@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -208,8 +209,8 @@ def local_plan(env: Mapping[str, str], run_dir: Path) -> list[tuple[str, CheckFn
             plan.append(("gpu count", lambda: check_gpu_count(expected, source)))
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         for i in range(count):
-            plan.append((f"memory cuda:{i}", lambda i=i: check_gpu_memory(i)))
-            plan.append((f"matmul cuda:{i}", lambda i=i: check_matmul(torch.device("cuda", i))))
+            plan.append((f"memory cuda:{i}", partial(check_gpu_memory, i)))
+            plan.append((f"matmul cuda:{i}", partial(check_matmul, torch.device("cuda", i))))
     else:
         plan.append(("matmul cpu", lambda: check_matmul(torch.device("cpu"))))
     plan.append(("host memory", check_host_memory))
@@ -223,26 +224,28 @@ def run_local_checks(plan: list[tuple[str, CheckFn]],
     raises fails with its error; one still running at the deadline fails as unfinished, and
     the checks after it are not run."""
     done: list[Check] = []
-    current: dict[str, object] = {}
+    current: list[tuple[str, float]] = []  # the running check's name and start, while one runs
 
     def work() -> None:
         for name, check in plan:
-            current.update(name=name, start=time.monotonic())
+            start = time.monotonic()
+            current[:] = [(name, start)]
             try:
                 ok, detail = check()
             except Exception as err:  # a failed check, whatever the device raised
                 ok, detail = False, f"{name} raised {type(err).__name__}: {err}"
-            done.append(Check(name, ok, detail, round(time.monotonic() - current["start"], 3)))
+            done.append(Check(name, ok, detail, round(time.monotonic() - start, 3)))
         current.clear()
 
     thread = threading.Thread(target=work, name="preflight-checks", daemon=True)
     thread.start()
     thread.join(timeout_s)
     checks = list(done)
-    if thread.is_alive() and current:
-        name = str(current["name"])
+    running = current[:1]  # one read: the thread may still clear it
+    if thread.is_alive() and running:
+        name, start = running[0]
         checks.append(Check(name, False, f"{name} did not finish within {timeout_s:g} s",
-                            round(time.monotonic() - float(current["start"]), 3)))
+                            round(time.monotonic() - start, 3)))
     return checks
 
 

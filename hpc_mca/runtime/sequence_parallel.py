@@ -21,7 +21,7 @@ replica share a node when ``sp`` divides the ranks per node; data parallelism ru
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -141,19 +141,26 @@ def slice_and_pad(input_ids: Tensor, position_ids: Tensor, labels: Optional[Tens
 # --------------------------------------------------------------------------------------------
 
 
+class _GatherSplitCtx(Protocol):
+    """What :class:`_GatherSplit`'s forward keeps on autograd's context for its backward."""
+
+    group: dist.ProcessGroup
+    dim: int
+
+
 class _GatherSplit(torch.autograd.Function):
     """All-gather along ``dim`` forward; backward keeps this rank's slice of the gradient (every
     rank computes the same thing from the gathered tensor, so each owns its slice's part)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
+    def forward(ctx: _GatherSplitCtx, x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
         ctx.group, ctx.dim = group, dim
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+    def backward(ctx: _GatherSplitCtx, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
         return grad.chunk(size, dim=ctx.dim)[rank].contiguous(), None, None
 

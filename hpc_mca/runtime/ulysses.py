@@ -16,7 +16,7 @@ same exchange the other way.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,18 +44,25 @@ def _exchange(x: Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim:
     return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
+class _AllToAllCtx(Protocol):
+    """What :class:`_AllToAll`'s forward keeps on autograd's context for its backward."""
+
+    group: dist.ProcessGroup
+    dims: tuple[int, int]
+
+
 class _AllToAll(torch.autograd.Function):
     """:func:`_exchange` forward; backward the opposite exchange, which returns every gradient
     element to the rank and place its input came from."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup, scatter_dim: int,
+    def forward(ctx: _AllToAllCtx, x: Tensor, group: dist.ProcessGroup, scatter_dim: int,
                 gather_dim: int) -> Tensor:
         ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
         return _exchange(x, group, scatter_dim, gather_dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: _AllToAllCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
         scatter_dim, gather_dim = ctx.dims
         return _exchange(grad, ctx.group, gather_dim, scatter_dim), None, None, None
 

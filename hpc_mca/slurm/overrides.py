@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import OpsError
 
 if TYPE_CHECKING:
+    from hpc_mca.config.sections import ParallelArguments
     from hpc_mca.topology import Plan
 
     from .jobplan import PlanOptions
@@ -75,7 +76,7 @@ def _standard_overrides(result: Plan, options: PlanOptions, explicit: set[str]) 
     return out
 
 
-def config_recompute(par: Any) -> str:
+def config_recompute(par: ParallelArguments) -> str:
     """The config's recompute as the planner names it: ``block:N`` for full granularity with
     the block method (the first N layers of each chunk), full for uniform (sized as one layer
     a group), ``selective:A,B`` for the layer parts recompute_modules names (selective alone
@@ -83,9 +84,9 @@ def config_recompute(par: Any) -> str:
     if par.recompute_granularity == "full" and par.recompute_method == "block" \
             and par.recompute_num_layers:
         return f"block:{par.recompute_num_layers}"
-    if par.recompute_granularity == "selective" and par.recompute_modules not in (
-            None, ["core_attn"]):
-        return "selective:" + ",".join(par.recompute_modules)
+    modules = par.recompute_modules
+    if par.recompute_granularity == "selective" and modules is not None and modules != ["core_attn"]:
+        return "selective:" + ",".join(modules)
     return par.recompute_granularity or "none"
 
 
@@ -120,7 +121,7 @@ def _stage_precision_lora(options: PlanOptions) -> list[str]:
     return out
 
 
-def _yaml(value: Any) -> str:
+def _yaml(value: object) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):

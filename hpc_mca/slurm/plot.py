@@ -21,11 +21,15 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpc_mca.rundir import STEPS_FILE, TENSORBOARD_DIR
 
 from .errors import OpsError
 from .progress import read_progress
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes  # imported lazily at run time (a slow import)
 
 Series = dict[int, float]
 """step -> value"""
@@ -131,7 +135,7 @@ def panels(curves: Curves) -> list[Panel]:
     return [p for p in out if any(series for _, series, _ in p.lines)]
 
 
-def _draw(axis, panel: Panel) -> None:  # axis: matplotlib Axes (untyped: imported lazily)
+def _draw(axis: Axes, panel: Panel) -> None:
     for label, series, is_eval in panel.lines:
         if not series:
             continue
@@ -160,7 +164,7 @@ def plot_run(run_dir: Path, output: Path, title: str | None = None,
     columns = 2
     rows = max(1, math.ceil(len(shown) / columns))
     fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 3.4 * rows), squeeze=False)
-    flat: Iterable = axes.ravel()
+    flat: Iterable[Axes] = axes.ravel()
     for axis, panel in zip(flat, shown + [None] * (rows * columns - len(shown))):
         if panel is None:
             axis.set_visible(False)

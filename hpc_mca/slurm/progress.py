@@ -82,7 +82,7 @@ class Progress:
         return min(1.0, self.step / self.max_steps)
 
 
-def write_progress(run_dir: str | os.PathLike[str], **fields: Any) -> Path:
+def write_progress(run_dir: str | os.PathLike[str], **fields: object) -> Path:
     """Write ``fields`` (see the module doc) as the run's progress file, atomically.
 
     ``updated`` is filled in unless given. Returns the file's path.
@@ -122,7 +122,7 @@ def _first(data: Mapping[str, Any], *names: str) -> Any:
     return next((data[n] for n in names if data.get(n) is not None), None)
 
 
-def _int(value: Any) -> int | None:
+def _int(value: object) -> int | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -132,13 +132,13 @@ def _int(value: Any) -> int | None:
     return None
 
 
-def _float(value: Any) -> float | None:
+def _float(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if math.isfinite(value) else None
 
 
-def _checkpoint(value: Any) -> Checkpoint | None:
+def _checkpoint(value: object) -> Checkpoint | None:
     if not isinstance(value, Mapping):
         return None
     path = value.get("path")

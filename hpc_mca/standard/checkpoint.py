@@ -16,7 +16,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -25,10 +25,13 @@ from hpc_mca.checkpoint.store import CheckpointInfo, checkpoints_dir, iter_name
 
 from .hf_adapter import save_training_state
 
+if TYPE_CHECKING:
+    from transformers import Trainer
+
 __all__ = ["save_checkpoint"]
 
 
-def save_checkpoint(trainer: Any, run_dir: Path, info: CheckpointInfo, keep: int | None) -> Path:
+def save_checkpoint(trainer: Trainer, run_dir: Path, info: CheckpointInfo, keep: int | None) -> Path:
     """Save ``trainer`` (a transformers Trainer, every rank calls this) at its current step and
     commit it; returns the checkpoint directory."""
     root = checkpoints_dir(run_dir)

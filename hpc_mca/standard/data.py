@@ -15,13 +15,13 @@ shards over data-parallel groups, not ranks) and keeps its slice of the stream
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
 from hpc_mca.data.arguments import DataRun
 from hpc_mca.data.batch import PackedBatch
 from hpc_mca.data.dataset import eval_dataloader, train_dataloader
+from hpc_mca.data.rows import RowDataset
 from hpc_mca.runtime.sequence_parallel import slice_and_pad
 
 __all__ = ["StreamLoader", "eval_streams", "stream_of"]
@@ -44,6 +44,7 @@ def stream_of(batch: PackedBatch, *, sp_rank: int = 0, sp_size: int = 1,
                 "documents": documents, "num_documents": count, **extra}
     part = slice_and_pad(ids, pos, labels, rank=sp_rank, size=sp_size, pad_token_id=pad_token_id)
     width = part.input_ids.size(1)
+    assert part.labels is not None  # slice_and_pad returns the labels it was given
     documents = torch.cat([documents, documents.new_zeros(1, part.pad)], dim=1)
     return {"input_ids": part.input_ids, "position_ids": part.position_ids,
             "labels": part.labels, "documents": documents[:, sp_rank * width:(sp_rank + 1) * width],
@@ -55,7 +56,7 @@ class StreamLoader:
     run's length is ``max_steps``). Also counts the non-padding input tokens it handed out,
     for throughput."""
 
-    def __init__(self, rows: Any, run: DataRun, *, data_parallel_rank: int, consumed_samples: int,
+    def __init__(self, rows: RowDataset, run: DataRun, *, data_parallel_rank: int, consumed_samples: int,
                  sp_rank: int, sp_size: int, pad_token_id: int) -> None:
         self.rows, self.run = rows, run
         self.dp_rank, self.consumed = data_parallel_rank, consumed_samples
@@ -72,8 +73,8 @@ class StreamLoader:
                             pad_token_id=self.pad)
 
 
-def eval_streams(rows: Any, run: DataRun, *, data_parallel_rank: int, sp_rank: int,
-                 sp_size: int, pad_token_id: int) -> Iterator[tuple[PackedBatch, dict]]:
+def eval_streams(rows: RowDataset, run: DataRun, *, data_parallel_rank: int, sp_rank: int,
+                 sp_size: int, pad_token_id: int) -> Iterator[tuple[PackedBatch, dict[str, torch.Tensor]]]:
     """One pass over the eval rows: (the micro-batch, this rank's stream of it)."""
     for batch in eval_dataloader(rows, run, data_parallel_rank=data_parallel_rank):
         yield batch, stream_of(batch, sp_rank=sp_rank, sp_size=sp_size, pad_token_id=pad_token_id)

@@ -4,120 +4,70 @@ transformers model.
 The pairs, losses and metrics are those of :mod:`hpc_mca.trainer.dpo` (its
 :func:`~hpc_mca.loop.preference.preference_loss` is called here): each micro-batch holds whole
 pairs, documents alternating chosen, rejected; a document's log-probability is the sum over
-its answer tokens. What differs is where the numbers come from:
-
-* **log-probabilities** are minus the per-token cross entropy of the HF model's logits, summed
-  per document with the stream's ``documents`` index. Under Ulysses SP each rank holds a slice
-  of the stream; its partial sums are added over the SP group by
-  :func:`~hpc_mca.loop.preference.sum_over_group` (identity backward: each rank backpropagates the
-  pair losses into its own tokens, the attention all-to-all carries the rest), the same
-  arrangement as the Megatron backend's context parallelism.
-* **the reference** is a frozen copy of the starting model (the directory's weights, or the
-  seeded init), taken before a checkpoint is loaded, in eval mode, outside DDP and the
-  optimizer. With LoRA it is the policy itself with its adapters switched off (peft's
-  ``disable_adapter``), in eval mode: no second copy. With ``finetuning.ref_model`` it is that
-  directory's model (LoRA or not); a reference-free run has none and runs no reference
-  forward (:func:`frozen_reference`). It runs on each micro-batch just before the policy does.
-* **the loss contract**: a micro-batch returns its summed pair losses times ``W/P`` (world size
-  over the global batch's pairs, counted on SP rank 0 of every group before the step); DDP's
-  gradient average divides ``W`` back out, so the gradient is that of the mean over pairs.
+its answer tokens. The reference (a frozen copy, the policy with its LoRA adapters off,
+``ref_model``'s, or none for a reference-free run), the per-document log-probabilities (SP
+slices summed) and the loss contract (summed pair losses times ``W/P``, world size over the
+global batch's pairs; DDP's average divides ``W`` back out) belong to the
+:class:`~hpc_mca.standard.reference.ReferenceScoring` this trainer holds, as kto's does.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from hpc_mca.loop.preference import metric_names, preference_loss, sum_over_group, uses_reference
-from hpc_mca.models import hf_attention
-from hpc_mca.models.converters import converter_for, merge_hf_adapters
-from hpc_mca.runtime.sequence_parallel import IGNORE_INDEX
+from hpc_mca.data.batch import PackedBatch
+from hpc_mca.loop.preference import metric_names, preference_loss
 
-from .trainer import StandardTrainer, batch_count
+from .reference import ReferenceScoring
+from .trainer import StandardTrainer
 
-__all__ = ["StandardDpoTrainer", "frozen_reference"]
+if TYPE_CHECKING:
+    from transformers import TrainerCallback, TrainingArguments
 
+    from hpc_mca.loop.boundary import StepBoundary
+    from hpc_mca.loop.metrics import MetricsWriter
 
-def frozen_reference(model: torch.nn.Module, ft: Any, base_is_reference: bool
-                     ) -> torch.nn.Module | None:
-    """The reference model of a run starting from ``model``: ``ft.ref_model``'s directory
-    (loaded as the policy's is: float32, our packed attention; a config-only directory gets
-    transformers' init, seeded by the caller as the policy's is), a frozen copy of ``model``
-    (taken before any checkpoint is loaded), or None when there is no separate one: a
-    reference-free run (:func:`~hpc_mca.loop.preference.uses_reference`), or the finetuning
-    type's frozen base is the reference (LoRA: the policy with its adapters off;
-    :attr:`hpc_mca.models.converters.ModelConverter.reference_is_base`). The one place a
-    reference is made: ``ft.ref_model_adapters`` are merged onto ``ref_model`` here."""
-    if not uses_reference(ft):
-        return None
-    if ft.ref_model is not None:
-        reference = merge_hf_adapters(_load_hf(Path(ft.ref_model), next(model.parameters()).device),
-                                      ft.ref_model_adapters or [])  # LLaMA-Factory's, in order
-    elif base_is_reference:
-        return None
-    else:
-        reference = copy.deepcopy(model)
-    reference.eval()
-    reference.requires_grad_(False)
-    return reference
+    from .model import LRSchedule
+    from .run import StandardRun
 
-
-def _load_hf(path: Path, device: torch.device) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    name = hf_attention.register()
-    if any(path.glob("*.safetensors")):
-        return AutoModelForCausalLM.from_pretrained(path, attn_implementation=name,
-                                                    dtype=torch.float32).to(device)
-    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path),
-                                            attn_implementation=name, dtype=torch.float32).to(device)
+__all__ = ["StandardDpoTrainer"]
 
 
 class StandardDpoTrainer(StandardTrainer):
     """:class:`StandardTrainer` with the preference objective (see the module docstring).
-    ``reference``: from :func:`frozen_reference`."""
+    ``reference``: from :func:`~hpc_mca.standard.reference.frozen_reference`."""
 
     unit = "pairs"
 
-    def __init__(self, *, reference: torch.nn.Module | None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.reference = reference
-        ft = self.run.config.finetuning
-        # Reference-free (orpo, simpo, use_ref_model false): no reference forward at all.
-        self.with_reference = uses_reference(ft)
-        # What trains decides how the policy runs as the reference (LoRA: adapters off).
-        self.converter = converter_for(ft)
-        self.metric_names = metric_names(ft)
+    def __init__(self, *, run: StandardRun, model: torch.nn.Module, args: TrainingArguments,
+                 optimizers: tuple[torch.optim.Optimizer, LRSchedule], boundary: StepBoundary,
+                 metrics: MetricsWriter, callbacks: list[TrainerCallback],
+                 reference: torch.nn.Module | None) -> None:
+        super().__init__(run=run, model=model, args=args, optimizers=optimizers, boundary=boundary,
+                         metrics=metrics, callbacks=callbacks)
+        self.scoring = ReferenceScoring(self.run, model, reference)
+        self.metric_names = metric_names(self.run.config.finetuning)
         # Summed over the step's micro-batches: the per-pair metrics (SP rank 0 only).
         self.pref_sums = torch.zeros(len(self.metric_names), dtype=torch.float64)
-        if self.run.ctx.is_main:
-            policy = sum(p.numel() for p in self.model.parameters())
-            held = sum(p.numel() for p in reference.parameters()) if reference is not None else 0
-            print(f"{ft.stage} reference: {'yes' if self.with_reference else 'none'}; parameters held "
-                  f"on rank 0: policy {policy}, reference {held}", flush=True)
 
-    def count_items(self, batch_samples: list) -> float:
+    def count_items(self, batch_samples: list[dict[str, torch.Tensor]]) -> float:
         """Pairs of this rank's micro-batches, counted once per SP group."""
-        if self.run.sp_rank != 0:
-            return 0.0
-        return float(sum(int(b["num_documents"]) // 2 for b in batch_samples))
+        return self.scoring.count_items(batch_samples)
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
-                     return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
-        reference = self.reference_logps(model, inputs)
-        policy, lengths = self.document_logps(model, inputs, grad=True)
+                     return_outputs: bool = False, num_items_in_batch: torch.Tensor | int | None = None
+                     ) -> torch.Tensor | tuple[torch.Tensor, None]:
+        reference = self.scoring.reference_logps(model, inputs)
+        policy, lengths = self.scoring.document_logps(model, inputs, grad=True)
         losses, metrics = preference_loss(policy, reference, lengths,
                                           self.run.config.finetuning)
         if self.run.sp_rank == 0:  # SP peers hold the same pairs
             self.tally.loss_sum += float(losses.detach().sum())
             self.pref_sums += metrics.double().cpu()
-        loss = losses.sum() * (self.run.world_size / batch_count(num_items_in_batch))
+        loss = self.scoring.loss(losses, num_items_in_batch)
         return (loss, None) if return_outputs else loss
 
     def step_metrics(self, count: int) -> dict[str, float]:
@@ -130,65 +80,13 @@ class StandardDpoTrainer(StandardTrainer):
         return {name: float(value) / (count or float("nan"))
                 for name, value in zip(self.metric_names, sums)}
 
-    # ---- the two models -----------------------------------------------------------------------
-
-    def reference_logps(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]
-                        ) -> torch.Tensor | None:
-        """The reference's summed log-probability of each document, for the policy ``model``;
-        None for a reference-free run."""
-        if not self.with_reference:
-            return None
-        reference = self.reference if self.reference is not None else model
-        with self.reference_mode(reference):
-            logps, _ = self.document_logps(reference, inputs, grad=False)
-        return logps
-
-    def document_logps(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], *,
-                       grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed log-probability of each document's labelled tokens, their count) over the
-        whole documents (SP slices summed), float32 [documents]. Without ``grad`` the model
-        runs as it is: the reference's adapters are switched off by the caller
-        (:meth:`reference_logps`), not here, or an eval pass of a LoRA policy would be the
-        reference's."""
-        with torch.no_grad() if not grad else contextlib.nullcontext():
-            logits = model(input_ids=inputs["input_ids"],
-                           position_ids=inputs["position_ids"]).logits
-            labels = inputs["labels"].flatten()
-            per_token = F.cross_entropy(logits.flatten(0, 1).float(), labels,
-                                        ignore_index=IGNORE_INDEX, reduction="none")
-        mask = (labels != IGNORE_INDEX).float()
-        index = inputs["documents"].flatten()
-        docs = int(inputs["num_documents"])
-        logp = per_token.new_zeros(docs).index_add(0, index, -per_token * mask)
-        count = mask.new_zeros(docs).index_add(0, index, mask)
-        if self.run.sp_size > 1:
-            logp = sum_over_group(logp, self.run.sp_group) if grad else _summed(logp, self.run)
-            count = _summed(count, self.run)
-        return logp, count
-
-    @contextlib.contextmanager
-    def reference_mode(self, model: torch.nn.Module) -> Iterator[None]:
-        """LoRA: the policy as the reference, adapters off and in eval mode (dropout off),
-        back to what it was afterwards. A separate reference is always so."""
-        if self.reference is not None:
-            yield
-            return
-        peft_model = getattr(model, "module", model)  # DDP
-        was_training = peft_model.training
-        peft_model.eval()
-        try:
-            with self.converter.hf_adapters_off(peft_model):
-                yield
-        finally:
-            peft_model.train(was_training)
-
     # ---- evaluation ---------------------------------------------------------------------------
 
-    def eval_sums(self, model: torch.nn.Module, batch: Any, stream: dict[str, torch.Tensor]
+    def eval_sums(self, model: torch.nn.Module, batch: PackedBatch, stream: dict[str, torch.Tensor]
                   ) -> torch.Tensor:
         """[pair losses, pairs, *metrics] of one eval micro-batch (SP rank 0 counts)."""
-        reference = self.reference_logps(model, stream)
-        policy, lengths = self.document_logps(model, stream, grad=False)
+        reference = self.scoring.reference_logps(model, stream)
+        policy, lengths = self.scoring.document_logps(model, stream, grad=False)
         losses, metrics = preference_loss(policy, reference, lengths,
                                           self.run.config.finetuning)
         sums = torch.cat([torch.stack([losses.sum(), torch.tensor(
@@ -200,9 +98,3 @@ class StandardDpoTrainer(StandardTrainer):
         pairs = pairs or float("nan")
         return {"eval/loss": loss / pairs,
                 **{f"eval/{name}": value / pairs for name, value in zip(self.metric_names, values)}}
-
-
-def _summed(x: torch.Tensor, run: Any) -> torch.Tensor:
-    total = x.clone()
-    dist.all_reduce(total, group=run.sp_group)
-    return total

@@ -16,8 +16,7 @@ test instead of training silently without a grad norm or a resumable checkpoint.
 
 from __future__ import annotations
 
-from typing import Any
-
+import torch
 from transformers import Trainer
 
 __all__ = ["PRIVATE_MEMBERS", "AdaptedTrainer", "save_training_state"]
@@ -30,9 +29,10 @@ class AdaptedTrainer(Trainer):
     """transformers' Trainer that keeps each optimizer step's gradient norm
     (``step_grad_norm``: the pre-clip norm, or the plain norm without clipping)."""
 
-    step_grad_norm: Any = None
+    step_grad_norm: torch.Tensor | float | None = None
 
-    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: torch.Tensor | float | None = None
+                       ) -> torch.Tensor | float:
         norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         self.step_grad_norm = norm
         return norm

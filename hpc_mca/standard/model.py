@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -19,7 +19,17 @@ from hpc_mca.models.converters import converter_for
 if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
     from megatron.core.optimizer import OptimizerConfig
 
-__all__ = ["build_hf_model", "build_optimizer", "export_model"]
+__all__ = ["LRSchedule", "build_hf_model", "build_optimizer", "export_model"]
+
+
+class LRSchedule(Protocol):
+    """What the standard backend calls of the run's LR schedule, Megatron's scheduler of
+    :func:`hpc_mca.config.schedule.build_lr_scheduler` (a class made on first use, so that
+    importing the schedule module does not import megatron: nothing to import for a type)."""
+
+    def step(self, increment: int = 1) -> None: ...
+
+    def get_last_lr(self) -> list[float]: ...
 
 
 def build_hf_model(config: TrainConfig, device: torch.device) -> torch.nn.Module:
@@ -32,6 +42,7 @@ def build_hf_model(config: TrainConfig, device: torch.device) -> torch.nn.Module
 
     name = hf_attention.register()
     path = Path(config.model.model_name_or_path)
+    model: torch.nn.Module  # transformers' model, then as the converter returns it (LoRA: peft's)
     if any(path.glob("*.safetensors")):
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name,
                                                      dtype=torch.float32)
@@ -57,7 +68,8 @@ def _param_groups(model: torch.nn.Module, opt_config: OptimizerConfig) -> list[d
     empty (LoRA), so a checkpoint's optimizer state keeps its shape.
     """
     skips_decay = _megatron_no_decay_rule(opt_config)
-    decay, plain = [], []
+    decay: list[torch.nn.Parameter] = []
+    plain: list[torch.nn.Parameter] = []
     for name, param in model.named_parameters():
         if param.requires_grad:
             (plain if skips_decay(param, name) else decay).append(param)
@@ -90,7 +102,8 @@ def _keep_wd_mult(optimizer: torch.optim.Optimizer) -> None:
     optimizer.register_load_state_dict_post_hook(restore)
 
 
-def build_optimizer(model: torch.nn.Module, config: TrainConfig, max_steps: int) -> tuple[Any, Any]:
+def build_optimizer(model: torch.nn.Module, config: TrainConfig, max_steps: int
+                    ) -> tuple[torch.optim.AdamW, LRSchedule]:
     """AdamW (the Megatron backend's settings, param groups and fused kernel) and the run's LR
     schedule."""
     tr = config.training

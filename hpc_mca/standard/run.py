@@ -8,18 +8,20 @@ before the process group here too.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, cast
 
 import torch
+import torch.distributed as dist
 
 from hpc_mca.checkpoint import compat
 from hpc_mca.checkpoint.requeue import StopSignal
-from hpc_mca.checkpoint.store import ResumePoint, reopen_finished
+from hpc_mca.checkpoint.store import CheckpointInfo, ResumePoint, reopen_finished
 from hpc_mca.config.run_length import total_training_steps
 from hpc_mca.config.sections import TrainConfig
 from hpc_mca.loop.boundary import StepBoundary
+from hpc_mca.loop.counters import RunCounters
 from hpc_mca.loop.metrics import MetricsWriter, flops_per_token
 from hpc_mca.loop.trackers import job_fields, open_trackers
 from hpc_mca.rundir import STEPS_FILE, clear_bad_input
@@ -39,6 +41,12 @@ from .data import StreamLoader
 from .model import build_hf_model, build_optimizer, export_model
 from .trainer import StandardTrainer, checkpoint_info
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, TrainerCallback, TrainingArguments
+
+    from hpc_mca.data.training_data import TrainingData
+    from hpc_mca.loop.records import StepResult
+
 __all__ = ["StandardRun", "run_standard"]
 
 
@@ -48,15 +56,21 @@ class StandardRun:
 
     config: TrainConfig
     ctx: RankContext
-    data: Any
-    max_steps: int
+    data: TrainingData
+    counters: RunCounters
+    """Where the run stands: restored from the checkpoint (its checkpoint.json), advanced at
+    every step end, saved in every checkpoint.json."""
     records: dict[str, Any]
-    sp_group: Any = None
-    train_stream: Any = None
+    sp_group: dist.ProcessGroup | None = None
+    train_stream: StreamLoader = field(init=False)
+    """Set once the run is made (the stream starts at its data-parallel coordinates)."""
     exact_match: bool = False
     pad_token_id: int = 0
-    skipped_iters: int = 0
-    """Steps without an update (non-finite gradients) before this run started."""
+
+    @property
+    def max_steps(self) -> int:
+        """The run's length, held by its counters."""
+        return self.counters.max_steps
 
     @property
     def device(self) -> torch.device:
@@ -92,11 +106,15 @@ class StandardRun:
         return {"data_parallel_rank": self.ctx.env.rank // self.sp_size, "sp_rank": self.sp_rank,
                 "sp_size": self.sp_size, "pad_token_id": self.pad_token_id}
 
-    def consumed_samples(self, step: int) -> int:
-        return step * self.config.training.global_batch_size
+    @property
+    def global_batch_size(self) -> int:
+        """Rows per optimizer step."""
+        size = self.config.training.global_batch_size
+        assert size is not None  # resolve derives it; the run's config is resolved
+        return size
 
-    def checkpoint_info(self, step: int, samples: int, reason: str, skipped_iters: int) -> Any:
-        return checkpoint_info(self.records, self.ctx.env, step, samples, reason, skipped_iters)
+    def checkpoint_info(self, reason: str) -> CheckpointInfo:
+        return checkpoint_info(self.records, self.ctx.env, self.counters, reason)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -104,7 +122,7 @@ class StandardRun:
 
 
 def run_standard(config: TrainConfig, env: RankEnv, shape: ModelShape,
-                 callbacks: Iterable[Any] = ()) -> list[Any]:
+                 callbacks: Iterable[TrainerCallback] = ()) -> list[StepResult]:
     """Train ``config`` on this rank with the standard backend; the per-step results
     (:class:`hpc_mca.trainer.trainer.StepResult`, the same on every rank)."""
     sp = config.parallel.sequence_parallel_size
@@ -131,7 +149,7 @@ def _export_torch_env(env: RankEnv) -> None:
 
 
 def _train(config: TrainConfig, ctx: RankContext, shape: ModelShape,
-           callbacks: Iterable[Any]) -> list[Any]:
+           callbacks: Iterable[TrainerCallback]) -> list[StepResult]:
     run_dir = Path(config.training.output_dir)
     if ctx.is_main:
         config.save_resolved(run_dir)
@@ -144,23 +162,23 @@ def _train(config: TrainConfig, ctx: RankContext, shape: ModelShape,
               f"{config.parallel.sequence_parallel_size}", flush=True)
         print(describe_process_group(), flush=True)
     tokenizer = data.tokenizer  # as data.template fixed it (eos, pad), like the Megatron backend's
-    max_steps = total_training_steps(config.training, len(data.train))
+    counters = RunCounters(max_steps=total_training_steps(config.training, len(data.train)))
     found = compat.resume_check(config, ctx.env.world_size, shape)
-    run = StandardRun(config, ctx, data, max_steps, compat.records(config, ctx.env.world_size, shape),
+    if found:
+        # checkpoint.json's, as one unit (transformers' Trainer reads its own step from its files)
+        counters.load_state_dict(found.info.counters)
+    run = StandardRun(config, ctx, data, counters, compat.records(config, ctx.env.world_size, shape),
                       sp_group=new_sequence_parallel_groups(config.parallel.sequence_parallel_size),
                       exact_match=get_stage(config.finetuning.stage).exact_match,
-                      pad_token_id=tokenizer.pad_token_id or 0,
-                      skipped_iters=found.info.skipped_iters if found else 0)
+                      pad_token_id=tokenizer.pad_token_id or 0)
     run.train_stream = StreamLoader(data.train, config.data_run(),
-                                    consumed_samples=found.info.consumed_samples if found else 0,
-                                    **run.stream_coords)
+                                    consumed_samples=counters.consumed_samples, **run.stream_coords)
     trainer = _trainer(run, shape, callbacks)
     if found and ctx.is_main:
         print(f"resumed from {found.path} at step {found.info.step} "
               f"({found.info.consumed_samples} samples)", flush=True)
     _begin(run, found)
-    trainer.loop.begin(found.info.step if found else 0, job_id=ctx.env.job_id,
-                       restart_count=ctx.env.restart_count)
+    trainer.loop.begin(job_id=ctx.env.job_id, restart_count=ctx.env.restart_count)
     try:
         trainer.train(resume_from_checkpoint=str(found.path) if found else None)
         trainer.loop.finish()
@@ -170,7 +188,7 @@ def _train(config: TrainConfig, ctx: RankContext, shape: ModelShape,
     return trainer.loop.history
 
 
-def _datasets(config: TrainConfig, shape: ModelShape) -> Any:
+def _datasets(config: TrainConfig, shape: ModelShape) -> TrainingData:
     """The train/eval rows, with as many eval rows as one evaluation step needs (checked
     before step 1, as the Megatron backend does)."""
     from hpc_mca.data.dataset import build_datasets, check_eval_rows
@@ -180,7 +198,7 @@ def _datasets(config: TrainConfig, shape: ModelShape) -> Any:
     return data
 
 
-def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[Any]) -> StandardTrainer:
+def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[TrainerCallback]) -> StandardTrainer:
     from transformers import PrinterCallback
     from transformers.utils import logging as hf_logging
 
@@ -192,15 +210,17 @@ def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[Any]) -> S
     model = build_hf_model(config, ctx.device)
     if config.parallel.recompute_granularity == "full":
         # Enabled here, not only by the Trainer when train() starts, so the log says it is on
-        # (transformers' model reports it) before step 1.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if ctx.is_main and model.is_gradient_checkpointing:
+        # (transformers' model reports it) before step 1. A transformers model, or peft's
+        # wrapper, which hands what it lacks on to the transformers model inside it.
+        hf_model = cast("PreTrainedModel", model)
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if ctx.is_main and hf_model.is_gradient_checkpointing:
             print("activation recompute: every decoder layer (gradient checkpointing)", flush=True)
     optimizer, scheduler = build_optimizer(model, config, run.max_steps)
     args = _training_args(run)
     signal = StopSignal(run.run_dir, ctx.device, ctx.is_main)
-    boundary = StepBoundary(tr.save_steps, run.max_steps, signal, ctx.is_main)
-    seq = config.data.seq_length or config.data.cutoff_len
+    boundary = StepBoundary(tr.save_steps, signal, ctx.is_main)
+    seq = config.derived.seq_length
     trackers = (open_trackers(tr.report_to, config.to_yaml(), run.run_dir, job_fields(ctx.env))
                 if ctx.is_main else [])
     metrics = MetricsWriter(run.run_dir, ctx.is_main, trackers, run.max_steps,
@@ -211,7 +231,7 @@ def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[Any]) -> S
     if stage.reference_model:
         from hpc_mca.models.converters import converter_for
 
-        from .dpo import frozen_reference
+        from .reference import frozen_reference
 
         if config.finetuning.ref_model:  # a config-only one: initialised as the policy is
             torch.manual_seed(config.training.seed)
@@ -223,7 +243,7 @@ def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[Any]) -> S
     return trainer
 
 
-def _training_args(run: StandardRun) -> Any:
+def _training_args(run: StandardRun) -> TrainingArguments:
     """transformers' arguments for the loop it runs; logging, saving and evaluation are
     hpc-mca's (StandardTrainer's step end), so the Trainer's own strategies are off."""
     from transformers import TrainingArguments
@@ -232,7 +252,7 @@ def _training_args(run: StandardRun) -> Any:
     args = TrainingArguments(
         output_dir=str(run.run_dir), max_steps=run.max_steps,
         per_device_train_batch_size=tr.per_device_train_batch_size,
-        gradient_accumulation_steps=tr.gradient_accumulation_steps,
+        gradient_accumulation_steps=run.config.micro_batches_per_step,
         max_grad_norm=tr.max_grad_norm or 0.0, logging_steps=tr.logging_steps,
         logging_strategy="no", save_strategy="no", eval_strategy="no", report_to=[],
         seed=tr.seed, ignore_data_skip=True, disable_tqdm=True, bf16=tr.bf16, fp16=tr.fp16,
@@ -271,12 +291,12 @@ def _finish(run: StandardRun, trainer: StandardTrainer) -> None:
 
     def export(out: Path, merged: bool) -> None:
         if run.is_main:
-            export_model(trainer.model, out, config.finetuning, Path(config.model.model_name_or_path),
+            export_model(trainer.trained_model, out, config.finetuning, Path(config.model.model_name_or_path),
                          merged=merged)
 
-    trainer.loop.finalize(finished=not trainer.loop.requeue and trainer.state.global_step >= run.max_steps,
+    trainer.loop.finalize(finished=not run.counters.requeue and run.counters.at_end,
                           run_dir=run.run_dir, training=config.training, export=export,
-                          steps_per_epoch=len(run.data.train) // config.training.global_batch_size,
+                          steps_per_epoch=len(run.data.train) // run.global_batch_size,
                           is_main=run.is_main, job_id=env.job_id, restart_count=env.restart_count)
 
 

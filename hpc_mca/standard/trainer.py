@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +44,17 @@ from hpc_mca.runtime.sequence_parallel import IGNORE_INDEX, gather_and_unpad
 from .checkpoint import save_checkpoint
 from .data import eval_streams
 from .hf_adapter import AdaptedTrainer
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+    from transformers import TrainingArguments
+
+    from hpc_mca.data.batch import PackedBatch
+    from hpc_mca.loop.counters import RunCounters
+    from hpc_mca.runtime.env import RankEnv
+
+    from .model import LRSchedule
+    from .run import StandardRun
 
 __all__ = ["StandardTrainer", "batch_count"]
 
@@ -74,27 +84,39 @@ class StandardTrainer(AdaptedTrainer):
     unit = "tokens"
     """What the loss is a mean over (steps.jsonl's count field)."""
 
-    def __init__(self, *, run: Any, boundary: StepBoundary, metrics: MetricsWriter,
-                 callbacks: list[TrainerCallback], **kwargs: Any) -> None:
+    def __init__(self, *, run: StandardRun, model: torch.nn.Module, args: TrainingArguments,
+                 optimizers: tuple[torch.optim.Optimizer, LRSchedule], boundary: StepBoundary,
+                 metrics: MetricsWriter, callbacks: list[TrainerCallback]) -> None:
         tr = run.config.training
         flow = StepFlowCallback(run.data.eval is not None, tr.logging_steps, tr.eval_steps)
-        super().__init__(callbacks=[flow, *callbacks], **kwargs)
+        optimizer, self.schedule = optimizers  # transformers keeps the scheduler it is given
+        # transformers declares its LambdaLR; of the scheduler it is given it calls what the
+        # Megatron one has too (step, get_last_lr, the state dicts).
+        super().__init__(model=model, args=args, optimizers=optimizers,  # type: ignore[arg-type]
+                         callbacks=[flow, *callbacks])
         self.run, self.metrics = run, metrics
         self.tally = StepTally()
-        self.loop = RunLoop(self, events=self.callback_handler, args=self.args, metrics=metrics,
-                            boundary=boundary, device=run.device, unit=self.unit,
-                            skipped_iters=run.skipped_iters, hang_timeout=tr.hang_timeout)
+        self.loop = RunLoop(self, counters=run.counters, boundary=boundary, events=self.callback_handler,
+                            args=self.args, metrics=metrics, device=run.device, unit=self.unit,
+                            hang_timeout=tr.hang_timeout)
         # Last, so that every other callback's should_save/should_training_stop is in.
         self.add_callback(StepEndCallback(self))
-        self.optimizer.register_step_pre_hook(self.skip_non_finite)
+        optimizer.register_step_pre_hook(self.skip_non_finite)
+
+    @property
+    def trained_model(self) -> torch.nn.Module:
+        """The model being trained: transformers' ``model``, which it types optional for a
+        ``model_init`` (this trainer is given the model instead)."""
+        assert self.model is not None  # __init__'s model
+        return self.model
 
     # ---- data and loss ------------------------------------------------------------------------
 
     def get_train_dataloader(self) -> Any:
         return self.run.train_stream
 
-    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
-                          device: torch.device) -> tuple[list, torch.Tensor]:
+    def get_batch_samples(self, epoch_iterator: Iterator[dict[str, torch.Tensor]], num_batches: int,
+                          device: torch.device) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
         """The step's ``num_batches`` micro-batches and the global batch's count (real tokens;
         dpo: pairs) over every rank's micro-batches, which ``compute_loss`` divides by."""
         batch_samples = list(itertools.islice(epoch_iterator, num_batches))
@@ -105,11 +127,12 @@ class StandardTrainer(AdaptedTrainer):
         self.tally.count += float(count)
         return batch_samples, count
 
-    def count_items(self, batch_samples: list) -> float:
+    def count_items(self, batch_samples: list[dict[str, torch.Tensor]]) -> float:
         return float(sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batch_samples))
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
-                     return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+                     return_outputs: bool = False, num_items_in_batch: torch.Tensor | int | None = None
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
         loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), inputs["labels"].flatten(),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
@@ -122,7 +145,8 @@ class StandardTrainer(AdaptedTrainer):
         log-probabilities)."""
         return {}
 
-    def skip_non_finite(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    def skip_non_finite(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...],
+                        kwargs: dict[str, object]) -> None:
         """Megatron's rule for a step whose gradients are not all finite (on any rank): no
         update. Dropping the gradients makes the optimizer step a no-op; the LR schedule is
         taken back at the step end (transformers' loop advances it regardless). A torch
@@ -142,9 +166,11 @@ class StandardTrainer(AdaptedTrainer):
         loss, tokens, inputs = self.step_sums()
         skipped, self.tally.skipped = self.tally.skipped, False
         if skipped:
-            self.lr_scheduler.step(increment=-1)  # no update, so the schedule stays put
+            self.schedule.step(increment=-1)  # no update, so the schedule stays put
         norm = self.step_grad_norm
         grad_norm = float(norm) if norm is not None and not skipped else float("nan")
+        # transformers' loop advanced its own step; the run's counters follow it here.
+        self.run.counters.step_taken(self.run.global_batch_size, skipped=skipped)
         self.loop.end_step(StepResult(loss=loss, tokens=tokens, input_tokens=inputs,
                                       grad_norm=grad_norm, skipped=skipped,
                                       metrics=self.step_metrics(tokens)))
@@ -163,39 +189,41 @@ class StandardTrainer(AdaptedTrainer):
         return float(loss_and_inputs[0]) / max(tokens, 1.0), int(tokens), int(loss_and_inputs[1])
 
     def learning_rate(self) -> float:
-        return self.lr_scheduler.get_last_lr()[0]
+        return self.schedule.get_last_lr()[0]
 
     def save(self, decision: Decision) -> None:
         """Checkpoint this step (:mod:`.checkpoint`), recording why."""
-        step = self.state.global_step
-        info = self.run.checkpoint_info(step, self.run.consumed_samples(step), decision.reason,
-                                        self.loop.skipped_iters)
+        info = self.run.checkpoint_info(decision.reason)
         save_checkpoint(self, self.run.run_dir, info, self.run.config.training.save_total_limit)
 
     # ---- evaluation ---------------------------------------------------------------------------
 
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        """Evaluate now, reported as at a step end (the run loop's :meth:`RunLoop.evaluate`)."""
+    def evaluate(self, eval_dataset: Dataset | dict[str, Dataset] | None = None,
+                 ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Evaluate now on the run's eval rows, reported as at a step end (the run loop's
+        :meth:`RunLoop.evaluate`); transformers' arguments are taken and not used."""
         return self.loop.evaluate()
 
     def eval_metrics(self) -> dict[str, float]:
         """One pass over the eval rows, the same metrics on every rank."""
-        model, run = self.model, self.run
+        model, run, rows = self.trained_model, self.run, self.run.data.eval
+        assert rows is not None  # the run loop evaluates a run with eval rows only (StepFlowCallback)
         was_training = model.training
         model.eval()
         sums = None
         with torch.no_grad():
             view = run.config.data_run()
-            for batch, stream in eval_streams(run.data.eval, view, **run.stream_coords):
+            for batch, stream in eval_streams(rows, view, **run.stream_coords):
                 stream = {k: v.to(run.device) for k, v in stream.items()}
                 part = self.eval_sums(model, batch, stream)
                 sums = part if sums is None else sums + part
         model.train(was_training)
+        assert sums is not None  # check_eval_rows made sure of one evaluation step's rows
         if dist.is_initialized():
             dist.all_reduce(sums)
         return self.metrics_from_sums(sums)
 
-    def eval_sums(self, model: torch.nn.Module, batch: Any, stream: dict[str, torch.Tensor]
+    def eval_sums(self, model: torch.nn.Module, batch: PackedBatch, stream: dict[str, torch.Tensor]
                   ) -> torch.Tensor:
         """This rank's float64 sums of one eval micro-batch: token loss, tokens, and for sft
         the exactly matched answers and the answers."""
@@ -219,7 +247,7 @@ class StandardTrainer(AdaptedTrainer):
             metrics["eval/accuracy"] = correct / answers if answers else 0.0
         return metrics
 
-    def exact_match_counts(self, logits: torch.Tensor, batch: Any) -> torch.Tensor:
+    def exact_match_counts(self, logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """``[correct, answers]`` of a micro-batch, from this SP group's predictions."""
         run = self.run
         predictions = logits.argmax(dim=-1)
@@ -236,22 +264,18 @@ class StepEndCallback(TrainerCallback):
     def __init__(self, trainer: StandardTrainer) -> None:
         self.trainer = trainer
 
-    def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> TrainerControl:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: object) -> TrainerControl:
         self.trainer.end_step()
         return self.trainer.control
 
 
-def checkpoint_info(records: dict[str, Any], env: Any, step: int, samples: int, reason: str,
-                    skipped_iters: int = 0) -> CheckpointInfo:
-    """checkpoint.json of a standard-backend checkpoint."""
-    return CheckpointInfo(step=step, consumed_samples=samples, saved_at=time.time(),
-                          skipped_iters=skipped_iters,
-                          job_id=env.job_id, restart_count=env.restart_count, reason=reason,
-                          format=HF_FORMAT,
-                          **records)
+def checkpoint_info(records: dict[str, Any], env: RankEnv, counters: RunCounters, reason: str) -> CheckpointInfo:
+    """checkpoint.json of a standard-backend checkpoint: the run's counters as they stand."""
+    return CheckpointInfo.of_save(counters.state_dict(), records, reason=reason, job_id=env.job_id,
+                                  restart_count=env.restart_count, format=HF_FORMAT)
 
 
-def batch_count(num_items_in_batch: Any) -> float:
+def batch_count(num_items_in_batch: torch.Tensor | int | None) -> float:
     """The divisor of a micro-batch's loss: the global batch's count (at least 1)."""
     return max(float(num_items_in_batch), 1.0) if num_items_in_batch is not None else 1.0

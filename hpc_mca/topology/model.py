@@ -1,6 +1,6 @@
 """ModelShape: the few numbers of a decoder-only transformer that decide layout and memory.
 
-Read from a Hugging Face ``config.json`` (llama, mistral, qwen2/3, qwen2/3-moe, mixtral style
+Read from a Hugging Face ``config.json`` (llama, mistral, qwen2/3, qwen2/3-moe, mixtral, seed_oss style
 keys) with :meth:`ModelShape.from_hf_config`; nothing here imports transformers.
 """
 

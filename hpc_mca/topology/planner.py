@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from hpc_mca.stages import STAGE_NAMES
 
@@ -169,6 +169,45 @@ class PlanRequest:
         return self.nodes * self.node_size
 
 
+class PlanFields(TypedDict, total=False):
+    """:class:`PlanRequest`'s fields by name, as ``plan(**fields)`` takes them."""
+
+    model: ModelShape | Mapping[str, Any] | str | os.PathLike[str]
+    nodes: int
+    seq_length: int
+    global_batch_size: int
+    gpus_per_node: int | None
+    gpu: str
+    gpu_memory_gib: float | None
+    stage: str
+    precision: str
+    lora: bool
+    lora_rank: int
+    reference: bool
+    separate_reference: bool
+    freeze: FreezeSizing | None
+    sequence_packing: bool
+    flash_attention: bool
+    layout: Layout | None
+    micro_batch_size: int | None
+    recompute: str | None
+    use_distributed_optimizer: bool | None
+    cp_comm_type: str
+    mtp_num_layers: int
+    max_context_parallel: int | None
+    overlap_grad_reduce: bool | None
+    overlap_param_gather: bool
+    grad_reduce_in_fp32: bool
+    tp_comm_overlap: bool
+    overlap_p2p_comm: bool
+    moe_comm_overlap: bool
+    moe_dispatcher: str
+    moe_routing: str
+    te_layers: bool
+    backend: str
+    sequence_parallel_size: int | None
+
+
 @dataclass(frozen=True)
 class Plan:
     """A layout that passes check_layout, with its memory estimate and the reason for it."""
@@ -224,7 +263,7 @@ class Plan:
         return req.global_batch_size * req.seq_length / self.step_time.total / req.world_size
 
 
-def plan(request: PlanRequest | None = None, /, **fields: Any) -> Plan:
+def plan(request: PlanRequest | None = None, /, **fields: Unpack[PlanFields]) -> Plan:
     """Plan a job: ``plan(PlanRequest(...))`` or ``plan(model=..., nodes=..., ...)``.
 
     Raises LayoutError (one line per problem) for bad input, a forced layout that breaks a rule

@@ -175,10 +175,11 @@ def candidate(req: PlanRequest, layout: Layout, mbs: int, recompute: str,
     fewest N that fit ``budget`` (default: the planning budget), or None where block has
     nothing to offer: none fits already, no N fits, or every chunk holds one layer."""
     if recompute == "block":
-        recompute = _fewest_blocks(req, layout, mbs, planning_budget(req) if budget is None
-                                   else budget)
-        if recompute is None:
+        blocks = _fewest_blocks(req, layout, mbs, planning_budget(req) if budget is None
+                                else budget)
+        if blocks is None:
             return None
+        recompute = blocks
     return _resolved(req, layout, mbs, recompute)
 
 

@@ -119,8 +119,9 @@ def standard_options(req: PlanRequest) -> list[Option]:
     Raises LayoutError: the batch rule's line when no size passes it, else one line with the
     leanest estimate when nothing fits one GPU.
     """
-    forced = req.sequence_parallel_size is not None
-    sizes = [req.sequence_parallel_size] if forced else ulysses_sizes(req)
+    forced_sp = req.sequence_parallel_size
+    forced = forced_sp is not None
+    sizes = [forced_sp] if forced_sp is not None else ulysses_sizes(req)
     budget = req.gpu_spec.usable_bytes if forced else planning_budget(req)
     options: list[Option] = []
     leanest: Option | None = None
@@ -160,6 +161,11 @@ def describe(sp: int, dp: int) -> str:
     return f"DP{dp} × SP{sp}"
 
 
+def _describe_layout(layout: Layout) -> str:
+    # Options' layouts come from ulysses_layout(), which sets dp (1 as the planner's describe).
+    return describe(layout.cp, layout.dp or 1)
+
+
 def _no_fit_line(req: PlanRequest, leanest: Option, budget: int, forced: bool) -> str:
     mem, gpu = leanest.memory, req.gpu_spec
     room = ("usable" if forced else
@@ -167,7 +173,7 @@ def _no_fit_line(req: PlanRequest, leanest: Option, budget: int, forced: bool) -
     name = req.shape.name or f"the {req.shape.num_layers}-layer model"
     return (f"{name} does not fit one {gpu.name} with training.use_mca=false: the standard "
             f"backend keeps a whole model on every GPU, and the leanest option "
-            f"({describe(leanest.layout.cp, leanest.layout.dp)}, micro-batch "
+            f"({_describe_layout(leanest.layout)}, micro-batch "
             f"{leanest.micro_batch_size}) needs {_gib(mem.total)} (params {_gib(mem.params)}, "
             f"grads {_gib(mem.grads)}, optimizer {_gib(mem.optimizer)}, activations "
             f"{_gib(mem.activations)}), more than the {_gib(budget)} {room}; valid: "
@@ -187,7 +193,7 @@ def standard_reason(req: PlanRequest, ranked: list[Option]) -> str:
         head = f"user-forced SP{lay.cp} fits {gpu.name} with a whole model per GPU ({fits}){room}"
     else:
         sizes = len({o.layout.cp for o in ranked})
-        head = (f"{describe(lay.cp, lay.dp)}: the fastest estimated step of {sizes} Ulysses "
+        head = (f"{_describe_layout(lay)}: the fastest estimated step of {sizes} Ulysses "
                 f"size(s) that fit {gpu.name} with a whole model per GPU and "
                 f"{PLAN_HEADROOM:.0%} headroom ({fits})")
     parts = [head]

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpc_mca.stages import REFERENCE_FREE_LOSSES
+
 __all__ = ["DPOConfig"]
 
 
@@ -27,7 +29,7 @@ class DPOConfig:
     def use_ref_model(self) -> bool:
         """Whether the loss scores the pairs against a reference model (orpo and simpo are
         reference-free)."""
-        return self.pref_loss not in ("orpo", "simpo")
+        return self.pref_loss not in REFERENCE_FREE_LOSSES
 
     def finetuning_fields(self) -> dict[str, Any]:
         """The run config's ``finetuning`` fields these set."""

@@ -7,8 +7,6 @@ reproduce the whole answer, so this is greedy exact-match accuracy computed in o
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -16,12 +14,13 @@ import torch.distributed as dist
 from hpc_mca.data.arguments import DataRun
 from hpc_mca.data.batch import PackedBatch
 from hpc_mca.data.dataset import eval_dataloader
+from hpc_mca.data.rows import RowDataset
 from hpc_mca.loop.exact_match import response_exact_match
 from hpc_mca.models.inference import forward_logits, thd_packed_seq_params
 from hpc_mca.models.weights import unwrap
 
 
-def exact_match_accuracy(model: list[torch.nn.Module], eval_rows: Any, run: DataRun,
+def exact_match_accuracy(model: list[torch.nn.Module], eval_rows: RowDataset, run: DataRun,
                          vocab_size: int, device: torch.device) -> dict[str, float]:
     """``{"eval/accuracy": correct / samples}`` over the eval rows, the same on every rank."""
     from megatron.core import parallel_state as mpu
@@ -47,7 +46,7 @@ def exact_match_accuracy(model: list[torch.nn.Module], eval_rows: Any, run: Data
     return {"eval/accuracy": float(counts[0] / counts[1]) if counts[1] else 0.0}
 
 
-def eval_predictions(model: list[torch.nn.Module], eval_rows: Any, run: DataRun,
+def eval_predictions(model: list[torch.nn.Module], eval_rows: RowDataset, run: DataRun,
                      vocab_size: int, device: torch.device) -> tuple[np.ndarray, np.ndarray]:
     """``(predictions, label_ids)`` over the eval rows of every data-parallel rank, the same
     on every rank: ``[rows, seq]`` int64, the greedy (argmax) token at each slot and the token
@@ -81,7 +80,7 @@ def eval_predictions(model: list[torch.nn.Module], eval_rows: Any, run: DataRun,
     return every[0], every[1]
 
 
-def _whole_batch(share: torch.Tensor, batch: PackedBatch, group: Any) -> torch.Tensor:
+def _whole_batch(share: torch.Tensor, batch: PackedBatch, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Per-slot values of every CP rank's share (``share`` is this rank's) put back in
     ``batch``'s [B, S] order; ``share`` itself without context parallelism."""
     size = dist.get_world_size(group)
@@ -101,7 +100,9 @@ def _whole_batch(share: torch.Tensor, batch: PackedBatch, group: Any) -> torch.T
 
 def _logits(chunks: list[torch.nn.Module], batch: PackedBatch, vocab_size: int) -> torch.Tensor | None:
     if batch.packed:
-        packed = thd_packed_seq_params(batch.cu_seqlens, batch.cu_seqlens_padded, batch.cp_size)
+        cu_seqlens = batch.cu_seqlens
+        assert cu_seqlens is not None  # collate_rows gives a packed batch both boundaries
+        packed = thd_packed_seq_params(cu_seqlens, batch.cu_seqlens_padded, batch.cp_size)
         return forward_logits(chunks, batch.input_ids.reshape(1, -1), vocab_size,
                               position_ids=batch.position_ids.reshape(1, -1), packed_seq_params=packed)
     return forward_logits(chunks, batch.input_ids, vocab_size, position_ids=batch.position_ids)

@@ -15,7 +15,12 @@ that:
 * ``before_forward``: work before the schedule runs a global batch (dpo's reference pass);
 * ``step_metrics``: the stage's extra metrics of a step (dpo's rewards), on every rank.
 
-The stage name selects the objective in :data:`hpc_mca.trainer.stages.OBJECTIVES`, one table.
+A stage's objective subclasses :class:`Objective` (or :class:`SftObjective`, whose data and
+metric it keeps) and composes what it shares with other stages: dpo's and kto's each hold a
+:class:`~hpc_mca.trainer.reference.ReferenceScoring` (the frozen reference, its forward-only
+pass, per-document log-probabilities, the per-example loss contract); neither inherits the
+other. The stage's registry row names its objective (:data:`hpc_mca.trainer.stages.OBJECTIVES`
+reads it).
 pt and sft both train next-token prediction with Megatron's per-token loss contract (see
 :mod:`hpc_mca.trainer.step`); they differ in the data (sft masks the prompt's labels) and in
 sft's exact-match metric.
@@ -23,7 +28,8 @@ sft's exact-match metric.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,9 +40,29 @@ from hpc_mca.runtime.distributed import RankContext
 
 from .step import make_forward_step, reduce_step_loss
 
+if TYPE_CHECKING:
+    from hpc_mca.data.dataset import TrainingData
+
 EvalMetric = Callable[[list[torch.nn.Module], Any], dict[str, float]]
 """(DDP-wrapped model chunks, eval RowDataset) -> extra eval metrics, computed on every rank."""
-ForwardStep = Callable[[Iterator[PackedBatch], torch.nn.Module], Any]
+LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+"""A micro-batch's loss function's result, Megatron's per-token contract: (loss to
+backpropagate, its token count as int, reports summed over micro-batches by key)."""
+ForwardStep = Callable[[Iterator[PackedBatch], torch.nn.Module],
+                       tuple[torch.Tensor, Callable[[torch.Tensor], LossOutput]]]
+"""Megatron's ``forward_step_func``: (micro-batch iterator, model chunk) -> (its output, the
+loss function of the last pipeline stage's output)."""
+Schedule = Callable[[list[torch.nn.Module], ForwardStep, list[PackedBatch]], list[dict[str, torch.Tensor]]]
+"""(model chunks, forward step, micro-batches) -> the forward-only schedule's outputs (the loss
+functions' reports, on the last pipeline stage; empty elsewhere)."""
+
+
+class ChunkBuilder(Protocol):
+    """Builds another copy of the model chunks in the trained ones' layout: of ``source`` (a
+    model directory; default the run's model), loading its weights or not."""
+
+    def __call__(self, source: Path | None = None, load_weights: bool | None = None
+                 ) -> list[torch.nn.Module]: ...
 
 
 class Objective:
@@ -49,7 +75,7 @@ class Objective:
     def __init__(self, config: TrainConfig, ctx: RankContext, vocab_size: int) -> None:
         self.config, self.ctx, self.vocab_size = config, ctx, vocab_size
 
-    def build_data(self) -> Any:
+    def build_data(self) -> TrainingData:
         """This stage's :class:`~hpc_mca.data.dataset.TrainingData` (token ids beyond the
         model's vocabulary are bad input)."""
         from hpc_mca.data.dataset import build_datasets
@@ -93,15 +119,14 @@ class Objective:
     def eval_metric(self) -> EvalMetric | None:
         return None
 
-    def attach(self, chunks: list[torch.nn.Module], build: Callable[[], list[torch.nn.Module]]
-               ) -> None:
+    def attach(self, chunks: list[torch.nn.Module], build: ChunkBuilder) -> None:
         """Called once with the model chunks to train (before DDP and before any checkpoint
         is loaded) and a builder of another copy of them."""
 
     def auxiliary_models(self) -> list[torch.nn.Module]:
         return []
 
-    def before_forward(self, micro_batches: list[PackedBatch], schedule: Any) -> None:
+    def before_forward(self, micro_batches: list[PackedBatch], schedule: Schedule) -> None:
         """Called on every rank before the schedule runs ``micro_batches`` (training or eval);
         ``schedule(chunks, forward_step, micro_batches)`` runs a forward-only pass."""
 
@@ -119,5 +144,7 @@ class SftObjective(Objective):
     def eval_metric(self) -> EvalMetric | None:
         from hpc_mca.trainer.evaluation import exact_match_accuracy
 
-        run, vocab, device = self.config.data_run(), self.vocab_size, self.ctx.device
-        return lambda model, rows: exact_match_accuracy(model, rows, run, vocab, device)
+        config, vocab, device = self.config, self.vocab_size, self.ctx.device
+        # The data view is taken when the metric runs: the metric exists before resolve() (a
+        # stage's traits are read from it), its data settings only after.
+        return lambda model, rows: exact_match_accuracy(model, rows, config.data_run(), vocab, device)

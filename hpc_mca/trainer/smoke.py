@@ -9,7 +9,8 @@ global batch, the loss and the gradient norm of TP=2 x DP=2 equal those of one p
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -84,7 +85,8 @@ def _microbatches(tokens: torch.Tensor, cfg: SmokeConfig, ctx: RankContext) -> l
     ]
 
 
-def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module
+                  ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]]:
     batch = next(data_iterator)
     per_token = model(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"])
 

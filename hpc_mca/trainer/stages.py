@@ -8,14 +8,35 @@ apart keeps imports one-way.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 from hpc_mca.config.sections import TrainConfig
 from hpc_mca.runtime.distributed import RankContext
-from hpc_mca.stages import STAGES, load
+from hpc_mca.stages import STAGE_NAMES, get_stage, load
 
 from .objective import Objective
 
-OBJECTIVES: dict[str, type[Objective]] = {stage.name: load(stage.megatron) for stage in STAGES}
-"""Stage name -> objective. A new stage names its class in its :data:`hpc_mca.stages.STAGES`
+
+class _Objectives(Mapping[str, type[Objective]]):
+    """Stage name -> objective class, imported from the registry's row when asked (a stage
+    registered after this module was imported is there too)."""
+
+    def __getitem__(self, name: str) -> type[Objective]:
+        path = get_stage(name).megatron
+        objective = load(path)
+        if not issubclass(objective, Objective):
+            raise TypeError(f"stage {name!r}: megatron={path!r} is not an Objective subclass")
+        return objective
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(STAGE_NAMES)
+
+    def __len__(self) -> int:
+        return len(STAGE_NAMES)
+
+
+OBJECTIVES: Mapping[str, type[Objective]] = _Objectives()
+"""Stage name -> objective. A new stage names its class in its :func:`hpc_mca.stages.register`
 row."""
 
 

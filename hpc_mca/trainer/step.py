@@ -11,8 +11,9 @@ comparable step by step.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -20,8 +21,24 @@ import torch.distributed as dist
 from hpc_mca.data.batch import PackedBatch
 from hpc_mca.models.inference import thd_packed_seq_params
 
+if TYPE_CHECKING:
+    from megatron.core.packed_seq_params import PackedSeqParams
 
-def model_inputs(batch: PackedBatch, device: torch.device) -> dict[str, Any]:
+    from .objective import ForwardStep, LossOutput
+
+
+class ModelInputs(TypedDict):
+    """Megatron GPTModel's arguments for one micro-batch (:func:`model_inputs`)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    packed_seq_params: PackedSeqParams | None
+    """The THD stream's document boundaries; None for unpacked rows."""
+
+
+def model_inputs(batch: PackedBatch, device: torch.device) -> ModelInputs:
     """Megatron GPTModel arguments for a micro-batch.
 
     Packed rows are flattened into one THD stream ``[1, B*S]`` described by ``cu_seqlens``
@@ -39,16 +56,19 @@ def model_inputs(batch: PackedBatch, device: torch.device) -> dict[str, Any]:
     packed = None
     if batch.packed:
         inputs = {key: value.reshape(1, -1) for key, value in inputs.items()}
-        packed = thd_packed_seq_params(batch.cu_seqlens, batch.cu_seqlens_padded, batch.cp_size)
+        cu_seqlens = batch.cu_seqlens
+        assert cu_seqlens is not None  # collate_rows gives a packed batch both boundaries
+        packed = thd_packed_seq_params(cu_seqlens, batch.cu_seqlens_padded, batch.cp_size)
     out = {key: value.to(device, non_blocking=True) for key, value in inputs.items()}
-    out["packed_seq_params"] = packed
-    return out
+    return ModelInputs(input_ids=out["input_ids"], position_ids=out["position_ids"], labels=out["labels"],
+                       loss_mask=out["loss_mask"], packed_seq_params=packed)
 
 
-def make_forward_step(device: torch.device) -> Callable[[Iterator[PackedBatch], torch.nn.Module], Any]:
+def make_forward_step(device: torch.device) -> ForwardStep:
     """The ``forward_step_func`` handed to Megatron's forward-backward schedule."""
 
-    def forward_step(data_iterator: Iterator[PackedBatch], model: torch.nn.Module) -> Any:
+    def forward_step(data_iterator: Iterator[PackedBatch], model: torch.nn.Module
+                     ) -> tuple[torch.Tensor, Callable[[torch.Tensor], LossOutput]]:
         inputs = model_inputs(next(data_iterator), device)
         output = model(
             inputs["input_ids"], inputs["position_ids"], None,
@@ -60,8 +80,7 @@ def make_forward_step(device: torch.device) -> Callable[[Iterator[PackedBatch], 
     return forward_step
 
 
-def token_loss(loss_mask: torch.Tensor, per_token: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def token_loss(loss_mask: torch.Tensor, per_token: torch.Tensor) -> LossOutput:
     """(sum of masked token losses, real token count, {"lm loss": [sum, count]})."""
     mask = loss_mask.reshape(-1).float()
     total = (per_token.float().reshape(-1) * mask).sum()
@@ -70,7 +89,8 @@ def token_loss(loss_mask: torch.Tensor, per_token: torch.Tensor
     return total, count.to(torch.int), {"lm loss": report}
 
 
-def reduce_step_loss(outputs: list[dict[str, torch.Tensor]], dp_group: Any, pp_group: Any,
+def reduce_step_loss(outputs: list[dict[str, torch.Tensor]], dp_group: dist.ProcessGroup | None,
+                     pp_group: dist.ProcessGroup | None,
                      last_stage: bool, device: torch.device, input_tokens: int = 0) -> tuple[float, int, int]:
     """(mean loss per real token, loss tokens, input tokens) of a whole global batch, the same
     on every rank. ``input_tokens`` is this rank's count of non-padding input tokens.

@@ -7,10 +7,12 @@ Shaped like Megatron-Core's simple train loop and ROLL's McaTrainer, kept small:
 ``train()`` resumes from the run's checkpoint (if any), repeats ``train_step`` (forward-backward
 over the global batch's micro-batches, finalize grads, optimizer step, LR step) until
 ``max_steps``, logging, evaluating and calling the callbacks (transformers' ``TrainerCallback``
-protocol) on the way, and ends the run. The trainer owns its
-:class:`~hpc_mca.checkpoint.checkpointer.Checkpointer` and calls it at step boundaries; what
-to save is the trainer's ``state_dict`` (the :class:`~hpc_mca.checkpoint.state.Resumable`
-protocol), when to save or stop is the step boundary's decision (:mod:`.boundary`). Everything layout
+protocol) on the way, and ends the run. Where the run stands (step, samples, skipped steps,
+``max_steps``) is its :class:`~hpc_mca.loop.counters.RunCounters`, which ``_step`` advances.
+The trainer owns its :class:`~hpc_mca.checkpoint.checkpointer.Checkpointer` and calls it at
+step boundaries; what to save is the trainer's counters and ``state_dict`` (the
+:class:`~hpc_mca.checkpoint.state.Resumable` protocol), when to save or stop is the step
+boundary's decision (:mod:`hpc_mca.loop.boundary`). Everything layout
 specific (pipeline stages, virtual chunks, data-parallel sharding) is Megatron's or the data
 sampler's business; the loop itself does not branch on it. What a batch means (forward step,
 loss and its reduction, eval metric) is the stage's :class:`~hpc_mca.trainer.objective.Objective`.
@@ -18,8 +20,9 @@ loss and its reduction, eval metric) is the stage's :class:`~hpc_mca.trainer.obj
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,7 +39,8 @@ from hpc_mca.data.batch import PackedBatch
 from hpc_mca.data.dataset import TrainingData, eval_dataloader, train_dataloader
 from hpc_mca.data.errors import DataError
 from hpc_mca.loop.boundary import Decision, StepBoundary
-from hpc_mca.loop.callbacks import StepFlowCallback
+from hpc_mca.loop.callbacks import StepFlowCallback, callback_args
+from hpc_mca.loop.counters import RunCounters
 from hpc_mca.loop.driver import RunLoop, any_non_finite
 from hpc_mca.loop.metrics import MetricsWriter, flops_per_token
 from hpc_mca.loop.optimizer import optimizer_config, use_fused_adam
@@ -45,19 +49,26 @@ from hpc_mca.loop.trackers import job_fields, open_trackers
 from hpc_mca.runtime.distributed import RankContext
 from hpc_mca.runtime.rng import collect_rng, restore_rng
 from hpc_mca.topology import ModelShape
-from hpc_mca.trainer.objective import Objective
+from hpc_mca.trainer.objective import ForwardStep, Objective
 
 if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
-    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
+    from megatron.core.transformer.module import MegatronModule
+    from transformers.trainer_utils import EvalPrediction
+
+    from hpc_mca.data.rows import RowDataset
+
+_T = TypeVar("_T")
 
 
 class Trainer:
     """Runs one training job on this rank."""
 
-    def __init__(self, config: TrainConfig, ctx: RankContext, chunks: list[torch.nn.Module],
+    def __init__(self, config: TrainConfig, ctx: RankContext, chunks: list[MegatronModule],
                  data: TrainingData, *, objective: Objective, run_dir: Path, model_shape: ModelShape,
                  callbacks: Iterable[TrainerCallback] = (),
-                 compute_metrics: Callable[[Any], dict[str, float]] | None = None) -> None:
+                 compute_metrics: Callable[[EvalPrediction], Mapping[str, float]] | None = None) -> None:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -65,11 +76,13 @@ class Trainer:
         self.mpu = parallel_state
         self.model = wrap_ddp(chunks, config.parallel,
                               half_precision=config.training.bf16 or config.training.fp16)
-        self.max_steps = total_training_steps(config.training, len(data.train))
         tr = config.training
+        self.counters = RunCounters(max_steps=total_training_steps(tr, len(data.train)))
+        max_steps = self.counters.max_steps
+        self.samples_per_step = config.derived.global_batch_size
         schedule = scheduler_spec(tr.lr_scheduler_type, tr.lr_scheduler_kwargs, tr.learning_rate,
-                                  resolve_warmup_steps(tr.warmup_steps, tr.warmup_ratio, self.max_steps),
-                                  self.max_steps)
+                                  resolve_warmup_steps(tr.warmup_steps, tr.warmup_ratio, max_steps),
+                                  max_steps)
         self.optimizer = build_optimizer(self.model, optimizer_config(config.training, config.parallel,
                                                                       min_lr=schedule.min_lr))
         # The schedule multiplies each loss by the optimizer's loss scale before backward (as
@@ -85,19 +98,25 @@ class Trainer:
         self.eval_metric = objective.eval_metric()
         self.compute_metrics = compute_metrics
         """transformers' ``compute_metrics``: ``EvalPrediction`` of the eval rows -> metrics."""
-        self.state = TrainerState(max_steps=self.max_steps, logging_steps=config.training.logging_steps,
+        # transformers' record of the run, which callbacks read: its step follows the counters'.
+        self.state = TrainerState(max_steps=max_steps, logging_steps=config.training.logging_steps,
                                   eval_steps=config.training.eval_steps or 0, is_world_process_zero=ctx.is_main)
         self.control = TrainerControl()
+        self.args = callback_args(tr)
+        """What the callbacks get as transformers' ``args``."""
         flow = StepFlowCallback(data.eval is not None, tr.logging_steps, tr.eval_steps)
         self.callbacks = CallbackHandler([flow, *callbacks], self.model, data.tokenizer, self.optimizer,
                                          self.lr_scheduler)
-        self.consumed_samples = 0
-        seq = config.data.seq_length or config.data.cutoff_len
+        seq = config.derived.seq_length
         trackers = (open_trackers(config.training.report_to, config.to_yaml(), run_dir,
                                   job_fields(ctx.env)) if ctx.is_main else [])
-        self.metrics = MetricsWriter(run_dir, ctx.is_main, trackers, self.max_steps,
+        self.metrics = MetricsWriter(run_dir, ctx.is_main, trackers, max_steps,
                                      flops_per_token(model_shape, seq), ctx.env.world_size)
-        self.loop = RunLoop(self, events=self.callbacks, args=tr, metrics=self.metrics,
+        # The signals are the loop's from train() on: a trainer made and not trained (a
+        # script that only evaluates) leaves them alone.
+        signal = StopSignal(run_dir, ctx.device, ctx.is_main, listen=False)
+        self.loop = RunLoop(self, counters=self.counters, boundary=StepBoundary(tr.save_steps, signal, ctx.is_main),
+                            events=self.callbacks, args=self.args, metrics=self.metrics,
                             device=ctx.device, unit=objective.unit, hang_timeout=tr.hang_timeout)
         self.checkpointer = Checkpointer(config, ctx, run_dir, model_shape, loop=self,
                                          progress=self.metrics.write_progress)
@@ -105,52 +124,49 @@ class Trainer:
     # ---- resumable state (hpc_mca.checkpoint.state.Resumable) -------------------------------
 
     def state_dict(self) -> LoopState:
-        """What a checkpoint keeps of the loop beside the model and optimizer."""
-        return {"trainer": {"global_step": self.state.global_step, "consumed_samples": self.consumed_samples,
-                            "skipped_iters": self.loop.skipped_iters},
-                "lr_scheduler": self.lr_scheduler.state_dict(), "rng_state": collect_rng()}
+        """What a checkpoint keeps of the loop beside the model, optimizer and counters."""
+        return {"lr_scheduler": self.lr_scheduler.state_dict(), "rng_state": collect_rng()}
 
     def load_state_dict(self, state: LoopState) -> None:
-        counters = state["trainer"]
-        self.state.global_step = counters["global_step"]
-        self.consumed_samples = counters["consumed_samples"]  # the data sampler starts here
-        self.loop.skipped_iters = counters["skipped_iters"]
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if "rng_state" in state:
             restore_rng(state["rng_state"])
 
     # ---- the run ----------------------------------------------------------------------------
 
-    def train(self) -> list[StepResult]:
-        """Resume from the run's checkpoint (if any), train to ``max_steps`` with interval, end
-        and on-signal saves, and end the run: marked finished (and exported to HF when
-        configured), or, stopped early by a signal, left for the batch script to requeue.
-        Returns the step results of this process's part of the run (the same on every rank)."""
-        signal = StopSignal(self.run_dir, self.ctx.device, self.ctx.is_main)
-        self.loop.boundary = StepBoundary(self.config.training.save_steps, self.max_steps, signal,
-                                          self.ctx.is_main)
+    def train(self, resume_from_checkpoint: str | None = None) -> list[StepResult]:
+        """Resume from the run's checkpoint (if any; ``resume_from_checkpoint`` overrides the
+        config's choice), train to ``max_steps`` with interval, end and on-signal saves, and
+        end the run: marked finished (and exported to HF when configured), or, stopped early by
+        a signal, left for the batch script to requeue. Returns the step results of this
+        process's part of the run (the same on every rank)."""
+        if resume_from_checkpoint is not None:  # a new resolved config, read by its checkpointer too
+            self.config = self.config.amended("training", resume_from_checkpoint=resume_from_checkpoint)
+            self.checkpointer.config = self.config
+        counters = self.counters
+        self.loop.listen()
         try:
-            self.checkpointer.resume()
+            self.checkpointer.resume()  # the counters too, as one unit
+            self.state.global_step = counters.global_step
             self._say_rederived_schedule()
-            if self.state.global_step >= self.max_steps:
+            if counters.at_end:
                 # Resumed at its end: a finished run started again (say so), or one that died
                 # between its last checkpoint and the finished marker (finalize writes it).
-                idle = nothing_to_train(self.config.training, self.max_steps)
+                idle = nothing_to_train(self.config.training, counters.max_steps)
                 if idle and self.ctx.is_main:
                     print(idle, flush=True)
             else:
-                self.checkpointer.begin(self.state.global_step, self.max_steps)
-                self.loop.begin(self.state.global_step, job_id=self.ctx.env.job_id,
-                                restart_count=self.ctx.env.restart_count)
+                self.checkpointer.begin(counters.global_step, counters.max_steps)
+                self.loop.begin(job_id=self.ctx.env.job_id, restart_count=self.ctx.env.restart_count)
                 batches = self._global_batches()
                 self.loop.run(lambda: self._step(batches))
                 self.loop.finish()
             self.gather_params()
             self.checkpointer.finalize()
             tr, env = self.config.training, self.ctx.env
-            self.loop.finalize(finished=not self.loop.requeue, run_dir=self.run_dir, training=tr,
+            self.loop.finalize(finished=not counters.requeue, run_dir=self.run_dir, training=tr,
                                export=self.checkpointer.export, is_main=self.ctx.is_main,
-                               steps_per_epoch=len(self.data.train) // tr.global_batch_size,
+                               steps_per_epoch=len(self.data.train) // self.samples_per_step,
                                job_id=env.job_id, restart_count=env.restart_count)
         finally:
             self.loop.close()
@@ -158,12 +174,14 @@ class Trainer:
 
     def _step(self, batches: Iterator[list[PackedBatch]]) -> StepResult:
         """One step of the loop (:class:`~hpc_mca.loop.driver.RunLoop` ends it) with the
-        callbacks' step events around it."""
-        self.control = self.callbacks.on_step_begin(self.config.training, self.state, self.control)
+        callbacks' step events around it; the counters advance before ``on_step_end``."""
+        self.control = self.callbacks.on_step_begin(self.args, self.state, self.control)
         result = self.train_step(next(batches))
-        self.state.global_step += 1
-        self.state.epoch = self.consumed_samples / max(1, len(self.data.train))
-        self.control = self.callbacks.on_step_end(self.config.training, self.state, self.control)
+        counters = self.counters
+        counters.step_taken(self.samples_per_step, skipped=result.skipped)
+        self.state.global_step = counters.global_step
+        self.state.epoch = counters.consumed_samples / max(1, len(self.data.train))
+        self.control = self.callbacks.on_step_end(self.args, self.state, self.control)
         self.checkpointer.poll()  # commit an async save whose shards are all written
         return result
 
@@ -205,7 +223,7 @@ class Trainer:
         loss, tokens, inputs = self._reduce(outputs, inputs)
         mtp_losses = _per_token(self.objective.mtp_loss_sums())
         metrics = self.objective.step_metrics(outputs)
-        self.control = self.callbacks.on_pre_optimizer_step(self.config.training, self.state, self.control)
+        self.control = self.callbacks.on_pre_optimizer_step(self.args, self.state, self.control)
         grad_norm: float | None = float("nan")
         if self.config.training.fp16:
             # Megatron's fp16 optimizer finds an overflow itself and backs its loss scale off,
@@ -220,8 +238,7 @@ class Trainer:
             grad_norm = float("nan")
         else:
             self.lr_scheduler.step()
-        self.control = self.callbacks.on_optimizer_step(self.config.training, self.state, self.control)
-        self.consumed_samples += self.config.training.global_batch_size
+        self.control = self.callbacks.on_optimizer_step(self.args, self.state, self.control)
         return StepResult(loss=loss, tokens=tokens, input_tokens=inputs, grad_norm=float(grad_norm or 0.0),
                           skipped=skipped, moe_aux_loss=self._moe_aux_loss(len(micro_batches)), mtp_losses=mtp_losses,
                           metrics=metrics)
@@ -233,7 +250,11 @@ class Trainer:
 
     def eval_metrics(self) -> dict[str, float]:
         """Forward-only pass over the eval rows: mean token loss (+ the task metric if given)."""
-        loader = eval_dataloader(self.data.eval, self.config.data_run(),
+        rows = self.data.eval
+        # Asked only of a run with eval rows: the step flow evaluates none without, the API's
+        # evaluate() refuses to.
+        assert rows is not None, "eval_metrics() without eval rows"
+        loader = eval_dataloader(rows, self.config.data_run(),
                                  data_parallel_rank=self.mpu.get_data_parallel_rank())
         for chunk in self.model:
             chunk.eval()
@@ -256,21 +277,22 @@ class Trainer:
         metrics.update({f"eval/mtp_loss_{k}": v for k, v in enumerate(_per_token(mtp_sums), 1)})
         metrics.update({f"eval/{k}": v for k, v in self.objective.step_metrics(every).items()})
         if self.eval_metric is not None:
-            metrics.update(self.eval_metric(self.model, self.data.eval))
+            metrics.update(self.eval_metric(self.model, rows))
         if self.compute_metrics is not None:
-            metrics.update(self._computed_metrics())
+            metrics.update(self._computed_metrics(self.compute_metrics, rows))
         return metrics
 
-    def _computed_metrics(self) -> dict[str, float]:
+    def _computed_metrics(self, compute: Callable[[EvalPrediction], Mapping[str, float]],
+                          rows: RowDataset) -> dict[str, float]:
         """The script's ``compute_metrics`` over the greedy predictions and labels of the
         whole eval set (every rank calls it with the same arrays)."""
         from transformers.trainer_utils import EvalPrediction
 
         from hpc_mca.trainer.evaluation import eval_predictions
 
-        predictions, labels = eval_predictions(self.model, self.data.eval, self.config.data_run(),
+        predictions, labels = eval_predictions(self.model, rows, self.config.data_run(),
                                                self.objective.vocab_size, self.ctx.device)
-        computed = self.compute_metrics(EvalPrediction(predictions=predictions, label_ids=labels))
+        computed = compute(EvalPrediction(predictions=predictions, label_ids=labels))
         return {f"eval/{key.removeprefix('eval_')}": float(value) for key, value in computed.items()}
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -278,9 +300,10 @@ class Trainer:
     def _global_batches(self) -> Iterator[list[PackedBatch]]:
         """This rank's micro-batches (its context-parallel share), grouped per optimizer step;
         a bad batch on any rank stops every rank before the step (:func:`agreed_batches`)."""
-        loader = train_dataloader(self.data.train, self.config.data_run(), consumed_samples=self.consumed_samples,
+        loader = train_dataloader(self.data.train, self.config.data_run(),
+                                  consumed_samples=self.counters.consumed_samples,
                                   data_parallel_rank=self.mpu.get_data_parallel_rank())
-        per_step = self.config.training.gradient_accumulation_steps
+        per_step = self.config.micro_batches_per_step
         micro = iter(loader)
         while True:
             yield self._one_shape(agreed_batches(
@@ -305,8 +328,8 @@ class Trainer:
         # The interleaved schedule needs at least PP micro-batches per call.
         return max(1, self.mpu.get_pipeline_model_parallel_world_size())
 
-    def _schedule(self, model: list[torch.nn.Module], forward_step: Any,
-                  micro_batches: list[PackedBatch], *, forward_only: bool) -> list[Any]:
+    def _schedule(self, model: list[torch.nn.Module], forward_step: ForwardStep,
+                  micro_batches: list[PackedBatch], *, forward_only: bool) -> list[dict[str, torch.Tensor]]:
         """Megatron's forward(-backward) schedule over ``micro_batches`` with ``model``'s
         chunks; the loss functions' reports on the last pipeline stage ([] elsewhere)."""
         seq_length, micro_batch_size = micro_batches[0].schedule_shape
@@ -317,8 +340,8 @@ class Trainer:
             num_microbatches=len(micro_batches), seq_length=seq_length,
             micro_batch_size=micro_batch_size, forward_only=forward_only)
 
-    def _forward_only(self, model: list[torch.nn.Module], forward_step: Any,
-                      micro_batches: list[PackedBatch]) -> list[Any]:
+    def _forward_only(self, model: list[torch.nn.Module], forward_step: ForwardStep,
+                      micro_batches: list[PackedBatch]) -> list[dict[str, torch.Tensor]]:
         return self._schedule(model, forward_step, micro_batches, forward_only=True)
 
     def _reduce(self, outputs: list[dict[str, torch.Tensor]], input_tokens: int = 0) -> tuple[float, int, int]:
@@ -346,7 +369,7 @@ class Trainer:
             names.append("z_loss")
         totals: dict[str, torch.Tensor] = {}
         get_moe_metrics_tracker().report(
-            loss_scale=1.0 / num_microbatches, iteration=self.state.global_step, track_names=names,
+            loss_scale=1.0 / num_microbatches, iteration=self.counters.global_step, track_names=names,
             num_layers=config.num_layers, moe_layer_freq=config.moe_layer_freq,
             mtp_num_layers=config.mtp_num_layers, force_initialize=True, total_loss_dict=totals)
         return float(sum(float(v) for v in totals.values())) if totals else None
@@ -392,17 +415,17 @@ def _per_token(sums: torch.Tensor) -> list[float]:
     return [total / count if count else float("nan") for total, count in sums.tolist()]
 
 
-def _as_list(value: Any) -> list[Any]:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+def _as_list(value: str | Sequence[str]) -> list[str]:
+    return list(value) if isinstance(value, (list, tuple)) else [str(value)]
 
 
-def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
+def _chunks(items: list[_T], size: int) -> Iterator[list[_T]]:
     for start in range(0, len(items) - size + 1, size):
         yield items[start:start + size]
 
 
-def wrap_ddp(chunks: list[torch.nn.Module], par: ParallelArguments, *,
-             half_precision: bool = False) -> list[torch.nn.Module]:
+def wrap_ddp(chunks: list[MegatronModule], par: ParallelArguments, *,
+             half_precision: bool = False) -> list[DistributedDataParallel]:
     """Megatron DDP around every chunk; bucketing only for the first (ROLL/McaTrainer: later
     chunks' communication already overlaps the first chunk's compute). Also used by
     ``hpc-mca smoke``."""
@@ -429,7 +452,7 @@ def wrap_ddp(chunks: list[torch.nn.Module], par: ParallelArguments, *,
     return model
 
 
-def ddp_config(par: ParallelArguments) -> Any:
+def ddp_config(par: ParallelArguments) -> DistributedDataParallelConfig:
     """Megatron's DistributedDataParallelConfig of this run (also checked before the process
     group: hpc_mca.trainer.megatron_settings)."""
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -441,7 +464,7 @@ def ddp_config(par: ParallelArguments) -> Any:
     )
 
 
-def build_optimizer(model: list[torch.nn.Module], opt_config: OptimizerConfig) -> Any:
+def build_optimizer(model: list[DistributedDataParallel], opt_config: OptimizerConfig) -> MegatronOptimizer:
     """Megatron's optimizer (distributed when the config says so) over the DDP chunks."""
     from megatron.core.optimizer import get_megatron_optimizer
 

@@ -85,8 +85,8 @@ def _kill_self(where: str) -> None:
 
 
 def _saving_step(checkpointer) -> int:
-    """The step a Checkpointer.save call is about to save (the loop's own state dict)."""
-    return checkpointer.loop.state_dict()["trainer"]["global_step"]
+    """The step a Checkpointer.save call is about to save (the run's counters, as saved)."""
+    return checkpointer.loop.counters.state_dict()["global_step"]
 
 
 def _install_sleep(spec: str) -> None:

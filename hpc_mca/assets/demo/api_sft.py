@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -32,6 +32,9 @@ from hpc_mca.data.samples import infer_seqlen  # LLaMA-Factory's cutoff rule, as
 from hpc_mca.models import AutoModel
 from hpc_mca.trainer import McaTrainer
 from hpc_mca.training_args import Seq2SeqTrainingArguments
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 CONFIG = Path(__file__).resolve().with_name("sft_addition.yaml")
 IGNORE_INDEX = -100
@@ -44,7 +47,7 @@ class AdditionProblems(torch.utils.data.Dataset):
     tokenizer's chat template renders them, ``labels`` -100 on the prompt and the answer's ids
     after it (unshifted: the trainer shifts)."""
 
-    def __init__(self, path: str, tokenizer: Any, cutoff_len: int) -> None:
+    def __init__(self, path: str, tokenizer: PreTrainedTokenizerBase, cutoff_len: int) -> None:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
         records = [json.loads(line) for line in lines if line.strip()]
         self.examples = [encode(record, tokenizer, cutoff_len) for record in records]
@@ -56,13 +59,14 @@ class AdditionProblems(torch.utils.data.Dataset):
         return self.examples[index]
 
 
-def encode(record: dict[str, str], tokenizer: Any, cutoff_len: int) -> dict[str, list[int]]:
+def encode(record: dict[str, str], tokenizer: PreTrainedTokenizerBase, cutoff_len: int) -> dict[str, list[int]]:
     """One record's token dict: the conversation rendered and tokenized in one piece, split
     where the answer's text starts, both sides kept within ``cutoff_len`` tokens."""
     question = "\n".join(part for part in (record["instruction"], record.get("input") or "") if part)
     turns = [{"role": "user", "content": question}, {"role": "assistant", "content": record["output"]}]
-    prompt_text = tokenizer.apply_chat_template(turns[:1], tokenize=False, add_generation_prompt=True)
-    text = tokenizer.apply_chat_template(turns, tokenize=False)
+    # tokenize=False: the rendered text.
+    prompt_text = cast(str, tokenizer.apply_chat_template(turns[:1], tokenize=False, add_generation_prompt=True))
+    text = cast(str, tokenizer.apply_chat_template(turns, tokenize=False))
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoded["input_ids"])
     prompt_len = sum(1 for start, _ in encoded["offset_mapping"] if start < len(prompt_text))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import string
+from collections.abc import Callable
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -96,7 +97,8 @@ def model_config(tokenizer: Tokenizer) -> dict:
             "eos_token_id": vocab["<|end|>"], "bos_token_id": None}
 
 
-def write_jsonl(path: Path, problems: list[tuple[int, int]], record=alpaca_record) -> None:
+def write_jsonl(path: Path, problems: list[tuple[int, int]],
+                record: Callable[[int, int], dict[str, str]] = alpaca_record) -> None:
     with path.open("w") as out:
         for a, b in problems:
             out.write(json.dumps(record(a, b)) + "\n")

@@ -13,7 +13,7 @@ Messages are ``{"role": ..., "content": ...}`` with LLaMA-Factory's roles: ``use
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_mca.data.errors import DataError
 
@@ -22,6 +22,9 @@ from .registry import REGISTRY
 from .slots import EOS, FunctionFormat
 from .template import Message, SlotTemplate, Template, Turn
 from .tools import TOOL_FORMATS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TEMPLATE_NAMES: tuple[str, ...] = ("chat", "plain", *sorted(REGISTRY))
 """Every ``data.template`` value."""
@@ -41,7 +44,7 @@ __all__ = [
 ]
 
 
-def get_template(name: str, tokenizer: Any, *, enable_thinking: bool | None = True,
+def get_template(name: str, tokenizer: PreTrainedTokenizerBase, *, enable_thinking: bool | None = True,
                  default_system: str | None = None, tool_format: str | None = None,
                  preserve_thinking: bool = False) -> Template:
     """A fresh template ``name``, configured, with ``tokenizer`` fixed in place for it.

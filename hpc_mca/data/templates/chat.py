@@ -27,11 +27,14 @@ Both fix the tokenizer as LLaMA-Factory does with no template named (eos added a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from hpc_mca.data.errors import DataError
 
 from .template import Message, Template, Turn, fix_special_tokens
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Spans = list[tuple[int, int]]
 
@@ -46,7 +49,7 @@ def _refuse_tools(name: str, tools: str | None, messages: list[Message]) -> None
                         f"tool format ({', '.join(REGISTRY)})")
 
 
-def cut_turns(tokenizer: Any, text: str, answers: Spans) -> list[Turn]:
+def cut_turns(tokenizer: PreTrainedTokenizerBase, text: str, answers: Spans) -> list[Turn]:
     """``(prompt ids, answer ids)`` per answer span of ``text``, tokenized in one piece."""
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, starts = encoded["input_ids"], [start for start, _ in encoded["offset_mapping"]]
@@ -72,7 +75,8 @@ class ChatTemplate(Template):
         self.name, self.efficient_eos, self.preserve_thinking = "chat", False, False
         self.default_system = default_system or ""
 
-    def render(self, tokenizer: Any, messages: list[Message], system: str | None) -> tuple[str, Spans]:
+    def render(self, tokenizer: PreTrainedTokenizerBase, messages: list[Message],
+               system: str | None) -> tuple[str, Spans]:
         """The conversation's text and its answers' character spans."""
         if not getattr(tokenizer, "chat_template", None):
             raise DataError("data.template='chat' but the tokenizer has no chat_template; valid: plain, "
@@ -82,8 +86,9 @@ class ChatTemplate(Template):
         offset = len(full) - len(messages)
 
         def chat(upto: int, generation_prompt: bool) -> str:
-            return tokenizer.apply_chat_template(full[:upto], tokenize=False,
-                                                 add_generation_prompt=generation_prompt)
+            # Not tokenized: the rendered text.
+            return cast(str, tokenizer.apply_chat_template(full[:upto], tokenize=False,
+                                                           add_generation_prompt=generation_prompt))
 
         text, spans = chat(len(full), False), []
         for index in range(offset + 1, len(full), 2):
@@ -96,8 +101,8 @@ class ChatTemplate(Template):
             spans.append((len(before), len(after)))
         return text, spans
 
-    def encode_multiturn(self, tokenizer: Any, messages: list[Message], system: str | None, tools: str | None,
-                         discard_history_thought: bool = False) -> list[Turn]:
+    def encode_multiturn(self, tokenizer: PreTrainedTokenizerBase, messages: list[Message], system: str | None,
+                         tools: str | None, discard_history_thought: bool = False) -> list[Turn]:
         _refuse_tools(self.name, tools, messages)
         return cut_turns(tokenizer, *self.render(tokenizer, messages, system))
 
@@ -109,7 +114,8 @@ class PlainTemplate(Template):
         self.name, self.efficient_eos, self.preserve_thinking = "plain", False, False
         self.default_system = default_system or ""
 
-    def render(self, tokenizer: Any, messages: list[Message], system: str | None) -> tuple[str, Spans]:
+    def render(self, tokenizer: PreTrainedTokenizerBase, messages: list[Message],
+               system: str | None) -> tuple[str, Spans]:
         eos = tokenizer.eos_token or ""
         system = system or self.default_system
         text, spans = system + "\n" if system else "", []
@@ -121,13 +127,14 @@ class PlainTemplate(Template):
                 text += message["content"]
         return text, spans
 
-    def encode_multiturn(self, tokenizer: Any, messages: list[Message], system: str | None, tools: str | None,
-                         discard_history_thought: bool = False) -> list[Turn]:
+    def encode_multiturn(self, tokenizer: PreTrainedTokenizerBase, messages: list[Message], system: str | None,
+                         tools: str | None, discard_history_thought: bool = False) -> list[Turn]:
         _refuse_tools(self.name, tools, messages)
         return cut_turns(tokenizer, *self.render(tokenizer, messages, system))
 
 
-def tokenizer_template(name: str, tokenizer: Any, default_system: str | None, tool_format: str | None) -> Template:
+def tokenizer_template(name: str, tokenizer: PreTrainedTokenizerBase, default_system: str | None,
+                       tool_format: str | None) -> Template:
     """``chat`` or ``plain``, with the tokenizer fixed like LLaMA-Factory's no-template path."""
     if tool_format is not None:
         raise DataError(f"data.tool_format={tool_format!r} needs a named template; data.template={name!r} "

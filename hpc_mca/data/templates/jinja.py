@@ -7,11 +7,13 @@ is LLaMA-Factory's byte for byte (it is part of the tokenizer's fingerprint and 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .slots import Slot, SpecialToken
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from .template import SlotTemplate
 
 
@@ -23,7 +25,8 @@ def _quoted(text: str) -> str:
     return "'" + text.replace("'", r"\'") + "'"
 
 
-def _expression(slots: tuple[Slot, ...] | list[Slot], tokenizer: Any, placeholder: str = "content") -> str:
+def _expression(slots: tuple[Slot, ...] | list[Slot], tokenizer: PreTrainedTokenizerBase,
+                placeholder: str = "content") -> str:
     """A jinja expression concatenating the slots, ``{{content}}`` read from ``placeholder``."""
     parts = []
     for slot in slots:
@@ -53,7 +56,7 @@ _SYSTEM_FROM_MESSAGES = (
 )
 
 
-def slot_template_jinja(template: SlotTemplate, tokenizer: Any) -> str | None:
+def slot_template_jinja(template: SlotTemplate, tokenizer: PreTrainedTokenizerBase) -> str | None:
     """The chat_template for ``template``, or None when a slot cannot be written in jinja."""
     try:
         prefix = _expression(template.prefix.slots, tokenizer)

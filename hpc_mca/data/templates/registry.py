@@ -7,7 +7,7 @@ and system default to the bare content, the answer to content + eos (content alo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from .slots import BOS, EOS, Format, FunctionFormat, Slot
 from .template import SlotTemplate
@@ -23,10 +23,26 @@ _LLAMA3_TURN = "<|start_header_id|>{role}<|end_header_id|>\n\n{{{{content}}}}<|e
 _LLAMA3_ANSWER = "<|start_header_id|>assistant<|end_header_id|>\n\n"
 
 
+class Flags(TypedDict, total=False):
+    """The settings of a :class:`SlotTemplate` besides its formats (its fields say what each does)."""
+
+    tool_format: str
+    default_system: str
+    stop_words: tuple[str, ...]
+    thought_words: tuple[str, str]
+    tool_call_words: tuple[str, str]
+    replace_eos: bool
+    replace_jinja_template: bool
+    fold_system: bool
+    reasoning: bool
+    enable_thinking: bool | None
+    preserve_thinking: bool
+
+
 def define(name: str, *, user: tuple[Slot, ...] | None = None, assistant: tuple[Slot, ...] | None = None,
            system: tuple[Slot, ...] | None = None, function: tuple[Slot, ...] | None = None,
            observation: tuple[Slot, ...] | None = None, prefix: tuple[Slot, ...] = (),
-           efficient_eos: bool = False, **flags: Any) -> SlotTemplate:
+           efficient_eos: bool = False, **flags: Unpack[Flags]) -> SlotTemplate:
     """A registry entry, with LLaMA-Factory's defaults for the formats not given."""
     answer_default: tuple[Slot, ...] = ("{{content}}",) if efficient_eos else ("{{content}}", EOS)
     user_format = Format(user) if user else Format()
@@ -82,6 +98,8 @@ REGISTRY: dict[str, SlotTemplate] = {template.name: template for template in (
            system=("{{content}}\n\n",), function=("[TOOL_CALLS] {{content}}", EOS),
            observation=("""[TOOL_RESULTS] {"content": {{content}}}[/TOOL_RESULTS]""",), prefix=(BOS,),
            tool_format="mistral", fold_system=True),
+    define("phi", user=("<|user|>\n{{content}}<|end|>\n<|assistant|>\n",), assistant=("{{content}}<|end|>\n",),
+           system=("<|system|>\n{{content}}<|end|>\n",), stop_words=("<|end|>",), replace_eos=True),
     define("phi4", user=("<|im_start|>user<|im_sep|>{{content}}<|im_end|><|im_start|>assistant<|im_sep|>",),
            assistant=("{{content}}<|im_end|>",), system=("<|im_start|>system<|im_sep|>{{content}}<|im_end|>",),
            stop_words=("<|im_end|>",), replace_eos=True),

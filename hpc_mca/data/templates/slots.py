@@ -13,11 +13,14 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from hpc_mca.data.errors import DataError
 
 from .tools import ToolFormat
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,7 @@ class FunctionFormat(Format):
         return self.fill(content=thought.group(0) + calls)
 
 
-def slots_to_ids(tokenizer: Any, slots: list[Slot]) -> list[int]:
+def slots_to_ids(tokenizer: PreTrainedTokenizerBase, slots: list[Slot]) -> list[int]:
     """Token ids of ``slots``, each text slot tokenized on its own (empty ones skipped)."""
     ids: list[int] = []
     for slot in slots:
@@ -113,7 +116,7 @@ def slots_to_ids(tokenizer: Any, slots: list[Slot]) -> list[int]:
             if slot:
                 ids += tokenizer.encode(slot, add_special_tokens=False)
         elif isinstance(slot, SpecialToken):
-            ids.append(tokenizer.convert_tokens_to_ids(slot.token))
+            ids.append(cast(int, tokenizer.convert_tokens_to_ids(slot.token)))  # one token: one id
         else:
             token_id = tokenizer.bos_token_id if slot.which == "bos" else tokenizer.eos_token_id
             if token_id is not None:

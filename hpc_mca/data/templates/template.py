@@ -13,13 +13,16 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_mca.data.errors import DataError
 
 from .jinja import slot_template_jinja
 from .slots import Format, FunctionFormat, Slot, slots_to_ids
 from .tools import TOOL_FORMATS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Message = dict[str, str]
 Turn = tuple[list[int], list[int]]
@@ -36,12 +39,12 @@ class Template:
     preserve_thinking: bool
     """Reasoning templates: keep earlier answers' thoughts in ``encode_oneturn`` / ``mask_history``."""
 
-    def encode_multiturn(self, tokenizer: Any, messages: list[Message], system: str | None, tools: str | None,
-                         discard_history_thought: bool = False) -> list[Turn]:
+    def encode_multiturn(self, tokenizer: PreTrainedTokenizerBase, messages: list[Message], system: str | None,
+                         tools: str | None, discard_history_thought: bool = False) -> list[Turn]:
         """``(prompt ids, answer ids)`` per turn; ``messages`` alternate prompt side and answer side."""
         raise NotImplementedError
 
-    def encode_oneturn(self, tokenizer: Any, messages: list[Message], system: str | None,
+    def encode_oneturn(self, tokenizer: PreTrainedTokenizerBase, messages: list[Message], system: str | None,
                        tools: str | None) -> Turn:
         """Everything before the last answer as the prompt, and the last answer."""
         turns = self.encode_multiturn(tokenizer, messages, system, tools)
@@ -125,7 +128,7 @@ class SlotTemplate(Template):
             return self.function.fill_calls(content, syntax, self.thought_words, self.tool_call_words)
         raise DataError(f"message role {role!r} is not valid; valid: user, assistant, function, observation")
 
-    def _encode(self, tokenizer: Any, messages: list[Message], system: str | None,
+    def _encode(self, tokenizer: PreTrainedTokenizerBase, messages: list[Message], system: str | None,
                 tools: str | None) -> list[list[int]]:
         """Token ids of each message, the first one carrying prefix and system."""
         system = system or self.default_system
@@ -150,14 +153,14 @@ class SlotTemplate(Template):
         parsed = _parse_tools(tools)
         return TOOL_FORMATS[self.tool_format].describe(parsed) if parsed else ""
 
-    def _empty_thought_ids(self, tokenizer: Any) -> list[int]:
+    def _empty_thought_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         return tokenizer.encode(self.thought_words[0] + self.thought_words[1], add_special_tokens=False)
 
     def _has_thought(self, text: str) -> bool:
         return self.thought_words[0].strip() in text or self.thought_words[1].strip() in text
 
-    def encode_multiturn(self, tokenizer: Any, messages: list[Message], system: str | None, tools: str | None,
-                         discard_history_thought: bool = False) -> list[Turn]:
+    def encode_multiturn(self, tokenizer: PreTrainedTokenizerBase, messages: list[Message], system: str | None,
+                         tools: str | None, discard_history_thought: bool = False) -> list[Turn]:
         if not self.reasoning:
             encoded = self._encode(tokenizer, messages, system, tools)
             return [(encoded[i], encoded[i + 1]) for i in range(0, len(encoded), 2)]
@@ -178,7 +181,7 @@ class SlotTemplate(Template):
                 encoded[i - 1] = encoded[i - 1] + self._empty_thought_ids(tokenizer)
         return [(encoded[i], encoded[i + 1]) for i in range(0, len(encoded), 2)]
 
-    def encode_oneturn(self, tokenizer: Any, messages: list[Message], system: str | None,
+    def encode_oneturn(self, tokenizer: PreTrainedTokenizerBase, messages: list[Message], system: str | None,
                        tools: str | None) -> Turn:
         messages = [dict(message) for message in messages]
         last = len(messages) - 1
@@ -200,7 +203,7 @@ class SlotTemplate(Template):
 
     # --- the tokenizer ----------------------------------------------------------------------
 
-    def fix_tokenizer(self, tokenizer: Any) -> None:
+    def fix_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
         """Bring the tokenizer to the state LLaMA-Factory leaves it in for this template."""
         fix_special_tokens(tokenizer, self.stop_words, self.replace_eos, self.name)
         if tokenizer.chat_template is None or self.replace_jinja_template:
@@ -209,12 +212,13 @@ class SlotTemplate(Template):
                 tokenizer.chat_template = rendered
 
 
-def _set_eos(tokenizer: Any, eos_token: str) -> None:
+def _set_eos(tokenizer: PreTrainedTokenizerBase, eos_token: str) -> None:
     if tokenizer.eos_token != eos_token:
         tokenizer.add_special_tokens({"eos_token": eos_token})
 
 
-def fix_special_tokens(tokenizer: Any, stop_words: tuple[str, ...], replace_eos: bool, name: str) -> None:
+def fix_special_tokens(tokenizer: PreTrainedTokenizerBase, stop_words: tuple[str, ...], replace_eos: bool,
+                       name: str) -> None:
     """eos replaced by the first stop word (``replace_eos``) or added when missing, pad = eos when
     missing, the remaining stop words added as special tokens, as LLaMA-Factory does.
 
@@ -231,7 +235,8 @@ def fix_special_tokens(tokenizer: Any, stop_words: tuple[str, ...], replace_eos:
         tokenizer.pad_token = tokenizer.eos_token
     if stop_words:
         try:
+            # transformers < 5's keyword; 5 names it replace_extra_special_tokens and raises here.
             tokenizer.add_special_tokens({"additional_special_tokens": list(stop_words)},
-                                         replace_additional_special_tokens=False)
+                                         replace_additional_special_tokens=False)  # type: ignore[call-arg]
         except TypeError:  # tokenizers without that keyword
             tokenizer.add_special_tokens({"additional_special_tokens": list(stop_words)})

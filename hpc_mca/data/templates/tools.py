@@ -59,8 +59,8 @@ def _wrapped(tool: dict[str, Any]) -> dict[str, Any]:
     return tool if tool.get("type") == "function" else {"type": "function", "function": tool}
 
 
-def _dumps(value: Any, **kwargs: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, **kwargs)
+def _dumps(value: object, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
 def _default_describe(tools: list[dict[str, Any]]) -> str:
