@@ -45,7 +45,8 @@ def imported(package: Path) -> dict[str, str]:
                 continue
             for name in names:
                 top = name.split(".")[0]
-                if top not in sys.stdlib_module_names and top != package.name:
+                # (_typeshed: the standard library's stubs, imported for annotations only)
+                if top not in sys.stdlib_module_names | {"_typeshed"} and top != package.name:
                     found.setdefault(top, f"{path.relative_to(package.parent)}:{node.lineno}")
     return found
 

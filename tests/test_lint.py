@@ -35,16 +35,17 @@ def test_mypy_finds_nothing():
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 
-def test_mypy_would_find_a_config_passed_as_a_string(tmp_path):
-    """The check can fail: the same configuration reports a wrong argument type."""
+def test_mypy_would_find_an_argument_of_the_wrong_type(tmp_path):
+    """The check can fail: the same configuration reports a wrong argument type and a function
+    without annotations (a file of its own, so that the check takes seconds)."""
     bad = tmp_path / "bad.py"
-    bad.write_text("from hpc_mca.config.sections import TrainConfig\n\n\n"
-                   "def steps(config: TrainConfig) -> int:\n    return config.training.max_steps\n\n\n"
-                   "steps('config.yaml')\n")
+    bad.write_text("def steps(max_steps: int) -> int:\n    return max_steps\n\n\n"
+                   "def untyped(value):\n    return value\n\n\nsteps('4')\n")
     proc = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", "/dev/null", "--config-file",
-                           str(REPO / "pyproject.toml"), str(bad)], cwd=REPO, capture_output=True, text=True,
+                           str(REPO / "pyproject.toml"), str(bad)], cwd=tmp_path, capture_output=True, text=True,
                           timeout=900)
-    assert proc.returncode == 1 and "[arg-type]" in proc.stdout, proc.stdout[-2000:]
+    assert proc.returncode == 1 and "[arg-type]" in proc.stdout and "[no-untyped-def]" in proc.stdout, \
+        proc.stdout[-2000:]
 
 
 def _any_parameters() -> tuple[int, list[str]]:
