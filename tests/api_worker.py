@@ -89,13 +89,15 @@ class PadTo:
 class Recorder(TrainerCallback):
     """What a script's callback sees: steps, logged losses, evaluations."""
 
-    def __init__(self) -> None:
+    def __init__(self, script_args=None) -> None:
         self.steps: list[int] = []
         self.logs: list[dict] = []
         self.evals: list[dict] = []
+        self.script_args, self.args_seen = script_args, set()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps.append(state.global_step)
+        self.args_seen.add((type(args).__name__, args is self.script_args))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         self.logs.append({"step": state.global_step, "loss": logs["loss"]})
@@ -158,7 +160,7 @@ def main(mode: str, out: str, overrides: list[str]) -> None:
         return model.save_pretrained(Path(out) / "init")
     if mode == "refusals":
         return refusals(model, config, Path(out))
-    recorder = Recorder()
+    recorder = Recorder(args)
     if kind is not None:
         collator = BadCollator(config.data.seq_length or config.data.cutoff_len, kind)
         return McaTrainer(model=model, args=args, tokenizer=TOKENIZER, data_collator=collator,
@@ -193,7 +195,8 @@ def main(mode: str, out: str, overrides: list[str]) -> None:
         report = {"global_step": output.global_step, "training_loss": output.training_loss,
                   "metrics": output.metrics, "steps": recorder.steps, "logs": recorder.logs,
                   "evals": recorder.evals, "evaluate": evaluated, "added_steps": added.steps,
-                  "num_samples": evaluated["eval_num_samples"], **extra}
+                  "num_samples": evaluated["eval_num_samples"], "args_seen": sorted(recorder.args_seen),
+                  **extra}
         (Path(out) / "api_report.json").write_text(json.dumps(report))
 
 

@@ -57,6 +57,8 @@ def test_script_trains_as_hpc_mca_train_on_one_rank(one_rank):
     api, yaml = _numbers(one_rank["api"]), _numbers(one_rank["yaml"])
     assert len(api) == 4 and api == yaml  # bit for bit: losses and gradient norms
     report = json.loads((one_rank["api"] / "api_report.json").read_text())
+    # the script's callbacks get its own arguments object, as transformers' Trainer gives them
+    assert report["args_seen"] == [["Seq2SeqTrainingArguments", True]]
     losses = [loss for loss, _ in yaml]
     assert report["global_step"] == steps(one_rank["yaml"])[-1]["step"] == 4
     assert report["training_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-12)

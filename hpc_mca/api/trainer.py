@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
+from transformers import TrainingArguments as HFArguments
 from transformers import trainer_pt_utils
 
 from hpc_mca.config.input import ConfigError
@@ -125,7 +126,9 @@ class McaTrainer:
         objective.attach(chunks, build)  # dpo's reference: a frozen copy of the starting model
         self.trainer = Trainer(config, ctx, chunks, self.data, objective=objective, run_dir=run_dir,
                                model_shape=model_shape(config.model), callbacks=list(callbacks or ()),
-                               compute_metrics=compute_metrics)
+                               compute_metrics=compute_metrics,
+                               # (a script's arguments are transformers' class and the Megatron fields)
+                               script_args=args if isinstance(args, HFArguments) else None)
         self.history: list[StepResult] = []
 
     # ---- transformers' Trainer methods --------------------------------------------------------

@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
     from megatron.core.transformer.module import MegatronModule
+    from transformers import TrainingArguments as HFArguments
     from transformers.trainer_utils import EvalPrediction
 
     from hpc_mca.data.rows import RowDataset
@@ -68,7 +69,8 @@ class Trainer:
     def __init__(self, config: TrainConfig, ctx: RankContext, chunks: list[MegatronModule],
                  data: TrainingData, *, objective: Objective, run_dir: Path, model_shape: ModelShape,
                  callbacks: Iterable[TrainerCallback] = (),
-                 compute_metrics: Callable[[EvalPrediction], Mapping[str, float]] | None = None) -> None:
+                 compute_metrics: Callable[[EvalPrediction], Mapping[str, float]] | None = None,
+                 script_args: HFArguments | None = None) -> None:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -102,8 +104,9 @@ class Trainer:
         self.state = TrainerState(max_steps=max_steps, logging_steps=config.training.logging_steps,
                                   eval_steps=config.training.eval_steps or 0, is_world_process_zero=ctx.is_main)
         self.control = TrainerControl()
-        self.args = callback_args(tr)
-        """What the callbacks get as transformers' ``args``."""
+        self.args = script_args if script_args is not None else callback_args(tr)
+        """What the callbacks get as transformers' ``args``: a script's own arguments object (as
+        transformers' Trainer gives its callbacks), else the run config's training section."""
         flow = StepFlowCallback(data.eval is not None, tr.logging_steps, tr.eval_steps)
         self.callbacks = CallbackHandler([flow, *callbacks], self.model, data.tokenizer, self.optimizer,
                                          self.lr_scheduler)
