@@ -197,8 +197,7 @@ class McaTrainer:
         leaves that to the batch script's records)."""
         if resume_from_checkpoint is not None:
             self._resume_from(resume_from_checkpoint)
-        self.history = self.trainer.train(None if resume_from_checkpoint is None
-                                          else self._resume_spec(resume_from_checkpoint))
+        self.history = self.trainer.train()
         return self.history
 
     def evaluate(self, eval_dataset: ExampleDataset | None = None, ignore_keys: list[str] | None = None,
@@ -299,15 +298,12 @@ class McaTrainer:
         rows.probe(batch)  # every rank alike, before training
         return rows
 
-    @staticmethod
-    def _resume_spec(value: str | bool) -> str:
-        """transformers' ``resume_from_checkpoint`` argument as the config's setting."""
-        return "latest" if value is True else "never" if value is False else str(value)
-
     def _resume_from(self, value: str | bool) -> None:
+        """transformers' ``resume_from_checkpoint`` argument as the run's setting, checked."""
         from hpc_mca.checkpoint.compat import resume_check
 
-        self.config = self.config.amended("training", resume_from_checkpoint=self._resume_spec(value))
+        self.trainer.resume_from("latest" if value is True else "never" if value is False else str(value))
+        self.config = self.trainer.config
         try:
             resume_check(self.config, self.session.ctx.env.world_size, model_shape(self.config.model))
         except UserError as err:

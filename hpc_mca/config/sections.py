@@ -410,11 +410,6 @@ class TrainConfig(Freezable):
                        prefetch_factor=tr.dataloader_prefetch_factor)
 
     @property
-    def micro_batches_per_step(self) -> int:
-        """Micro-batches per optimizer step on one rank (RuntimeError before :meth:`resolve`)."""
-        return self.derived.gradient_accumulation_steps
-
-    @property
     def derived(self) -> Derived:
         """The derived values of this resolved config (RuntimeError before :meth:`resolve`)."""
         data, tr, par = self.data, self.training, self.parallel

@@ -120,6 +120,8 @@ class DataRun:
     """training.seed: data order, held-out split, mixing and the blend's draw."""
     seq_length: int
     """Tokens per row (data.seq_length as resolve derives it: else data.cutoff_len)."""
+    global_batch_size: int
+    """training.global_batch_size (derived by resolve): rows per optimizer step."""
     tokenizer_path: str = ""
     """model.tokenizer_name_or_path, else model.model_name_or_path: the tokenizer to load
     when the caller passes none."""
@@ -129,8 +131,6 @@ class DataRun:
     """training.per_device_train_batch_size: rows per training micro-batch on one rank."""
     eval_batch_size: int = 8
     """training.per_device_eval_batch_size: rows per evaluation micro-batch on one rank."""
-    global_batch_size: int | None = None
-    """training.global_batch_size (derived by resolve): rows per optimizer step."""
     max_steps: int = -1
     """training.max_steps: a blend draws ``max_steps × global_batch_size`` training samples."""
     data_parallel_size: int = 1

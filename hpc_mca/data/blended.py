@@ -158,7 +158,6 @@ def _blend_sizes(data: DataArguments, run: DataRun, shares: list[float]) -> list
     """Samples to draw per split: what the run trains on (max_steps × global batch), and for
     evaluation ``val_size`` (a count, or a fraction of that), else one evaluation step."""
     # Set by resolve, which every config that reaches the data pipeline went through.
-    assert run.global_batch_size is not None
     train = run.max_steps * run.global_batch_size
     if shares[1] == 0:
         return [train, 0, 0]

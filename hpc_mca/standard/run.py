@@ -109,9 +109,7 @@ class StandardRun:
     @property
     def global_batch_size(self) -> int:
         """Rows per optimizer step."""
-        size = self.config.training.global_batch_size
-        assert size is not None  # resolve derives it; the run's config is resolved
-        return size
+        return self.config.derived.global_batch_size
 
     def checkpoint_info(self, reason: str) -> CheckpointInfo:
         return checkpoint_info(self.records, self.ctx.env, self.counters, reason)
@@ -252,7 +250,7 @@ def _training_args(run: StandardRun) -> TrainingArguments:
     args = TrainingArguments(
         output_dir=str(run.run_dir), max_steps=run.max_steps,
         per_device_train_batch_size=tr.per_device_train_batch_size,
-        gradient_accumulation_steps=run.config.micro_batches_per_step,
+        gradient_accumulation_steps=run.config.derived.gradient_accumulation_steps,
         max_grad_norm=tr.max_grad_norm or 0.0, logging_steps=tr.logging_steps,
         logging_strategy="no", save_strategy="no", eval_strategy="no", report_to=[],
         seed=tr.seed, ignore_data_skip=True, disable_tqdm=True, bf16=tr.bf16, fp16=tr.fp16,

@@ -137,15 +137,17 @@ class Trainer:
 
     # ---- the run ----------------------------------------------------------------------------
 
-    def train(self, resume_from_checkpoint: str | None = None) -> list[StepResult]:
-        """Resume from the run's checkpoint (if any; ``resume_from_checkpoint`` overrides the
-        config's choice), train to ``max_steps`` with interval, end and on-signal saves, and
-        end the run: marked finished (and exported to HF when configured), or, stopped early by
-        a signal, left for the batch script to requeue. Returns the step results of this
-        process's part of the run (the same on every rank)."""
-        if resume_from_checkpoint is not None:  # a new resolved config, read by its checkpointer too
-            self.config = self.config.amended("training", resume_from_checkpoint=resume_from_checkpoint)
-            self.checkpointer.config = self.config
+    def resume_from(self, spec: str) -> None:
+        """Resume from ``spec`` (a ``training.resume_from_checkpoint`` value) instead of the
+        config's choice: a new resolved config, for this trainer and its checkpointer."""
+        self.config = self.config.amended("training", resume_from_checkpoint=spec)
+        self.checkpointer.config = self.config
+
+    def train(self) -> list[StepResult]:
+        """Resume from the run's checkpoint (if any), train to ``max_steps`` with interval, end
+        and on-signal saves, and end the run: marked finished (and exported to HF when
+        configured), or, stopped early by a signal, left for the batch script to requeue.
+        Returns the step results of this process's part of the run (the same on every rank)."""
         counters = self.counters
         self.loop.listen()
         try:
@@ -306,7 +308,7 @@ class Trainer:
         loader = train_dataloader(self.data.train, self.config.data_run(),
                                   consumed_samples=self.counters.consumed_samples,
                                   data_parallel_rank=self.mpu.get_data_parallel_rank())
-        per_step = self.config.micro_batches_per_step
+        per_step = self.config.derived.gradient_accumulation_steps
         micro = iter(loader)
         while True:
             yield self._one_shape(agreed_batches(
