@@ -50,14 +50,16 @@ def test_resume_at_k_consumed_yields_exactly_the_rest(consumed: int):
     assert resumed == full[consumed:]
 
 
-def test_epochs_drop_the_ragged_tail_and_reshuffle():
+def test_epochs_train_every_row_and_reshuffle():
     sampler = DataSampler(42, micro_batch_size=4, global_batch_size=8, seed=0)
-    assert sampler.samples_per_epoch == 40 and sampler.steps_per_epoch == 5
-    epoch0 = sum(_take(sampler, 10), [])
+    assert sampler.samples_per_epoch == 42 and sampler.steps_per_epoch == 6  # the last step: 2 rows
+    micro = _take(sampler, 11)
+    assert [len(m) for m in micro] == [4] * 10 + [2]  # the epoch's last micro-batch is short
+    epoch0 = sum(micro, [])
     epoch1 = sum(_take(DataSampler(42, micro_batch_size=4, global_batch_size=8, seed=0,
-                                   consumed_samples=40), 10), [])
-    assert len(set(epoch0)) == 40 and len(set(epoch1)) == 40 and epoch0 != epoch1
-    assert sampler.global_indices(40, 40).tolist() == epoch1
+                                   consumed_samples=42), 11), [])
+    assert sorted(epoch0) == sorted(epoch1) == list(range(42)) and epoch0 != epoch1
+    assert sampler.global_indices(42, 42).tolist() == epoch1
 
 
 def test_eval_order_is_sequential_and_finite():
@@ -68,9 +70,10 @@ def test_eval_order_is_sequential_and_finite():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(num_samples=3, micro_batch_size=2, global_batch_size=4), "fewer than one global batch"),
+    (dict(num_samples=0, micro_batch_size=2, global_batch_size=4), "the data has no rows"),
     (dict(num_samples=10, micro_batch_size=2, global_batch_size=5), "not a multiple of"),
-    (dict(num_samples=10, micro_batch_size=2, consumed_samples=3), "consumed_samples=3"),
+    (dict(num_samples=10, micro_batch_size=2, consumed_samples=3), "consumed_samples=3 is not at a micro-step"),
+    (dict(num_samples=11, micro_batch_size=2, consumed_samples=12), "consumed_samples=12 is not at a micro-step"),
     (dict(num_samples=10, micro_batch_size=2, data_parallel_rank=2, data_parallel_size=2),
      "data_parallel_rank=2 is outside 0..1"),
 ])

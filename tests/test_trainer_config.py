@@ -158,9 +158,6 @@ def test_layout_rule_uses_topology_and_model_shape(run: Path):
      "valid: 4, 8, 16, or leave it unset"),
     (["sequence_packing=true", "pack_alignment=0"], "data.pack_alignment=0 must be >= 1"),
     (["mtp_num_layers=-1"], "model.mtp_num_layers=-1 must be >= 0"),
-    (["mtp_num_layers=1", "export_hf_dir=hf"],
-     "model.mtp_num_layers=1 with training.export_hf_dir: HF llama checkpoints have no MTP "
-     "layers to write them to"),
     (["mtp_num_layers=3", "pipeline_model_parallel_size=2"],
      "parallel.pipeline_model_parallel_size=2 leaves 2 decoder layers on the last stage "
      "(num_layers=4), fewer than the model.mtp_num_layers=3 MTP layers that also run there; "
@@ -231,9 +228,10 @@ def test_save_resolved_round_trips(run: Path, tmp_path: Path):
 def test_total_training_steps(run: Path):
     resolved = load_config(run / "run.yaml", ["max_steps=-1", "num_train_epochs=2"]).resolve(2)
     assert resolved.training.global_batch_size == 2
-    assert total_training_steps(resolved.training, num_rows=11) == 10  # 5 whole batches × 2
-    with pytest.raises(ConfigError, match="fewer than one training.global_batch_size=2"):
-        total_training_steps(resolved.training, num_rows=1)
+    assert total_training_steps(resolved.training, num_rows=11) == 12  # 6 batches (1 partial) × 2
+    assert total_training_steps(resolved.training, num_rows=1) == 2  # one partial batch × 2
+    with pytest.raises(ConfigError, match="the training data has no rows"):
+        total_training_steps(resolved.training, num_rows=0)
 
 
 def test_field_names_are_unique_and_documented():

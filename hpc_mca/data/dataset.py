@@ -46,7 +46,7 @@ from .packing import pack_alignment
 from .preference import pair_rows, split_pairs, tokenize_pairs
 from .records import Record, check_dataset_path, text_of
 from .rows import RowDataset
-from .sampler import DataSampler
+from .sampler import DataSampler, EpochPlan
 from .sources import DatasetSource, resolve_sources, source_records
 from .store import (
     IndexedSamples,
@@ -266,10 +266,17 @@ def _loader(dataset: RowDataset, sampler: DataSampler, run: DataRun) -> torch.ut
                                        num_workers=run.num_workers, prefetch_factor=run.prefetch_factor)
 
 
+def epoch_plan(dataset: RowDataset, run: DataRun) -> EpochPlan:
+    """How the training loaders split an epoch of ``dataset`` into steps (every row trained, the
+    last step partial): what each backend's step consumes and how many micro-batches it has."""
+    return EpochPlan(len(dataset), run.micro_batch_size, run.data_parallel_size, run.global_batch_size)
+
+
 def train_dataloader(dataset: RowDataset, run: DataRun, *, data_parallel_rank: int,
                      consumed_samples: int = 0) -> torch.utils.data.DataLoader:
-    """Endless micro-batches of this rank, epoch after epoch, from ``consumed_samples`` on
-    (global samples; a multiple of micro-batch × DP, normally ``step × global_batch_size``)."""
+    """Endless micro-batches of this rank, epoch after epoch (each ending with a partial step,
+    :func:`epoch_plan`), from ``consumed_samples`` on (global samples, at a micro-step boundary:
+    the sum of the steps' :meth:`EpochPlan.step_samples`)."""
     sampler = DataSampler(len(dataset), micro_batch_size=run.micro_batch_size,
                           data_parallel_rank=data_parallel_rank,
                           data_parallel_size=run.data_parallel_size,

@@ -1,25 +1,75 @@
 """Deterministic, data-parallel, resumable order of training rows (Megatron-style sampler).
 
 The global order is a function of the seed only: epoch ``e`` visits the rows in the
-permutation drawn from ``numpy.random.default_rng([seed, e])``, keeping the first
-``samples_per_epoch`` of them (whole global batches; the ragged tail of an epoch is left out,
-like a drop-last loader). Global sample ``k`` of the run is therefore known without iterating,
-and a run resumed after ``consumed_samples`` continues with exactly the rows an uninterrupted
-run would have seen next.
+permutation drawn from ``numpy.random.default_rng([seed, e])``. Every epoch trains all its
+rows, as transformers' Trainer does: the epoch's order is padded to a multiple of the
+data-parallel size by repeating rows from its own start (what torch's DistributedSampler
+does), so ``samples_per_epoch = ceil(n / dp) × dp`` global samples, and its last optimizer
+step is a partial global batch (see :class:`EpochPlan`). Steps never cross an epoch boundary.
+Global sample ``k`` of the run is therefore known without iterating (epoch ``k //
+samples_per_epoch``, offset ``k % samples_per_epoch``), and a run resumed after
+``consumed_samples`` continues with exactly the rows an uninterrupted run would have seen next.
 
 Each micro-step takes the next ``micro_batch_size × data_parallel_size`` global samples;
 data-parallel rank ``r`` gets the ``r``-th slice of ``micro_batch_size`` of them (the layout of
-Megatron's MegatronPretrainingSampler). A global batch is ``global_batch_size`` consecutive
-global samples, whatever the split into ranks and micro-batches.
+Megatron's MegatronPretrainingSampler). Only the last micro-step of an epoch may be shorter:
+``m × data_parallel_size`` samples with ``m < micro_batch_size``, ``m`` per rank. A global
+batch is ``global_batch_size`` consecutive global samples of one epoch (fewer for the epoch's
+last), whatever the split into ranks and micro-batches.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Iterator
 
 import numpy as np
 
 from .errors import DataError
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochPlan:
+    """How an epoch of ``num_rows`` rows splits into optimizer steps and micro-steps. Both
+    backends size each step from it (the samples it consumes, its micro-batches per rank)."""
+
+    num_rows: int
+    """Rows of the training data (packed rows when packing; pairs for the preference stages)."""
+    micro_batch_size: int
+    """Rows of a full micro-batch on one data-parallel rank."""
+    data_parallel_size: int
+    """Data-parallel ranks the rows are split over."""
+    global_batch_size: int
+    """Rows of a full optimizer step over all ranks (a multiple of micro-batch × DP)."""
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Global samples of an epoch: the rows, padded to a multiple of the DP size."""
+        return math.ceil(self.num_rows / self.data_parallel_size) * self.data_parallel_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps of an epoch, the last one partial: ``ceil(n / global_batch_size)``,
+        transformers' count (per-rank batches rounded up, then accumulation steps rounded up)."""
+        return math.ceil(self.samples_per_epoch / self.global_batch_size)
+
+    @property
+    def micro_step_size(self) -> int:
+        """Global samples of a full micro-step."""
+        return self.micro_batch_size * self.data_parallel_size
+
+    def step_samples(self, consumed: int) -> int:
+        """Global samples of the step that starts after ``consumed`` samples."""
+        return min(self.global_batch_size, self.samples_per_epoch - consumed % self.samples_per_epoch)
+
+    def micro_steps_in_step(self, consumed: int) -> int:
+        """Micro-batches per rank of the step that starts after ``consumed`` samples."""
+        return math.ceil(self.step_samples(consumed) / self.micro_step_size)
+
+    def micro_step_samples(self, consumed: int) -> int:
+        """Global samples of the micro-step that starts after ``consumed`` samples."""
+        return min(self.micro_step_size, self.samples_per_epoch - consumed % self.samples_per_epoch)
 
 
 class DataSampler:
@@ -35,11 +85,13 @@ class DataSampler:
                  total_samples: int | None = None) -> None:
         self.num_samples, self.seed, self.shuffle = num_samples, seed, shuffle
         self.micro_batch_size, self.rank = micro_batch_size, data_parallel_rank
+        self.data_parallel_size = data_parallel_size
         self.step_size = micro_batch_size * data_parallel_size
         self.global_batch_size = global_batch_size or self.step_size
         self.consumed_samples, self.total_samples = consumed_samples, total_samples
+        self.plan = EpochPlan(num_samples, micro_batch_size, data_parallel_size, self.global_batch_size)
+        self.samples_per_epoch = self.plan.samples_per_epoch
         self._check(data_parallel_size)
-        self.samples_per_epoch = num_samples // self.global_batch_size * self.global_batch_size
         self._epoch_order: tuple[int, np.ndarray] | None = None
 
     def _check(self, dp_size: int) -> None:
@@ -48,27 +100,29 @@ class DataSampler:
         if self.global_batch_size % self.step_size:
             raise DataError(f"training.global_batch_size={self.global_batch_size} is not a "
                             f"multiple of micro-batch × data-parallel size={self.step_size}")
-        if self.num_samples < self.global_batch_size:
-            raise DataError(f"the data has {self.num_samples} rows, fewer than one global batch "
-                            f"of {self.global_batch_size}; valid: global_batch_size <= "
-                            f"{self.num_samples}")
-        if self.consumed_samples < 0 or self.consumed_samples % self.step_size:
-            raise DataError(f"consumed_samples={self.consumed_samples} must be a multiple of "
-                            f"micro-batch × data-parallel size={self.step_size}")
+        if self.num_samples < 1:
+            raise DataError("the data has no rows; valid: at least one row")
+        offset = self.consumed_samples % self.samples_per_epoch
+        if self.consumed_samples < 0 or offset % self.step_size:
+            raise DataError(f"consumed_samples={self.consumed_samples} is not at a micro-step "
+                            f"boundary (epochs of {self.samples_per_epoch} samples, micro-steps of "
+                            f"micro-batch × data-parallel size={self.step_size})")
 
     @property
     def steps_per_epoch(self) -> int:
-        """Optimizer steps (global batches) in one epoch."""
-        return self.samples_per_epoch // self.global_batch_size
+        """Optimizer steps in one epoch (the last a partial global batch)."""
+        return self.plan.steps_per_epoch
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """Row indices visited in ``epoch``, in order."""
+        """Row indices visited in ``epoch``, in order (``samples_per_epoch`` of them)."""
         if self._epoch_order is None or self._epoch_order[0] != epoch:
             if self.shuffle:
                 order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
             else:
                 order = np.arange(self.num_samples)
-            self._epoch_order = (epoch, order[:self.samples_per_epoch])
+            # DistributedSampler's padding: the epoch's own order again from its start.
+            padded = np.resize(order, self.samples_per_epoch)
+            self._epoch_order = (epoch, padded)
         return self._epoch_order[1]
 
     def global_indices(self, start: int, count: int) -> np.ndarray:
@@ -79,17 +133,33 @@ class DataSampler:
             out.append(int(self.epoch_order(epoch)[position]))
         return np.asarray(out, dtype=np.int64)
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def micro_steps(self) -> Iterator[np.ndarray]:
+        """The global samples (row indices) of each micro-step from ``consumed_samples`` on:
+        ``m × data_parallel_size`` of them, ``m`` rows for each rank."""
         consumed = self.consumed_samples
-        while self.total_samples is None or consumed + self.step_size <= self.total_samples:
+        while True:
+            size = self.plan.micro_step_samples(consumed)
+            if self.total_samples is not None and consumed + size > self.total_samples:
+                return
             epoch, position = divmod(consumed, self.samples_per_epoch)
-            step = self.epoch_order(epoch)[position:position + self.step_size]
-            mine = step[self.rank * self.micro_batch_size:(self.rank + 1) * self.micro_batch_size]
-            consumed += self.step_size
-            yield [int(i) for i in mine]
+            consumed += size
+            yield self.epoch_order(epoch)[position:position + size]
+
+    def rank_slice(self, micro_step: np.ndarray) -> slice:
+        """This rank's part of a micro-step's global samples."""
+        rows = len(micro_step) // self.data_parallel_size
+        return slice(self.rank * rows, (self.rank + 1) * rows)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in self.micro_steps():
+            yield [int(i) for i in step[self.rank_slice(step)]]
 
     def __len__(self) -> int:
         """Micro-batches left for this rank (only when ``total_samples`` is set)."""
         if self.total_samples is None:
             raise TypeError("an endless DataSampler has no length; set total_samples")
-        return max(0, (self.total_samples - self.consumed_samples) // self.step_size)
+        count, consumed = 0, self.consumed_samples
+        while consumed + self.plan.micro_step_samples(consumed) <= self.total_samples:
+            consumed += self.plan.micro_step_samples(consumed)
+            count += 1
+        return count

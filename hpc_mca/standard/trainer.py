@@ -58,6 +58,9 @@ if TYPE_CHECKING:
 
 __all__ = ["StandardTrainer", "batch_count"]
 
+NO_MICRO_BATCH = "hpc_mca_no_micro_batch"
+"""The key that marks a placeholder micro-batch (an epoch's last, partial step)."""
+
 
 @dataclasses.dataclass
 class StepTally:
@@ -117,15 +120,28 @@ class StandardTrainer(AdaptedTrainer):
 
     def get_batch_samples(self, epoch_iterator: Iterator[dict[str, torch.Tensor]], num_batches: int,
                           device: torch.device) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
-        """The step's ``num_batches`` micro-batches and the global batch's count (real tokens;
-        dpo: pairs) over every rank's micro-batches, which ``compute_loss`` divides by."""
-        batch_samples = list(itertools.islice(epoch_iterator, num_batches))
+        """The step's micro-batches and the global batch's count (real tokens; dpo: pairs) over
+        every rank's micro-batches, which ``compute_loss`` divides by. An epoch's last step has
+        fewer micro-batches than ``num_batches`` (the run's EpochPlan): transformers' loop, which
+        knows no epochs of an endless stream, syncs gradients and steps the optimizer after
+        ``num_batches`` of them, so placeholders that train nothing come first."""
+        real = self.run.epochs.micro_steps_in_step(self.run.counters.consumed_samples)
+        batch_samples = list(itertools.islice(epoch_iterator, real))
         count = torch.tensor(self.count_items(batch_samples), dtype=torch.float64,
                              device=self.run.device)
         if dist.is_initialized():
             dist.all_reduce(count)
         self.tally.count += float(count)
-        return batch_samples, count
+        placeholder = {"input_ids": torch.zeros(1, 0, dtype=torch.long), NO_MICRO_BATCH: torch.ones(())}
+        return [placeholder] * (num_batches - real) + batch_samples, count
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """transformers' micro-batch step; a placeholder of :meth:`get_batch_samples` trains
+        nothing (no forward, no backward: it comes before the step's synchronising backward)."""
+        if NO_MICRO_BATCH in inputs:
+            return torch.zeros((), device=self.args.device)
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def count_items(self, batch_samples: list[dict[str, torch.Tensor]]) -> float:
         return float(sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batch_samples))
@@ -170,7 +186,8 @@ class StandardTrainer(AdaptedTrainer):
         norm = self.step_grad_norm
         grad_norm = float(norm) if norm is not None and not skipped else float("nan")
         # transformers' loop advanced its own step; the run's counters follow it here.
-        self.run.counters.step_taken(self.run.global_batch_size, skipped=skipped)
+        counters = self.run.counters
+        counters.step_taken(self.run.epochs.step_samples(counters.consumed_samples), skipped=skipped)
         self.loop.end_step(StepResult(loss=loss, tokens=tokens, input_tokens=inputs,
                                       grad_norm=grad_norm, skipped=skipped,
                                       metrics=self.step_metrics(tokens)))

@@ -21,6 +21,7 @@ loss and its reduction, eval metric) is the stage's :class:`~hpc_mca.trainer.obj
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -36,7 +37,7 @@ from hpc_mca.config.run_length import total_training_steps
 from hpc_mca.config.schedule import build_lr_scheduler, resolve_warmup_steps, scheduler_spec
 from hpc_mca.config.sections import ParallelArguments, TrainConfig
 from hpc_mca.data.batch import PackedBatch
-from hpc_mca.data.dataset import TrainingData, eval_dataloader, train_dataloader
+from hpc_mca.data.dataset import TrainingData, epoch_plan, eval_dataloader, train_dataloader
 from hpc_mca.data.errors import DataError
 from hpc_mca.loop.boundary import Decision, StepBoundary
 from hpc_mca.loop.callbacks import StepFlowCallback, callback_args
@@ -50,6 +51,7 @@ from hpc_mca.runtime.distributed import RankContext
 from hpc_mca.runtime.rng import collect_rng, restore_rng
 from hpc_mca.topology import ModelShape
 from hpc_mca.trainer.objective import ForwardStep, Objective
+from hpc_mca.trainer.partial_step import check_partial_steps, filled_rows
 
 if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -81,7 +83,10 @@ class Trainer:
         tr = config.training
         self.counters = RunCounters(max_steps=total_training_steps(tr, len(data.train)))
         max_steps = self.counters.max_steps
-        self.samples_per_step = config.derived.global_batch_size
+        self.epochs = epoch_plan(data.train, config.data_run())  # each epoch's last step partial
+        check_partial_steps(self.epochs, pp=config.parallel.pipeline_model_parallel_size,
+                            vp=config.parallel.virtual_pipeline_model_parallel_size, packed=data.train.packed,
+                            stage=config.finetuning.stage)
         schedule = scheduler_spec(tr.lr_scheduler_type, tr.lr_scheduler_kwargs, tr.learning_rate,
                                   resolve_warmup_steps(tr.warmup_steps, tr.warmup_ratio, max_steps),
                                   max_steps)
@@ -171,7 +176,7 @@ class Trainer:
             tr, env = self.config.training, self.ctx.env
             self.loop.finalize(finished=not counters.requeue, run_dir=self.run_dir, training=tr,
                                export=self.checkpointer.export, is_main=self.ctx.is_main,
-                               steps_per_epoch=len(self.data.train) // self.samples_per_step,
+                               steps_per_epoch=self.epochs.steps_per_epoch,
                                job_id=env.job_id, restart_count=env.restart_count)
         finally:
             self.loop.close()
@@ -183,9 +188,9 @@ class Trainer:
         self.control = self.callbacks.on_step_begin(self.args, self.state, self.control)
         result = self.train_step(next(batches))
         counters = self.counters
-        counters.step_taken(self.samples_per_step, skipped=result.skipped)
+        counters.step_taken(self.epochs.step_samples(counters.consumed_samples), skipped=result.skipped)
         self.state.global_step = counters.global_step
-        self.state.epoch = counters.consumed_samples / max(1, len(self.data.train))
+        self.state.epoch = counters.consumed_samples / self.epochs.samples_per_epoch
         self.control = self.callbacks.on_step_end(self.args, self.state, self.control)
         self.checkpointer.poll()  # commit an async save whose shards are all written
         return result
@@ -308,11 +313,14 @@ class Trainer:
         loader = train_dataloader(self.data.train, self.config.data_run(),
                                   consumed_samples=self.counters.consumed_samples,
                                   data_parallel_rank=self.mpu.get_data_parallel_rank())
-        per_step = self.config.derived.gradient_accumulation_steps
-        micro = iter(loader)
-        while True:
-            yield self._one_shape(agreed_batches(
-                lambda: [self._cp_share(next(micro)) for _ in range(per_step)], self.ctx.device))
+        consumed, micro = self.counters.consumed_samples, iter(loader)
+        while True:  # an epoch's last step has fewer micro-batches (EpochPlan)
+            per_step = self.epochs.micro_steps_in_step(consumed)
+            consumed += self.epochs.step_samples(consumed)
+            yield self._one_shape(agreed_batches(partial(self._next_micro_batches, micro, per_step), self.ctx.device))
+
+    def _next_micro_batches(self, micro: Iterator[PackedBatch], count: int) -> list[PackedBatch]:
+        return [self._cp_share(next(micro)) for _ in range(count)]
 
     def _one_shape(self, micro_batches: list[PackedBatch]) -> list[PackedBatch]:
         """Under pipeline parallelism, the unpacked micro-batches of one schedule call padded
@@ -320,8 +328,9 @@ class Trainer:
         may pad each batch to its own length; ROLL pads them alike)."""
         if self.mpu.get_pipeline_model_parallel_world_size() == 1 or any(b.packed for b in micro_batches):
             return micro_batches
-        longest = max(b.seq_length for b in micro_batches)
-        return [b.padded_to(longest) for b in micro_batches]
+        longest, most = max(b.seq_length for b in micro_batches), max(b.rows for b in micro_batches)
+        # An epoch's last micro-batch may hold fewer rows: masked rows fill it (partial_step).
+        return [filled_rows(b, most).padded_to(longest) for b in micro_batches]
 
     def _cp_share(self, batch: PackedBatch) -> PackedBatch:
         """The chunks of ``batch`` this rank's context-parallel position keeps (every CP rank
