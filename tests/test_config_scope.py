@@ -54,7 +54,6 @@ OUT_OF_CONTEXT = {
     "model.mtp_loss_scaling_factor": ("0.3", ["mtp_num_layers=1"]),
     "data.text_field": ("body", ["stage=pt"]),
     "data.pt_chunking": ("document", ["stage=pt"]),
-    "data.template": ("plain", None),
     "data.train_on_prompt": ("true", None),
     "data.pack_alignment": ("4", ["sequence_packing=true"]),
     "parallel.cp_comm_type": ("a2a", ["context_parallel_size=2"]),
@@ -70,7 +69,7 @@ OUT_OF_CONTEXT = {
 """field -> (value, overrides that make its context); None: the context is the default run's,
 and the refusal is shown with :data:`LEAVE_CONTEXT` instead."""
 LEAVE_CONTEXT = {
-    "data.dataset_format": ["dataset_dir=."], "data.template": ["stage=pt"],
+    "data.dataset_format": ["dataset_dir=."],
     "data.train_on_prompt": ["stage=pt"], "parallel.cp_comm_type": [],
     "training.adam_beta1": ["optim=sgd"], "training.adam_beta2": ["optim=sgd"],
     "training.adam_epsilon": ["optim=sgd"], "training.warmup_steps": ["lr_scheduler_type=constant"],
@@ -127,7 +126,7 @@ def test_a_resolved_config_read_back_is_accepted(run: Path, tmp_path: Path):
 def test_every_problem_of_a_config_in_one_message(run: Path):
     (run / "lf.yaml").write_text(yaml.safe_dump({
         "model_name_or_path": "model", "dataset": "train.jsonl", "output_dir": str(run / "o"),
-        "do_train": False, "packing": "maybe", "deepspeed": "ds_z3.json", "ddp_timeout": 180000000,
+        "do_train": False, "packing": "maybe", "use_dora": True, "ddp_timeout": 180000000,
         "flash_attn": "fa3", "learnig_rate": 1e-4, "bf16": "yes", "pref_beta": 0.1},
         sort_keys=False))
     with pytest.raises(ConfigError) as err:
@@ -135,8 +134,8 @@ def test_every_problem_of_a_config_in_one_message(run: Path):
     lines = str(err.value).splitlines()
     # LLaMA-Factory's keys (tests/test_lf_keys.py) among this config's own, in the order written
     assert [line.split("=")[0].split(" ")[0] for line in lines] == [
-        "do_train", "packing", "unknown", "flash_attn", "unknown", "training.bf16"], lines
-    assert "'deepspeed'" in lines[2] and "parallel.use_distributed_optimizer" in lines[2]
+        "do_train", "packing", "use_dora", "flash_attn", "unknown", "training.bf16"], lines
+    assert lines[2].startswith("use_dora=True is not supported: no DoRA here")
     assert lines[4].endswith("did you mean 'training.learning_rate'?")
     assert lines[5] == "training.bf16='yes' must be true or false"
     # Then the rules of every section at once (resolve)

@@ -242,17 +242,42 @@ def test_export_dir(run: Path, tmp_path: Path):
     assert full.export_hf_dir == os.path.abspath("exported") and full.export_merged_dir is None
     # LoRA: LLaMA-Factory's export merges the adapters (the key may come before finetuning_type)
     lora = _load(run, f"export_dir={tmp_path / 'merged'}", "finetuning_type=lora").training
-    assert lora.export_merged_dir == str(tmp_path / "merged") and lora.export_hf_dir is None
+    # (the adapter's own export, export_hf_dir, keeps its default)
+    assert lora.export_merged_dir == str(tmp_path / "merged")
+    assert lora.export_hf_dir == TrainConfig().training.export_hf_dir
 
 
-@pytest.mark.parametrize("key, replacement", [
-    ("deepspeed", "parallel.use_distributed_optimizer=true"),
-    ("quantization_bit", "no quantized training (QLoRA) here"),
-])
-def test_refused_keys(run: Path, key: str, replacement: str):
-    line = _refusal(run, f"{key}=4")
-    assert line.startswith(f"unknown config key {key!r} (another tool's name)") and replacement in line
-    assert key not in LF_KEYS
+def test_refused_keys(run: Path):
+    """LLaMA-Factory's quantization_bit: its default (null) is accepted, a number refused in one
+    line (tests/test_key_answers.py walks every such key)."""
+    assert _load(run, "quantization_bit=null") == _load(run)
+    line = _refusal(run, "quantization_bit=4")
+    assert line.startswith("quantization_bit=4 is not supported: no quantized training (QLoRA) here")
+    assert line.endswith("valid: null (its default), or remove the key")
+    assert "quantization_bit" not in LF_KEYS
+
+
+@pytest.mark.parametrize("value, distributed", [
+    ("examples/deepspeed/ds_z3_config.json", True), ("ds_z2_offload_config.json", True),
+    ("zero1.json", True), ("ds_z0_config.json", False), (None, False)])
+def test_deepspeed_by_name(run: Path, value: str | None, distributed: bool):
+    """A DeepSpeed config that is not on this machine (LLaMA-Factory's examples name theirs
+    relative to its checkout): the ZeRO stage in its name decides."""
+    config = _load(run, f"deepspeed={'null' if value is None else value}")
+    assert config.parallel.use_distributed_optimizer is distributed
+
+
+def test_deepspeed_reads_the_json(run: Path, tmp_path: Path):
+    """A DeepSpeed JSON that exists is read: its zero_optimization.stage decides, not its name."""
+    for stage, distributed in ((3, True), (1, True), (0, False)):
+        path = tmp_path / f"ds_z3_config_{stage}.json"
+        path.write_text(json.dumps({"zero_optimization": {"stage": stage}, "bf16": {"enabled": "auto"}}))
+        assert _load(run, f"deepspeed={path}").parallel.use_distributed_optimizer is distributed
+    (tmp_path / "bad.json").write_text(json.dumps({"zero_optimization": {"stage": 4}}))
+    assert _refusal(run, f"deepspeed={tmp_path / 'bad.json'}") == (
+        "deepspeed: zero_optimization.stage=4; valid: 0, 1, 2 or 3")
+    assert _refusal(run, "deepspeed=my_ds.json").startswith(
+        "deepspeed='my_ds.json': no such file here and its name gives no ZeRO stage; valid:")
 
 
 def test_report_to(run: Path):
@@ -280,7 +305,7 @@ def test_every_problem_of_a_config_in_one_message(run: Path):
         "model_name_or_path: model\ndataset: train.jsonl\n"
         f"output_dir: {run / 'out'}\n"
         "do_train: false\n"
-        "deepspeed: ds_z3.json\n"
+        "use_dora: true\n"
         "flash_attn: fa3\n"
         "template: qwen3_nothnik\n"
         "optim: adamw_8bit\n"
@@ -295,12 +320,11 @@ def test_every_problem_of_a_config_in_one_message(run: Path):
         load_config(run / "bad.yaml")
     lines = str(err.value).splitlines()
     assert [line.split("=")[0].split(":")[0].split(" ")[0] for line in lines] == [
-        "do_train", "unknown", "flash_attn", "data.template", "training.optim",
-        "training.report_to", "unknown", "save_strategy", "unknown", "streaming", "training.bf16"]
-    assert "'deepspeed'" in lines[1] and "parallel.use_distributed_optimizer" in lines[1]
+        "do_train", "use_dora", "flash_attn", "data.template", "training.optim",
+        "training.report_to", "unknown", "save_strategy", "quantization_bit", "streaming", "training.bf16"]
+    assert lines[1].startswith("use_dora=True is not supported: no DoRA here")
     assert lines[3].endswith("did you mean 'qwen3_nothink'?")
     assert lines[6].endswith("did you mean 'training.learning_rate'?")
-    assert "'quantization_bit'" in lines[8]
     # with the rules: the load lines, then the rules' (max_steps=0 is a rule's)
     with pytest.raises(ConfigError) as err:
         load_resolved(run / "bad.yaml", [], 1)
@@ -331,10 +355,11 @@ def _example(name: str, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_llama_factory_examples_load(tmp_path: Path, name: str, use_mca: str):
     path = _example(name, tmp_path)
-    if "deepspeed" in EXAMPLES[name]:
-        with pytest.raises(ConfigError) as err:
+    if "deepspeed" in EXAMPLES[name] and use_mca == "false":
+        with pytest.raises(ConfigError) as err:  # the standard backend has no ZeRO sharding
             load_resolved(path, [f"use_mca={use_mca}"], 1)
-        assert str(err.value).startswith("unknown config key 'deepspeed'"), str(err.value)
+        assert str(err.value).startswith("deepspeed='examples/deepspeed/ds_z3_config.json' (ZeRO-3) "
+                                         "with training.use_mca=false"), str(err.value)
         assert len(str(err.value).splitlines()) == 1
         path.write_text("\n".join(line for line in path.read_text().splitlines()
                                   if not line.startswith("deepspeed:")))
@@ -357,4 +382,6 @@ def test_llama_factory_examples_load(tmp_path: Path, name: str, use_mca: str):
     assert data.template == ("qwen3_nothink" if "pretrain" not in name else "chat")
     if config.finetuning.finetuning_type == "lora" and use_mca == "true":
         # bf16 LoRA keeps float32 adapters, which only the distributed optimizer keeps
+        assert config.parallel.use_distributed_optimizer is True
+    if "deepspeed" in EXAMPLES[name] and use_mca == "true":  # ds_z3_config.json, not here: by its name
         assert config.parallel.use_distributed_optimizer is True

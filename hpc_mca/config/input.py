@@ -45,22 +45,20 @@ CLOSE_SPELLING = 0.8
 ``warmup_step``, ``tensor_parallel_size``); below it, unrelated words start to match."""
 
 KNOWN_ELSEWHERE: dict[str, str] = {
-    # LLaMA-Factory's own keys (its example YAMLs) that are refused here; the ones honoured
-    # are in LF_KEYS below.
+    # LLaMA-Factory's own keys: every one has its answer in key_answers.py (these texts are
+    # its reasons for the keys below, and what a script's TrainingArguments field is told).
     "do_eval": "use data.eval_dataset or data.val_size (evaluation runs whenever there is "
                "eval data)",
-    "do_predict": "no counterpart: hpc-mca trains and evaluates, it does not generate predictions",
-    "deepspeed": "Megatron-Core's parallelism replaces DeepSpeed: remove the key and shard "
-                 "with the parallel section (parallel.use_distributed_optimizer=true shards "
-                 "optimizer state and fp32 master weights over data-parallel ranks like ZeRO-1; "
-                 "tensor_model_parallel_size / pipeline_model_parallel_size split the weights)",
-    "quantization_bit": "no quantized training (QLoRA) here: remove the key (LoRA trains "
-                        "adapters on the bf16/fp32 base: finetuning_type=lora, bf16=true)",
-    "quantization_method": "no quantized training (QLoRA) here: remove the key",
+    "deepspeed": "a DeepSpeed config's ZeRO stage 1-3 becomes parallel.use_distributed_optimizer=true "
+                 "(Megatron-Core's parallelism replaces DeepSpeed: optimizer state sharded over "
+                 "data-parallel ranks; tensor_model_parallel_size / pipeline_model_parallel_size "
+                 "split the weights)",
+    "quantization_bit": "no quantized training (QLoRA) here (LoRA trains adapters on the "
+                        "bf16/fp32 base: finetuning_type=lora, bf16=true)",
     "max_length": "use data.cutoff_len",
-    "use_llama_pro": "no LLaMA Pro (expanded blocks, every k-th layer trains) here: remove the "
-                     "key (finetuning_type=freeze trains the last or first "
-                     "freeze_trainable_layers layers)",
+    "use_llama_pro": "no LLaMA Pro (expanded blocks, every k-th layer trains) here "
+                     "(finetuning_type=freeze trains the last or first freeze_trainable_layers "
+                     "layers)",
     # transformers / TRL / peft names
     "per_gpu_train_batch_size": "use training.per_device_train_batch_size",
     "per_gpu_eval_batch_size": "use training.per_device_eval_batch_size",

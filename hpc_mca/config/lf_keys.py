@@ -6,19 +6,20 @@ every plain key, and refusing the values it cannot honour in one line. The loade
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .input import Assignments, ConfigError
+from .input import KNOWN_ELSEWHERE, Assignments, ConfigError
 from .scope import has_eval_data
 
 if TYPE_CHECKING:
     from .sections import TrainConfig
 
-__all__ = ["FLASH_ATTN", "LF_KEYS", "STRATEGIES", "LfKey", "lf_assignments", "lf_name"]
-
+__all__ = ["FLASH_ATTN", "LF_KEYS", "LF_KEY_NOTES", "STRATEGIES", "LfKey", "lf_assignments", "lf_name"]
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,65 @@ def _export_dir(value: object, config: TrainConfig) -> Assignments:
     return {"training.export_hf_dir": path}
 
 
+def _disable_gradient_checkpointing(value: object, config: TrainConfig) -> Assignments:
+    # LLaMA-Factory recomputes every layer unless this is set; here nothing is recomputed unless
+    # asked (gradient_checkpointing, parallel.recompute_*): true is that, false asks nothing.
+    if _flag("disable_gradient_checkpointing", value):
+        return _gradient_checkpointing(False, config)
+    return {}
+
+
+def _jit_checkpoint(value: object, config: TrainConfig) -> Assignments:
+    # Either value is fine: a stop signal (Slurm's SIGTERM before the time limit or a preemption)
+    # always writes a checkpoint here, then the job is requeued.
+    _flag("enable_jit_checkpoint", value)
+    return {}
+
+
+_ZERO_NAME = re.compile(r"(?:zero|z)[_-]?([0-3])(?![0-9])", re.IGNORECASE)
+"""A ZeRO stage in a DeepSpeed config's file name (ds_z3_config.json, zero2.json)."""
+
+
+def _zero_stage(value: object) -> int:
+    """The ZeRO stage of transformers' ``deepspeed`` value: a config mapping, a JSON file, or
+    (a file that is not on this machine) its name."""
+    if isinstance(value, str) and value and os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                value = json.load(f)
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(f"deepspeed={value!r} is not a readable JSON file ({err})") from None
+    if isinstance(value, dict):
+        stage = (value.get("zero_optimization") or {}).get("stage", 0)
+        if stage not in (0, 1, 2, 3):
+            raise ConfigError(f"deepspeed: zero_optimization.stage={stage!r}; valid: 0, 1, 2 or 3")
+        return int(stage)
+    if isinstance(value, str) and value:
+        found = _ZERO_NAME.search(os.path.basename(value))
+        if found:
+            return int(found.group(1))
+        raise ConfigError(f"deepspeed={value!r}: no such file here and its name gives no ZeRO stage; "
+                          "valid: a DeepSpeed JSON config (zero_optimization.stage), or a name with "
+                          "its stage such as ds_z3_config.json")
+    raise ConfigError(f"deepspeed={value!r} must be a DeepSpeed JSON config file: "
+                      f"{KNOWN_ELSEWHERE['deepspeed']}")
+
+
+def _deepspeed(value: object, config: TrainConfig) -> Assignments:
+    """Megatron-Core's parallelism replaces DeepSpeed: ZeRO 1-3's sharding of optimizer state
+    over data-parallel ranks is the distributed optimizer; weights are split by tensor and
+    pipeline parallelism, not by ZeRO-3."""
+    if value is None:
+        return {}
+    stage = _zero_stage(value)
+    if stage > 0 and not config.training.use_mca:
+        raise ConfigError(f"deepspeed={value!r} (ZeRO-{stage}) with training.use_mca=false: the standard "
+                          "backend keeps the whole optimizer state on every rank (no ZeRO sharding); "
+                          "valid: remove the key, or training.use_mca=true (the distributed optimizer)")
+    # stage 0 is plain data parallelism, what runs here without the distributed optimizer
+    return {"parallel.use_distributed_optimizer": True} if stage > 0 else {}
+
+
 def lf_name(key: str, sections: tuple[str, ...]) -> str | None:
     """The LLaMA-Factory key that ``key`` names (flat, or under one of ``sections``), or None."""
     section, _, name = key.rpartition(".")
@@ -214,6 +274,44 @@ LF_KEYS: dict[str, LfKey] = {
     "logging_strategy": LfKey((), _logging_strategy),
     "tokenized_path": LfKey(("data.preprocessing_cache_dir",), _tokenized_path),
     "export_dir": LfKey(("training.export_hf_dir", "training.export_merged_dir"), _export_dir),
+    "deepspeed": LfKey(("parallel.use_distributed_optimizer",), _deepspeed),
+    "disable_gradient_checkpointing": LfKey(("parallel.recompute_granularity", "parallel.recompute_method",
+                                             "parallel.recompute_num_layers"), _disable_gradient_checkpointing),
+    "enable_jit_checkpoint": LfKey((), _jit_checkpoint),
 }
 """LLaMA-Factory keys honoured here, by name. Each is applied after every plain key, in the
 order written, and a plain key written after it wins unless it ``decides``."""
+
+LF_KEY_NOTES: dict[str, str] = {
+    "do_train": "`true` accepted (hpc-mca train always trains); `false` refused: no evaluation-only runs",
+    "trust_remote_code": "either value: no remote code runs (a model whose config.json has auto_map is "
+                         "refused whatever it says)",
+    "packing": "`data.sequence_packing`",
+    "neat_packing": "`data.sequence_packing` (packed documents never attend to each other here)",
+    "streaming": "`false` accepted; `true` refused: datasets are tokenized once and read whole "
+                 "(`data.data_path` for a corpus too large for that)",
+    "enable_liger_kernel": "`false` accepted; `true` refused: `model.fusions` chooses the compiled kernels",
+    "use_liger_kernel": "as `enable_liger_kernel`",
+    "flash_attn": "`model.attention_backend`: auto -> auto, disabled/sdpa -> torch, fa2 -> flash; fa3 refused",
+    "gradient_checkpointing": "`true`: `parallel.recompute_granularity: full`, `recompute_method: uniform`, "
+                              "`recompute_num_layers: 1`; `false`: none",
+    "eval_strategy": "`steps`: `training.eval_steps` (unset with eval data: logging_steps); `no`: no "
+                     "interval; `epoch` refused",
+    "evaluation_strategy": "as `eval_strategy`",
+    "save_strategy": "`steps`: `training.save_steps` (unset: 500); `no`: no interval; `epoch`, `best` refused",
+    "logging_strategy": "`steps`: `training.logging_steps`; `no`, `epoch` refused",
+    "tokenized_path": "`data.preprocessing_cache_dir` (the cache key covers the data and the settings)",
+    "export_dir": "full: `training.export_hf_dir`; LoRA: `training.export_merged_dir`; relative to the "
+                  "working directory",
+    "deepspeed": "a DeepSpeed config with ZeRO stage 1, 2 or 3 (its JSON's zero_optimization.stage; a "
+                 "file not on this machine: the stage in its name, ds_z3_config.json) -> "
+                 "`parallel.use_distributed_optimizer: true` (optimizer state and fp32 master weights "
+                 "sharded over data-parallel ranks); weights are split by tensor/pipeline parallelism, "
+                 "not ZeRO-3; stage 0: nothing to set; refused with `use_mca: false` (no ZeRO sharding there)",
+    "disable_gradient_checkpointing": "`true`: no recompute; `false` accepted (LLaMA-Factory then "
+                                      "recomputes; here `gradient_checkpointing` / `parallel.recompute_*` "
+                                      "ask for it)",
+    "enable_jit_checkpoint": "either value: a stop signal always writes a checkpoint before the job "
+                             "is requeued",
+}
+"""What each LLaMA-Factory key becomes, one line for README.md's table."""

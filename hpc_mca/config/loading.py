@@ -23,6 +23,7 @@ from .input import (
     read_yaml,
     unknown_key_message,
 )
+from .key_answers import refusal, refused_name
 from .lf_keys import lf_assignments, lf_name
 from .sections import (
     INPUT_PATHS,
@@ -87,6 +88,13 @@ def load_items(items: list[tuple[str, Any, Path | None]],
         if name is not None:
             lf_items.pop(name, None)  # re-inserted: they are applied in the order written
             lf_items[name] = (at, value)
+            continue
+        refused = refused_name(key, tuple(SECTION_TYPES))
+        if refused is not None:  # another tool's key: its default sets nothing, else one line
+            line = refusal(refused, value)
+            problems.pop(refused, None)
+            if line is not None:
+                problems[refused] = (at, line)
             continue
         try:
             written.update(dict.fromkeys(set_value(config, key, value, base_dir=base), at))

@@ -18,6 +18,7 @@ from hpc_mca.frozen import thawed_copy
 from hpc_mca.rundir import PLAN_OVERRIDES_ENV, RUN_DIR_ENV
 
 from .input import KNOWN_ELSEWHERE, ConfigError, parse_value
+from .key_answers import REFUSED
 from .loading import load_items, set_value
 from .sections import TrainConfig, field_section
 
@@ -283,8 +284,8 @@ def _translate(args: DataclassInstance, name: str, value: object) -> Items:
         return [("training.warmup_steps", _config_value(name, value))]  # steps win over a ratio
     if name in _OWN or name in STRATEGIES or _is_config_field(name):
         return [(name, _config_value(name, value))]
-    why = KNOWN_ELSEWHERE.get(name, "a setting of transformers' Trainer that this trainer does "
-                                    "not run")
+    why = REFUSED[name].why if name in REFUSED else KNOWN_ELSEWHERE.get(
+        name, "a setting of transformers' Trainer that this trainer does not run")
     default = _transformers_defaults(type(args), bool(getattr(args, "use_cpu", False))).get(name)
     raise ConfigError(f"{type(args).__name__}.{name}={value!r}: {why}; valid: {default!r} "
                       f"(transformers' default)")

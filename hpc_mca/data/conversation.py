@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 
 from .errors import DataError
-from .records import Record
+from .records import Record, check_text_only
 
 USER, ASSISTANT, OBSERVATION, FUNCTION, SYSTEM = "user", "assistant", "observation", "function", "system"
 PROMPT_SIDE = (USER, OBSERVATION)
@@ -58,6 +58,7 @@ class Example:
 def example_of(record: Record, fmt: str, ranking: bool) -> Example | None:
     """The example of ``record`` in format ``fmt`` (alpaca or sharegpt); None when it breaks
     sharegpt's turn alternation (LLaMA-Factory drops it)."""
+    check_text_only(record)
     if fmt == "alpaca":
         return _alpaca(record, ranking)
     if fmt == "sharegpt":

@@ -202,6 +202,20 @@ def _object(where: str, data: object) -> dict[str, Any]:
 # --- formats -------------------------------------------------------------------------------
 
 
+MEDIA_COLUMNS = ("images", "videos", "audios")
+"""LLaMA-Factory's multimodal columns (dataset_info.json) and record keys."""
+MEDIA_UNSUPPORTED = "vision/audio inputs are not supported yet (issue #63)"
+
+
+def check_text_only(record: Record) -> None:
+    """DataError (one line) for a record that carries images, videos or audios: they would not
+    reach the model."""
+    for key in MEDIA_COLUMNS:
+        if record.data.get(key):
+            raise DataError(f"{record.where}: {key!r}: {MEDIA_UNSUPPORTED}; valid: text-only records "
+                            f"(no {key!r}, or an empty list)")
+
+
 def detect_sft_format(record: Record) -> str:
     """alpaca or sharegpt, from the keys of one record."""
     keys = record.data.keys()

@@ -19,6 +19,9 @@ the same as for a direct path. pt entries take their text from the ``prompt`` co
 then random repeats when it asks for more than the file has) with a generator seeded by
 ``training.seed`` (LLaMA-Factory seeds NumPy's global generator with it before loading, so a
 run's first such dataset gets the same records there), before ``data.max_samples`` cuts.
+Without ``data.dataset_dir``, a name that is not a file is looked up, as with LLaMA-Factory's
+default dataset_dir, in ``data/dataset_info.json`` under the working directory.
+``images``/``videos``/``audios`` columns are refused in one line (no vision or audio inputs yet).
 ``split`` may only name ``train``, the one split a local file has; ``subset`` and ``folder``
 are read and ignored for a local file, as LLaMA-Factory does. ``history``, ``system`` and
 ``tools`` columns are read only when the entry names them (LLaMA-Factory's defaults), and
@@ -45,7 +48,15 @@ from typing import TYPE_CHECKING, Any
 from hpc_mca.stages import FEEDBACK, PREFERENCE_PAIR, TEXT, get_stage, stages_where
 
 from .errors import DataError
-from .records import SFT_FORMATS, Record, check_dataset_source, columns_of, read_records
+from .records import (
+    MEDIA_COLUMNS,
+    MEDIA_UNSUPPORTED,
+    SFT_FORMATS,
+    Record,
+    check_dataset_source,
+    columns_of,
+    read_records,
+)
 
 if TYPE_CHECKING:
     from .arguments import DataArguments
@@ -120,21 +131,53 @@ def resolve_sources(data: DataArguments, field_name: str = "dataset", seed: int 
     names = list(getattr(data, field_name) or ())
     dataset_dir: str | None = getattr(data, "dataset_dir", None)
     if not dataset_dir:
-        return [DatasetSource(name, name) for name in names]
+        return [_path_or_default_entry(name, field_name, seed) for name in names]
     info_path = Path(dataset_dir) / "dataset_info.json"
     if not info_path.is_file():
         raise DataError(f"data.dataset_dir={dataset_dir!r} has no dataset_info.json")
+    info = _read_info(info_path)
+    for name in names:
+        if name not in info:
+            raise DataError(f"data.{field_name}: dataset {name!r} is not in {info_path}"
+                            + _closest(name, list(info)))
+    return [_entry(name, info[name], Path(dataset_dir), info_path, seed) for name in names]
+
+
+LF_DATASET_DIR = "data"
+"""LLaMA-Factory's dataset_dir when none is given, relative to the working directory."""
+
+
+def _read_info(info_path: Path) -> dict[str, Any]:
     try:
         info = json.loads(info_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise DataError(f"{info_path}:{err.lineno}: invalid JSON ({err.msg})") from None
     if not isinstance(info, dict):
         raise DataError(f"{info_path}: must hold an object of dataset entries")
-    for name in names:
-        if name not in info:
-            raise DataError(f"data.{field_name}: dataset {name!r} is not in {info_path}"
-                            + _closest(name, list(info)))
-    return [_entry(name, info[name], Path(dataset_dir), info_path, seed) for name in names]
+    return info
+
+
+def _path_or_default_entry(name: str, field_name: str, seed: int) -> DatasetSource:
+    """Without data.dataset_dir: a path that exists, else, as with LLaMA-Factory's default
+    dataset_dir, an entry of ``data/dataset_info.json`` under the working directory. A bare
+    name (no directory, no suffix) that is neither is refused naming where it was looked for;
+    any other path is left to the path checks (which say it does not exist)."""
+    if any(Path(f"{name}{suffix}").exists() for suffix in ("", ".idx", ".bin")):
+        return DatasetSource(name, name)
+    root = Path(LF_DATASET_DIR).resolve()
+    info_path = root / "dataset_info.json"
+    info = _read_info(info_path) if info_path.is_file() else None
+    if info is not None and name in info:
+        return _entry(name, info[name], root, info_path, seed)
+    if "/" in name or Path(name).suffix:
+        return DatasetSource(name, name)
+    if info is None:
+        raise DataError(f"data.{field_name}: {name!r} is neither a file nor a dataset_info.json entry: "
+                        "data.dataset_dir is unset and LLaMA-Factory's default, data/ under the working "
+                        f"directory ({root}), has no dataset_info.json; valid: a data file or directory, "
+                        "or data.dataset_dir set to the directory whose dataset_info.json lists it")
+    raise DataError(f"data.{field_name}: {name!r} is neither a file nor an entry of {info_path} "
+                    f"(data.dataset_dir unset: LLaMA-Factory's default 'data')" + _closest(name, list(info)))
 
 
 def _closest(name: str, known: list[str], n: int = 3, cutoff: float = 0.6) -> str:
@@ -176,6 +219,10 @@ def _entry(name: str, entry: object, root: Path, info_path: Path, seed: int) -> 
         raise DataError(f"{where}: formatting={formatting!r}; valid: {', '.join(SFT_FORMATS)}")
     defaults = ALPACA_COLUMNS if formatting == "alpaca" else SHAREGPT_COLUMNS
     given = dict(entry.get("columns") or {})
+    media = [key for key in MEDIA_COLUMNS if key in given]
+    if media:
+        raise DataError(f"{where}: columns.{media[0]}: {MEDIA_UNSUPPORTED}; valid: text columns "
+                        f"({', '.join(defaults)})")
     unknown = sorted(set(given) - set(defaults))
     if unknown:
         raise DataError(f"{where}: unknown columns key {unknown[0]!r} for {formatting}; "
