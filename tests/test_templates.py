@@ -300,3 +300,39 @@ def test_efficient_eos_is_exposed():
     flagged = {name for name in NAMED if get_template(name, demo_tokenizer()).efficient_eos}
     assert flagged == {"glm4"}
     assert not get_template("chat", demo_tokenizer()).efficient_eos
+
+
+# --- pt: documents as LLaMA-Factory's pretraining processor writes them ----------------------------
+
+
+@pytest.mark.parametrize("bos", [False, True])
+@pytest.mark.parametrize("name", ["llama3", "qwen", "alpaca"])
+def test_pt_documents_match_llamafactory(name: str, bos: bool, tmp_path):
+    """pt with a named template (llama3's documents end with <|end_of_text|>, qwen's with the
+    eos it replaces, alpaca keeps the tokenizer's): each document's tokens, bos included when
+    the tokenizer adds one, are LLaMA-Factory's unpacked rows."""
+    from llamafactory.data.processor.pretrain import PretrainDatasetProcessor
+
+    from hpc_mca.data.arguments import DataArguments
+    from hpc_mca.data.dataset import load_samples
+
+    texts = ["Hello world, what is 2+2?", "The naïve café.\nSecond line.", "x"]
+    toks = []
+    for _ in range(2):
+        tok = bpe_tokenizer()
+        tok.add_special_tokens({"additional_special_tokens": ["<|end_of_text|>"]})
+        tok.add_bos_token = bos
+        toks.append(tok)
+    ours, theirs = toks
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    data = DataArguments(template=name, cutoff_len=64, pt_chunking="document",
+                         preprocessing_cache_dir=str(tmp_path / "cache"))
+    store = load_samples(str(tmp_path / "c.jsonl"), ours, data, "pt")
+    got = [ids.tolist() + [int(labels[-1])] for ids, labels in (store.sample(i) for i in range(len(store)))]
+    template = lf_peer.lf_get_template_and_fix_tokenizer(theirs, template=name)
+    args = lf_peer.lf_data_args(template=name, cutoff_len=64, packing=False)
+    rows = PretrainDatasetProcessor(template=template, tokenizer=theirs, processor=None, data_args=args
+                                    ).preprocess_dataset({"_prompt": [[{"role": "user", "content": t}] for t in texts]})
+    assert got == rows["input_ids"]
+    assert _state(ours)[:-1] == _state(theirs)[:-1]  # (LF's truncating call leaves truncation set)
+    assert (got[0][0] == theirs.bos_token_id) == bos

@@ -13,6 +13,7 @@ model of the same layout reuses them) and tears them down at exit.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -86,7 +87,7 @@ def check_inputs(config: TrainConfig, env: RankEnv) -> TrainConfig:
     try:
         if config.data.dataset or config.data.data_path is not None:
             data_files_exist(config.data)
-        tokenizer_fits_model(config.model, model_shape(config.model).vocab_size)
+        tokenizer_fits_model(config, _shape_of(config.model.model_name_or_path).vocab_size)
         if config.model.fusions is None:
             config = config.amended("model", fusions=choose_fusions(config))
         if config.training.use_mca:
@@ -137,20 +138,45 @@ def data_files_exist(data: DataArguments) -> None:
     check_sources(data)  # paths, or dataset_info.json names and their files
 
 
-def tokenizer_fits_model(model: ModelArguments, vocab_size: int) -> None:
-    """A tokenizer with more tokens than the model has embeddings is the wrong tokenizer (or
-    the wrong model): refused before the process group, whatever the data happens to use. The
-    data's own ids are checked again when it is read (hpc_mca.data.store.check_token_ids)."""
+def tokenizer_fits_model(config: TrainConfig, vocab_size: int) -> None:
+    """A tokenizer with more tokens than the model has embeddings - as loaded, or once
+    ``data.template`` added its special tokens (as LLaMA-Factory's templates add them) - is
+    refused before the process group, whatever the data happens to use, unless
+    ``model.resize_vocab`` grows the model to it: then the grown size is recorded for the
+    model directory (:func:`hpc_mca.models.hf_config.record_vocab_growth`), which the build,
+    the import, the checkpoint's records and the export read. The data's own ids are checked
+    again when it is read (hpc_mca.data.store.check_token_ids)."""
     from hpc_mca.data.tokenize import load_tokenizer
     from hpc_mca.models.errors import ModelLoadError
+    from hpc_mca.models.hf_config import VocabGrowth, record_vocab_growth
+    from hpc_mca.models.vocab import grown_size
 
+    model = config.model
     path = model.tokenizer_name_or_path or model.model_name_or_path
-    size = len(load_tokenizer(path))
-    if size > vocab_size:
+    record_vocab_growth(model.model_name_or_path, None)  # a process's earlier run recorded its own
+    tokenizer = load_tokenizer(path)
+    size = len(tokenizer)
+    if size > vocab_size and not model.resize_vocab:
         raise ModelLoadError(f"the tokenizer at {path} has {size} tokens but the model's "
                              f"vocab_size is {vocab_size} (ids from {vocab_size} on have no "
                              f"embedding); valid: the model's own tokenizer, of at most "
-                             f"{vocab_size} tokens (model.tokenizer_name_or_path)")
+                             f"{vocab_size} tokens (model.tokenizer_name_or_path), or "
+                             "model.resize_vocab: true to grow the model")
+    if config.data.dataset or config.data.data_path is not None:  # the pipeline fixes the tokenizer
+        from hpc_mca.data.dataset import fix_tokenizer
+
+        fix_tokenizer(tokenizer, config.data, config.finetuning.stage)
+    if len(tokenizer) > vocab_size and not model.resize_vocab:
+        token = tokenizer.convert_ids_to_tokens(vocab_size)
+        raise ModelLoadError(f"data.template={config.data.template!r} adds the token {token!r} to the "
+                             f"tokenizer at {path} (id {vocab_size}, {len(tokenizer)} tokens in all), "
+                             f"past the model's vocab_size {vocab_size}; valid: model.resize_vocab: true "
+                             "(grow the embeddings for the added tokens, as LLaMA-Factory's resize_vocab), "
+                             "or a template whose special tokens the tokenizer has")
+    grown = grown_size(len(tokenizer), vocab_size)
+    if grown > vocab_size:
+        record_vocab_growth(model.model_name_or_path,
+                            VocabGrowth(grown, config.training.seed, tokenizer))
 
 
 def attention_backend_available(config: TrainConfig) -> str:
@@ -182,5 +208,10 @@ def _shape_of(model_dir: str) -> ModelShape:
 
 
 def model_shape(model: ModelArguments) -> ModelShape:
-    """The planner's shape of the config's model (read once per directory)."""
-    return _shape_of(model.model_name_or_path)
+    """The planner's shape of the config's model (read once per directory), with the
+    vocabulary ``model.resize_vocab`` grew it to (recorded by :func:`check_inputs`)."""
+    from hpc_mca.models.hf_config import vocab_growth
+
+    shape = _shape_of(model.model_name_or_path)
+    growth = vocab_growth(model.model_name_or_path) if model.resize_vocab else None
+    return shape if growth is None else dataclasses.replace(shape, vocab_size=growth.size)

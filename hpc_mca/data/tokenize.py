@@ -79,12 +79,16 @@ def causal_shift(tokens: np.ndarray, trained: np.ndarray,
 
 def encode_documents(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str],
                      end: int | None = None) -> Iterator[np.ndarray]:
-    """Token ids of each document with ``end`` (default: eos) appended."""
+    """Token ids of each document with ``end`` (default: eos) appended and, for a tokenizer
+    that adds a bos (``add_bos_token``), the bos first, as LLaMA-Factory's pretraining
+    processor writes an unpacked document."""
     eos = eos_id(tokenizer) if end is None else end
+    bos = [int(tokenizer.bos_token_id)] if getattr(tokenizer, "add_bos_token", False) and \
+        tokenizer.bos_token_id is not None else []
     for start in range(0, len(texts), _BATCH):
         batch = tokenizer(list(texts[start:start + _BATCH]), add_special_tokens=False)
         for ids in batch["input_ids"]:
-            yield np.asarray(list(ids) + [eos], dtype=np.int32)
+            yield np.asarray(bos + list(ids) + [eos], dtype=np.int32)
 
 
 def windows(length: int, cutoff_len: int) -> list[tuple[int, int]]:

@@ -74,7 +74,7 @@ def build_model(
     load = load_weights if load_weights is not None else not isinstance(source, Mapping)
     if load and spec.directory is None:
         raise ModelLoadError("load_weights=True needs an HF model directory, not a config dict")
-    checkpoint = inspect_checkpoint(spec) if load else None
+    checkpoint = inspect_checkpoint(spec.stored()) if load else None  # the files: before any growth
     _check_layout(spec, ctx, bool((config_overrides or {}).get("sequence_parallel")))
     backend = select_attention_backend(attention_backend)
     check_context_parallel(backend, ctx.layout.cp, (config_overrides or {}).get("cp_comm_type"))

@@ -289,9 +289,14 @@ def write_companion_files(out: Path, source: Path) -> None:
     text finds the same tokenizer and generation settings (rank 0 only)."""
     from transformers import GenerationConfig
 
+    from hpc_mca.models.hf_config import vocab_growth
+
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, out / name)
+    growth = vocab_growth(source)  # model.resize_vocab: the tokenizer with the template's tokens
+    if growth is not None:
+        growth.tokenizer.save_pretrained(str(out))
     if (source / GENERATION_CONFIG).is_file():
         shutil.copyfile(source / GENERATION_CONFIG, out / GENERATION_CONFIG)
         return

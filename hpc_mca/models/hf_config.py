@@ -26,22 +26,25 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_mca.models.errors import ModelLoadError
 
 if TYPE_CHECKING:  # transformers is imported lazily, where a config is parsed
-    from transformers import PreTrainedConfig
+    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "SUPPORTED_ROPE_TYPES",
     "HFModelSpec",
     "RopeSpec",
+    "VocabGrowth",
     "check_sequence_length",
     "read_hf_config",
+    "record_vocab_growth",
+    "vocab_growth",
 ]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "seed_oss")
@@ -107,6 +110,16 @@ class HFModelSpec:
     """The HF model directory, when the config was read from one."""
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The config.json contents as read, written back (updated) on export."""
+    stored_vocab_size: int | None = None
+    """Rows of the checkpoint's embedding when ``vocab_size`` was grown past them
+    (``model.resize_vocab``, :func:`record_vocab_growth`); None: not grown."""
+
+    def stored(self) -> HFModelSpec:
+        """The spec of the checkpoint's files (its own vocab_size, before any growth)."""
+        if self.stored_vocab_size is None:
+            return self
+        return replace(self, vocab_size=self.stored_vocab_size, stored_vocab_size=None,
+                       raw={**self.raw, "vocab_size": self.stored_vocab_size})
 
     @property
     def is_moe(self) -> bool:
@@ -139,7 +152,44 @@ def read_hf_config(source: str | Path | Mapping[str, Any]) -> HFModelSpec:
         )
     cfg = _transformers_config(model_type, raw, where)
     _refuse_unsupported_options(cfg, model_type, where)
-    return _spec_from_config(cfg, model_type, raw, where, directory)
+    spec = _spec_from_config(cfg, model_type, raw, where, directory)
+    growth = vocab_growth(directory) if directory is not None else None
+    if growth is None or growth.size <= spec.vocab_size:
+        return spec
+    return replace(spec, vocab_size=growth.size, stored_vocab_size=spec.vocab_size,
+                   raw={**spec.raw, "vocab_size": growth.size})
+
+
+@dataclass(frozen=True)
+class VocabGrowth:
+    """This process's model directory trains with a grown vocabulary (``model.resize_vocab``)."""
+
+    size: int
+    """The grown vocab_size (the template-fixed tokenizer's length, rounded up to 64)."""
+    seed: int
+    """The run's seed, from which the new rows are drawn (:mod:`hpc_mca.models.vocab`)."""
+    tokenizer: PreTrainedTokenizerBase = field(compare=False, repr=False)
+    """The template-fixed tokenizer, saved with every export."""
+
+
+_GROWTH: dict[str, VocabGrowth] = {}
+
+
+def record_vocab_growth(directory: str | Path, growth: VocabGrowth | None) -> None:
+    """Make every later :func:`read_hf_config` of ``directory`` in this process describe the
+    model with ``growth.size`` vocabulary rows (None: forget it). The run's checks record it
+    on every rank before anything is built (``hpc_mca.api.session.check_inputs``), so the
+    build, the import of the weights, the checkpoint's records and the export agree."""
+    key = str(Path(directory).resolve())
+    if growth is None:
+        _GROWTH.pop(key, None)
+    else:
+        _GROWTH[key] = growth
+
+
+def vocab_growth(directory: str | Path) -> VocabGrowth | None:
+    """The growth recorded for ``directory``, if any."""
+    return _GROWTH.get(str(Path(directory).resolve()))
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch
 from hpc_mca.models.checkpoint import HFCheckpoint, SliceReader, inspect_checkpoint
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_config import HFModelSpec, read_hf_config
-from hpc_mca.models.mapping import ParamPlan, ShardCoords, plan_param
+from hpc_mca.models.mapping import ParamPlan, Piece, ShardCoords, plan_param
 
 if TYPE_CHECKING:  # megatron is imported lazily, by the modules that build the chunks
     from megatron.core.distributed import DistributedDataParallel
@@ -103,16 +103,56 @@ def load_hf_weights(
     Returns the shard files this rank opened (only those holding pieces it needs).
     """
     spec = source if isinstance(source, HFModelSpec) else read_hf_config(source)
-    ckpt = checkpoint or inspect_checkpoint(spec)
-    with SliceReader(ckpt) as reader, torch.no_grad():
+    ckpt = checkpoint or inspect_checkpoint(spec.stored())
+    with SliceReader(ckpt) as files, torch.no_grad():
+        reader = files if spec.stored_vocab_size is None else _GrownReader(files, spec)
         for chunk in chunks:
             for plan, param in local_plans(chunk, spec):
                 _fill(param, plan, reader, ckpt)
-        return reader.opened
+        return files.opened
+
+
+_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+class _GrownReader:
+    """The checkpoint's pieces, except that the embedding and output layer have the grown
+    vocabulary's rows (``model.resize_vocab``): computed once from the whole stored matrices,
+    identically on every rank (:func:`hpc_mca.models.vocab.grown_rows`), and sliced as the
+    files are."""
+
+    def __init__(self, files: SliceReader, spec: HFModelSpec) -> None:
+        self.files, self.spec = files, spec
+        self.grown: dict[str, torch.Tensor] = {}
+
+    def read(self, piece: Piece) -> torch.Tensor:
+        if piece.hf_name not in _VOCAB_TENSORS:
+            return self.files.read(piece)
+        if not self.grown:
+            self._grow()
+        tensor = self.grown[piece.hf_name]
+        if piece.dim is None:
+            return tensor
+        return tensor.narrow(piece.dim, piece.hf_start, piece.length)
+
+    def _grow(self) -> None:
+        from hpc_mca.models.hf_config import vocab_growth
+        from hpc_mca.models.vocab import grown_rows
+
+        growth = vocab_growth(self.spec.directory) if self.spec.directory is not None else None
+        if growth is None:
+            raise ModelLoadError(f"{self.spec.source}: vocab_size {self.spec.vocab_size} was grown "
+                                 "but no growth is recorded for this directory")
+        embed = self.files.read(Piece(_VOCAB_TENSORS[0]))
+        head = None if self.spec.tie_word_embeddings else self.files.read(Piece(_VOCAB_TENSORS[1]))
+        embed, head = grown_rows(embed, head, self.spec.vocab_size, growth.seed)
+        self.grown[_VOCAB_TENSORS[0]] = embed
+        if head is not None:
+            self.grown[_VOCAB_TENSORS[1]] = head
 
 
 def _fill(
-    param: torch.nn.Parameter, plan: ParamPlan, reader: SliceReader, ckpt: HFCheckpoint
+    param: torch.nn.Parameter, plan: ParamPlan, reader: SliceReader | _GrownReader, ckpt: HFCheckpoint
 ) -> None:
     if plan.padded:
         param.zero_()  # vocabulary padding rows: never a real token, never a real logit

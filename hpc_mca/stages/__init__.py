@@ -118,8 +118,9 @@ class Stage:
 
 TEXT_DATA_KEYS = ("text_field", "pt_chunking")
 """The data settings of plain-text stages: the records' text field, how documents are cut."""
-CONVERSATION_DATA_KEYS = ("template", "train_on_prompt")
-"""The data settings of conversation stages: the chat template, whether prompts train."""
+CONVERSATION_DATA_KEYS = ("train_on_prompt",)
+"""The data settings of conversation stages: whether prompts train. (``data.template`` is
+every stage's: it fixes the tokenizer's eos and pad, and ends pt documents, as in LLaMA-Factory.)"""
 DATA_KEY_GROUPS = (TEXT_DATA_KEYS, CONVERSATION_DATA_KEYS)
 """The ``data_keys`` a row may name (the config scope refuses each group outside its stages)."""
 PREFERENCE_SETTINGS = ("pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing", "simpo_gamma",

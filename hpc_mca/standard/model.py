@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -15,9 +15,12 @@ from hpc_mca.config.sections import FinetuningArguments, TrainConfig
 from hpc_mca.loop.optimizer import optimizer_config, use_fused_adam
 from hpc_mca.models import hf_attention
 from hpc_mca.models.converters import converter_for
+from hpc_mca.models.hf_config import vocab_growth
+from hpc_mca.models.vocab import grow_hf_model
 
 if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
     from megatron.core.optimizer import OptimizerConfig
+    from transformers import PreTrainedModel
 
 __all__ = ["LRSchedule", "build_hf_model", "build_optimizer", "export_model"]
 
@@ -36,8 +39,9 @@ def build_hf_model(config: TrainConfig, device: torch.device) -> torch.nn.Module
     """The transformers model in float32 (bf16/fp16 run under autocast, with float32 weights
     as the Megatron backend's master weights), attention ``hpc_mca_packed``: the directory's
     weights, or (a config-only directory) transformers' own initialisation seeded with
-    ``training.seed``; then as the finetuning type's converter makes it (LoRA: wrapped by
-    peft)."""
+    ``training.seed``; its vocabulary grown when ``model.resize_vocab`` needs it
+    (:mod:`hpc_mca.models.vocab`); then as the finetuning type's converter makes it (LoRA:
+    wrapped by peft)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     name = hf_attention.register()
@@ -50,6 +54,9 @@ def build_hf_model(config: TrainConfig, device: torch.device) -> torch.nn.Module
         torch.manual_seed(config.training.seed)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path),
                                                  attn_implementation=name, dtype=torch.float32)
+    growth = vocab_growth(path)  # model.resize_vocab, recorded by the run's checks
+    if growth is not None:  # AutoModelForCausalLM made a PreTrainedModel
+        grow_hf_model(cast("PreTrainedModel", model), growth)
     model = converter_for(config.finetuning, config.model.adapter_name_or_path).convert_hf_model(
         model, model_path=config.model.model_name_or_path, seed=config.training.seed)
     return model.to(device)
