@@ -14,6 +14,7 @@ import click
 # name -> "module:function". One module per command under hpc_mca/cli/.
 _COMMANDS: dict[str, str] = {
     "cancel": "hpc_mca.cli.cancel:cancel",
+    "export": "hpc_mca.cli.export:export",
     "logs": "hpc_mca.cli.logs:logs",
     "plan": "hpc_mca.cli.plan:plan",
     "plot": "hpc_mca.cli.plot:plot",

@@ -71,7 +71,7 @@ def save_peft_adapter(chunks: Sequence[torch.nn.Module], out_dir: str | Path, sp
     if _rank() == 0:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        _lora_config(spec, targets, finetuning, base_model).save_pretrained(str(out))
+        _save_lora_config(_lora_config(spec, targets, finetuning, base_model), out)
         from safetensors.torch import save_file
 
         save_file(_peft_tensors(tensors, targets, spec), str(out / ADAPTER_FILE),
@@ -178,6 +178,19 @@ def _lora_config(spec: HFModelSpec, targets: LoraTargets, finetuning: Finetuning
                       target_modules=targets.hf_modules() or None,
                       target_parameters=parameters or None, bias="none", task_type="CAUSAL_LM",
                       base_model_name_or_path=base_model)
+
+
+def _save_lora_config(config: LoraConfig, out: Path) -> None:
+    """peft's adapter_config.json, with the lists peft writes from sets (target_modules) sorted:
+    peft writes a set in its iteration order, which follows the process's string hash seed,
+    so two exports of the same adapter would differ (``hpc-mca export`` must equal the run's)."""
+    config.save_pretrained(str(out))
+    path = out / "adapter_config.json"
+    written = json.loads(path.read_text())
+    for key, value in config.to_dict().items():
+        if isinstance(value, set):
+            written[key] = sorted(value)
+    path.write_text(json.dumps(written, indent=2, sort_keys=True))  # peft's own layout
 
 
 def read_adapter_config(directory: Path) -> dict[str, Any]:
