@@ -402,3 +402,25 @@ def test_rows_are_llamafactorys_feedback_samples(tmp_path, template, cutoff):
             assert row["labels"][:n].tolist() == theirs[labels][i][1:], (i, labels)
             truncated += len(theirs[ids][i]) == cutoff
     assert (truncated > 0) == (cutoff < 100), truncated
+
+
+def test_data_line_counts_the_rows_kto_trains():
+    """The data line's real/slots figure is the answer rows' real tokens over their slots (the
+    count the collated rows hold), never above 1, for prompts and answers of any length."""
+    import numpy as np
+
+    from hpc_mca.data.feedback import FeedbackRows
+    from hpc_mca.data.store import SampleStore
+
+    rng = np.random.default_rng(0)
+    pieces = []
+    for _ in range(12):  # prompt and answer samples of each example, some longer than a row
+        for length in rng.integers(1, 40, size=2):
+            pieces.append((rng.integers(3, 90, size=length), np.ones(length, dtype=np.int64)))
+    rows = FeedbackRows(SampleStore.from_samples(pieces), 15, 0, cutoff_len=16)
+    batch = rows.collate([rows[(k, k)] for k in range(len(rows))])
+    answer_rows = batch.documents[0::2]  # answer, KL, answer, KL ...; 0 = padding
+    report = rows.report
+    assert (report.num_samples, report.num_rows) == (12, 12)
+    assert report.real_tokens == int((answer_rows > 0).sum())
+    assert 0 < report.efficiency <= 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
@@ -34,14 +35,14 @@ def train(config: Path, overrides: tuple[str, ...]) -> None:
     except UserError as err:
         exit_bad_input("train", err)
     if global_rank() == 0:
-        _plot_loss(config, overrides)
+        plot_loss(config, overrides)
 
 
 PLOT_FILE = "training_loss.png"
 """``training.plot_loss``: the PNG rank 0 writes into output_dir (LLaMA-Factory's name)."""
 
 
-def _plot_loss(config: Path, overrides: tuple[str, ...]) -> None:
+def plot_loss(config: Path, overrides: Sequence[str]) -> None:
     """``training.plot_loss``: draw the run's curves as ``hpc-mca plot`` does, into output_dir.
     Here rather than in the backends: the drawing lives with the login-side commands, above
     them. A failed drawing is reported and leaves the run's result alone."""

@@ -84,6 +84,11 @@ def _check_model(config: TrainConfig, world_size: int) -> None:
                           "config.json's auto_map asks for the model's own Python code, which "
                           "never runs here (trust_remote_code has no effect); valid: a model "
                           "of a family transformers itself defines, without auto_map")
+    if model.resize_vocab and config.finetuning.finetuning_type == "lora":
+        # The LoRA export is the adapter alone: the grown rows would not reach it.
+        raise ConfigError("model.resize_vocab=true with finetuning.finetuning_type='lora': the "
+                          "adapter export would not hold the grown embedding rows; valid: "
+                          "finetuning_type full or freeze")
     _check_mtp(config)
 
 
@@ -97,18 +102,12 @@ def _hf_config(model_dir: str) -> dict[str, Any]:
 
 def _check_mtp(config: TrainConfig) -> None:
     """MTP layers start from a fresh init (models.mtp.initialise) on top of the model's
-    weights; they are not written to HF weights (yet)."""
+    weights. The HF families here have no MTP layers, so an HF export holds the model without
+    them (its logits are the trained model's: MTP heads only add training losses) and says so;
+    the checkpoints keep them."""
     model, depths = config.model, config.model.mtp_num_layers
     _at_least("model.mtp_num_layers", depths, 0)
     _at_least("model.mtp_loss_scaling_factor", model.mtp_loss_scaling_factor, 0)
-    if not depths:
-        return
-    if config.training.export_hf_dir:
-        family = model_type(model.model_name_or_path)
-        raise ConfigError(f"model.mtp_num_layers={depths} with training.export_hf_dir: HF "
-                          f"{family} checkpoints have no MTP layers to write them to (no "
-                          "MTP-carrying family, e.g. MiMo or DeepSeek-V3, is supported); "
-                          "valid: model.mtp_num_layers=0 or no export_hf_dir")
 
 
 def _check_stage(config: TrainConfig, world_size: int) -> None:

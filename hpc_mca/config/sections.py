@@ -66,6 +66,13 @@ class ModelArguments(Freezable):
     (config.json, random init). Nothing is downloaded."""
     tokenizer_name_or_path: str | None = None
     """Tokenizer directory; None = ``model_name_or_path``."""
+    resize_vocab: bool = False
+    """Grow the embeddings (and an untied output layer) when the tokenizer, after
+    ``data.template`` added its special tokens, has more tokens than the model's vocab_size, as
+    LLaMA-Factory's resize_vocab: to the tokenizer's length rounded up to a multiple of 64, new
+    rows the old rows' mean plus noise of std 1/sqrt(hidden), drawn from ``training.seed``
+    (hpc_mca.models.vocab); the export holds the grown vocab_size and tokenizer. False: such a
+    template is refused before training."""
     adapter_name_or_path: list[str] | None = None
     """PEFT adapter directories (LoRA) to load onto the model before training, in order (a
     comma-separated string works too); with several, every one but the last is merged into the
@@ -250,10 +257,12 @@ class TrainingArguments(Freezable):
     fully_reshardable (the same tensors, gathered over DP before writing) or dp_reshardable
     (each rank's bucket shard: no gather, but a resume may change only DP). A resume reads the
     format the checkpoint was written in."""
-    export_hf_dir: str | None = None
-    """After the last step, also write the model as an HF safetensors directory here
-    (relative paths are under output_dir); with LoRA, the adapter as a PEFT adapter directory
-    (adapter_config.json, adapter_model.safetensors); None = no export."""
+    export_hf_dir: str | None = "."
+    """After the last step, write the model as an HF safetensors directory here (relative
+    paths are under output_dir; the default ``.`` is output_dir itself, where LLaMA-Factory's
+    runs leave it), with the tokenizer and generation config; with LoRA, the adapter as a
+    PEFT adapter directory (adapter_config.json, adapter_model.safetensors); None (YAML null)
+    = no export (``hpc-mca export`` writes one from any checkpoint later)."""
     export_merged_dir: str | None = None
     """LoRA: after the last step, also write the base model with the adapters merged in as a
     full HF safetensors directory here (relative paths are under output_dir)."""

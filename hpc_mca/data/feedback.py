@@ -40,6 +40,7 @@ from .batch import PackedBatch, collate_batch
 from .conversation import Example, example_of
 from .encode import conversation_format, prepare_template
 from .errors import DataError
+from .packing import PackingReport
 from .records import Record
 from .rows import RowDataset
 from .sampler import DataSampler
@@ -116,6 +117,19 @@ class FeedbackRows(RowDataset):
     def __len__(self) -> int:
         return len(self.samples) // 2
 
+    @property
+    def report(self) -> PackingReport:
+        """Real tokens / slots of the examples' answer rows, as :meth:`_row` cuts them (the
+        samples are prompts and answers apart, each longer than a row may hold, so the
+        default count over samples would exceed the slots; KL rows repeat these tokens)."""
+        lengths = self.samples.lengths
+        real = 0
+        for example in range(len(self)):
+            keep = infer_seqlen(int(lengths[2 * example]), int(lengths[2 * example + 1]), self.cutoff_len)
+            real += max(sum(keep) - 1, 0)  # the causal shift drops one token
+        return PackingReport(num_samples=len(self), num_rows=len(self), real_tokens=real,
+                             seq_length=self.seq_length)
+
     def __getitem__(self, index: tuple[int, int]  # type: ignore[override]
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """(prompt, answer, KL answer, tag) of example ``index[0]`` whose KL row takes the
@@ -168,11 +182,8 @@ class MicroStepPairs:
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         plain = self.sampler
-        mine = slice(plain.rank * plain.micro_batch_size, (plain.rank + 1) * plain.micro_batch_size)
-        consumed = plain.consumed_samples
-        for _ in plain:  # the sampler decides how many micro-batches; its micro-batch is step[mine]
-            step = plain.global_indices(consumed, plain.step_size)
-            consumed += plain.step_size
+        for step in plain.micro_steps():  # the sampler's micro-steps; its micro-batch is step[mine]
+            mine = plain.rank_slice(step)
             yield [(int(i), int(j)) for i, j in zip(step[mine], np.roll(step, 1)[mine])]
 
     def __len__(self) -> int:

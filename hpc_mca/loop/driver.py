@@ -39,13 +39,14 @@ from transformers.trainer_callback import CallbackHandler, TrainerControl, Train
 
 from hpc_mca.checkpoint.store import export_targets, mark_finished
 from hpc_mca.config.sections import TrainingArguments
-from hpc_mca.rundir import STEPS_FILE
+from hpc_mca.rundir import EVALS_FILE, STEPS_FILE
 from hpc_mca.runtime.distributed import collective_timeout_s
 from hpc_mca.runtime.heartbeat import Heartbeat
 
 from .boundary import Decision, StepBoundary
 from .counters import RunCounters
 from .metrics import MetricsWriter
+from .outputs import JobSpan, RunSummary, write_run_outputs
 from .records import StepResult
 
 if TYPE_CHECKING:
@@ -105,6 +106,8 @@ class RunLoop:
         self.step_end = self.window.start  # where the next step's time starts
         self.hang_timeout = hang_timeout
         self.heartbeat: Heartbeat | None = None
+        self.job: tuple[int, float] | None = None
+        """(the step this job started training from, when): :meth:`begin`'s."""
 
     @property
     def requeue(self) -> bool:
@@ -127,10 +130,12 @@ class RunLoop:
         step = self.counters.global_step
         if step == 0 and self.metrics.enabled:
             (self.metrics.run_dir / STEPS_FILE).unlink(missing_ok=True)
+            (self.metrics.run_dir / EVALS_FILE).unlink(missing_ok=True)
         self.metrics.write_progress(step=step, max_steps=self.counters.max_steps, finished=False,
                                     job_id=job_id, restart_count=restart_count)
         self.window = Window(time.perf_counter())
         self.step_end = self.window.start
+        self.job = (step, self.window.start)
         if self.heartbeat is None:
             rank = dist.get_rank() if dist.is_initialized() else 0
             self.heartbeat = Heartbeat.from_env(rank, hang_timeout=self.hang_timeout,
@@ -158,9 +163,10 @@ class RunLoop:
                  job_id: str | None, restart_count: int) -> None:
         """The end of a run that trained to its end (``finished``: not stopped for a requeue):
         each export the config asks for (``export(out, merged)`` on every rank: the backend
-        decides who writes), then rank 0 marks the run finished (its job never requeues again)
-        and progress.json says so, with the job's id and restart count. Every rank, whichever
-        backend."""
+        decides who writes), then rank 0 writes the run's results beside them
+        (:mod:`.outputs`: trainer_state.json, train_results.json ...), marks the run finished
+        (its job never requeues again) and progress.json says so, with the job's id and
+        restart count. Every rank, whichever backend."""
         if not finished:
             return
         for out, merged in export_targets(run_dir, training.export_hf_dir, training.export_merged_dir):
@@ -168,9 +174,21 @@ class RunLoop:
         _barrier()  # every export written before the run counts as finished
         if is_main:
             step = self.counters.global_step
+            write_run_outputs(run_dir, self._summary(training, steps_per_epoch))
             mark_finished(run_dir, step, steps_per_epoch=steps_per_epoch)
             self.metrics.write_progress(step=step, finished=True, job_id=job_id, restart_count=restart_count)
         _barrier()
+
+    def _summary(self, training: TrainingArguments, steps_per_epoch: int) -> RunSummary:
+        counters = self.counters
+        first, started = self.job if self.job is not None else (counters.global_step, self.step_end)
+        return RunSummary(
+            global_step=counters.global_step, max_steps=counters.max_steps,
+            steps_per_epoch=steps_per_epoch, num_train_epochs=training.num_train_epochs,
+            logging_steps=training.logging_steps, eval_steps=training.eval_steps,
+            save_steps=training.save_steps, train_batch_size=training.per_device_train_batch_size,
+            consumed_samples=counters.consumed_samples, flops_per_token=self.metrics.flops_per_token,
+            job=JobSpan(first_step=first, seconds=max(0.0, self.step_end - started)))
 
     def close(self) -> None:
         """Always, however the run ended: the signal handlers go back, the trackers close."""
@@ -230,6 +248,7 @@ class RunLoop:
         backend = self.backend
         metrics = backend.eval_metrics()
         self.metrics.scalars(self.counters.global_step, metrics)
+        self.metrics.record_eval(self.counters.global_step, metrics)
         self.metrics.write_progress(**{k.replace("/", "_"): v for k, v in metrics.items()})
         if self.metrics.enabled:
             print(" | ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)

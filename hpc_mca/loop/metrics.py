@@ -24,12 +24,13 @@ import json
 import math
 import os
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from hpc_mca.rundir import PROGRESS_FILE, STEPS_FILE, write_atomic
+from hpc_mca.rundir import EVALS_FILE, PROGRESS_FILE, STEPS_FILE, write_atomic
 from hpc_mca.topology import ModelShape
 
 from .trackers import Tracker
@@ -139,6 +140,14 @@ class MetricsWriter:
             started = _process_start()
             if first and started is not None:
                 self.write_progress(startup_s=round(time.time() - started, 3))
+
+    def record_eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Append one evaluation to evals.jsonl, under transformers' names (``eval/loss`` is
+        ``eval_loss``): the run's outputs (:mod:`.outputs`) list every evaluation from it."""
+        if self.enabled:
+            record = {"step": step, **{k.replace("/", "_"): v for k, v in metrics.items()}}
+            with open(self.run_dir / EVALS_FILE, "a", encoding="utf-8") as out:
+                out.write(json.dumps(record) + "\n")
 
     def write_progress(self, **fields: object) -> None:
         """Merge ``fields`` into progress.json (write to a temp file, then rename). A ``step``

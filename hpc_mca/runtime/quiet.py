@@ -24,6 +24,10 @@ IGNORED_WARNINGS: tuple[tuple[str, str], ...] = (
      "torch.distributed, once per rank at Megatron-Core's first sequence-parallel gather or "
      "reduce-scatter (and the distributed optimizer's): torch 2.13 renamed the collectives "
      "Megatron-Core 0.19 calls; they work as they are"),
+    (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+     "megatron.core.optimizer.optimizer._zero_grad_group_helper, every step with the "
+     "distributed optimizer: it asks each shard of the main params (views, not leaves) for a "
+     ".grad it never has; nothing reads a missing gradient"),
     (r"MimoModelConfig is experimental",
      "megatron.core.models.mimo, at import (reached through megatron.core.models): a model "
      "family hpc-mca does not build"),
@@ -37,6 +41,10 @@ IGNORED_LOG_RECORDS: tuple[tuple[str, str, str], ...] = (
     ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated",
      "at a process's first save: Megatron's in-tree async writer is the one usable without "
      "nvidia-resiliency-ext (not a dependency)"),
+    ("megatron.core.distributed.distributed_data_parallel",
+     "DistributedDataParallel: full_param_layout not provided",
+     "per model chunk with the distributed optimizer: DDP computes the bucket layout the "
+     "optimizer's own helper would (the notice asks callers to precompute the same one)"),
     ("transformers.training_args", "torch.distributed process group is initialized, but",
      "the standard backend on one rank: hpc-mca brings the process group up whatever the rank "
      "count (collectives of one rank); transformers' Trainer uses DDP from two ranks on"),

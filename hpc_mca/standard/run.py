@@ -20,6 +20,7 @@ from hpc_mca.checkpoint.requeue import StopSignal
 from hpc_mca.checkpoint.store import CheckpointInfo, ResumePoint, reopen_finished
 from hpc_mca.config.run_length import total_training_steps
 from hpc_mca.config.sections import TrainConfig
+from hpc_mca.data.dataset import epoch_plan
 from hpc_mca.loop.boundary import StepBoundary
 from hpc_mca.loop.counters import RunCounters
 from hpc_mca.loop.metrics import MetricsWriter, flops_per_token
@@ -44,6 +45,7 @@ from .trainer import StandardTrainer, checkpoint_info
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, TrainerCallback, TrainingArguments
 
+    from hpc_mca.data.sampler import EpochPlan
     from hpc_mca.data.training_data import TrainingData
     from hpc_mca.loop.records import StepResult
 
@@ -108,8 +110,13 @@ class StandardRun:
 
     @property
     def global_batch_size(self) -> int:
-        """Rows per optimizer step."""
+        """Rows per optimizer step (fewer on an epoch's last step: :attr:`epochs`)."""
         return self.config.derived.global_batch_size
+
+    @property
+    def epochs(self) -> EpochPlan:
+        """How each epoch splits into steps, the last one partial (both backends alike)."""
+        return epoch_plan(self.data.train, self.config.data_run())
 
     def checkpoint_info(self, reason: str) -> CheckpointInfo:
         return checkpoint_info(self.records, self.ctx.env, self.counters, reason)
@@ -211,8 +218,8 @@ def _trainer(run: StandardRun, shape: ModelShape, callbacks: Iterable[TrainerCal
         # (transformers' model reports it) before step 1. A transformers model, or peft's
         # wrapper, which hands what it lacks on to the transformers model inside it.
         hf_model = cast("PreTrainedModel", model)
-        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if ctx.is_main and hf_model.is_gradient_checkpointing:
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if ctx.is_main and hf_model.is_activation_checkpointing:
             print("activation recompute: every decoder layer (gradient checkpointing)", flush=True)
     optimizer, scheduler = build_optimizer(model, config, run.max_steps)
     args = _training_args(run)
@@ -247,6 +254,10 @@ def _training_args(run: StandardRun) -> TrainingArguments:
     from transformers import TrainingArguments
 
     tr, ctx = run.config.training, run.ctx
+    # accelerate (under TrainingArguments) resets a CPU process group's threads to cores per
+    # local rank when OMP_NUM_THREADS is unset, with a warning: keep the count torch runs
+    # with, as the Megatron backend does (the batch script and forkrun set the variable).
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     args = TrainingArguments(
         output_dir=str(run.run_dir), max_steps=run.max_steps,
         per_device_train_batch_size=tr.per_device_train_batch_size,
@@ -258,8 +269,9 @@ def _training_args(run: StandardRun) -> TrainingArguments:
         ddp_find_unused_parameters=False, save_only_model=False,
         # Every decoder layer recomputed in backward (the rules allow full recompute of each
         # layer or none); non-reentrant, so frozen LoRA bases need no input gradients.
-        gradient_checkpointing=run.config.parallel.recompute_granularity == "full",
-        gradient_checkpointing_kwargs={"use_reentrant": False},
+        # (transformers 5's names: the gradient_* aliases warn of their removal in v6.)
+        activation_checkpointing=run.config.parallel.recompute_granularity == "full",
+        activation_checkpointing_kwargs={"use_reentrant": False},
         ddp_timeout=tr.ddp_timeout)
     if ctx.env.world_size > 1 and args.world_size != ctx.env.world_size:
         raise RuntimeError(f"transformers sees world size {args.world_size}, the job "
@@ -294,7 +306,7 @@ def _finish(run: StandardRun, trainer: StandardTrainer) -> None:
 
     trainer.loop.finalize(finished=not run.counters.requeue and run.counters.at_end,
                           run_dir=run.run_dir, training=config.training, export=export,
-                          steps_per_epoch=len(run.data.train) // run.global_batch_size,
+                          steps_per_epoch=run.epochs.steps_per_epoch,
                           is_main=run.is_main, job_id=env.job_id, restart_count=env.restart_count)
 
 
