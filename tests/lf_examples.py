@@ -46,3 +46,24 @@ EXAMPLES = {
 EXAMPLES["train_lora/qwen3_lora_dpo.yaml with pref_loss: orpo"] = {
     **EXAMPLES["train_lora/qwen3_lora_dpo.yaml"], "pref_loss": "orpo"}
 """LLaMA-Factory's examples/<name> as a dict each (and the dpo one as its users turn it into orpo)."""
+
+# LLaMA-Factory 0.9.3's llama3 examples (0.9.4 moved its main examples to qwen3): the same keys as
+# the qwen3 ones, plus overwrite_cache, with the llama3 template (none for pt). Its dpo and kto
+# ones differ from qwen3's in the template alone (tests/test_templates.py covers llama3's).
+LLAMA3 = {**COMMON, "overwrite_cache": True, "model_name_or_path": "meta-llama/Meta-Llama-3-8B-Instruct"}
+LLAMA3_EXAMPLES = {
+    "train_lora/llama3_lora_sft.yaml": {
+        **LLAMA3, "stage": "sft", **LORA, "dataset": "identity,alpaca_en_demo", "template": "llama3",
+        "output_dir": "saves/llama3-8b/lora/sft", "gradient_accumulation_steps": 8,
+        "learning_rate": 1.0e-4},
+    "train_full/llama3_full_sft.yaml": {
+        **LLAMA3, "stage": "sft", "finetuning_type": "full",
+        "deepspeed": "examples/deepspeed/ds_z3_config.json", "dataset": "identity,alpaca_en_demo",
+        "template": "llama3", "output_dir": "saves/llama3-8b/full/sft",
+        "gradient_accumulation_steps": 2, "learning_rate": 1.0e-5},
+    "train_lora/llama3_lora_pretrain.yaml": {
+        **LLAMA3, "stage": "pt", **LORA, "dataset": "c4_demo",
+        "output_dir": "saves/llama3-8b/lora/pretrain", "gradient_accumulation_steps": 8,
+        "learning_rate": 1.0e-4},
+}
+"""LLaMA-Factory 0.9.3's examples/<name> for llama3, as dicts."""

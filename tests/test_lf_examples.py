@@ -1,19 +1,25 @@
-"""LLaMA-Factory's own example configs run here as its users wrote them (issue #39).
+"""LLaMA-Factory's own example configs run here as its users wrote them (issues #39, #60).
 
-The six YAMLs (tests/lf_examples.py) are LLaMA-Factory's ``examples/train_full/qwen3_full_sft.yaml`` and
-``examples/train_lora/qwen3_lora_{sft,dpo,kto,pretrain}.yaml`` (key for key, value for value, comments
-left out), and the dpo one with ``pref_loss: orpo`` (LLaMA-Factory has no orpo YAML; its README
-says to set that key). A test changes only what a user moving to this machine must change: the model
+The six qwen3 YAMLs (tests/lf_examples.py) are LLaMA-Factory 0.9.5's
+``examples/train_full/qwen3_full_sft.yaml`` and ``examples/train_lora/qwen3_lora_{sft,dpo,kto,
+pretrain}.yaml`` (key for key, value for value, comments left out), and the dpo one with
+``pref_loss: orpo`` (LLaMA-Factory has no orpo YAML; its README says to set that key); the
+llama3 ones are 0.9.3's ``llama3_lora_sft``, ``llama3_full_sft`` and ``llama3_lora_pretrain``.
+A test changes only what a user moving to this machine must change: the model
 (``model_name_or_path``: the tiny test model), where the data lives (``dataset_dir``: data in
-LLaMA-Factory's formats under its example dataset names, made here), where the run goes
-(``output_dir``), and a small ``max_steps`` so that the test ends. The full-sft example also
-names a DeepSpeed config (``examples/deepspeed/ds_z3_config.json``, not on this machine): on the
-Megatron backend the ZeRO stage its name gives becomes the distributed optimizer; the standard
-backend has no ZeRO sharding and refuses the key in one line (tests/test_lf_keys.py), so that
-test drops the key there.
+LLaMA-Factory's formats under its example dataset names, made here, small enough that the
+examples' 3 epochs are a few steps), and where the run goes (``output_dir``). The full-sft
+examples also name a DeepSpeed config (``examples/deepspeed/ds_z3_config.json``, not on this
+machine): on the Megatron backend the ZeRO stage its name gives becomes the distributed
+optimizer; the standard backend has no ZeRO sharding and refuses the key in one line
+(tests/test_lf_keys.py), so that test drops the key there.
 
-Each runs on 2 CPU ranks on both backends (``use_mca``, ROLL's key for the backend), and must
-end as a finished run with finite losses.
+The qwen3 ones run on 2 CPU ranks, the llama3 ones on 1, each on both backends (``use_mca``,
+ROLL's key for the backend, on the command line). Each must end as a finished run of finite
+losses that leaves in output_dir what LLaMA-Factory's run leaves there: the HF model (full) or
+the PEFT adapter (LoRA) with the tokenizer and generation config, trainer_state.json, the
+results files and the loss plot; and transformers (with peft) must load that model with the
+trained model's logits, to 1e-5 (tests/outputs_worker.py records them in memory at the end).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from lf_examples import EXAMPLES
+from lf_examples import EXAMPLES, LLAMA3_EXAMPLES
 from trainer_fixtures import make_model_dir, run_ranks, steps
 
 from hpc_mca.data.addition import alpaca_record, make_problems, preference_record
@@ -155,3 +161,10 @@ def _check_outputs(run: Path, config: dict, num_steps: int, logits: Path, model_
 def test_llama_factory_example_runs_unchanged(setup, tmp_path, example, backend):
     model_dir, data_dir = setup
     _run_example(example, EXAMPLES[example], model_dir, data_dir, tmp_path, backend, nproc=2)
+
+
+@pytest.mark.parametrize("backend", ["megatron", "standard"])
+@pytest.mark.parametrize("example", sorted(LLAMA3_EXAMPLES))
+def test_llama3_example_runs_unchanged_on_one_rank(setup, tmp_path, example, backend):
+    model_dir, data_dir = setup
+    _run_example(example, LLAMA3_EXAMPLES[example], model_dir, data_dir, tmp_path, backend, nproc=1)
