@@ -12,6 +12,7 @@ Pure Python, no torch: the login-node commands import it.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -155,3 +156,21 @@ def read_bad_input(run_dir: Path) -> str | None:
 def clear_bad_input(run_dir: Path) -> None:
     """The run is going (its inputs worked this time): forget an older bad-input record."""
     (Path(run_dir) / BAD_INPUT_FILE).unlink(missing_ok=True)
+
+
+def read_step_records(path: Path) -> dict[int, dict[str, object]]:
+    """step -> record of a JSON-lines file of rank 0's (steps.jsonl, evals.jsonl): the later
+    record of a step wins (a requeued job writes the steps after its checkpoint again); a torn
+    last line (the trainer is appending) and foreign lines are skipped."""
+    records: dict[int, dict[str, object]] = {}
+    if not path.is_file():
+        return records
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(record, dict):
+            records[step] = record
+    return records

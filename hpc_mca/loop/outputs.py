@@ -30,9 +30,9 @@ from pathlib import Path
 
 from transformers.trainer_callback import TrainerState
 
-from hpc_mca.rundir import EVALS_FILE, STEPS_FILE, write_atomic
+from hpc_mca.rundir import EVALS_FILE, STEPS_FILE, read_step_records, write_atomic
 
-__all__ = ["JobSpan", "RunSummary", "read_records", "write_run_outputs"]
+__all__ = ["JobSpan", "RunSummary", "write_run_outputs"]
 
 TRAINER_STATE_FILE = "trainer_state.json"
 TRAIN_RESULTS_FILE = "train_results.json"
@@ -72,29 +72,11 @@ class RunSummary:
     job: JobSpan
 
 
-def read_records(path: Path) -> dict[int, dict[str, object]]:
-    """step -> record of a JSON-lines file (steps.jsonl, evals.jsonl): the later record of a
-    step wins (a requeued job writes the steps after its checkpoint again); torn or foreign
-    lines are skipped."""
-    records: dict[int, dict[str, object]] = {}
-    if not path.is_file():
-        return records
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-            step = int(record["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-        if isinstance(record, dict):
-            records[step] = record
-    return records
-
-
 def write_run_outputs(run_dir: Path, summary: RunSummary) -> dict[str, float]:
     """Write trainer_state.json, train_results.json, all_results.json (and eval_results.json
     when the run evaluated) into ``run_dir``; returns the train metrics."""
-    steps = {k: v for k, v in read_records(run_dir / STEPS_FILE).items() if k <= summary.global_step}
-    evals = {k: v for k, v in read_records(run_dir / EVALS_FILE).items() if k <= summary.global_step}
+    steps = {k: v for k, v in read_step_records(run_dir / STEPS_FILE).items() if k <= summary.global_step}
+    evals = {k: v for k, v in read_step_records(run_dir / EVALS_FILE).items() if k <= summary.global_step}
     train = _train_metrics(summary, steps)
     history = [*_train_history(summary, steps), *_eval_history(summary, evals)]
     history.sort(key=lambda entry: (int(_number(entry["step"])), "loss" not in entry))

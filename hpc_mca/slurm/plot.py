@@ -16,14 +16,13 @@ on a login node).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpc_mca.rundir import STEPS_FILE, TENSORBOARD_DIR
+from hpc_mca.rundir import STEPS_FILE, TENSORBOARD_DIR, read_step_records
 
 from .errors import OpsError
 from .progress import read_progress
@@ -49,26 +48,20 @@ class Curves:
 
 
 def read_steps(run_dir: Path, curves: Curves) -> int:
-    """Fill ``curves.steps`` from steps.jsonl; returns the records read. A torn last line (the
-    trainer is appending) is skipped."""
+    """Fill ``curves.steps`` from steps.jsonl; returns the steps read (a torn last line, the
+    trainer appending, is skipped; a step written again by a requeued job counts once)."""
     path = run_dir / STEPS_FILE
     if not path.is_file():
         raise OpsError(f"run directory {str(run_dir)!r} has no {STEPS_FILE}; valid: the run "
                        "directory (or job id) of a run that has trained at least one step")
-    count = 0
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-            step = int(record["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-        count += 1
+    records = read_step_records(path)
+    for step, record in records.items():
         for name, value in record.items():
             curves.add(curves.steps, name, step, value)
         seconds, inputs = record.get("seconds"), record.get("input_tokens")
         if isinstance(seconds, (int, float)) and seconds > 0 and isinstance(inputs, (int, float)):
             curves.add(curves.steps, "input_tokens_per_s", step, inputs / seconds)
-    return count
+    return len(records)
 
 
 def read_events(run_dir: Path, curves: Curves) -> None:
