@@ -283,7 +283,7 @@ def test_arguments_parse_beside_the_run_config_sections(monkeypatch):
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("label_smoothing_factor", 0.1, "label_smoothing_factor=0.1: a setting of transformers' Trainer"),
+    ("label_smoothing_factor", 0.1, "label_smoothing_factor=0.1: sft's loss is the cross-entropy averaged"),
     ("ckpt_format", "legacy", "ckpt_format='legacy': checkpoints are Megatron's distributed"),
     ("moe_token_dispatcher_type", "allgather", "alltoall dispatcher"),
     ("overlap_p2p_comm", True, "blocking sends"),

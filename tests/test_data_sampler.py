@@ -51,15 +51,18 @@ def test_resume_at_k_consumed_yields_exactly_the_rest(consumed: int):
 
 
 def test_epochs_train_every_row_and_reshuffle():
+    """42 rows in micro-batches of 4: 44 samples an epoch (the epoch's first 2 rows again fill
+    its last micro-batch), 6 steps of 8, the last of 4 (one micro-batch)."""
     sampler = DataSampler(42, micro_batch_size=4, global_batch_size=8, seed=0)
-    assert sampler.samples_per_epoch == 42 and sampler.steps_per_epoch == 6  # the last step: 2 rows
+    assert sampler.samples_per_epoch == 44 and sampler.steps_per_epoch == 6
     micro = _take(sampler, 11)
-    assert [len(m) for m in micro] == [4] * 10 + [2]  # the epoch's last micro-batch is short
+    assert [len(m) for m in micro] == [4] * 11  # every micro-batch full
     epoch0 = sum(micro, [])
+    assert sorted(set(epoch0)) == list(range(42)) and epoch0[42:] == epoch0[:2]
     epoch1 = sum(_take(DataSampler(42, micro_batch_size=4, global_batch_size=8, seed=0,
-                                   consumed_samples=42), 11), [])
-    assert sorted(epoch0) == sorted(epoch1) == list(range(42)) and epoch0 != epoch1
-    assert sampler.global_indices(42, 42).tolist() == epoch1
+                                   consumed_samples=44), 11), [])
+    assert sorted(epoch1[:42]) == list(range(42)) and epoch0 != epoch1
+    assert sampler.global_indices(44, 44).tolist() == epoch1
 
 
 def test_eval_order_is_sequential_and_finite():
@@ -73,7 +76,7 @@ def test_eval_order_is_sequential_and_finite():
     (dict(num_samples=0, micro_batch_size=2, global_batch_size=4), "the data has no rows"),
     (dict(num_samples=10, micro_batch_size=2, global_batch_size=5), "not a multiple of"),
     (dict(num_samples=10, micro_batch_size=2, consumed_samples=3), "consumed_samples=3 is not at a micro-step"),
-    (dict(num_samples=11, micro_batch_size=2, consumed_samples=12), "consumed_samples=12 is not at a micro-step"),
+    (dict(num_samples=11, micro_batch_size=4, consumed_samples=14), "consumed_samples=14 is not at a micro-step"),
     (dict(num_samples=10, micro_batch_size=2, data_parallel_rank=2, data_parallel_size=2),
      "data_parallel_rank=2 is outside 0..1"),
 ])

@@ -81,7 +81,7 @@ def _run_steps(rows: int, dp: int, mbs: int, gbs: int, consumed: int, count: int
 def test_every_row_once_per_epoch_and_exact_resume(rows, dp, mbs, ga):
     gbs = mbs * ga * dp
     per_epoch = math.ceil(rows / gbs)
-    padded = math.ceil(rows / dp) * dp
+    padded = math.ceil(rows / (dp * mbs)) * dp * mbs  # whole micro-steps
     full = _run_steps(rows, dp, mbs, gbs, 0, 3 * per_epoch)
     for epoch in range(3):
         seen = [i for step in full[epoch * per_epoch:(epoch + 1) * per_epoch]
@@ -91,7 +91,7 @@ def test_every_row_once_per_epoch_and_exact_resume(rows, dp, mbs, ga):
         assert counts.max() - counts.min() <= math.ceil(padded / rows) - (padded == rows)  # padding repeats
         last = full[(epoch + 1) * per_epoch - 1]
         assert len({len(rank) for rank in last}) == 1  # every rank: as many micro-batches
-        assert len({len(micro) for rank in last for micro in rank[-1:]}) == 1
+        assert {len(micro) for rank in last for micro in rank} == {mbs}  # every micro-batch full
     consumed = 0
     plan = DataSampler(rows, micro_batch_size=mbs, data_parallel_size=dp, global_batch_size=gbs).plan
     for k in range(3 * per_epoch):  # resumed after every step, partial ones included
@@ -129,5 +129,26 @@ def test_both_backends_train_partial_steps_and_resume_exactly(epochs_setup, back
     resumed = rewind(full, root / f"{name}_resumed", 3)  # mid epoch 1, after epoch 0's partial step
     proc = run_train(config, resumed, 2, backend)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "at step 3 (18 samples)" in proc.stdout  # 8 + 2 (the partial step: 10 rows padded) + 8
+    assert "at step 3 (20 samples)" in proc.stdout  # 8 + 4 (the partial step: 9 rows padded to 12) + 8
     assert _losses(resumed) == log
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_trains_the_partial_step_like_one_process(tmp_path):
+    """9 rows in steps of 4 micro-batches of 1: each epoch ends with a step of 1 micro-batch,
+    which the interleaved schedule (PP2 × VP2) runs made up to 2 with a masked copy: the losses
+    and gradient norms still equal one process's, across two epoch ends."""
+    model = make_model_dir(tmp_path, layers=4)
+    train = make_sft_data(tmp_path, 9, seed=3, name="train")
+    config = write_config(tmp_path, model, train, training={
+        "per_device_train_batch_size": 1, "global_batch_size": 4, "max_steps": -1,
+        "num_train_epochs": 2, "logging_steps": 1, "report_to": ["none"], "warmup_steps": 0})
+    one = run_train(config, tmp_path / "one", 1)
+    assert one.returncode == 0, one.stderr[-4000:]
+    vpp = run_train(config, tmp_path / "vpp", 2, "parallel.pipeline_model_parallel_size=2",
+                    "parallel.virtual_pipeline_model_parallel_size=2")
+    assert vpp.returncode == 0, vpp.stderr[-4000:]
+    ref, got = _losses(tmp_path / "one"), _losses(tmp_path / "vpp")
+    assert [s[0] for s in ref] == [s[0] for s in got] == list(range(1, 7))  # 3 steps × 2 epochs
+    for (_, loss, norm), (_, want_loss, want_norm) in zip(got, ref):
+        assert loss == pytest.approx(want_loss, abs=1e-5) and norm == pytest.approx(want_norm, abs=1e-5)

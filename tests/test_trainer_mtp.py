@@ -10,6 +10,8 @@ set; a run resumed from its step-4 checkpoint equals the uninterrupted one.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from trainer_fixtures import make_model_dir, make_sft_data, rewind, run_train, steps, write_config
 
@@ -70,6 +72,19 @@ def test_mtp_layouts_match_one_process(setup, name, depths, overrides):
                      *overrides)
     assert proc.returncode == 0, proc.stderr[-4000:]
     _same(steps(root / name), refs[depths], name)
+    # The HF export in output_dir (the model without its MTP layers, as the log says) holds the
+    # one-process run's weights: under PP the last stage's embedding copy is not exported twice.
+    assert "the MTP layers are not in the HF export" in proc.stdout
+    _same_export(root / name, root / f"reference{depths}")
+
+
+def _same_export(got: Path, want: Path) -> None:
+    from safetensors.torch import load_file
+
+    mine, ref = load_file(got / "model.safetensors"), load_file(want / "model.safetensors")
+    assert mine.keys() == ref.keys() and not any(".mtp" in k or "mtp." in k for k in mine)
+    for key, tensor in ref.items():
+        assert (mine[key].float() - tensor.float()).abs().max() < 1e-5, key
 
 
 def test_moe_mtp_on_expert_parallel_matches_one_process(tmp_path):

@@ -2,20 +2,22 @@
 
 The global order is a function of the seed only: epoch ``e`` visits the rows in the
 permutation drawn from ``numpy.random.default_rng([seed, e])``. Every epoch trains all its
-rows, as transformers' Trainer does: the epoch's order is padded to a multiple of the
-data-parallel size by repeating rows from its own start (what torch's DistributedSampler
-does), so ``samples_per_epoch = ceil(n / dp) × dp`` global samples, and its last optimizer
-step is a partial global batch (see :class:`EpochPlan`). Steps never cross an epoch boundary.
+rows, as transformers' Trainer does: the epoch's order is padded to whole micro-steps
+(micro-batch × data-parallel size) by repeating rows from its own start (torch's
+DistributedSampler pads to the data-parallel size that way, and transformers' last micro-batch
+is then shorter; here every micro-batch is full, so pipeline stages always exchange one shape),
+so ``samples_per_epoch = ceil(n / (mbs × dp)) × mbs × dp`` global samples, and its last
+optimizer step is a partial global batch of fewer micro-batches (see :class:`EpochPlan`). The
+step count is transformers': ``ceil(n / global_batch_size)`` per epoch. Steps never cross an epoch boundary.
 Global sample ``k`` of the run is therefore known without iterating (epoch ``k //
 samples_per_epoch``, offset ``k % samples_per_epoch``), and a run resumed after
 ``consumed_samples`` continues with exactly the rows an uninterrupted run would have seen next.
 
 Each micro-step takes the next ``micro_batch_size × data_parallel_size`` global samples;
 data-parallel rank ``r`` gets the ``r``-th slice of ``micro_batch_size`` of them (the layout of
-Megatron's MegatronPretrainingSampler). Only the last micro-step of an epoch may be shorter:
-``m × data_parallel_size`` samples with ``m < micro_batch_size``, ``m`` per rank. A global
-batch is ``global_batch_size`` consecutive global samples of one epoch (fewer for the epoch's
-last), whatever the split into ranks and micro-batches.
+Megatron's MegatronPretrainingSampler). A global batch is ``global_batch_size`` consecutive
+global samples of one epoch (fewer, whole micro-steps, for the epoch's last), whatever the
+split into ranks and micro-batches.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ class EpochPlan:
 
     @property
     def samples_per_epoch(self) -> int:
-        """Global samples of an epoch: the rows, padded to a multiple of the DP size."""
-        return math.ceil(self.num_rows / self.data_parallel_size) * self.data_parallel_size
+        """Global samples of an epoch: the rows, padded to whole micro-steps."""
+        return math.ceil(self.num_rows / self.micro_step_size) * self.micro_step_size
 
     @property
     def steps_per_epoch(self) -> int:
@@ -135,7 +137,7 @@ class DataSampler:
 
     def micro_steps(self) -> Iterator[np.ndarray]:
         """The global samples (row indices) of each micro-step from ``consumed_samples`` on:
-        ``m × data_parallel_size`` of them, ``m`` rows for each rank."""
+        ``micro_batch_size × data_parallel_size`` of them, ``micro_batch_size`` for each rank."""
         consumed = self.consumed_samples
         while True:
             size = self.plan.micro_step_samples(consumed)

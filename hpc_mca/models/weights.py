@@ -10,6 +10,7 @@ silently random weight.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -69,6 +70,9 @@ def shard_coords(chunk: GPTModel) -> ShardCoords:
     )
 
 
+_EMBEDDING = "embedding.word_embeddings.weight"
+
+
 def local_plans(
     chunk: torch.nn.Module, spec: HFModelSpec
 ) -> Iterator[tuple[ParamPlan, torch.nn.Parameter]]:
@@ -89,7 +93,13 @@ def local_plans(
         name = name.replace(".base_layer.", ".")  # a linear inside its LoRA layer
         match = _LAYER_INDEX.match(name)
         layer = global_index[int(match.group(1))] if match else None
-        yield plan_param(spec, coords, name, layer), param
+        plan = plan_param(spec, coords, name, layer)
+        if name == _EMBEDDING and not getattr(chunk, "pre_process", True):
+            # The last stage's copy for its MTP layers: imported like the first stage's, the
+            # same tensor after every step (Megatron all-reduces their gradients), exported
+            # from the first stage alone.
+            plan = dataclasses.replace(plan, exported=False)
+        yield plan, param
 
 
 def load_hf_weights(

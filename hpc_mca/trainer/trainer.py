@@ -51,7 +51,7 @@ from hpc_mca.runtime.distributed import RankContext
 from hpc_mca.runtime.rng import collect_rng, restore_rng
 from hpc_mca.topology import ModelShape
 from hpc_mca.trainer.objective import ForwardStep, Objective
-from hpc_mca.trainer.partial_step import check_partial_steps, filled_rows
+from hpc_mca.trainer.partial_step import whole_pipeline_rounds
 
 if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -84,9 +84,6 @@ class Trainer:
         self.counters = RunCounters(max_steps=total_training_steps(tr, len(data.train)))
         max_steps = self.counters.max_steps
         self.epochs = epoch_plan(data.train, config.data_run())  # each epoch's last step partial
-        check_partial_steps(self.epochs, pp=config.parallel.pipeline_model_parallel_size,
-                            vp=config.parallel.virtual_pipeline_model_parallel_size, packed=data.train.packed,
-                            stage=config.finetuning.stage)
         schedule = scheduler_spec(tr.lr_scheduler_type, tr.lr_scheduler_kwargs, tr.learning_rate,
                                   resolve_warmup_steps(tr.warmup_steps, tr.warmup_ratio, max_steps),
                                   max_steps)
@@ -314,10 +311,16 @@ class Trainer:
                                   consumed_samples=self.counters.consumed_samples,
                                   data_parallel_rank=self.mpu.get_data_parallel_rank())
         consumed, micro = self.counters.consumed_samples, iter(loader)
+        parallel = self.config.parallel
+        interleaved = parallel.virtual_pipeline_model_parallel_size is not None
         while True:  # an epoch's last step has fewer micro-batches (EpochPlan)
             per_step = self.epochs.micro_steps_in_step(consumed)
             consumed += self.epochs.step_samples(consumed)
-            yield self._one_shape(agreed_batches(partial(self._next_micro_batches, micro, per_step), self.ctx.device))
+            batches = self._one_shape(agreed_batches(partial(self._next_micro_batches, micro, per_step),
+                                                     self.ctx.device))
+            # The interleaved schedule wants whole rounds of the pipeline (partial_step).
+            yield (whole_pipeline_rounds(batches, parallel.pipeline_model_parallel_size)
+                   if interleaved else batches)
 
     def _next_micro_batches(self, micro: Iterator[PackedBatch], count: int) -> list[PackedBatch]:
         return [self._cp_share(next(micro)) for _ in range(count)]
@@ -328,9 +331,8 @@ class Trainer:
         may pad each batch to its own length; ROLL pads them alike)."""
         if self.mpu.get_pipeline_model_parallel_world_size() == 1 or any(b.packed for b in micro_batches):
             return micro_batches
-        longest, most = max(b.seq_length for b in micro_batches), max(b.rows for b in micro_batches)
-        # An epoch's last micro-batch may hold fewer rows: masked rows fill it (partial_step).
-        return [filled_rows(b, most).padded_to(longest) for b in micro_batches]
+        longest = max(b.seq_length for b in micro_batches)
+        return [b.padded_to(longest) for b in micro_batches]
 
     def _cp_share(self, batch: PackedBatch) -> PackedBatch:
         """The chunks of ``batch`` this rank's context-parallel position keeps (every CP rank
