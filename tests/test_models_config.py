@@ -276,6 +276,33 @@ def test_seed_oss_options_megatron_computes_otherwise_are_refused(changes, fragm
     _one_line_error(lambda: read_hf_config(config), "config: ", fragment)
 
 
+def test_a_tied_config_over_another_lm_head_is_refused(llama, tmp_path):
+    """config.json ties the output layer to the embedding, but the checkpoint's lm_head.weight is
+    another matrix (transformers loads it untied): refused in one line; an equal copy loads."""
+    from safetensors.torch import load_file, save_file
+
+    model = _copy(llama, tmp_path / "m")
+    _edit_config(model, tie_word_embeddings=True)
+    _one_line_error(lambda: inspect_checkpoint(read_hf_config(model)), "lm_head.weight differs",
+                    "tie_word_embeddings false")
+    tensors = load_file(model / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    inspect_checkpoint(read_hf_config(model))  # what a tied model's own save may hold
+
+
+def test_mixtral_router_jitter_is_refused():
+    """transformers jitters the MoE block's input in training only; Megatron's router would
+    jitter its own input, in evaluation too (logits that change from one forward to the next):
+    refused in one line; transformers' default 0.0 loads."""
+    import transformers
+
+    noisy = transformers.MixtralConfig(**TINY, num_local_experts=4, router_jitter_noise=0.1).to_dict()
+    _one_line_error(lambda: read_hf_config(noisy), "config: ", "router_jitter_noise=0.1")
+    plain = transformers.MixtralConfig(**TINY, num_local_experts=4).to_dict()
+    assert "moe_input_jitter_eps" not in transformer_config_kwargs(read_hf_config(plain), Layout())
+
+
 def test_sliding_window_refused_only_when_it_matters(tmp_path):
     from hpc_mca.models.hf_config import check_sequence_length
 

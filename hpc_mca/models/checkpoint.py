@@ -102,9 +102,10 @@ class HFCheckpoint:
 def inspect_checkpoint(spec: HFModelSpec, directory: Path | None = None) -> HFCheckpoint:
     """Check that the checkpoint holds every tensor ``spec`` implies, with matching shapes.
 
-    Reads headers only. Raises ModelLoadError naming the file and the tensor for a missing
-    shard file, a missing tensor, a shape mismatch or a non-float dtype. Extra tensors (e.g. a
-    saved ``lm_head.weight`` of a tied model) are ignored.
+    Reads headers only, except for a tied model that saved an ``lm_head.weight`` (both vocab
+    matrices are compared: :func:`_check_tied_head`). Raises ModelLoadError naming the file and
+    the tensor for a missing shard file, a missing tensor, a shape mismatch, a non-float dtype
+    or a tied head that differs from the embedding. Other extra tensors are ignored.
     """
     directory = directory or spec.directory
     if directory is None:
@@ -123,7 +124,30 @@ def inspect_checkpoint(spec: HFModelSpec, directory: Path | None = None) -> HFCh
         if file not in headers:
             headers[file] = read_header(ckpt.directory / file)
         _check_tensor(ckpt, spec, name, shape, headers[file])
+    _check_tied_head(ckpt, spec)
     return ckpt
+
+
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _check_tied_head(ckpt: HFCheckpoint, spec: HFModelSpec) -> None:
+    """A config that ties the output layer to the embedding, over a checkpoint whose
+    ``lm_head.weight`` is another matrix: transformers loads it untied (and warns); tied here it
+    would be another model. Refused; an equal copy (what a tied model's save may write) loads."""
+    if not spec.tie_word_embeddings or _HEAD not in ckpt.weight_map or _EMBED not in ckpt.weight_map:
+        return
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt.path_of(_HEAD)), framework="pt") as head_file, \
+            safe_open(str(ckpt.path_of(_EMBED)), framework="pt") as embed_file:
+        head, embed = head_file.get_tensor(_HEAD), embed_file.get_tensor(_EMBED)
+    if head.shape != embed.shape or not torch.equal(head, embed):
+        raise ModelLoadError(
+            f"{ckpt.path_of(_HEAD)}: {_HEAD} differs from {_EMBED} while {spec.source} ties them "
+            "(tie_word_embeddings=true; transformers would load them untied); valid: "
+            "tie_word_embeddings false in config.json, or no lm_head.weight (or an equal one)")
 
 
 def _check_files_exist(ckpt: HFCheckpoint, expected: Mapping[str, Any]) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_mca.models.errors import ModelLoadError
+from hpc_mca.topology.model import BUILDABLE_MODEL_TYPES
 
 if TYPE_CHECKING:  # transformers is imported lazily, where a config is parsed
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
@@ -47,7 +48,7 @@ __all__ = [
     "vocab_growth",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "seed_oss")
+SUPPORTED_MODEL_TYPES = BUILDABLE_MODEL_TYPES  # one list, the planner's too (topology.model)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _QKV_BIAS_TYPES = frozenset({"qwen2"})
@@ -99,7 +100,6 @@ class HFModelSpec:
     moe_renormalize_topk: bool = False
     """True: top-k probabilities are renormalised to sum to 1 (Mixtral, norm_topk_prob)."""
     router_aux_loss_coef: float = 0.0
-    router_jitter_noise: float = 0.0
     attention_dropout: float = 0.0
     initializer_range: float = 0.02
     dtype: str | None = None
@@ -247,6 +247,14 @@ def _refuse_unsupported_options(cfg: PreTrainedConfig, model_type: str, where: s
                 f"{where}: mlp_only_layers={dense_layers} / decoder_sparse_step={step} (dense "
                 "layers between MoE layers) is not supported (supported: every layer MoE)"
             )
+    jitter = getattr(cfg, "router_jitter_noise", 0.0) or 0.0
+    if jitter:
+        # transformers scales the MoE block's input by noise in training only; Megatron's
+        # router would add it to the router's input alone, in evaluation too.
+        raise ModelLoadError(
+            f"{where}: router_jitter_noise={jitter} is not supported (supported: 0.0; "
+            "Megatron's router jitter is not transformers' and would also act outside training)"
+        )
     if model_type in _MOE_TYPES and _num_experts(cfg) < 1:
         raise ModelLoadError(f"{where}: {model_type} config has no experts (num_experts)")
 
@@ -337,7 +345,6 @@ def _spec_from_config(
         moe_ffn_hidden_size=int(moe_ffn) if experts else 0,
         moe_renormalize_topk=bool(model_type == "mixtral" or getattr(cfg, "norm_topk_prob", False)),
         router_aux_loss_coef=float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0),
-        router_jitter_noise=float(getattr(cfg, "router_jitter_noise", 0.0) or 0.0),
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
         initializer_range=float(getattr(cfg, "initializer_range", 0.02)),
         dtype=_dtype_name(cfg),

@@ -147,7 +147,6 @@ def _moe_kwargs(spec: HFModelSpec) -> dict[str, Any]:
         "moe_router_pre_softmax": not spec.moe_renormalize_topk,
         "moe_router_load_balancing_type": "aux_loss",
         "moe_aux_loss_coeff": spec.router_aux_loss_coef,
-        "moe_input_jitter_eps": spec.router_jitter_noise or None,
         "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": False,
     }

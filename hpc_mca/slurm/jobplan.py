@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_mca.stages import RESERVED_STAGES, STAGE_NAMES, reference_runs
 from hpc_mca.topology import Layout, LayoutError, Plan, PlanRequest, plan
+from hpc_mca.topology.model import check_buildable
 from hpc_mca.topology.standard import megatron_only_line, sp_with_megatron_line
 
 from .errors import OpsError
@@ -182,6 +183,11 @@ def _request(options: PlanOptions, config: TrainConfig | None,
                        "model_name_or_path has a config.json")
     if isinstance(fields["model"], str):
         fields["model"] = Path(fields["model"]).expanduser()
+    if isinstance(fields["model"], Path):
+        try:  # the trainer could not build it: no plan (nor job) for it
+            check_buildable(fields["model"])
+        except LayoutError as err:
+            raise OpsError(str(err)) from None
     for name in ("seq_length", "global_batch_size", "micro_batch_size", "stage", "precision",
                  "lora", "recompute"):
         if getattr(options, name) is not None:

@@ -18,6 +18,10 @@ from .errors import LayoutError, raise_if
 # model_type values whose MLP is a plain two-matrix MLP (fc1 -> act -> fc2). Everything else in
 # the families we train (llama, mistral, qwen, mixtral, gemma) uses a gated (SwiGLU/GeGLU) MLP,
 # which has a third matrix and a doubled fc1 output.
+BUILDABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "seed_oss")
+"""The HF ``model_type``s the trainer builds (hpc_mca.models.hf_config reads their configs):
+the planner plans nothing else, so it never proposes a job the trainer cannot run."""
+
 _NON_GATED_MODEL_TYPES = frozenset({"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi"})
 
 # HF spells the same quantity differently across families; first key present wins.
@@ -205,3 +209,13 @@ def _shared_expert_width(config: Mapping[str, Any]) -> int:
         return int(config["shared_expert_intermediate_size"])
     count = int(config.get("n_shared_experts") or 0)
     return count * int(config.get("moe_intermediate_size") or 0)
+
+
+def check_buildable(model: str | os.PathLike[str]) -> None:
+    """LayoutError (one line) unless the config.json at ``model`` (a file or a directory) names a
+    ``model_type`` the trainer builds (:data:`BUILDABLE_MODEL_TYPES`)."""
+    path = _config_path(Path(model))
+    model_type = _read_json(path).get("model_type")
+    if model_type not in BUILDABLE_MODEL_TYPES:
+        raise LayoutError(f"model config {path}: model_type {model_type!r} is not one the trainer "
+                          f"builds; valid: {', '.join(BUILDABLE_MODEL_TYPES)}")
