@@ -66,12 +66,9 @@ class EpochPlan:
         return min(self.global_batch_size, self.samples_per_epoch - consumed % self.samples_per_epoch)
 
     def micro_steps_in_step(self, consumed: int) -> int:
-        """Micro-batches per rank of the step that starts after ``consumed`` samples."""
-        return math.ceil(self.step_samples(consumed) / self.micro_step_size)
-
-    def micro_step_samples(self, consumed: int) -> int:
-        """Global samples of the micro-step that starts after ``consumed`` samples."""
-        return min(self.micro_step_size, self.samples_per_epoch - consumed % self.samples_per_epoch)
+        """Micro-batches per rank of the step that starts after ``consumed`` samples (every one
+        full: an epoch is whole micro-steps)."""
+        return self.step_samples(consumed) // self.micro_step_size
 
 
 class DataSampler:
@@ -138,19 +135,15 @@ class DataSampler:
     def micro_steps(self) -> Iterator[np.ndarray]:
         """The global samples (row indices) of each micro-step from ``consumed_samples`` on:
         ``micro_batch_size × data_parallel_size`` of them, ``micro_batch_size`` for each rank."""
-        consumed = self.consumed_samples
-        while True:
-            size = self.plan.micro_step_samples(consumed)
-            if self.total_samples is not None and consumed + size > self.total_samples:
-                return
+        consumed, size = self.consumed_samples, self.step_size
+        while self.total_samples is None or consumed + size <= self.total_samples:
             epoch, position = divmod(consumed, self.samples_per_epoch)
             consumed += size
             yield self.epoch_order(epoch)[position:position + size]
 
     def rank_slice(self, micro_step: np.ndarray) -> slice:
         """This rank's part of a micro-step's global samples."""
-        rows = len(micro_step) // self.data_parallel_size
-        return slice(self.rank * rows, (self.rank + 1) * rows)
+        return slice(self.rank * self.micro_batch_size, (self.rank + 1) * self.micro_batch_size)
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in self.micro_steps():
@@ -160,8 +153,4 @@ class DataSampler:
         """Micro-batches left for this rank (only when ``total_samples`` is set)."""
         if self.total_samples is None:
             raise TypeError("an endless DataSampler has no length; set total_samples")
-        count, consumed = 0, self.consumed_samples
-        while consumed + self.plan.micro_step_samples(consumed) <= self.total_samples:
-            consumed += self.plan.micro_step_samples(consumed)
-            count += 1
-        return count
+        return max(0, (self.total_samples - self.consumed_samples) // self.step_size)
