@@ -37,6 +37,15 @@ def probe_cp_rope():
     assert out.flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+def probe_yarn_rope():
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    rope = YarnRotaryEmbedding(8, rotary_base=10000.0, scaling_factor=4.0,
+                               original_max_position_embeddings=64)
+    freqs, mscale = rope(16)
+    assert freqs.shape == (16, 1, 1, 8) and mscale > 1, (freqs.shape, mscale)
+
+
 def probe_tracker_fork():
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
@@ -104,7 +113,7 @@ def probe_checkpoint_without_output():
 
 
 PROBES = [probe_backward_allocates, probe_alltoall, probe_causal_mask, probe_cp_rope, probe_tracker_fork,
-          probe_ddp_overlap, probe_checkpoint_without_output]
+          probe_ddp_overlap, probe_checkpoint_without_output, probe_yarn_rope]
 
 if __name__ == "__main__":
     installed = cpu_compat.activate(skip=sys.argv[1:])

@@ -65,15 +65,44 @@ def per_token_loss(chunks, inputs: torch.Tensor) -> torch.Tensor | None:
     """Megatron's (vocab-parallel) cross-entropy of next-token prediction, [batch, seq - 1];
     single-stage layouts only. It sums over the padded vocabulary, so it equals transformers'
     loss only if the padding logits take no probability."""
+    from megatron.core import parallel_state
+
     chunk = chunks[0]
     if len(chunks) > 1 or not (chunk.pre_process and chunk.post_process):
         return None
+    if parallel_state.get_context_parallel_world_size() > 1:
+        return None  # whole sequences only
     inputs = inputs.to(next(chunk.parameters()).device)
     tokens, labels = inputs[:, :-1], inputs[:, 1:]
     positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
     chunk.eval()
     with torch.no_grad():
         return chunk(tokens, positions, None, labels=labels)
+
+
+def context_parallel_logits(chunks, inputs: torch.Tensor, vocab: int) -> torch.Tensor | None:
+    """Logits of the whole sequences under context parallelism: each rank runs its two
+    load-balanced chunks of 2·CP (Megatron's split), and the ranks' logits are put back in
+    sequence order."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from hpc_mca.models.inference import forward_logits
+
+    cp = parallel_state.get_context_parallel_world_size()
+    positions = torch.arange(inputs.size(1)).expand_as(inputs)
+    local = get_batch_on_this_cp_rank({"tokens": inputs, "position_ids": positions},
+                                      is_hybrid_cp=False)
+    logits = forward_logits(chunks, local["tokens"], vocab, position_ids=local["position_ids"])
+    if logits is None:
+        return None
+    parts = [torch.empty_like(logits) for _ in range(cp)]
+    dist.all_gather(parts, logits.contiguous(), group=parallel_state.get_context_parallel_group())
+    chunks_in_order: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        first, second = part.chunk(2, dim=1)
+        chunks_in_order[rank], chunks_in_order[2 * cp - 1 - rank] = first, second
+    return torch.cat(chunks_in_order, dim=1)
 
 
 def run_model(job: dict, model: str, models: Path, out: Path, ctx) -> float:
@@ -90,7 +119,11 @@ def run_model(job: dict, model: str, models: Path, out: Path, ctx) -> float:
     layers = [[layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks]
     (out / f"{model}.layers.rank{dist.get_rank()}.json").write_text(json.dumps(layers))
     inputs = torch.load(models / "inputs.pt")
-    _save_if_holder(forward_logits(chunks, inputs % vocab, vocab), out / f"{model}.logits.pt")
+    if ctx.layout.cp > 1:
+        logits = context_parallel_logits(chunks, inputs % vocab, vocab)
+    else:
+        logits = forward_logits(chunks, inputs % vocab, vocab)
+    _save_if_holder(logits, out / f"{model}.logits.pt")
     _save_if_holder(per_token_loss(chunks, inputs % vocab), out / f"{model}.loss.pt")
     if job.get("packed"):  # single pipeline stage only: every rank gets logits
         result = packed_vs_alone(chunks, vocab, torch.Generator().manual_seed(7))

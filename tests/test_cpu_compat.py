@@ -13,11 +13,13 @@ PROBE = Path(__file__).with_name("compat_probe.py")
 
 # patch -> the probes that must fail when only that patch is left out
 NEEDED_BY = {
-    "devices": {"probe_causal_mask", "probe_ddp_overlap", "probe_backward_allocates", "probe_cp_rope"},
+    "devices": {"probe_causal_mask", "probe_ddp_overlap", "probe_backward_allocates", "probe_cp_rope",
+                "probe_yarn_rope"},
     "rng": {"probe_tracker_fork", "probe_checkpoint_without_output"},  # it saves RNG states
     "streams": {"probe_ddp_overlap"},
     "alltoall": {"probe_alltoall"},
     "checkpoint_te": {"probe_checkpoint_without_output"},
+    "yarn_init": {"probe_yarn_rope"},
 }
 
 

@@ -26,29 +26,57 @@ COMMON = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_ke
               intermediate_size=96, max_position_embeddings=256)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+             "original_max_position_embeddings": 64}
 FAMILIES = {
     # name: (config class, overrides); vocabularies chosen to hit every vocab-padding case
     "llama": ("LlamaConfig", dict(vocab_size=200, rope_parameters=LLAMA3_ROPE)),
     "qwen2": ("Qwen2Config", dict(vocab_size=256, tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", dict(vocab_size=130, head_dim=32, tie_word_embeddings=True)),
+    # yarn: its attention factor (1.14 here) scales q.k, through Megatron's softmax scale
+    "qwen3": ("Qwen3Config", dict(vocab_size=130, head_dim=32, tie_word_embeddings=True,
+                                  rope_parameters=YARN_ROPE)),
     "mistral": ("MistralConfig", dict(vocab_size=255)),  # sliding_window 4096 >= 256: inert
     "qwen3_moe": ("Qwen3MoeConfig", dict(vocab_size=160, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=32)),
     "mixtral": ("MixtralConfig", dict(vocab_size=128, num_local_experts=4, num_experts_per_tok=2)),
     # q/k/v biases (attention_bias), head_dim 32 != 64/4; residual_dropout (default 0.1) is refused
     "seed_oss": ("SeedOssConfig", dict(vocab_size=129, head_dim=32, residual_dropout=0.0)),
+    # a shared expert behind a sigmoid gate; layer 0 dense (mlp_only_layers)
+    "qwen2_moe": ("Qwen2MoeConfig", dict(vocab_size=140, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                         mlp_only_layers=[0])),
+    # partial rotary, q/k/v biases, qk-norm, first layer dense, sigmoid router with a bias,
+    # groups (2 of 4 experts each, 1 picked), routed_scaling_factor, two shared experts
+    "glm4_moe": ("Glm4MoeConfig", dict(vocab_size=150, n_routed_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=24, n_shared_experts=2,
+                                       first_k_dense_replace=1, n_group=2, topk_group=1,
+                                       routed_scaling_factor=2.5, partial_rotary_factor=0.5,
+                                       attention_bias=True, use_qk_norm=True, head_dim=32)),
+    # multi-latent attention (q and kv latents, a decoupled rope head, value heads narrower
+    # than query heads), yarn with DeepSeek's mscale pair, first layer dense, sigmoid groups
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        vocab_size=170, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, moe_intermediate_size=24, first_k_dense_replace=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, num_key_value_heads=4,
+        rope_parameters={**YARN_ROPE, "mscale": 0.8, "mscale_all_dim": 0.9})),
 }
-MOE = ["qwen3_moe", "mixtral"]
+MOE = ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3"]
 DENSE = [name for name in FAMILIES if name not in MOE]
 EXTRA = {
     "llama_sharded": ("LlamaConfig", dict(vocab_size=200), "24KB"),
     "llama4": ("LlamaConfig", dict(vocab_size=200, num_hidden_layers=4), None),
     # stored in bfloat16, run in float32: import upcasts exactly, export writes bfloat16 back
     "llama_bf16": ("LlamaConfig", dict(vocab_size=200), None),
+    # multi-latent attention without a query latent (a plain q_proj), default rope
+    "deepseek_v3_q_proj": ("DeepseekV3Config", {
+        **FAMILIES["deepseek_v3"][1], "q_lora_rank": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, None),
 }
+SINGLE_ONLY = ["llama_sharded", "llama_bf16", "deepseek_v3_q_proj"]
 
 SINGLE_JOBS = [
-    {"name": "tp1", "layout": {}, "models": [*FAMILIES, "llama_sharded", "llama_bf16"],
+    {"name": "tp1", "layout": {}, "models": [*FAMILIES, *SINGLE_ONLY],
      "export": True, "packed": True},
 ]
 TORCHRUN_JOBS = [
@@ -56,6 +84,8 @@ TORCHRUN_JOBS = [
     {"name": "pp2", "layout": {"pp": 2}, "models": [*FAMILIES, "llama_sharded"], "export": True,
      "opened": True, "shard_bytes": 64 * 1024},
     {"name": "ep2", "layout": {"ep": 2}, "models": MOE, "export": True},
+    # each rank runs its two load-balanced quarters of the sequence
+    {"name": "cp2", "layout": {"cp": 2}, "models": ["llama", *MOE]},
     {"name": "pp2vp2", "layout": {"pp": 2, "vp": 2}, "models": ["llama4"], "export": True},
     {"name": "pp2uneven", "layout": {"pp": 2, "pipeline_layout": [1, 3]}, "models": ["llama4"]},
 ]
@@ -68,6 +98,9 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
             noise = torch.randn(param.shape, generator=gen)
             is_norm = name.endswith("norm.weight")
             param.copy_(1.0 + 0.2 * noise if is_norm else 0.1 * noise)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # steers the sigmoid router's choice
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
 
 
 def _write_tokenizer(directory: Path, vocab_size: int) -> None:
@@ -156,7 +189,7 @@ def _record(request, key: str, value: float) -> None:
 # --- logits parity ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "llama_sharded", "llama_bf16"])
+@pytest.mark.parametrize("family", [*FAMILIES, *SINGLE_ONLY])
 def test_tp1_logits_match_transformers(request, models, single, family):
     diff = _max_diff(torch.load(single / "tp1" / f"{family}.logits.pt"),
                      torch.load(models / f"{family}.ref.pt"))
@@ -224,7 +257,7 @@ def _assert_round_trip(source: Path, export: Path) -> None:
     assert all(exported[name].dtype == original[name].dtype for name in original)
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "llama_sharded", "llama_bf16"])
+@pytest.mark.parametrize("family", [*FAMILIES, *SINGLE_ONLY])
 def test_tp1_export_round_trips_every_tensor_bit_exactly(models, single, family):
     _assert_round_trip(models / family, single / "tp1" / f"{family}.export")
 

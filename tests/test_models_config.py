@@ -113,15 +113,29 @@ def test_norm_topk_prob_renormalises_like_mixtral():
     {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0},
     {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0, "original_max_position_embeddings": 32,
+     "beta_fast": 16, "beta_slow": 2, "truncate": False, "mscale": 0.7, "mscale_all_dim": 1.0},
+    {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "original_max_position_embeddings": 64,
+     "attention_factor": 1.3},
+    {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
 ])
 def test_rope_frequencies_equal_transformers(rope):
+    """Frequencies bit-equal to transformers', and its yarn attention factor (cos and sin
+    scaled, so q.k by its square) as the softmax scale."""
     import transformers
 
-    config = transformers.LlamaConfig(**TINY, rope_parameters=rope)
-    hf = transformers.LlamaForCausalLM(config)
+    if "partial_rotary_factor" in rope:  # a family whose transformers code rotates part
+        config = transformers.Glm4MoeConfig(**TINY, n_routed_experts=4, rope_parameters=rope)
+    else:
+        config = transformers.LlamaConfig(**TINY, rope_parameters=rope)
+    hf = transformers.AutoModelForCausalLM.from_config(config)
     spec = read_hf_config(config.to_dict())
     torch.testing.assert_close(rope_inv_freq(spec.rope, spec.head_dim),
                                hf.model.rotary_emb.inv_freq, rtol=0, atol=0)
+    scale = transformer_config_kwargs(spec, Layout()).get("softmax_scale")
+    factor = hf.model.rotary_emb.attention_scaling
+    assert scale == (None if factor == 1.0 else pytest.approx(factor**2 / spec.head_dim**0.5))
 
 
 def test_transformers4_style_rope_keys_are_read():
@@ -243,8 +257,13 @@ def test_unsupported_model_type_lists_the_supported(llama, tmp_path):
 
 
 @pytest.mark.parametrize("changes,fragments", [
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
-     ["'yarn'", "default, linear, llama3"]),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0,
+                          "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
+                          "original_max_position_embeddings": 64}},
+     ["'longrope'", "default, linear, llama3, yarn"]),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                          "original_max_position_embeddings": 64, "partial_rotary_factor": 0.5}},
+     ["yarn with partial_rotary_factor=0.5"]),
     ({"hidden_act": "gelu"}, ["hidden_act='gelu'"]),
     ({"attention_bias": True}, ["attention_bias=true"]),
 ])
@@ -252,6 +271,40 @@ def test_unsupported_options_are_refused(llama, tmp_path, changes, fragments):
     model = _copy(llama, tmp_path / "m")
     _edit_config(model, **changes)
     _one_line_error(lambda: read_hf_config(model), str(model / "config.json"), *fragments)
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    (dict(norm_topk_prob=False), "norm_topk_prob=False"),  # Megatron renormalises sigmoid top-k
+    (dict(num_experts_per_tok=1), "num_experts_per_tok=1"),
+    (dict(n_group=2, topk_group=2), "n_group=2, topk_group=2"),  # top-k 2 != 2 * 2 groups
+    (dict(n_group=3, topk_group=1), "n_group=3"),  # 4 experts in 3 groups
+])
+def test_glm4_moe_routing_megatron_computes_otherwise_is_refused(changes, fragment):
+    import transformers
+
+    config = transformers.Glm4MoeConfig(**{**TINY, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                           **changes}).to_dict()
+    _one_line_error(lambda: read_hf_config(config), "config: ", fragment)
+
+
+def test_moe_dense_layers_follow_transformers_rule():
+    """Which layers keep a dense MLP: transformers' own modules say, per family."""
+    import transformers
+
+    cases = [transformers.Qwen2MoeConfig(**{**TINY, "num_hidden_layers": 6}, num_experts=4,
+                                         decoder_sparse_step=2, mlp_only_layers=[3]),
+             transformers.Qwen3MoeConfig(**{**TINY, "num_hidden_layers": 4}, num_experts=4,
+                                         mlp_only_layers=[0, 2]),
+             transformers.Glm4MoeConfig(**{**TINY, "num_hidden_layers": 4}, n_routed_experts=4,
+                                        first_k_dense_replace=2)]
+    for config in cases:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        dense = tuple(i for i, layer in enumerate(model.model.layers)
+                      if hasattr(layer.mlp, "gate_proj"))
+        spec = read_hf_config(config.to_dict())
+        assert spec.dense_layers == dense and dense, config.model_type
+        freq = transformer_config_kwargs(spec, Layout())["moe_layer_freq"]
+        assert freq == [int(i not in dense) for i in range(config.num_hidden_layers)]
 
 
 @pytest.mark.parametrize("attention_bias", [True, False])
@@ -373,8 +426,20 @@ def test_planner_shape_and_builder_spec_read_the_same_model(name, config):
                "head_dim": spec.head_dim}
     planner = {key: getattr(shape, key) for key in builder}
     planner["head_dim"] = shape.head_dim or shape.hidden_size // shape.num_attention_heads
+    if spec.mla is not None:  # no head_dim: the latents' and heads' widths instead
+        del planner["head_dim"], builder["head_dim"]
+        mla = spec.mla
+        assert (shape.q_lora_rank, shape.kv_lora_rank, shape.qk_nope_head_dim,
+                shape.qk_rope_head_dim, shape.v_head_dim) == (
+            mla.q_lora_rank, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim,
+            mla.v_head_dim)
+    assert shape.is_mla == (spec.mla is not None)
     assert planner == builder
     if spec.is_moe:
         assert shape.expert_ffn_hidden_size == spec.moe_ffn_hidden_size
+        assert shape.dense_layer_ids == spec.dense_layers
+        assert (shape.moe_shared_expert_ffn_hidden_size, shape.moe_shared_expert_gate,
+                shape.moe_router_expert_bias) == (spec.shared_expert_ffn_hidden_size,
+                                                  spec.shared_expert_gate, spec.moe_expert_bias)
     else:
         assert shape.ffn_hidden_size == spec.ffn_hidden_size

@@ -69,10 +69,11 @@ _DP_RESHARDABLE_FIXED = ("tp", "pp", "vp", "ep", "etp", "cp", "pipeline_layout")
 
 
 def model_record(shape: ModelShape) -> dict[str, Any]:
-    """The model fields a checkpoint records: a ModelShape as a dict, without its label."""
+    """The model fields a checkpoint records: a ModelShape as a dict, without its label, in
+    JSON's types (tuples as lists), so that it equals the record read back from a checkpoint."""
     record = dataclasses.asdict(shape)
     record.pop("name", None)
-    return record
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in record.items()}
 
 
 def layout_record(par: ParallelArguments, world_size: int, use_mca: bool) -> dict[str, Any]:

@@ -38,6 +38,11 @@ def layout_of(par: ParallelArguments) -> Layout:
         raise ConfigError("\n".join(our_names(line) for line in err.violations)) from None
 
 
+def mixed_mlp(shape: ModelShape) -> bool:
+    """An MoE model that also has dense-MLP layers or shared experts (LoRA: attention only)."""
+    return shape.is_moe and bool(shape.dense_layer_ids or shape.moe_shared_expert_ffn_hidden_size)
+
+
 def model_shape(model_dir: str) -> ModelShape:
     try:
         return ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))

@@ -92,9 +92,15 @@ class _CoreAttentionBase(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ):
         super().__init__(config=config)
         self._refuse_unsupported(config, layer_number)
+        # Multi-latent attention passes its query/key and value head widths (they differ:
+        # the kernels here take any widths, flash-attn 2 does not and refuses below).
+        self.k_channels = k_channels or config.kv_channels
+        self.v_channels = v_channels or config.kv_channels
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -103,7 +109,7 @@ class _CoreAttentionBase(MegatronModule):
         # apply_query_key_layer_scaling divides the scale by layer_number and multiplies the
         # scores back inside the softmax in Megatron: the net scale is unchanged.
         self.softmax_scale = (
-            1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+            1.0 / math.sqrt(self.k_channels) if softmax_scale is None else softmax_scale
         )
         self.dropout_p = float(
             config.attention_dropout if attention_dropout is None else attention_dropout
@@ -180,12 +186,14 @@ class TorchCoreAttention(_CoreAttentionBase):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
         *,
         segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
         packed_kernel: str = "sdpa",
     ):
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
-                         softmax_scale, cp_comm_type, pg_collection)
+                         softmax_scale, cp_comm_type, pg_collection, k_channels, v_channels)
         if packed_kernel not in PACKED_KERNELS:
             raise ValueError(f"packed_kernel={packed_kernel!r} is not one of {PACKED_KERNELS}")
         self.segment_tokens = segment_tokens
@@ -200,7 +208,12 @@ class TorchCoreAttention(_CoreAttentionBase):
         cp = config.context_parallel_size
         if cp == 1:
             return None
-        comm = self.cp_comm_type or "p2p"  # Megatron's default when none is given
+        # Megatron's multi-latent attention builds a first core attention without the layer's
+        # cp_comm_type (and replaces it): the config's then, and Megatron's default "p2p" last.
+        comm = self.cp_comm_type or config.cp_comm_type or "p2p"
+        if isinstance(comm, list):  # one per layer
+            comm = comm[self.layer_number - 1]
+        self.cp_comm_type = comm
         check_context_parallel(self.backend_name, cp, comm)
         problems = cp_comm_violations(comm, cp,
                                       config.num_query_groups // config.tensor_model_parallel_size)
@@ -371,9 +384,15 @@ class FlashCoreAttention(_CoreAttentionBase):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ):
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
-                         softmax_scale, cp_comm_type, pg_collection)
+                         softmax_scale, cp_comm_type, pg_collection, k_channels, v_channels)
+        if self.k_channels != self.v_channels:
+            raise ValueError(f"attention backend 'flash': query/key heads {self.k_channels} wide "
+                             f"and value heads {self.v_channels} wide (multi-latent attention) "
+                             "are not supported; use the 'torch' or 'te' backend")
         try:
             from flash_attn import flash_attn_func, flash_attn_varlen_func
         except ImportError as err:

@@ -27,8 +27,9 @@ from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_config import HFModelSpec, check_sequence_length, read_hf_config
 from hpc_mca.models.mapping import padded_vocab_size
 from hpc_mca.models.megatron_config import (
+    LayerSpecs,
     block_spec,
-    layer_spec,
+    layer_specs,
     rope_inv_freq,
     transformer_config,
 )
@@ -39,7 +40,6 @@ from hpc_mca.topology import LayoutError, ModelShape, check_layout
 
 if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = ["build_model"]
@@ -81,14 +81,14 @@ def build_model(
     kernel = packed_kernel(spec, backend, packed_attention, cuda=ctx.device.type == "cuda",
                            dtype=dtype, cp=ctx.layout.cp)[0]
     config = transformer_config(spec, ctx.layout, dtype=dtype, gloo=ctx.backend == "gloo",
-                                loading=load, overrides=rope.configure(config_overrides))
-    layer = layer_spec(spec, core_attention_class(backend, kernel or "sdpa"))
+                                loading=load, overrides=_rope_overrides(spec, config_overrides))
+    layers = layer_specs(spec, core_attention_class(backend, kernel or "sdpa"))
     vocab = padded_vocab_size(spec.vocab_size, ctx.layout.tp, make_vocab_size_divisible_by)
     max_len = seq_length or spec.max_position_embeddings
     if config.mtp_num_layers:
         mtp.install()
     chunks = [
-        _build_chunk(spec, config, layer, vocab, max_len, stage, ctx, backend)
+        _build_chunk(spec, config, layers, vocab, max_len, stage, ctx, backend)
         for stage in range(ctx.layout.vp or 1)
     ]
     if checkpoint is not None:
@@ -98,6 +98,17 @@ def build_model(
     if compile_layers:
         layer_compile.compile_layers(chunks)
     return chunks
+
+
+def _rope_overrides(spec: HFModelSpec, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The config overrides with RoPE's slots filled (:func:`hpc_mca.models.rope.configure`);
+    multi-latent attention applies its own rope, unfused (its fused kernels are Triton's)."""
+    if spec.mla is None:
+        return rope.configure(overrides)
+    if (overrides or {}).get("apply_rope_fusion"):
+        raise ModelLoadError(f"{spec.source}: model.fusions 'rope' with multi-latent attention "
+                             f"({spec.model_type}) is not supported; valid: fusions without 'rope'")
+    return {**(overrides or {}), "apply_rope_fusion": False}
 
 
 def packed_kernel(spec: HFModelSpec, backend: str, preference: str, *, cuda: bool,
@@ -126,7 +137,7 @@ def _check_layout(spec: HFModelSpec, ctx: RankContext, sequence_parallel: bool) 
 def _build_chunk(
     spec: HFModelSpec,
     config: TransformerConfig,
-    layer: ModuleSpec,
+    layers: LayerSpecs,
     padded_vocab: int,
     max_len: int,
     stage: int,
@@ -140,8 +151,9 @@ def _build_chunk(
     vp_stage = stage if ctx.layout.vp else None
     model = McaGPTModel(
         config=config,
-        transformer_layer_spec=block_spec(layer, config, vp_stage),
-        mtp_block_spec=mtp.mtp_block_spec(config, layer, backend, vp_stage),
+        transformer_layer_spec=block_spec(layers, config, vp_stage),
+        # MTP layers are built like the model's last layer (with experts in an MoE model)
+        mtp_block_spec=mtp.mtp_block_spec(config, layers.moe, backend, vp_stage),
         vocab_size=padded_vocab,
         max_sequence_length=max_len,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -149,10 +161,12 @@ def _build_chunk(
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=spec.rope.theta,
+        rotary_percent=spec.rope.partial_rotary_factor,
         vp_stage=vp_stage,
     )
-    rotary = model.rotary_pos_emb
-    rotary.inv_freq = rope_inv_freq(spec.rope, spec.head_dim).to(rotary.inv_freq.device)
+    if spec.mla is None:  # multi-latent attention computes its own rope
+        rotary = model.rotary_pos_emb
+        rotary.inv_freq = rope_inv_freq(spec.rope, spec.head_dim).to(rotary.inv_freq.device)
     if model.post_process:
         _mask_padded_vocab(model, spec.vocab_size)
     return model.to(ctx.device)

@@ -53,6 +53,8 @@ def freeze_chunks(chunks: list[torch.nn.Module], finetuning: FinetuningArguments
     for chunk in chunks:
         setattr(unwrap(chunk), _TRAINS_PART, True)
         for plan, param in local_plans(chunk, spec):
+            if not isinstance(param, torch.nn.Parameter):
+                continue  # a buffer (a router's expert bias): never trained
             param.requires_grad_(_trains(rule, plan.name, [p.hf_name for p in plan.pieces], spec))
         for name, param in chunk.named_parameters():
             if name.startswith("mtp."):  # the config rules refuse MTP with freeze: a guard

@@ -19,12 +19,24 @@ qwen3_moe   qwen3 attention, every layer a softmax top-k MoE (norm_topk_prob hon
 mixtral     mistral attention, every layer a softmax top-k MoE (renormalised top-k)
 seed_oss    as llama plus explicit head_dim and, with attention_bias, biases on q/k/v
             only; a bias on o_proj (attention_out_bias) and residual_dropout are refused
+qwen2_moe   qwen2 attention (qkv_bias), softmax top-k MoE plus a shared expert behind a
+            sigmoid gate; dense layers where mlp_only_layers / decoder_sparse_step say
+glm4_moe    partial rotary, optional q/k/v biases and qk-norm, first_k_dense_replace dense
+            layers, then sigmoid-routed experts with e_score_correction_bias, group-limited
+            top-k, routed_scaling_factor, and shared experts
+deepseek_v3 multi-latent attention (q/kv low-rank projections with their norms, a decoupled
+            rope head; rope interleaved as DeepSeek's checkpoints store it), the glm4_moe
+            routing and dense first layers, default or yarn rope with DeepSeek's mscale
 =========== ======================================================================
+
+RoPE types: default, linear, llama3 and yarn (full rotary; its attention factor becomes the
+softmax scale, the same product as transformers scaling cos and sin of q and k).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -49,13 +61,19 @@ __all__ = [
 ]
 
 SUPPORTED_MODEL_TYPES = BUILDABLE_MODEL_TYPES  # one list, the planner's too (topology.model)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 _QKV_BIAS_TYPES = frozenset({"qwen2"})
-_QKV_BIAS_OPTION_TYPES = frozenset({"seed_oss"})
-"""Families whose ``attention_bias`` puts biases on q/k/v only (o_proj has its own flag)."""
+_QKV_BIAS_OPTION_TYPES = {"seed_oss": "attention_bias", "glm4_moe": "attention_bias",
+                          "qwen2_moe": "qkv_bias"}
+"""Families whose option (the value) puts biases on q/k/v only (o_proj has none)."""
 _QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe"})
-_MOE_TYPES = frozenset({"qwen3_moe", "mixtral"})
+_QK_NORM_OPTION_TYPES = {"glm4_moe": "use_qk_norm"}
+_MOE_TYPES = frozenset({"qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3"})
+_SIGMOID_ROUTER_TYPES = frozenset({"glm4_moe", "deepseek_v3"})
+_MLA_TYPES = frozenset({"deepseek_v3"})
+_MLA_ROPE_TYPES = ("default", "yarn")
+"""Families whose router scores experts with a sigmoid plus ``e_score_correction_bias``."""
 _ALWAYS_WINDOWED_TYPES = frozenset({"mistral", "mixtral"})
 """Families where a non-null ``sliding_window`` applies to every layer (no layer_types)."""
 
@@ -70,6 +88,43 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    """yarn: the factor transformers multiplies cos and sin by (so q.k by its square)."""
+    partial_rotary_factor: float = 1.0
+    """The leading fraction of each head's dimensions that is rotated (the rest passes)."""
+    mscale: float = 1.0
+    """yarn (multi-latent attention): DeepSeek's ``mscale`` (1.0 unless it and
+    ``mscale_all_dim`` are both set, which is when transformers uses them)."""
+    mscale_all_dim: float = 0.0
+    """yarn (multi-latent attention): DeepSeek's ``mscale_all_dim`` (0: not used)."""
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """Dimensions of a head that are rotated, as transformers computes them."""
+        return int(head_dim * self.partial_rotary_factor)
+
+
+@dataclass(frozen=True)
+class MlaSpec:
+    """Multi-latent attention (DeepSeek-V2/V3): queries through an optional low-rank
+    projection, keys and values through a shared low-rank latent, plus one rope head of keys."""
+
+    q_lora_rank: int | None
+    """Width of the query latent (``q_a_proj``); None: a plain ``q_proj``."""
+    kv_lora_rank: int
+    """Width of the key/value latent (``kv_a_proj_with_mqa`` less the rope head)."""
+    qk_nope_head_dim: int
+    """Per-head query/key dimensions without rope."""
+    qk_rope_head_dim: int
+    """Per-head query/key dimensions with rope (the key's are shared by all heads)."""
+    v_head_dim: int
+    """Per-head value dimensions."""
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -100,6 +155,23 @@ class HFModelSpec:
     moe_renormalize_topk: bool = False
     """True: top-k probabilities are renormalised to sum to 1 (Mixtral, norm_topk_prob)."""
     router_aux_loss_coef: float = 0.0
+    dense_layers: tuple[int, ...] = ()
+    """0-based layers of an MoE model whose MLP is dense, ``ffn_hidden_size`` wide
+    (qwen2_moe ``mlp_only_layers``/``decoder_sparse_step``, glm4_moe ``first_k_dense_replace``)."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Width of the MoE layers' always-on shared expert MLP; 0: none."""
+    shared_expert_gate: bool = False
+    """The shared expert's output is scaled by sigmoid(x @ gate) (qwen2_moe)."""
+    moe_score_function: str = "softmax"
+    """"softmax" or "sigmoid" (with ``e_score_correction_bias`` added for the choice only)."""
+    moe_num_groups: int = 0
+    """Group-limited routing: experts in this many groups (0: no groups)."""
+    moe_group_topk: int = 0
+    """Groups a token may pick experts from (0: no groups)."""
+    moe_topk_scaling_factor: float = 1.0
+    """Routing weights are multiplied by this (``routed_scaling_factor``)."""
+    mla: MlaSpec | None = None
+    """Multi-latent attention (deepseek_v3); None: multi-head / grouped-query attention."""
     attention_dropout: float = 0.0
     initializer_range: float = 0.02
     dtype: str | None = None
@@ -124,6 +196,25 @@ class HFModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether 0-based ``layer`` has routed experts (not one of ``dense_layers``)."""
+        return self.is_moe and layer not in self.dense_layers
+
+    @property
+    def mixed_mlp(self) -> bool:
+        """An MoE model that also has dense-MLP layers or shared experts."""
+        return self.is_moe and bool(self.dense_layers or self.shared_expert_ffn_hidden_size)
+
+    @property
+    def moe_expert_bias(self) -> bool:
+        """The router has an ``e_score_correction_bias`` (sigmoid routers)."""
+        return self.moe_score_function == "sigmoid"
+
+    @property
+    def shared_expert_prefix(self) -> str:
+        """HF module name of the shared expert MLP inside a layer's MoE block."""
+        return "shared_expert" if self.model_type == "qwen2_moe" else "shared_experts"
 
     @property
     def moe_prefix(self) -> str:
@@ -221,7 +312,7 @@ def _refuse_unsupported_options(cfg: PreTrainedConfig, model_type: str, where: s
     if act != "silu":
         raise ModelLoadError(f"{where}: hidden_act={act!r} is not supported (supported: 'silu')")
     if getattr(cfg, "attention_bias", False) and model_type not in (
-        _QKV_BIAS_TYPES | _QKV_BIAS_OPTION_TYPES
+        _QKV_BIAS_TYPES | set(_QKV_BIAS_OPTION_TYPES)
     ):
         raise ModelLoadError(
             f"{where}: attention_bias=true (a bias on o_proj too) is not supported for "
@@ -239,14 +330,6 @@ def _refuse_unsupported_options(cfg: PreTrainedConfig, model_type: str, where: s
             f"{where}: residual_dropout={residual_dropout} is not supported (supported: 0.0; "
             "Megatron's hidden_dropout would drop the embeddings too)"
         )
-    if model_type == "qwen3_moe":
-        dense_layers = list(getattr(cfg, "mlp_only_layers", None) or [])
-        step = getattr(cfg, "decoder_sparse_step", 1)
-        if dense_layers or step != 1:
-            raise ModelLoadError(
-                f"{where}: mlp_only_layers={dense_layers} / decoder_sparse_step={step} (dense "
-                "layers between MoE layers) is not supported (supported: every layer MoE)"
-            )
     jitter = getattr(cfg, "router_jitter_noise", 0.0) or 0.0
     if jitter:
         # transformers scales the MoE block's input by noise in training only; Megatron's
@@ -255,8 +338,75 @@ def _refuse_unsupported_options(cfg: PreTrainedConfig, model_type: str, where: s
             f"{where}: router_jitter_noise={jitter} is not supported (supported: 0.0; "
             "Megatron's router jitter is not transformers' and would also act outside training)"
         )
+    if model_type in _MLA_TYPES and not getattr(cfg, "rope_interleave", True):
+        # Megatron's multi-latent attention always takes interleaved rope rows.
+        raise ModelLoadError(f"{where}: rope_interleave=false is not supported for {model_type} "
+                             "(supported: true, DeepSeek's own checkpoints)")
     if model_type in _MOE_TYPES and _num_experts(cfg) < 1:
         raise ModelLoadError(f"{where}: {model_type} config has no experts (num_experts)")
+
+
+def _dense_layers(cfg: PreTrainedConfig, model_type: str) -> tuple[int, ...]:
+    """Layers of an MoE family that keep a dense MLP, by transformers' own rule per family."""
+    layers = range(int(cfg.num_hidden_layers))
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        only = set(getattr(cfg, "mlp_only_layers", None) or [])
+        step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+        return tuple(i for i in layers if i in only or (i + 1) % step != 0)
+    if model_type in ("glm4_moe", "deepseek_v3"):
+        return tuple(i for i in layers if i < int(cfg.first_k_dense_replace))
+    return ()
+
+
+def _moe_fields(cfg: PreTrainedConfig, model_type: str, where: str) -> dict[str, Any]:
+    """The MoE part of an :class:`HFModelSpec` (empty for dense families)."""
+    if model_type not in _MOE_TYPES:
+        return {}
+    experts, topk = _num_experts(cfg), int(cfg.num_experts_per_tok)
+    # Mixtral's experts are intermediate_size wide; the Qwen/GLM MoEs have their own width.
+    width = cfg.intermediate_size if model_type == "mixtral" else cfg.moe_intermediate_size
+    fields: dict[str, Any] = {
+        "num_experts": experts,
+        "moe_router_topk": topk,
+        "moe_ffn_hidden_size": int(width),
+        "moe_renormalize_topk": bool(model_type == "mixtral" or getattr(cfg, "norm_topk_prob", False)),
+        "dense_layers": _dense_layers(cfg, model_type),
+    }
+    if model_type == "qwen2_moe":
+        fields |= {"shared_expert_ffn_hidden_size": int(cfg.shared_expert_intermediate_size),
+                   "shared_expert_gate": True}
+    if model_type in _SIGMOID_ROUTER_TYPES:
+        fields |= {"shared_expert_ffn_hidden_size": int(cfg.moe_intermediate_size * cfg.n_shared_experts),
+                   "moe_score_function": "sigmoid",
+                   "moe_topk_scaling_factor": float(cfg.routed_scaling_factor),
+                   **_router_groups(cfg, experts, topk, where)}
+        if not fields["moe_renormalize_topk"] or topk < 2:
+            # Megatron renormalises sigmoid top-k weights exactly when top-k > 1.
+            raise ModelLoadError(
+                f"{where}: norm_topk_prob={cfg.norm_topk_prob} with num_experts_per_tok={topk} is "
+                "not supported for a sigmoid router (supported: norm_topk_prob true, top-k >= 2)")
+    return fields
+
+
+def _router_groups(cfg: PreTrainedConfig, experts: int, topk: int, where: str) -> dict[str, int]:
+    """Group-limited routing (n_group, topk_group); transformers ranks a group by the sum of its
+    two best scores, Megatron by its top (top-k / groups picked): equal only when that is 2."""
+    groups, picked = int(cfg.n_group or 1), int(cfg.topk_group or 1)
+    if groups <= 1:
+        return {}
+    if experts % groups or not 0 < picked <= groups or topk != 2 * picked:
+        raise ModelLoadError(
+            f"{where}: n_group={groups}, topk_group={picked} with {experts} experts and "
+            f"num_experts_per_tok={topk} is not supported (supported: n_group dividing the "
+            "experts and num_experts_per_tok = 2 * topk_group, or n_group 1)")
+    return {"moe_num_groups": groups, "moe_group_topk": picked}
+
+
+def _mla_spec(cfg: PreTrainedConfig) -> MlaSpec:
+    q_rank = getattr(cfg, "q_lora_rank", None)
+    return MlaSpec(q_lora_rank=int(q_rank) if q_rank else None,
+                   kv_lora_rank=int(cfg.kv_lora_rank), qk_nope_head_dim=int(cfg.qk_nope_head_dim),
+                   qk_rope_head_dim=int(cfg.qk_rope_head_dim), v_head_dim=int(cfg.v_head_dim))
 
 
 def _num_experts(cfg: PreTrainedConfig) -> int:
@@ -269,30 +419,80 @@ def _rope_spec(cfg: PreTrainedConfig, where: str) -> RopeSpec:
     if params is None:
         params = dict(getattr(cfg, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
+    if getattr(cfg, "model_type", "") in _MLA_TYPES:
+        return _mla_rope_spec(params, rope_type, cfg, where)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
             f"{where}: rope_scaling type {rope_type!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1.0):
-        raise ModelLoadError(
-            f"{where}: partial_rotary_factor={partial} is not supported (supported: 1.0)"
-        )
-    spec = RopeSpec(theta=float(params["rope_theta"]), type=rope_type)
+    partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+    partial = 1.0 if partial is None else float(partial)
+    spec = RopeSpec(theta=float(params["rope_theta"]), type=rope_type, partial_rotary_factor=partial)
     if rope_type == "linear":
-        return RopeSpec(theta=spec.theta, type=rope_type, factor=float(params["factor"]))
+        return replace(spec, factor=float(params["factor"]))
     if rope_type == "llama3":
-        return RopeSpec(
-            theta=spec.theta,
-            type=rope_type,
+        return replace(
+            spec,
             factor=float(params["factor"]),
             low_freq_factor=float(params["low_freq_factor"]),
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
+    if rope_type == "yarn":
+        return _yarn_spec(spec, params, cfg, where)
     return spec
+
+
+def _mla_rope_spec(params: Mapping[str, Any], rope_type: str, cfg: PreTrainedConfig, where: str
+                   ) -> RopeSpec:
+    """Rope of multi-latent attention, which Megatron computes itself (its yarn equals
+    transformers' with ``truncate`` on and the attention factor from mscale/mscale_all_dim)."""
+    if rope_type not in _MLA_ROPE_TYPES:
+        raise ModelLoadError(f"{where}: rope_scaling type {rope_type!r} is not supported with "
+                             f"multi-latent attention (supported: {', '.join(_MLA_ROPE_TYPES)})")
+    spec = RopeSpec(theta=float(params["rope_theta"]), type=rope_type)
+    if rope_type == "default":
+        return spec
+    for key, fine in (("attention_factor", None), ("truncate", True)):
+        if params.get(key, fine) != fine:
+            raise ModelLoadError(f"{where}: rope yarn {key}={params[key]} is not supported with "
+                                 f"multi-latent attention (supported: {fine})")
+    mscale, mscale_all = params.get("mscale") or 0.0, params.get("mscale_all_dim") or 0.0
+    both = bool(mscale) and bool(mscale_all)  # transformers uses them only together
+    original = int(params["original_max_position_embeddings"])
+    return replace(spec, factor=float(params.get("factor") or cfg.max_position_embeddings / original),
+                   original_max_position_embeddings=original,
+                   beta_fast=float(params.get("beta_fast") or 32),
+                   beta_slow=float(params.get("beta_slow") or 1),
+                   mscale=float(mscale) if both else 1.0,
+                   mscale_all_dim=float(mscale_all) if both else 0.0)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_spec(spec: RopeSpec, params: Mapping[str, Any], cfg: PreTrainedConfig, where: str
+               ) -> RopeSpec:
+    """yarn as transformers reads it (factor defaults to max / original positions; the
+    attention factor from mscale / mscale_all_dim when both are set)."""
+    if spec.partial_rotary_factor != 1.0:
+        # transformers scales cos/sin of the rotated dimensions only: no softmax scale equals it.
+        raise ModelLoadError(f"{where}: rope yarn with partial_rotary_factor="
+                             f"{spec.partial_rotary_factor} is not supported (supported: 1.0)")
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor") or cfg.max_position_embeddings / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                     if mscale and mscale_all else _yarn_mscale(factor))
+    return replace(spec, factor=float(factor), original_max_position_embeddings=original,
+                   beta_fast=float(params.get("beta_fast") or 32),
+                   beta_slow=float(params.get("beta_slow") or 1),
+                   truncate=bool(params.get("truncate", True)), attention_factor=float(attention))
 
 
 def _sliding_window(cfg: PreTrainedConfig, model_type: str) -> int | None:
@@ -320,9 +520,6 @@ def _spec_from_config(
 ) -> HFModelSpec:
     heads = int(cfg.num_attention_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    experts = _num_experts(cfg) if model_type in _MOE_TYPES else 0
-    # Mixtral's experts are intermediate_size wide; only Qwen-MoE has a separate expert width.
-    moe_ffn = cfg.moe_intermediate_size if model_type == "qwen3_moe" else cfg.intermediate_size
     return HFModelSpec(
         model_type=model_type,
         num_layers=int(cfg.num_hidden_layers),
@@ -337,13 +534,12 @@ def _spec_from_config(
         max_position_embeddings=int(cfg.max_position_embeddings),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         qkv_bias=model_type in _QKV_BIAS_TYPES
-        or (model_type in _QKV_BIAS_OPTION_TYPES and bool(cfg.attention_bias)),
-        qk_norm=model_type in _QK_NORM_TYPES,
+        or bool(getattr(cfg, _QKV_BIAS_OPTION_TYPES.get(model_type, "-"), False)),
+        qk_norm=model_type in _QK_NORM_TYPES
+        or bool(getattr(cfg, _QK_NORM_OPTION_TYPES.get(model_type, "-"), False)),
         sliding_window=_sliding_window(cfg, model_type),
-        num_experts=experts,
-        moe_router_topk=int(cfg.num_experts_per_tok) if experts else 0,
-        moe_ffn_hidden_size=int(moe_ffn) if experts else 0,
-        moe_renormalize_topk=bool(model_type == "mixtral" or getattr(cfg, "norm_topk_prob", False)),
+        **_moe_fields(cfg, model_type, where),
+        mla=_mla_spec(cfg) if model_type in _MLA_TYPES else None,
         router_aux_loss_coef=float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0),
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
         initializer_range=float(getattr(cfg, "initializer_range", 0.02)),

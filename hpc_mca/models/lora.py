@@ -433,7 +433,8 @@ def apply_lora(chunks: list[torch.nn.Module], finetuning: FinetuningArguments, *
 
     ft = finetuning
     spec = read_hf_config(model_path)
-    targets = resolve_lora_targets(ft.lora_target, is_moe=spec.is_moe, model_type=spec.model_type)
+    targets = resolve_lora_targets(ft.lora_target, is_moe=spec.is_moe, model_type=spec.model_type,
+                                   mixed_mlp=spec.mixed_mlp)
     for chunk in chunks:
         sites = lora_sites(chunk, targets, spec)
         # lora_alpha: peft annotates int but takes any number (scaling = alpha / r).

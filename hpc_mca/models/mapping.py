@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 
 from hpc_mca.models.errors import ModelLoadError
-from hpc_mca.models.hf_config import HFModelSpec
+from hpc_mca.models.hf_config import HFModelSpec, MlaSpec
 
 __all__ = [
     "ParamPlan",
@@ -110,30 +110,73 @@ def _expert_names(spec: HFModelSpec, layer: int, expert: int) -> tuple[str, str,
     return base + "gate_proj.weight", base + "up_proj.weight", base + "down_proj.weight"
 
 
-def _layer_shapes(spec: HFModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
-    p, h, d = _layer_prefix(layer), spec.hidden_size, spec.head_dim
+def _attention_shapes(spec: HFModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
+    p, h, d = f"{_layer_prefix(layer)}self_attn.", spec.hidden_size, spec.head_dim
     q_rows, kv_rows = spec.num_attention_heads * d, spec.num_query_groups * d
-    shapes: dict[str, tuple[int, ...]] = {p + "input_layernorm.weight": (h,)}
+    shapes: dict[str, tuple[int, ...]] = {}
     for proj, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
-        shapes[f"{p}self_attn.{proj}_proj.weight"] = (rows, h)
+        shapes[f"{p}{proj}_proj.weight"] = (rows, h)
         if spec.qkv_bias:
-            shapes[f"{p}self_attn.{proj}_proj.bias"] = (rows,)
-    shapes[p + "self_attn.o_proj.weight"] = (h, q_rows)
+            shapes[f"{p}{proj}_proj.bias"] = (rows,)
+    shapes[p + "o_proj.weight"] = (h, q_rows)
     if spec.qk_norm:
-        shapes[p + "self_attn.q_norm.weight"] = (d,)
-        shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes[p + "q_norm.weight"] = (d,)
+        shapes[p + "k_norm.weight"] = (d,)
+    return shapes
+
+
+def _mla_shapes(spec: HFModelSpec, mla: MlaSpec, layer: int) -> dict[str, tuple[int, ...]]:
+    """Multi-latent attention, in DeepSeek's checkpoint order."""
+    p, h, heads = f"{_layer_prefix(layer)}self_attn.", spec.hidden_size, spec.num_attention_heads
+    shapes: dict[str, tuple[int, ...]] = {}
+    if mla.q_lora_rank is None:
+        shapes[p + "q_proj.weight"] = (heads * mla.qk_head_dim, h)
+    else:
+        shapes[p + "q_a_proj.weight"] = (mla.q_lora_rank, h)
+        shapes[p + "q_a_layernorm.weight"] = (mla.q_lora_rank,)
+        shapes[p + "q_b_proj.weight"] = (heads * mla.qk_head_dim, mla.q_lora_rank)
+    shapes[p + "kv_a_proj_with_mqa.weight"] = (mla.kv_lora_rank + mla.qk_rope_head_dim, h)
+    shapes[p + "kv_a_layernorm.weight"] = (mla.kv_lora_rank,)
+    shapes[p + "kv_b_proj.weight"] = (heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                                      mla.kv_lora_rank)
+    shapes[p + "o_proj.weight"] = (h, heads * mla.v_head_dim)
+    return shapes
+
+
+def _layer_shapes(spec: HFModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
+    p, h = _layer_prefix(layer), spec.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {p + "input_layernorm.weight": (h,)}
+    if spec.mla is not None:
+        shapes.update(_mla_shapes(spec, spec.mla, layer))
+    else:
+        shapes.update(_attention_shapes(spec, layer))
     shapes[p + "post_attention_layernorm.weight"] = (h,)
-    if spec.is_moe:
-        shapes[f"{p}{spec.moe_prefix}.gate.weight"] = (spec.num_experts, h)
-        f = spec.moe_ffn_hidden_size
-        for expert in range(spec.num_experts):
-            gate, up, down = _expert_names(spec, layer, expert)
-            shapes.update({gate: (f, h), up: (f, h), down: (h, f)})
+    if spec.is_moe_layer(layer):
+        shapes.update(_moe_shapes(spec, layer))
     else:
         f = spec.ffn_hidden_size
         shapes[p + "mlp.gate_proj.weight"] = (f, h)
         shapes[p + "mlp.up_proj.weight"] = (f, h)
         shapes[p + "mlp.down_proj.weight"] = (h, f)
+    return shapes
+
+
+def _moe_shapes(spec: HFModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
+    moe, h = f"{_layer_prefix(layer)}{spec.moe_prefix}.", spec.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {moe + "gate.weight": (spec.num_experts, h)}
+    if spec.moe_expert_bias:
+        shapes[moe + "gate.e_score_correction_bias"] = (spec.num_experts,)
+    f = spec.moe_ffn_hidden_size
+    for expert in range(spec.num_experts):
+        gate, up, down = _expert_names(spec, layer, expert)
+        shapes.update({gate: (f, h), up: (f, h), down: (h, f)})
+    f = spec.shared_expert_ffn_hidden_size
+    if f:
+        shared = moe + spec.shared_expert_prefix + "."
+        shapes.update({shared + "gate_proj.weight": (f, h), shared + "up_proj.weight": (f, h),
+                       shared + "down_proj.weight": (h, f)})
+    if spec.shared_expert_gate:
+        shapes[moe + "shared_expert_gate.weight"] = (1, h)
     return shapes
 
 
@@ -233,7 +276,11 @@ def _plan_layer_param(
         "self_attention.q_layernorm.weight": p + "self_attn.q_norm.weight",
         "self_attention.k_layernorm.weight": p + "self_attn.k_norm.weight",
         "mlp.router.weight": f"{p}{spec.moe_prefix}.gate.weight",
+        "mlp.router.expert_bias": f"{p}{spec.moe_prefix}.gate.e_score_correction_bias",
+        "mlp.shared_experts.gate_weight": f"{p}{spec.moe_prefix}.shared_expert_gate.weight",
     }
+    if spec.mla is not None and rest.startswith("self_attention."):
+        return _plan_mla_param(spec, spec.mla, c, name, layer, rest.removeprefix("self_attention."))
     if rest in replicated:
         return ParamPlan(name, _whole(replicated[rest]), replicated_owner)
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
@@ -242,18 +289,62 @@ def _plan_layer_param(
         width = spec.num_attention_heads * spec.head_dim
         return ParamPlan(name, _column_piece(p + "self_attn.o_proj.weight", width, c.tp_rank,
                                              c.tp_size), dense_owner)
-    if rest == "mlp.linear_fc1.weight" and not spec.is_moe:
-        pieces = _fc1_pieces(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
-                             spec.ffn_hidden_size, c.tp_rank, c.tp_size)
-        return ParamPlan(name, pieces, dense_owner)
-    if rest == "mlp.linear_fc2.weight" and not spec.is_moe:
-        pieces = _column_piece(p + "mlp.down_proj.weight", spec.ffn_hidden_size, c.tp_rank,
-                               c.tp_size)
+    dense = _dense_mlp(spec, layer, rest)
+    if dense is not None:
+        mlp, width = dense
+        if rest.endswith("linear_fc1.weight"):
+            pieces = _fc1_pieces(mlp + "gate_proj.weight", mlp + "up_proj.weight", width,
+                                 c.tp_rank, c.tp_size)
+        else:
+            pieces = _column_piece(mlp + "down_proj.weight", width, c.tp_rank, c.tp_size)
         return ParamPlan(name, pieces, dense_owner)
     expert = _EXPERT_PARAM.fullmatch(rest)
-    if expert is not None and spec.is_moe:
+    if expert is not None and spec.is_moe_layer(layer):
         return _plan_expert_param(spec, c, name, layer, int(expert.group(1)), expert.group(2))
     raise ModelLoadError(f"no Hugging Face tensor maps to Megatron parameter {name}")
+
+
+def _plan_mla_param(spec: HFModelSpec, mla: MlaSpec, c: ShardCoords, name: str, layer: int,
+                    rest: str) -> ParamPlan:
+    """Megatron's local multi-latent attention: every projection is a column-parallel linear
+    (rows split over TP: the down projections too, which it gathers before their norms) except
+    ``linear_proj`` (columns, per head); the latents' norms are whole."""
+    p, heads = f"{_layer_prefix(layer)}self_attn.", spec.num_attention_heads
+    dense_owner = c.dp_rank == 0
+    norms = {"q_layernorm.weight": "q_a_layernorm.weight",
+             "kv_layernorm.weight": "kv_a_layernorm.weight"}
+    if rest in norms:
+        return ParamPlan(name, _whole(p + norms[rest]), dense_owner and c.tp_rank == 0)
+    rows = {
+        "linear_q_down_proj.weight": ("q_a_proj.weight", mla.q_lora_rank or 0),
+        "linear_q_up_proj.weight": ("q_b_proj.weight", heads * mla.qk_head_dim),
+        "linear_q_proj.weight": ("q_proj.weight", heads * mla.qk_head_dim),
+        "linear_kv_down_proj.weight": ("kv_a_proj_with_mqa.weight",
+                                       mla.kv_lora_rank + mla.qk_rope_head_dim),
+        "linear_kv_up_proj.weight": ("kv_b_proj.weight",
+                                     heads * (mla.qk_nope_head_dim + mla.v_head_dim)),
+    }
+    if rest in rows:
+        hf, total = rows[rest]
+        start, stop = _split(total, c.tp_rank, c.tp_size)
+        return ParamPlan(name, (Piece(p + hf, 0, start, stop, 0),), dense_owner)
+    if rest == "linear_proj.weight":
+        pieces = _column_piece(p + "o_proj.weight", heads * mla.v_head_dim, c.tp_rank, c.tp_size)
+        return ParamPlan(name, pieces, dense_owner)
+    raise ModelLoadError(f"no Hugging Face tensor maps to Megatron parameter {name}")
+
+
+def _dense_mlp(spec: HFModelSpec, layer: int, rest: str) -> tuple[str, int] | None:
+    """(HF module prefix, width) of a tensor-parallel MLP weight: a dense layer's MLP or an
+    MoE layer's shared expert (split over TP like a dense MLP, not over experts)."""
+    p = _layer_prefix(layer)
+    if rest in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight") and not spec.is_moe_layer(layer):
+        return p + "mlp.", spec.ffn_hidden_size
+    shared = ("mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight")
+    if rest in shared and spec.is_moe_layer(layer) and spec.shared_expert_ffn_hidden_size:
+        return (f"{p}{spec.moe_prefix}.{spec.shared_expert_prefix}.",
+                spec.shared_expert_ffn_hidden_size)
+    return None
 
 
 def _plan_expert_param(

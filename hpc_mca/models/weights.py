@@ -73,11 +73,24 @@ def shard_coords(chunk: GPTModel) -> ShardCoords:
 _EMBEDDING = "embedding.word_embeddings.weight"
 
 
+def _named_tensors(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The chunk's parameters, then the buffers that hold HF tensors: a sigmoid router's
+    expert bias (transformers' ``e_score_correction_bias``, a buffer on both sides)."""
+    yield from chunk.named_parameters()
+    for name, buffer in chunk.named_buffers():
+        if name.endswith(_EXPERT_BIAS) and buffer is not None:
+            yield name, buffer
+
+
+_EXPERT_BIAS = "mlp.router.expert_bias"
+
+
 def local_plans(
     chunk: torch.nn.Module, spec: HFModelSpec
-) -> Iterator[tuple[ParamPlan, torch.nn.Parameter]]:
-    """(plan, parameter) for every base-model parameter of one GPTModel chunk (not its MTP
-    block, not LoRA adapters; a LoRA layer's base linear under its own name).
+) -> Iterator[tuple[ParamPlan, torch.Tensor]]:
+    """(plan, tensor) for every base-model parameter of one GPTModel chunk (not its MTP
+    block, not LoRA adapters; a LoRA layer's base linear under its own name), and for the
+    buffers that hold HF tensors (:func:`_named_tensors`).
 
     Layers are numbered model-wide through ``layer_number`` (1-based, set by Megatron from the
     pipeline/virtual-pipeline offset), which also covers uneven pipeline layouts.
@@ -86,7 +99,7 @@ def local_plans(
     coords = shard_coords(chunk)
     layers = getattr(getattr(chunk, "decoder", None), "layers", [])
     global_index = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
-    for name, param in chunk.named_parameters():
+    for name, param in _named_tensors(chunk):
         if name.startswith("mtp.") or ".lora_" in name:
             continue  # MTP layers have no HF tensors here: models.mtp.initialise fills them;
             # LoRA adapters are not part of the base model (models.adapter_export writes them)
@@ -162,7 +175,7 @@ class _GrownReader:
 
 
 def _fill(
-    param: torch.nn.Parameter, plan: ParamPlan, reader: SliceReader | _GrownReader, ckpt: HFCheckpoint
+    param: torch.Tensor, plan: ParamPlan, reader: SliceReader | _GrownReader, ckpt: HFCheckpoint
 ) -> None:
     if plan.padded:
         param.zero_()  # vocabulary padding rows: never a real token, never a real logit

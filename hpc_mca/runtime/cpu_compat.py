@@ -400,6 +400,29 @@ def _install_checkpoint_without_te() -> None:
     random.CheckpointWithoutOutput.__init__ = __init__
 
 
+# --------------------------------------------------------------------------------------------
+# 6. Multi-latent attention's yarn rope: its frequencies inside a CUDA device context.
+# --------------------------------------------------------------------------------------------
+
+def _install_yarn_cpu_init() -> None:
+    """Answers models/common/embeddings/yarn_rotary_pos_embedding.py YarnRotaryEmbedding, which
+    transformer/multi_latent_attention.py builds without ``use_cpu_initialization``: it then
+    computes its frequencies inside ``with torch.device(torch.cuda.current_device())``, a
+    device context rather than a function call, which the device mode cannot rewrite. Without
+    CUDA it computes the same frequencies on the CPU, the path use_cpu_initialization takes."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+    )
+
+    original = YarnRotaryEmbedding.__init__
+
+    @functools.wraps(original)
+    def __init__(self: YarnRotaryEmbedding, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **{**kwargs, "use_cpu_initialization": True})
+
+    YarnRotaryEmbedding.__init__ = __init__
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("devices", "torch.cuda.current_device()/device='cuda'/.cuda()/.type()/pin_memory across megatron/core",
           _install_device_mode),
@@ -408,4 +431,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch("alltoall", "MoE alltoall dispatcher split sizes on gloo", _install_alltoall_splits),
     Patch("checkpoint_te", "tensor_parallel/random.py CheckpointWithoutOutput without Transformer "
           "Engine (recompute_modules layernorm)", _install_checkpoint_without_te, te_missing),
+    Patch("yarn_init", "models/common/embeddings/yarn_rotary_pos_embedding.py built by "
+          "transformer/multi_latent_attention.py (a CUDA device context)", _install_yarn_cpu_init),
 )

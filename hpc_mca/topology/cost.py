@@ -39,6 +39,7 @@ from dataclasses import dataclass, fields, replace
 from hpc_mca.stages import get_stage
 
 from . import network
+from .attention import attention_gemm_flops
 from .freeze import layer_ids_on_rank
 from .hardware import GpuSpec
 from .layout import Layout
@@ -47,16 +48,17 @@ from .memory import (
     busiest_ranks,
     frozen_trainable,
     layer_bytes_per_token,
-    layers_on_rank,
+    layer_kinds_on_rank,
     microbatch_tokens,
     mlp_matrices,
     mtp_on_rank,
+    mtp_view,
     padded_vocab,
     recompute_modules,
     recomputed_share,
     stage_counts,
 )
-from .model import ModelShape
+from .model import ModelShape, layer_view
 from .network import Network
 from .routing import moe_load_imbalance
 
@@ -220,10 +222,9 @@ def _layer_gemm_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: 
     (TP-split, other): the attention projections and a dense or shared-expert MLP, which TP's
     collectives feed and which TE's TP overlap pipelines them with; and the router and
     routed experts, which take the tokens as sequence parallelism left them."""
-    h, d, tp = model.hidden_size, model.kv_channels, layout.tp
-    hq, hkv = model.num_attention_heads * d, model.num_query_groups * d
-    attn = 2 * tokens * (h * hq + 2 * h * hkv + hq * h) / tp / _gemm_rate(gpu, work.precision,
-                                                                          h / tp)
+    h, tp = model.hidden_size, layout.tp
+    # GQA's QKV and output projections, or MLA's down- and up-projections (memory.py).
+    attn = tokens * attention_gemm_flops(model) / tp / _gemm_rate(gpu, work.precision, h / tp)
     split = attn + _mlp_gemm_seconds(model, layout, work, gpu, tokens)
     return split, _expert_gemm_seconds(model, layout, work, gpu, tokens)
 
@@ -243,7 +244,9 @@ def _expert_gemm_seconds(model: ModelShape, layout: Layout, work: Workload, gpu:
         return 0.0
     h, tp, mats = model.hidden_size, layout.tp, mlp_matrices(model)
     fe, k, experts = model.expert_ffn_hidden_size, model.moe_router_topk, model.num_experts
-    router = 2 * tokens * h * experts / tp / _gemm_rate(gpu, work.precision, h / tp)
+    # The router, and a Qwen2-MoE shared expert's 1-wide gate.
+    router = 2 * tokens * h * (experts + int(model.moe_shared_expert_gate)) / tp / _gemm_rate(
+        gpu, work.precision, h / tp)
     # Rows each local expert gets (the mean load): the micro-batch's tokens are split over
     # TP by sequence parallelism, gathered again over the expert-TP group, copied to k experts,
     # and the EP group's copies spread over its experts. With ETP = TP every rank sees all
@@ -270,7 +273,9 @@ def _module_recompute_seconds(model: ModelShape, layout: Layout, work: Workload,
     seconds = attn if "core_attn" in modules else 0.0
     if "layernorm" in modules:
         seconds += 2 * 2 * 2 * tokens * model.hidden_size / layout.tp / (gpu.memory_gbps * 1e9)
-    if "mlp" in modules or "moe" in modules:
+    # mlp recomputes a dense layer's MLP only (Megatron's TransformerLayer skips MoE layers);
+    # moe an MoE layer's whole block, its shared expert included.
+    if ("mlp" in modules and not model.is_moe) or ("moe" in modules and model.is_moe):
         seconds += _mlp_gemm_seconds(model, layout, work, gpu, tokens)
     if "moe" in modules:
         seconds += _expert_gemm_seconds(model, layout, work, gpu, tokens)
@@ -279,15 +284,26 @@ def _module_recompute_seconds(model: ModelShape, layout: Layout, work: Workload,
         rows = tokens * model.moe_router_topk * layout.etp / layout.tp
         seconds += 2 * 3 * model.expert_ffn_hidden_size / layout.etp * rows / (
             gpu.memory_gbps * 1e9)
+    if "mla_up_proj" in modules and model.is_mla:
+        # MLA's up-projections (q_b_proj, kv_b_proj; column-parallel) and the RoPE on Q and K.
+        heads, ups = model.num_attention_heads, []
+        if model.q_lora_rank:
+            ups.append(model.q_lora_rank * heads * model.qk_head_dim)
+        ups.append((model.kv_lora_rank or 0) * heads * (model.qk_nope_head_dim
+                                                        + model.v_head_dim))
+        seconds += 2 * tokens * sum(ups) / layout.tp / _gemm_rate(
+            gpu, work.precision, model.hidden_size / layout.tp)
     return seconds
 
 
 def _attention_seconds(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
                        tokens: int) -> float:
     """Forward of one layer's attention core: each token attends to half the sequence on
-    average (causal), on every CP rank alike (Megatron's load-balanced chunks)."""
-    hq = model.num_attention_heads * model.kv_channels
-    flops = 4 * hq * (work.seq_length / 2) * tokens / layout.tp
+    average (causal), on every CP rank alike (Megatron's load-balanced chunks). QKᵀ multiplies
+    over the query/key head width, the weighted sum over the value width (MLA: nope + rope
+    and v_head_dim)."""
+    widths = model.num_attention_heads * (model.qk_head_dim + model.value_head_dim)
+    flops = 2 * widths * (work.seq_length / 2) * tokens / layout.tp
     peak = gpu.fp32_tflops if work.precision == "fp32" else gpu.peak_tflops
     return flops / (peak * 1e12 * attention_share(model, layout, work, gpu, tokens))
 
@@ -330,6 +346,16 @@ def _output_layer_seconds(model: ModelShape, layout: Layout, work: Workload, gpu
 
 
 @dataclass(frozen=True)
+class _LayerTime:
+    """Forward seconds of one layer of one kind (dense-MLP or MoE) for one micro-batch."""
+
+    split_gemm: float  # TP-split GEMMs (what TP overlap hides behind)
+    other_gemm: float  # router and routed experts
+    elementwise: float
+    module_recompute: float  # what a selective recompute runs again (attention core included)
+
+
+@dataclass(frozen=True)
 class _Compute:
     """Compute seconds of one micro-batch on one pipeline rank."""
 
@@ -337,22 +363,38 @@ class _Compute:
     backward: float  # what a gradient reduction can hide behind
     total: float     # forward, backward and any reference forward
     recompute: float  # the forwards recompute runs again
-    layer_gemm: float         # one layer's TP-split forward GEMMs (what TP overlap hides behind)
     layer_attention: float    # one layer's forward attention core
     layer_attention_backward: float
-    layer_forward: float      # one layer's whole forward
+    kinds: dict[bool, _LayerTime]  # by is-MoE: each kind of layer the rank holds
+
+    def layer_forward(self, moe: bool) -> float:
+        """One layer's whole forward."""
+        kind = self.kinds[moe]
+        return kind.split_gemm + kind.other_gemm + self.layer_attention + kind.elementwise
+
+
+def _layer_time(kind: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec, tokens: int,
+                attn: float) -> _LayerTime:
+    split, other = _layer_gemm_seconds(kind, layout, work, gpu, tokens)
+    return _LayerTime(split, other, _elementwise_seconds(kind, layout, work, gpu, tokens),
+                      _module_recompute_seconds(kind, layout, work, gpu, tokens, attn))
 
 
 def _compute(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
              rank: int) -> _Compute:
-    """Compute of one micro-batch on pipeline rank ``rank``."""
+    """Compute of one micro-batch on pipeline rank ``rank``: its dense-MLP and MoE layers
+    (each kind timed on its own: DeepSeek-V3's first layers are dense) and MTP depths."""
     tokens = microbatch_tokens(work, layout)
     depths = mtp_on_rank(layout, work, rank)  # each: one more layer and output-layer pass
-    layers = layers_on_rank(model, layout, rank) + depths
-    split_gemm, other_gemm = _layer_gemm_seconds(model, layout, work, gpu, tokens)
-    gemm = split_gemm + other_gemm
+    dense, moe = layer_kinds_on_rank(model, layout, rank)
+    counts = {False: dense, True: moe}
+    counts[mtp_view(model).is_moe] += depths
+    layers = dense + moe + depths
     attn = _attention_seconds(model, layout, work, gpu, tokens)
-    elem = _elementwise_seconds(model, layout, work, gpu, tokens)
+    kinds = {is_moe: _layer_time(layer_view(model, is_moe), layout, work, gpu, tokens, attn)
+             for is_moe, n in counts.items() if n}
+    gemm = sum(counts[k] * (t.split_gemm + t.other_gemm) for k, t in kinds.items())
+    elem = sum(counts[k] * t.elementwise for k, t in kinds.items())
     out_gemm, loss = (_output_layer_seconds(model, layout, work, gpu, tokens)
                       if rank == layout.pp - 1 else (0.0, 0.0))
     out_gemm, loss = (1 + depths) * out_gemm, (1 + depths) * loss
@@ -361,20 +403,20 @@ def _compute(model: ModelShape, layout: Layout, work: Workload, gpu: GpuSpec,
         weight_grads = sum(work.freeze.layer_shares[i]
                            for i in layer_ids_on_rank(model, layout, rank)) / layers
     flash_bwd = FLASH_BACKWARD_FACTOR if work.flash_attention else 2.0
-    forward = layers * (gemm + attn + elem) + out_gemm + loss
-    backward = (layers * ((1 + weight_grads) * gemm + flash_bwd * attn + 2 * elem)
+    forward = gemm + layers * attn + elem + out_gemm + loss
+    backward = ((1 + weight_grads) * gemm + flash_bwd * layers * attn + 2 * elem
                 + (1 + weight_grads) * out_gemm + loss)
     if rank == 0:
         backward += _embedding_backward_seconds(model, layout, work, gpu)
     recomputed = recomputed_share(model, layout, work, rank)
     if recomputed:
-        recompute = recomputed * layers * (gemm + attn + elem)
+        recompute = recomputed * (gemm + layers * attn + elem)
     else:
-        recompute = layers * _module_recompute_seconds(model, layout, work, gpu, tokens, attn)
+        recompute = sum(counts[k] * t.module_recompute for k, t in kinds.items())
     # E.g. dpo's frozen reference: its log-probabilities, forward only.
     reference = _extra_forwards(work) * forward
-    return _Compute(forward, backward, forward + backward + reference, recompute, split_gemm,
-                    attn, flash_bwd * attn, gemm + attn + elem)
+    return _Compute(forward, backward, forward + backward + reference, recompute, attn,
+                    flash_bwd * attn, kinds)
 
 
 def _embedding_backward_seconds(model: ModelShape, layout: Layout, work: Workload,
@@ -403,17 +445,24 @@ def _extra_forwards(work: Workload) -> int:
 def _micro_batch(model: ModelShape, layout: Layout, work: Workload, net: Network,
                  rank: int) -> _Pass:
     c = _compute(model, layout, work, net.gpu, rank)
-    layers = layers_on_rank(model, layout, rank)
+    dense, moe = layer_kinds_on_rank(model, layout, rank)
     recomputed = recomputed_share(model, layout, work, rank)
     forward_passes = 1 + recomputed + _extra_forwards(work)
+    # A dense layer's MLP is TP-split and an MoE layer's routed experts are not: each kind's
+    # collectives from its own view; only MoE layers dispatch.
+    tensor_parallel = sum(
+        network.tensor_parallel(layer_view(model, is_moe), layout, work, net, n,
+                                forward_passes, c.kinds[is_moe].split_gemm)
+        for is_moe, n in ((False, dense), (True, moe)) if n)
+    expert_parallel = moe * network.expert_parallel(
+        layer_view(model, True), layout, work, net, forward_passes,
+        c.layer_forward(True)) if moe else 0.0
     return _Pass(
         forward=c.forward, backward=c.backward, compute=c.total, recompute=c.recompute,
-        tensor_parallel=network.tensor_parallel(model, layout, work, net, layers,
-                                                forward_passes, c.layer_gemm),
-        context_parallel=layers * network.context_parallel(
+        tensor_parallel=tensor_parallel,
+        context_parallel=(dense + moe) * network.context_parallel(
             model, layout, work, net, c.layer_attention, c.layer_attention_backward, recomputed),
-        expert_parallel=layers * network.expert_parallel(model, layout, work, net,
-                                                         forward_passes, c.layer_forward),
+        expert_parallel=expert_parallel,
         p2p=network.pipeline_sends(model, layout, work, net, c.forward + c.backward))
 
 

@@ -86,16 +86,23 @@ class LoraTargets:
         return [f"{moe_prefix}.experts.{name}" for name in names]
 
 
-def valid_lora_targets(is_moe: bool) -> tuple[str, ...]:
-    """The HF names ``lora_target`` may use for a dense or an MoE model (besides ``all``)."""
+_ATTENTION = (*QKV_PARTS, "o_proj")
+
+
+def valid_lora_targets(is_moe: bool, mixed_mlp: bool = False) -> tuple[str, ...]:
+    """The HF names ``lora_target`` may use for a dense or an MoE model (besides ``all``);
+    ``mixed_mlp``: an MoE model that also has dense-MLP layers or shared experts, where only
+    attention takes adapters so far (their MLP modules share names with the experts')."""
+    if mixed_mlp:
+        return _ATTENTION
     return _MOE if is_moe else _DENSE
 
 
 def resolve_lora_targets(names: list[str] | tuple[str, ...], *, is_moe: bool,
-                         model_type: str = "") -> LoraTargets:
+                         model_type: str = "", mixed_mlp: bool = False) -> LoraTargets:
     """``finetuning.lora_target`` as :class:`LoraTargets`; LoraTargetError (one line naming the
-    value and the valid names) for a name no module of this model has."""
-    valid = valid_lora_targets(is_moe)
+    value and the valid names) for a name no module of this model has or takes adapters on."""
+    valid = valid_lora_targets(is_moe, mixed_mlp)
     names = [names] if isinstance(names, str) else names
     wanted = [n.strip() for name in names for n in str(name).split(",") if n.strip()]
     if "all" in wanted:
@@ -103,7 +110,10 @@ def resolve_lora_targets(names: list[str] | tuple[str, ...], *, is_moe: bool,
     unknown = [n for n in wanted if n not in valid]
     if unknown or not wanted:
         why = ""
-        if is_moe and {"gate_proj", "up_proj"} & set(unknown):
+        if mixed_mlp:
+            why = (" that takes adapters here (MLP adapters on a model with dense layers or "
+                   "shared experts besides its experts are not supported yet)")
+        elif is_moe and {"gate_proj", "up_proj"} & set(unknown):
             why = " (its experts keep gate and up in one gate_up_proj weight)"
         raise LoraTargetError(f"finetuning.lora_target={list(names)!r} names no module of this "
                           f"{model_type or 'model'}{why}: {', '.join(unknown) or 'nothing'}; "

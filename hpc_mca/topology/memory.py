@@ -35,9 +35,15 @@ from functools import lru_cache
 from hpc_mca.stages import get_stage
 
 from . import choices
+from .attention import (
+    attention_weights,
+    lora_attention,
+    mla_qkv_elements,
+    mla_saved_elements,
+)
 from .freeze import FreezeSizing, layer_ids_on_rank
 from .layout import Layout
-from .model import ModelShape
+from .model import ModelShape, layer_view
 
 # Defined in choices.py (light enough for the CLI's --help); importable from here as before.
 TORCH_CP_COMM_TYPES = choices.TORCH_CP_COMM_TYPES
@@ -162,30 +168,51 @@ def mlp_matrices(model: ModelShape) -> int:
     return 3 if model.gated_linear_unit else 2
 
 
+def layer_kinds_on_rank(model: ModelShape, layout: Layout, rank: int) -> tuple[int, int]:
+    """(dense-MLP layers, MoE layers) pipeline rank ``rank`` holds; a model that mixes them
+    (DeepSeek-V3's first three layers are dense) has its dense ones on the first stages."""
+    n = layers_on_rank(model, layout, rank)
+    if not model.is_moe:
+        return n, 0
+    if not model.dense_layer_ids:
+        return 0, n
+    moe = sum(model.is_moe_layer(i) for i in layer_ids_on_rank(model, layout, rank))
+    return n - moe, moe
+
+
+def mtp_view(model: ModelShape) -> ModelShape:
+    """The kind of layer an MTP depth holds: Megatron builds it with the decoder's last layer's
+    spec (an MoE layer in an MoE model: DeepSeek-V3's MTP module has 256 experts)."""
+    return layer_view(model, model.is_moe)
+
+
 def _layer_counts(model: ModelShape, layout: Layout, lora_rank: int) -> ParamCounts:
-    """Parameters of one transformer layer on one GPU."""
-    return _layer_counts_at(model, layout.tp, layout.ep, layout.etp, lora_rank)
+    """Parameters of one transformer layer on one GPU (an MoE layer if ``model`` has any: pass
+    a layer_view for the other kind)."""
+    return _layer_counts_at(layer_view(model, model.is_moe), layout.tp, layout.ep, layout.etp,
+                            lora_rank)
 
 
 # The planner sizes thousands of layouts that share a few TP/EP/ETP splits: remember them.
 @lru_cache(maxsize=1024)
 def _layer_counts_at(model: ModelShape, tp: int, ep: int, etp: int,
                      lora_rank: int) -> ParamCounts:
-    h, d = model.hidden_size, model.kv_channels
-    hq, hkv, mats = model.num_attention_heads * d, model.num_query_groups * d, mlp_matrices(model)
-    attn = h * hq + 2 * h * hkv + hq * h           # QKV (GQA-narrow K and V) and output proj
-    # LoRA (models.lora): one (A, B) per HF module. On a column-parallel linear A is whole on
-    # every TP rank and B split; on a row-parallel one A is split and B whole.
+    h, mats = model.hidden_size, mlp_matrices(model)
+    attn, replicated = attention_weights(model)  # MLA's down-projections are replicated
+    # LoRA (models.lora): one (A, B) per HF module (see _lora_attention).
     r = lora_rank
-    lora_attn = r * 3 * h + r * (hq + 2 * hkv) // tp + r * hq // tp + r * h
+    lora_attn = lora_attention(model, r, tp)
     if not model.is_moe:
         mlp = mats * h * model.ffn_hidden_size
-        return ParamCounts(dense=(attn + mlp) // tp + 2 * h,
+        return ParamCounts(dense=(attn + mlp) // tp + replicated + 2 * h,
                            adapters=lora_attn + _lora_mlp(r, h, model.ffn_hidden_size, mats, tp))
     fe, fs = model.expert_ffn_hidden_size, model.moe_shared_expert_ffn_hidden_size
     local_experts = model.num_experts // ep
-    router = h * model.num_experts                 # replicated on every TP rank
-    shared = mats * h * fs
+    # Replicated on every TP rank: the router, its per-expert score bias (DeepSeek-V3) and a
+    # shared expert's 1×h sigmoid gate (Qwen2-MoE; Megatron's SharedExpertMLP keeps it whole).
+    router = (h + int(model.moe_router_expert_bias)) * model.num_experts
+    router += h * int(model.moe_shared_expert_gate) + replicated
+    shared = mats * h * fs  # TP-split like a dense MLP (SharedExpertMLP), never EP-split
     expert = local_experts * mats * h * fe // etp
     # An expert's fused gate/up weight has one A (transformers keeps it as one parameter).
     lora_expert = local_experts * (2 * r * h + r * ((mats - 1) * fe + fe) // etp)
@@ -199,6 +226,26 @@ def _lora_mlp(r: int, h: int, ffn: int, mats: int, tp: int) -> int:
     return (mats - 1) * r * h + r * (mats - 1) * ffn // tp + r * ffn // tp + r * h
 
 
+def checkpoint_parameters(model: ModelShape) -> tuple[int, int]:
+    """(main model, MTP layers) parameters of the HF checkpoint, as transformers counts them
+    (buffers such as the router's score bias included): every layer of its kind, the
+    embedding, the output layer unless tied, the final norm; each MTP layer is an MoE (or
+    dense) layer plus DeepSeek's eh_proj (2h→h), its three norms and its own copies of the
+    embedding and the output head (``embed_tokens``, ``shared_head.head``)."""
+    h, v = model.hidden_size, model.vocab_size
+
+    def layer(kind: ModelShape) -> int:
+        counts = _layer_counts_at(kind, 1, 1, 1, 0)
+        return counts.dense + counts.expert
+
+    moe = model.num_moe_layers
+    main = (moe * layer(layer_view(model, True)) if moe else 0) + \
+        (model.num_layers - moe) * layer(layer_view(model, False))
+    main += v * h * (1 if model.tie_word_embeddings else 2) + h
+    mtp = model.checkpoint_mtp_layers * (layer(mtp_view(model)) + 2 * h * h + 3 * h + 2 * v * h)
+    return main, mtp
+
+
 def mtp_on_rank(layout: Layout, work: Workload, rank: int) -> int:
     """MTP depths pipeline rank ``rank`` runs: all of them on the last stage."""
     return work.mtp_num_layers if rank == layout.pp - 1 else 0
@@ -209,18 +256,23 @@ def stage_counts(model: ModelShape, layout: Layout, rank: int, lora_rank: int,
                  mtp_layers: int = 0) -> ParamCounts:
     """Parameters on one GPU of pipeline rank ``rank``: its layers plus embedding/output, and
     ``mtp_layers`` MTP depths (each a layer, a 2h→h projection and three norms)."""
-    per_layer = _layer_counts(model, layout, lora_rank)
-    n = layers_on_rank(model, layout, rank)
+    dense_layers, moe_layers = layer_kinds_on_rank(model, layout, rank)
+    dense_kind = _layer_counts(layer_view(model, False), layout, lora_rank)
+    moe_kind = _layer_counts(layer_view(model, True), layout, lora_rank) if moe_layers else \
+        ParamCounts()
+    mtp_kind = _layer_counts(mtp_view(model), layout, lora_rank)
     h = model.hidden_size
     table = padded_vocab(model, layout.tp) * h // layout.tp
     first, last = rank == 0, rank == layout.pp - 1
     # The output layer is its own matrix unless tied; with PP > 1 even a tied one is copied to
     # the last stage, which is where Megatron keeps its gradient in sync with the embedding.
     tables = int(first) + int(last and (layout.pp > 1 or not model.tie_word_embeddings))
-    mtp = mtp_layers * (per_layer.dense + 2 * h * h // layout.tp + 3 * h)
-    return ParamCounts(dense=n * per_layer.dense + tables * table + int(last) * h + mtp,
-                       expert=(n + mtp_layers) * per_layer.expert,
-                       adapters=n * per_layer.adapters)
+    mtp = mtp_layers * (mtp_kind.dense + 2 * h * h // layout.tp + 3 * h)
+    return ParamCounts(
+        dense=dense_layers * dense_kind.dense + moe_layers * moe_kind.dense + tables * table
+        + int(last) * h + mtp,
+        expert=moe_layers * moe_kind.expert + mtp_layers * mtp_kind.expert,
+        adapters=dense_layers * dense_kind.adapters + moe_layers * moe_kind.adapters)
 
 
 def weight_bytes(precision: str) -> int:
@@ -274,21 +326,27 @@ def microbatch_tokens(work: Workload, layout: Layout) -> int:
 
 
 def layer_bytes_per_token(model: ModelShape, work: Workload, layout: Layout) -> int:
-    """Bytes one layer saves for backward per token, before the TP split (2 B per element)."""
+    """Bytes one layer saves for backward per token, before the TP split (2 B per element);
+    an MoE layer if ``model`` has any (layer_view gives the other kind)."""
     h, d, mats = model.hidden_size, model.kv_channels, mlp_matrices(model)
     hq, hkv = model.num_attention_heads * d, model.num_query_groups * d
-    # Attention: norm input, QKV input, Q/K/V, core-attention output (also the proj input).
-    attn = 2 * (2 * h + hq + 2 * hkv + hq)
+    if model.is_mla:
+        # Norm input, the down-projections' input, then the latents and heads above.
+        attn = 2 * (2 * h + mla_saved_elements(model))
+    else:
+        # Attention: norm input, QKV input, Q/K/V, core-attention output (the proj input).
+        attn = 2 * (2 * h + hq + 2 * hkv + hq)
     if work.flash_attention:
         attn += 4 * model.num_attention_heads  # fp32 softmax log-sum-exp per head
     elif "core_attn" not in recompute_modules(work.recompute):
         # Scores, softmax and dropout mask: Korthikanti's 5·a·s per token (s local under CP).
         attn += 5 * model.num_attention_heads * -(-work.seq_length // layout.cp)
     attn += 2 * _cp_attention_elements(model, work, layout)
+    out = model.num_attention_heads * model.value_head_dim  # the output projection's input
     if not model.is_moe:
         # Norm input, fc1 input, fc1 output (gate+up), activation output (fc2 input).
         mlp = 2 * (2 * h + mats * model.ffn_hidden_size)
-        return attn + mlp - _fp8_saving(work, h, hq, h + model.ffn_hidden_size)
+        return attn + mlp - _fp8_saving(work, h, out, h + model.ffn_hidden_size)
     fe, fs, k = model.expert_ffn_hidden_size, model.moe_shared_expert_ffn_hidden_size, \
         model.moe_router_topk
     # Each token is copied to k experts: the dispatched input plus that expert's fc1/act outputs;
@@ -297,7 +355,7 @@ def layer_bytes_per_token(model: ModelShape, work: Workload, layout: Layout) -> 
     etp = layout.etp
     moe = 2 * (2 * h + k * (etp * h + mats * fe) + mats * fs) + 4 * model.num_experts
     gemm_inputs = k * (etp * h + fe) + (h + fs if fs else 0)  # experts' fc1, fc2; shared expert
-    return attn + moe - _fp8_saving(work, h, hq, gemm_inputs)
+    return attn + moe - _fp8_saving(work, h, out, gemm_inputs)
 
 
 def _fp8_saving(work: Workload, qkv_input: int, proj_input: int, mlp_inputs: int) -> int:
@@ -363,13 +421,40 @@ def discarded_bytes_per_token(model: ModelShape, work: Workload, layout: Layout)
             freed -= k * (layout.etp * h + fe) + fs
     elif "moe_act" in modules and model.is_moe:
         freed += k * fe * (1 if fp8 else 2)  # the activation's output, fc2's input
+    if "mla_up_proj" in modules and model.is_mla:
+        # Megatron checkpoints MLA's up-projections without their output: Q, K and V are
+        # dropped once the attention kernel has run and rebuilt before its backward.
+        freed += 2 * mla_qkv_elements(model)
     return freed
 
 
-def _layer_activation_bytes(model: ModelShape, layout: Layout, work: Workload) -> int:
-    """One layer's saved activations for one micro-batch on one GPU (the same on every rank)."""
-    kept = layer_bytes_per_token(model, work, layout) - discarded_bytes_per_token(model, work, layout)
-    return microbatch_tokens(work, layout) * kept // layout.tp
+@dataclass(frozen=True)
+class LayerActivations:
+    """One layer's saved activations for one micro-batch on one GPU, by kind of layer (the
+    same on every rank)."""
+
+    dense: int  # a dense-MLP layer (every layer of a dense model)
+    moe: int    # an MoE layer (0 for a dense model)
+
+    def on_rank(self, kinds: tuple[int, int]) -> float:
+        """The mean over a rank's (dense, MoE) layers: with all of a rank's layers in flight
+        alike (1F1B) its sum over layers is this times the layer count."""
+        layers = kinds[0] + kinds[1]
+        return (kinds[0] * self.dense + kinds[1] * self.moe) / layers if layers else 0.0
+
+    def largest(self, kinds: tuple[int, int]) -> int:
+        """The larger working set of a kind the rank holds (what recompute brings back)."""
+        return max(self.dense if kinds[0] else 0, self.moe if kinds[1] else 0)
+
+
+def _layer_activation_bytes(model: ModelShape, layout: Layout, work: Workload) -> LayerActivations:
+    def kept(kind: ModelShape) -> int:
+        saved = layer_bytes_per_token(kind, work, layout) - discarded_bytes_per_token(
+            kind, work, layout)
+        return microbatch_tokens(work, layout) * saved // layout.tp
+
+    return LayerActivations(kept(layer_view(model, False)),
+                            kept(layer_view(model, True)) if model.is_moe else 0)
 
 
 def block_layers(recompute: str) -> int | None:
@@ -414,15 +499,17 @@ def recomputed_share(model: ModelShape, layout: Layout, work: Workload, rank: in
 
 
 def _activation_memory(model: ModelShape, layout: Layout, work: Workload, rank: int,
-                       per_layer: int) -> int:
-    """``per_layer``: _layer_activation_bytes(), computed once for all the ranks sized."""
+                       kinds: LayerActivations) -> int:
+    """``kinds``: _layer_activation_bytes(), computed once for all the ranks sized."""
     share = recomputed_share(model, layout, work, rank)
     inflight = _inflight_layers(model, layout, work, rank)
+    on_rank = layer_kinds_on_rank(model, layout, rank)
+    per_layer, working = kinds.on_rank(on_rank), kinds.largest(on_rank)
     if share:
         # A recomputed layer keeps only its (sequence-parallel) input; backward re-runs one
         # layer at a time, so one layer's full activations come back on top.
         stored = microbatch_tokens(work, layout) * 2 * model.hidden_size // layout.tp
-        total = inflight * (share * stored + (1 - share) * per_layer) + per_layer
+        total = inflight * (share * stored + (1 - share) * per_layer) + working
     else:
         total = inflight * per_layer
     if rank == layout.pp - 1:
@@ -432,17 +519,23 @@ def _activation_memory(model: ModelShape, layout: Layout, work: Workload, rank: 
         tokens = microbatch_tokens(work, layout)
         depths = mtp_on_rank(layout, work, rank)
         total += (1 + depths) * tokens * padded_vocab(model, layout.tp) // layout.tp * 6
-        total += depths * (per_layer + tokens * 2 * 2 * model.hidden_size // layout.tp)
+        mtp_layer = kinds.moe if model.is_moe else kinds.dense
+        total += depths * (mtp_layer + tokens * 2 * 2 * model.hidden_size // layout.tp)
     return int(total)
 
 
 def busiest_ranks(model: ModelShape, layout: Layout) -> list[int]:
     """Pipeline ranks that can peak: the first (most micro-batches in flight, embedding), the
-    last (output layer, logits) and, with an explicit layout, the one holding most layers."""
+    last (output layer, logits), with an explicit layout the one holding most layers and, where
+    dense and MoE layers mix, the first holding the most MoE layers (DeepSeek-V3's first stage
+    holds its three dense layers, lighter than the MoE layers of the second)."""
     ranks = {0, layout.pp - 1}
     if layout.pipeline_layout is not None:
         loads = [layers_on_rank(model, layout, r) for r in range(layout.pp)]
         ranks.add(loads.index(max(loads)))
+    if model.dense_layer_ids and layout.pp > 2:
+        moe = [layer_kinds_on_rank(model, layout, r)[1] for r in range(layout.pp)]
+        ranks.add(moe.index(max(moe)))
     return sorted(ranks)
 
 

@@ -302,7 +302,7 @@ def _request_violations(req: PlanRequest) -> list[str]:
             problem = _modules_problem(req, value) if name == "recompute" else None
             lines.append(problem or f"{name}={value!r} is not valid; valid: {', '.join(choices)}"
                          + (" (or block:N, N ≥ 1, or selective:A,B with A, B from "
-                            f"{', '.join(recompute_modules_for(req.shape.is_moe, req.te_layers))})"
+                            f"{', '.join(_recompute_parts(req))})"
                             if name == "recompute" else ""))
     cap = req.max_context_parallel
     if req.layout is not None and cap is not None and req.layout.cp > cap:
@@ -326,11 +326,22 @@ def _modules_problem(req: PlanRequest, value: object) -> str | None:
     if not isinstance(value, str) or not value.startswith("selective:"):
         return None
     named = value.split(":", 1)[1].split(",")
-    valid = recompute_modules_for(req.shape.is_moe, req.te_layers)
+    valid = _recompute_parts(req)
     if len(set(named)) == len(named) and all(m in valid for m in named):
         return ""
     return (f"recompute={value!r} names a layer part twice or one this model has not; valid: "
             f"selective:A,B with each of A, B once from {', '.join(valid)}")
+
+
+def _recompute_parts(req: PlanRequest) -> tuple[str, ...]:
+    """The parts ``selective:A,B`` may name for this model: choices.recompute_modules_for's,
+    plus mlp where an MoE model has dense-MLP layers (Megatron recomputes those layers' MLP
+    only) and mla_up_proj under multi-latent attention (MLA's up-projections, whose Q, K and
+    V Megatron drops after the attention kernel and rebuilds for its backward)."""
+    parts = recompute_modules_for(req.shape.is_moe, req.te_layers)
+    if req.shape.is_moe and req.shape.dense_layer_ids and "mlp" not in parts:
+        parts = ("mlp", *parts)
+    return parts + (("mla_up_proj",) if req.shape.is_mla else ())
 
 
 def _block_n(value: object) -> int | None:

@@ -8,6 +8,7 @@ from typing import Any
 from .cost import StepTime
 from .hardware import GiB
 from .memory import block_layers, recompute_modules
+from .model import ModelShape
 from .planner import Plan
 from .search import TIE, evaluate
 
@@ -63,9 +64,46 @@ def recompute_text(recompute: str) -> str:
             "(recompute_method=block)")
 
 
+def model_structure_text(shape: ModelShape) -> str | None:
+    """What the estimate models beyond a plain GPT block, for models that have it: MLA, the
+    MoE block with its shared expert, dense-MLP layers, and the checkpoint's MTP layers; None
+    for a model that has none of these (a dense GQA model, a plain MoE)."""
+    parts = []
+    if shape.is_mla:
+        q = f"q_lora {shape.q_lora_rank}" if shape.q_lora_rank else "plain q_proj"
+        parts.append(f"MLA ({q}, kv_lora {shape.kv_lora_rank}, heads {shape.num_attention_heads}"
+                     f" × qk {shape.qk_nope_head_dim}+{shape.qk_rope_head_dim} / v "
+                     f"{shape.v_head_dim}; down-projections replicated over TP)")
+    fs = shape.moe_shared_expert_ffn_hidden_size
+    if shape.is_moe and fs:
+        gate = ", sigmoid-gated" if shape.moe_shared_expert_gate else ""
+        parts.append(f"shared expert {fs} wide{gate} (TP-split like a dense MLP, not EP)")
+    if shape.dense_layer_ids:
+        parts.append(f"{len(shape.dense_layer_ids)} dense-MLP layer(s) ({_ranges(shape.dense_layer_ids)}"
+                     f", {shape.ffn_hidden_size} wide) beside {shape.num_moe_layers} MoE layers "
+                     f"({shape.num_experts} experts, top-{shape.moe_router_topk})")
+    if shape.checkpoint_mtp_layers and parts:
+        parts.append(f"{shape.checkpoint_mtp_layers} MTP layer(s) in the checkpoint (trained "
+                     "only with mtp_num_layers)")
+    return "; ".join(parts) or None
+
+
+def _ranges(ids: tuple[int, ...]) -> str:
+    """Layer indices as runs: (0, 1, 2, 5) -> "layers 0-2, 5"."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return "layers " + ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
 def _rows(plan: Plan) -> list[tuple[str, str]]:
     lay, mem = plan.layout, plan.memory
+    structure = model_structure_text(plan.request.shape)
     return [
+        *([("model", structure)] if structure else []),
         ("backend", backend_text(plan)),
         ("layout", _layout_text(plan)),
         ("batch", f"micro {plan.micro_batch_size} × DP {lay.dp} × {plan.num_microbatches} "
@@ -181,4 +219,7 @@ def format_explain(plan: Plan) -> str:
     note = (f"estimated seconds per step by cost term (topology/cost.py StepTime; they add up "
             f"to the total); times within {TIE:.0%} of the fastest tie, and the plainest of "
             f"those is picked{'; zero in every row: ' + ', '.join(left_out) if left_out else ''}")
+    structure = model_structure_text(plan.request.shape)
+    if structure:
+        note += f"; the model's layers as sized: {structure}"
     return "\n".join(["explain: " + note, *("  " + line for line in lines)])
