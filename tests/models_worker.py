@@ -26,12 +26,14 @@ import torch
 import torch.distributed as dist
 
 
-def _save_if_holder(tensor: torch.Tensor | None, path: Path) -> None:
+def _save_if_holder(tensor: torch.Tensor | dict[str, torch.Tensor] | None, path: Path) -> None:
     from megatron.core import parallel_state
 
     first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     if tensor is not None and first_replica and parallel_state.get_tensor_model_parallel_rank() == 0:
-        torch.save(tensor.cpu(), path)  # the test reads it on the host, whatever ran it
+        # the test reads it on the host, whatever ran it
+        torch.save(tensor.cpu() if isinstance(tensor, torch.Tensor)
+                   else {key: value.cpu() for key, value in tensor.items()}, path)
 
 
 def packed_vs_alone(chunks, vocab: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -105,6 +107,35 @@ def context_parallel_logits(chunks, inputs: torch.Tensor, vocab: int) -> torch.T
     return torch.cat(chunks_in_order, dim=1)
 
 
+def attention_grads(chunks) -> dict[str, torch.Tensor] | None:
+    """Gradients of the first layer's attention weights (TP shards gathered in HF row order)
+    for a fixed input and a fixed linear loss, in training mode; first pipeline stage only."""
+    from megatron.core import parallel_state
+
+    chunk = chunks[0]
+    if not chunk.pre_process:
+        return None
+    attention = chunk.decoder.layers[0].self_attention
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(16, 2, chunk.config.hidden_size, generator=gen)
+    weights = torch.randn(16, 2, chunk.config.hidden_size, generator=gen)
+    attention.train()
+    output, bias = attention(hidden.requires_grad_(), None)
+    (output * weights).sum().backward()
+    group = parallel_state.get_tensor_model_parallel_group()
+    grads = {}
+    for name, param in attention.named_parameters():
+        grad = param.grad
+        dim = getattr(param, "partition_dim", 0) if getattr(param, "tensor_model_parallel", False) else None
+        if dim is not None and group.size() > 1:
+            parts = [torch.empty_like(grad) for _ in range(group.size())]
+            dist.all_gather(parts, grad.contiguous(), group=group)
+            grad = torch.cat(parts, dim=dim)
+        grads[name] = grad.detach().clone()
+    grads["input"] = hidden.grad.detach().clone()
+    return grads
+
+
 def run_model(job: dict, model: str, models: Path, out: Path, ctx) -> float:
     from hpc_mca.models.build import build_model
     from hpc_mca.models.export import DEFAULT_MAX_SHARD_BYTES, save_hf_checkpoint
@@ -129,6 +160,8 @@ def run_model(job: dict, model: str, models: Path, out: Path, ctx) -> float:
         result = packed_vs_alone(chunks, vocab, torch.Generator().manual_seed(7))
         _save_if_holder(torch.stack([result[k] for k in ("alone", "packed", "packed_padded")]),
                         out / f"{model}.packed.pt")
+    if job.get("attention_grads"):
+        _save_if_holder(attention_grads(chunks), out / f"{model}.attention_grads.pt")
     if job.get("opened"):
         opened = load_hf_weights(chunks, source)
         (out / f"{model}.opened.rank{dist.get_rank()}.json").write_text(json.dumps(opened))

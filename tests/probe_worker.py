@@ -10,7 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-COUNTED = ("core_attention", "input_layernorm", "pre_mlp_layernorm", "mlp", "router")
+COUNTED = ("core_attention", "input_layernorm", "pre_mlp_layernorm", "mlp", "router",
+           "linear_kv_up_proj")
 """The layer parts whose forward calls are counted besides each decoder layer's (a MoE
 layer's recompute reruns its router inside the layer's own forward, so the router shows it)."""
 

@@ -4,7 +4,9 @@ A Llama with weights trains 6 SFT steps of LoRA (rank 4, every linear) on one pr
 exported PEFT adapter, loaded by ``peft.PeftModel.from_pretrained`` onto the transformers
 model, and its merged HF export give the trained model's logits; the base weights are
 untouched; the trainable parameters are peft's. TP2, PP2 and DP2 (distributed optimizer) train
-the same curve, and their exports are the same adapter. A Qwen3-MoE with adapters on its experts does the same on EP2.
+the same curve, and their exports are the same adapter. A Qwen3-MoE with adapters on its
+experts does the same on EP2, and a DeepSeek-V3 (multi-latent attention, a dense first layer,
+shared and routed experts) with every target on TP2 with sequence parallelism.
 A step-3 adapter checkpoint resumes on TP2 to the uninterrupted curve, holds only the
 adapters, and refuses another base model in one line. dpo's reference under LoRA is the base
 model: the same reference log-probabilities as a full dpo run's frozen copy.
@@ -16,7 +18,16 @@ import json
 from pathlib import Path
 
 import pytest
-from trainer_fixtures import make_model_dir, make_sft_data, rewind, run_ranks, run_train, steps, write_config
+from trainer_fixtures import (
+    make_family_dir,
+    make_model_dir,
+    make_sft_data,
+    rewind,
+    run_ranks,
+    run_train,
+    steps,
+    write_config,
+)
 
 WORKER = Path(__file__).with_name("lora_worker.py")
 LORA = {"finetuning_type": "lora", "lora_rank": 4}
@@ -168,6 +179,34 @@ def test_moe_experts_on_expert_parallel(tmp_path):
     assert (_hf_logits(tmp_path / "ep2" / "merged") - ours).abs().max() < 1e-5
     result = json.loads((tmp_path / "out_ep2" / "result.json").read_text())
     peft = _peft_trainable(model, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    assert result["trainable"] == peft and result["frozen_unchanged"]
+
+
+@pytest.mark.slow
+def test_mla_and_experts_on_tensor_and_sequence_parallel(tmp_path):
+    """lora_target all on DeepSeek-V3: every MLA projection (the down projections split over
+    TP by rows too; target_modules) and the routed experts (target_parameters; the dense
+    layer's MLP and the shared expert take none): TP2 with sequence parallelism trains one
+    process's curve, and peft loads both adapters onto the transformers model with the
+    trained logits."""
+    model = make_family_dir(tmp_path / "deepseek", "deepseek_v3")
+    config = write_config(tmp_path, model, make_sft_data(tmp_path, 200, 1, "train"),
+                          finetuning=LORA, training={**TRAIN, "save_steps": 6})
+    _worker(config, tmp_path / "one", tmp_path / "out_one", 1)
+    _worker(config, tmp_path / "tp2", tmp_path / "out_tp2", 2, "parallel.tensor_model_parallel_size=2",
+            "parallel.sequence_parallel=true")  # (MoE layers need it under TP)
+    _same_curve(steps(tmp_path / "tp2"), steps(tmp_path / "one"), "tp2")
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    ours = _ours(tmp_path / "out_one", vocab)
+    assert (_hf_logits(model) - ours).abs().max() > 0.01  # the adapters changed the model
+    for run in ("one", "tp2"):
+        assert (_peft_logits(model, tmp_path / run / "adapter") - ours).abs().max() < 1e-5, run
+    modules = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    written = json.loads((tmp_path / "one" / "adapter" / "adapter_config.json").read_text())
+    assert sorted(written["target_modules"]) == sorted(modules)
+    result = json.loads((tmp_path / "out_tp2" / "result.json").read_text())
+    peft = _peft_trainable(model, target_modules=modules,
                            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     assert result["trainable"] == peft and result["frozen_unchanged"]
 

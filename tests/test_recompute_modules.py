@@ -2,8 +2,9 @@
 named part runs forward again in backward, nothing else does, and the loss and gradient-norm
 curve is the run without recompute's, on one rank and under expert parallelism over gloo.
 
-A 2-layer Llama and a 2-layer Qwen3-MoE, 3 steps of 8 samples; forward calls are counted by
-tests/probe_worker.py's pre-hooks (a recompute calls a part again).
+A 2-layer Llama, a 2-layer Qwen3-MoE and a DeepSeek-V3 (MLA, a dense and an MoE layer), 3
+steps of 8 samples; forward calls are counted by tests/probe_worker.py's pre-hooks (a
+recompute calls a part again).
 """
 
 from __future__ import annotations
@@ -12,7 +13,16 @@ import json
 from pathlib import Path
 
 import pytest
-from trainer_fixtures import make_model_dir, make_sft_data, probe_run, run_ranks, same_curve, steps, write_config
+from trainer_fixtures import (
+    make_family_dir,
+    make_model_dir,
+    make_sft_data,
+    probe_run,
+    run_ranks,
+    same_curve,
+    steps,
+    write_config,
+)
 
 from hpc_mca.config.loading import load_config
 from hpc_mca.config.sections import ConfigError
@@ -67,6 +77,25 @@ def test_the_moe_layer_recomputed_under_expert_parallelism_trains_the_same_curve
     half = {"calls": {k: v // 2 for k, v in reference["calls"].items()}}  # DP2: half the batches
     for rank in ranks:
         _twice(half, rank, {"input_layernorm", "pre_mlp_layernorm", "router"})
+
+
+@pytest.mark.slow
+def test_mla_up_projections_and_dense_layer_mlp_recomputed_train_the_same_curve(tmp_path):
+    """DeepSeek-V3 (multi-latent attention, layer 0 dense, layer 1 MoE) with [mla_up_proj,
+    mlp]: the key/value up-projection and the dense layer's MLP run twice per micro-batch,
+    the MoE layer's router once; the curve of the run without recompute within 1e-6."""
+    model = make_family_dir(tmp_path / "model", "deepseek_v3")
+    config = write_config(tmp_path, model, make_sft_data(tmp_path, 64, 1, "train"),
+                          training={"max_steps": 3, "logging_steps": 1})
+    reference = probe_run(config, tmp_path / "none", 1)[0]
+    probe = probe_run(config, tmp_path / "parts", 1, SELECTIVE,
+                      "recompute_modules=[mla_up_proj,mlp]")[0]
+    twice = {"0.decoder.layers.0.mlp"} | {key for key in reference["calls"]
+                                           if key.endswith("linear_kv_up_proj")}
+    assert len(twice) == 3 and "0.decoder.layers.1.mlp" in reference["calls"]  # the MoE layer
+    for key, count in reference["calls"].items():
+        assert probe["calls"][key] == (2 if key in twice else 1) * count, key
+    same_curve(steps(tmp_path / "parts"), steps(tmp_path / "none"), 1e-6, "mla_up_proj,mlp")
 
 
 def test_a_mixture_of_experts_has_no_mlp_to_recompute(tmp_path):

@@ -128,12 +128,15 @@ def test_invalid_family_fields_are_one_line_errors(change, line):
     assert line in lines[0] and len(lines) == (4 if change == dict(kv_lora_rank=None) else 1)
 
 
-def test_mla_down_projections_are_replicated_and_the_rest_split_over_tp():
+def test_mla_projections_split_over_tp_and_its_norms_do_not():
+    """The trainer's local layer spec splits every MLA projection over TP (the down
+    projections by rows, as hpc_mca.models.mapping loads them); the latents' norms stay whole."""
     one = stage_counts(DEEPSEEK_V3, Layout().resolved(8), 0, 16)
     two = stage_counts(DEEPSEEK_V3, Layout(tp=2).resolved(8), 0, 16)
-    split_attention = 1536 * 128 * 192 + 512 * 128 * 256 + 128 * 128 * 7168
-    # Halved by TP2 on every layer: q_b, kv_b, o, the MLPs (dense or shared expert); the
-    # embedding and output tables (padded to 256 rows at TP2, 128 at TP1).
+    split_attention = (7168 * 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512 * 128 * 256
+                       + 128 * 128 * 7168)
+    # Halved by TP2 on every layer: q_a, q_b, kv_a, kv_b, o, the MLPs (dense or shared
+    # expert); the embedding and output tables (padded to 256 rows at TP2, 128 at TP1).
     mlps = 3 * 3 * 7168 * 18432 + 58 * 3 * 7168 * 2048
     tables = 2 * 129280 * 7168
     assert one.dense - two.dense == (61 * split_attention + mlps + tables) // 2

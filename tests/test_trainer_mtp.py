@@ -5,7 +5,8 @@ A Llama with weights; its MTP layers start from the layout-independent init of
 hpc_mca/models/mtp.py. Packed sft data, samples aligned to 4 slots in every run (CP2's need).
 MTP depths 1 and 2 on TP2, PP2, CP2 and DP2, and a Qwen3-MoE's depth 2 on EP2, equal one
 process within 1e-5 each step; packed equals unpacked rows when every step holds the whole data
-set; a run resumed from its step-4 checkpoint equals the uninterrupted one.
+set; a run resumed from its step-4 checkpoint equals the uninterrupted one. A DeepSeek-V3-shaped
+checkpoint's MTP module is loaded, trained and exported back as that module.
 """
 
 from __future__ import annotations
@@ -137,3 +138,39 @@ def test_packed_equals_unpacked_rows(setup, tmp_path):
     unpacked, packed = steps(tmp_path / "unpacked"), steps(tmp_path / "packed")
     assert len(packed) == 3
     _same(packed, unpacked, "packed vs unpacked")
+
+
+def test_deepseek_mtp_module_trains_and_is_exported(tmp_path):
+    """A DeepSeek-V3-shaped checkpoint holding an MTP module: the run loads it into its MTP
+    layer, trains it, and exports it back as that module (the log says so); the module's copies
+    of the vocabulary matrices are the exported embedding and head."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+    from test_models import FAMILIES
+    from test_mtp_weights import make_mtp_checkpoint
+    from transformers import AutoTokenizer
+
+    from hpc_mca.assets.demo.make_demo import build_tokenizer, tokenizer_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text(build_tokenizer().to_str())
+    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config()))
+    config_class, overrides = FAMILIES["deepseek_v3"]
+    vocab = len(AutoTokenizer.from_pretrained(model))
+    make_mtp_checkpoint(model, config_class, {**overrides, "vocab_size": vocab}, 5)
+    config = write_config(tmp_path, model, make_sft_data(tmp_path, 16, seed=3, name="train"),
+                          training={"max_steps": 2})
+    run = tmp_path / "run"
+    proc = run_train(config, run, 1, *PACKED, "model.mtp_num_layers=1")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "the MTP layers are in the HF export" in proc.stdout
+    assert all(s["mtp_loss_1"] > 0 for s in steps(run))
+    source, export = load_file(model / "model.safetensors"), load_file(run / "model.safetensors")
+    assert export.keys() == source.keys()
+    for name in ("enorm.weight", "eh_proj.weight", "mlp.gate.weight", "self_attn.kv_b_proj.weight"):
+        assert not torch.equal(export[f"model.layers.2.{name}"], source[f"model.layers.2.{name}"]), name
+    assert torch.equal(export["model.layers.2.embed_tokens.weight"], export["model.embed_tokens.weight"])
+    assert torch.equal(export["model.layers.2.shared_head.head.weight"], export["lm_head.weight"])

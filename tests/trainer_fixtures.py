@@ -43,6 +43,30 @@ def make_model_dir(root: Path, layers: int = 4, moe: bool = False, **shape: int)
     return model_dir
 
 
+def make_family_dir(model_dir: Path, name: str) -> Path:
+    """tests/test_models.py's tiny ``name`` config (qwen2_moe, glm4_moe, deepseek_v3, ...) on
+    the demo tokenizer's vocabulary, with transformers' own initialisation (seeded), saved with
+    save_pretrained; made once per directory."""
+    import torch
+    import transformers
+    from test_models import COMMON, FAMILIES
+    from transformers import AutoTokenizer
+
+    from hpc_mca.assets.demo.make_demo import build_tokenizer, tokenizer_config
+
+    if (model_dir / "config.json").exists():
+        return model_dir
+    model_dir.mkdir(parents=True)
+    (model_dir / "tokenizer.json").write_text(build_tokenizer().to_str())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config()))
+    config_class, overrides = FAMILIES[name]
+    vocab = len(AutoTokenizer.from_pretrained(model_dir))
+    config = getattr(transformers, config_class)(**{**COMMON, **overrides, "vocab_size": vocab})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    return model_dir
+
+
 CONFIG_ONLY_LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64,
                      "num_attention_heads": 4, "num_key_value_heads": 4,
                      "intermediate_size": 128, "vocab_size": 100}

@@ -192,14 +192,16 @@ def attention_backend_available(config: TrainConfig) -> str:
     par = config.parallel
     backend = select_attention_backend(config.model.attention_backend)
     check_context_parallel(backend, par.context_parallel_size, par.cp_comm_type)
-    kernel, why = packed_kernel(read_hf_config(config.model.model_name_or_path), backend,
-                                config.model.packed_attention, cuda=torch.cuda.is_available(),
-                                dtype=torch_dtype(config.training), cp=par.context_parallel_size)
+    spec = read_hf_config(config.model.model_name_or_path)
+    kernel, why = packed_kernel(spec, backend, config.model.packed_attention,
+                                cuda=torch.cuda.is_available(), dtype=torch_dtype(config.training),
+                                cp=par.context_parallel_size)
     packed = f"packed kernel {kernel}" if kernel else "packed sequences"
     fusions = config.model.fusions or ()  # None until choose_fusions
     layers = "; decoder layers: torch.compile" if "layer" in fusions else ""
-    return (f"attention: {backend} backend, {packed} ({why}); "
-            f"RoPE: {describe('rope' in fusions)}{layers}")
+    rope = ("multi-latent attention's own, unfused" if spec.mla is not None
+            else describe("rope" in fusions))
+    return f"attention: {backend} backend, {packed} ({why}); RoPE: {rope}{layers}"
 
 
 @functools.cache

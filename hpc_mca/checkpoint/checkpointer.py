@@ -380,9 +380,11 @@ class Checkpointer:
         if self.ctx.is_main:
             print(f"exported {what} to {out} in {time.perf_counter() - started:.1f} s", flush=True)
             if self.config.model.mtp_num_layers:
-                print(f"model.mtp_num_layers={self.config.model.mtp_num_layers}: the MTP layers are "
-                      "not in the HF export (HF checkpoints of this family have none); the "
-                      "run's checkpoints keep them", flush=True)
+                from hpc_mca.models.export import mtp_export_note
+                from hpc_mca.models.hf_config import read_hf_config
+
+                print(mtp_export_note(read_hf_config(self.config.model.model_name_or_path),
+                                      self.config.model.mtp_num_layers), flush=True)
 
     def begin(self, step: int, max_steps: int) -> None:
         """Before training from ``step`` to ``max_steps``: a run directory whose run had

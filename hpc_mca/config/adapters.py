@@ -24,7 +24,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc_mca.topology.lora import LoraTargetError, resolve_lora_targets
+from hpc_mca.topology.lora import LoraModel, LoraTargetError, resolve_lora_targets
 
 from .input import ConfigError
 
@@ -48,7 +48,7 @@ _UNSUPPORTED: dict[str, object] = {"use_dora": False, "use_rslora": False, "modu
 way the Megatron LoRA layers do not (value: peft's default, which is fine)."""
 
 
-def check_adapters(config: TrainConfig, is_moe: bool, mixed_mlp: bool = False) -> None:
+def check_adapters(config: TrainConfig, model: LoraModel) -> None:
     """The adapter directories' checks (one line each) and, for the adapter that trains on,
     its shape as ``finetuning.lora_*`` (see the module docstring)."""
     ft, paths = config.finetuning, config.model.adapter_name_or_path
@@ -67,12 +67,12 @@ def check_adapters(config: TrainConfig, is_moe: bool, mixed_mlp: bool = False) -
     for dotted, given in (("model.adapter_name_or_path", paths),
                           ("finetuning.ref_model_adapters", ft.ref_model_adapters)):
         for path in given or []:
-            shapes[path] = adapter_shape(dotted, path, is_moe, mixed_mlp)
+            shapes[path] = adapter_shape(dotted, path, model)
     if paths and not ft.create_new_adapter:
         _adopt(config, paths[-1], shapes[paths[-1]])
 
 
-def adapter_shape(dotted: str, path: str, is_moe: bool, mixed_mlp: bool = False) -> dict[str, Any]:
+def adapter_shape(dotted: str, path: str, model: LoraModel) -> dict[str, Any]:
     """The LoRA shape of the adapter at ``path`` (lora_rank, lora_alpha, lora_dropout,
     lora_target), after checking that our LoRA layers can hold it; ``dotted`` names the
     setting that gave the path."""
@@ -96,7 +96,7 @@ def adapter_shape(dotted: str, path: str, is_moe: bool, mixed_mlp: bool = False)
                           "valid: a list of module names (q_proj, ..., down_proj)")
     names = sorted({*modules, *(p.rsplit(".", 1)[-1] for p in config.get("target_parameters") or [])})
     try:
-        resolve_lora_targets(names, is_moe=is_moe, mixed_mlp=mixed_mlp)
+        resolve_lora_targets(names, model)
     except LoraTargetError as err:
         raise ConfigError(f"{where}: {err}".replace("finetuning.lora_target=", "target_modules=")) from None
     outside = [name for name in _tensor_names(directory / ADAPTER_FILES[1]) if not _TENSOR.fullmatch(name)]

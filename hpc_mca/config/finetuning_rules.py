@@ -34,7 +34,7 @@ from .checks import at_least as _at_least
 from .checks import choice as _choice
 from .choices import PREF_LOSSES
 from .input import ConfigError
-from .layout import mixed_mlp, model_shape, model_type
+from .layout import lora_model, model_shape, model_type
 
 if TYPE_CHECKING:  # the sections import the rules: a runtime import here would be a circle
     from hpc_mca.topology.model import ModelShape
@@ -73,8 +73,7 @@ def _check_adapters(config: TrainConfig) -> None:
     """PEFT adapters as input (``config/adapters.py``): LoRA only, each a directory our LoRA
     layers can hold; the one that trains on gives ``finetuning.lora_*`` its shape."""
     if config.model.adapter_name_or_path or config.finetuning.ref_model_adapters:
-        shape = model_shape(config.model.model_name_or_path)
-        check_adapters(config, shape.is_moe, mixed_mlp(shape))
+        check_adapters(config, lora_model(model_shape(config.model.model_name_or_path)))
 
 
 def _check_lora(config: TrainConfig) -> None:
@@ -84,9 +83,8 @@ def _check_lora(config: TrainConfig) -> None:
         ft.lora_target = [ft.lora_target]
     shape = model_shape(config.model.model_name_or_path)
     try:
-        targets = resolve_lora_targets(ft.lora_target, is_moe=shape.is_moe,
-                                       model_type=model_type(config.model.model_name_or_path),
-                                       mixed_mlp=mixed_mlp(shape))
+        targets = resolve_lora_targets(ft.lora_target, lora_model(shape),
+                                       model_type=model_type(config.model.model_name_or_path))
     except LoraTargetError as err:
         raise ConfigError(str(err)) from None
     if config.model.mtp_num_layers:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc_mca.topology import Layout, LayoutError, ModelShape
+from hpc_mca.topology.lora import LoraModel
 
 from .input import ConfigError
 
@@ -38,9 +39,11 @@ def layout_of(par: ParallelArguments) -> Layout:
         raise ConfigError("\n".join(our_names(line) for line in err.violations)) from None
 
 
-def mixed_mlp(shape: ModelShape) -> bool:
-    """An MoE model that also has dense-MLP layers or shared experts (LoRA: attention only)."""
-    return shape.is_moe and bool(shape.dense_layer_ids or shape.moe_shared_expert_ffn_hidden_size)
+def lora_model(shape: ModelShape) -> LoraModel:
+    """What decides the model's LoRA targets (the builder's HFModelSpec.lora_model says the
+    same from the same config: tests/test_models_config.py)."""
+    latent = (shape.q_lora_rank is not None) if shape.is_mla else None
+    return LoraModel(is_moe=shape.is_moe, mla_query_latent=latent)
 
 
 def model_shape(model_dir: str) -> ModelShape:

@@ -27,7 +27,7 @@ from hpc_mca.stages import (
     stages_where,
 )
 from hpc_mca.topology import Layout, check_layout
-from hpc_mca.topology.choices import CP_COMM_TYPES, recompute_modules_for
+from hpc_mca.topology.choices import CP_COMM_TYPES, recompute_parts
 
 from .checks import at_least as _at_least
 from .checks import choice as _choice
@@ -101,10 +101,11 @@ def _hf_config(model_dir: str) -> dict[str, Any]:
 
 
 def _check_mtp(config: TrainConfig) -> None:
-    """MTP layers start from a fresh init (models.mtp.initialise) on top of the model's
-    weights. The HF families here have no MTP layers, so an HF export holds the model without
-    them (its logits are the trained model's: MTP heads only add training losses) and says so;
-    the checkpoints keep them."""
+    """MTP layers load from the checkpoint's MTP modules where it holds them (DeepSeek-V3 and
+    GLM-4.5 checkpoints: models.mtp), else start from a fresh init (models.mtp.initialise) on
+    top of the model's weights; a family without MTP modules exports the model without them
+    (its logits are the trained model's: MTP heads only add training losses) and says so; the
+    checkpoints keep them."""
     model, depths = config.model, config.model.mtp_num_layers
     _at_least("model.mtp_num_layers", depths, 0)
     _at_least("model.mtp_loss_scaling_factor", model.mtp_loss_scaling_factor, 0)
@@ -385,7 +386,8 @@ def _check_recompute_modules(config: TrainConfig) -> None:
     modules = config.parallel.recompute_modules
     if modules is None:
         return
-    has = recompute_modules_for(model_shape(config.model.model_name_or_path).is_moe)
+    shape = model_shape(config.model.model_name_or_path)
+    has = recompute_parts(shape)
     valid = f"valid: one or more of {', '.join(has)}"
     if not modules or len(set(modules)) != len(modules):
         raise ConfigError(f"parallel.recompute_modules={modules!r} names no module or one twice; "
@@ -393,6 +395,7 @@ def _check_recompute_modules(config: TrainConfig) -> None:
     for module in modules:
         if module not in has:
             why = {"mlp": "every layer of this mixture of experts is an MoE layer (moe)",
+                   "mla_up_proj": "this model has no multi-latent attention",
                    "moe": "this model has no MoE layers (mlp recomputes its MLPs)",
                    "moe_act": "Megatron-Core recomputes it only in grouped-GEMM experts, which "
                               "this trainer does not build (moe recomputes the whole layer)"

@@ -56,8 +56,8 @@ def split_adapters(paths: Sequence[str] | None, create_new: bool) -> tuple[list[
 def adapter_finetuning(finetuning: FinetuningArguments, path: str, spec: HFModelSpec) -> FinetuningArguments:
     """``finetuning`` with the rank, alpha, dropout and targets of the adapter at ``path``
     (the shape our LoRA layers must have to hold it; read as the config rules read it)."""
-    return dataclasses.replace(finetuning, **adapter_shape("model.adapter_name_or_path", path, spec.is_moe,
-                                                               spec.mixed_mlp))
+    return dataclasses.replace(finetuning, **adapter_shape("model.adapter_name_or_path", path,
+                                                               spec.lora_model()))
 
 
 def read_adapter_tensors(path: str, spec: HFModelSpec) -> dict[str, torch.Tensor]:

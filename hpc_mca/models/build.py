@@ -81,11 +81,12 @@ def build_model(
     kernel = packed_kernel(spec, backend, packed_attention, cuda=ctx.device.type == "cuda",
                            dtype=dtype, cp=ctx.layout.cp)[0]
     config = transformer_config(spec, ctx.layout, dtype=dtype, gloo=ctx.backend == "gloo",
-                                loading=load, overrides=_rope_overrides(spec, config_overrides))
+                                loading=load, overrides=rope.configure(config_overrides, spec))
     layers = layer_specs(spec, core_attention_class(backend, kernel or "sdpa"))
     vocab = padded_vocab_size(spec.vocab_size, ctx.layout.tp, make_vocab_size_divisible_by)
     max_len = seq_length or spec.max_position_embeddings
     if config.mtp_num_layers:
+        mtp.check_checkpoint(spec, config.mtp_num_layers, loading=load)
         mtp.install()
     chunks = [
         _build_chunk(spec, config, layers, vocab, max_len, stage, ctx, backend)
@@ -93,22 +94,11 @@ def build_model(
     ]
     if checkpoint is not None:
         load_hf_weights(chunks, spec, checkpoint=checkpoint)
-    if config.mtp_num_layers:
-        mtp.initialise(chunks, ctx.seed)  # HF weights hold none; the same for every layout
+    if config.mtp_num_layers and not (checkpoint is not None and spec.mtp_layers):
+        mtp.initialise(chunks, ctx.seed)  # no MTP module to load; the same for every layout
     if compile_layers:
         layer_compile.compile_layers(chunks)
     return chunks
-
-
-def _rope_overrides(spec: HFModelSpec, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The config overrides with RoPE's slots filled (:func:`hpc_mca.models.rope.configure`);
-    multi-latent attention applies its own rope, unfused (its fused kernels are Triton's)."""
-    if spec.mla is None:
-        return rope.configure(overrides)
-    if (overrides or {}).get("apply_rope_fusion"):
-        raise ModelLoadError(f"{spec.source}: model.fusions 'rope' with multi-latent attention "
-                             f"({spec.model_type}) is not supported; valid: fusions without 'rope'")
-    return {**(overrides or {}), "apply_rope_fusion": False}
 
 
 def packed_kernel(spec: HFModelSpec, backend: str, preference: str, *, cuda: bool,

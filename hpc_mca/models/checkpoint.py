@@ -12,6 +12,7 @@ memory stays near what it owns.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,13 +22,14 @@ from typing import Any
 
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_config import HFModelSpec
-from hpc_mca.models.mapping import Piece, hf_tensor_shapes
+from hpc_mca.models.mapping import MTP_COPIES, Piece, hf_tensor_shapes, mtp_prefix
 
 __all__ = [
     "INDEX_FILE",
     "SINGLE_FILE",
     "HFCheckpoint",
     "SliceReader",
+    "held_mtp",
     "inspect_checkpoint",
     "read_header",
     "weights_fingerprint",
@@ -97,6 +99,27 @@ class HFCheckpoint:
 
     def path_of(self, tensor: str) -> Path:
         return self.directory / self.weight_map[tensor]
+
+
+def held_mtp(spec: HFModelSpec, declared: int) -> HFModelSpec:
+    """``spec`` with the MTP modules its checkpoint holds, of the ``declared`` ones
+    (``num_nextn_predict_layers``): module k is held when any tensor of HF layer
+    ``num_layers + k`` is listed (:func:`inspect_checkpoint` then checks all of them), counting
+    from the first; the copies of the vocabulary matrices are those module 0 lists. Reads the
+    index or the single file's header only; no checkpoint (a config alone): none held."""
+    if declared <= 0 or spec.directory is None:
+        return spec
+    try:
+        names = set(HFCheckpoint.open(spec.directory).weight_map)
+    except ModelLoadError:
+        return spec  # no weights: a config for a random init; building with weights says why
+    prefixes = {name[: name.index(".", len("model.layers.")) + 1] for name in names
+                if name.startswith("model.layers.")}
+    held = 0
+    while held < declared and mtp_prefix(spec, held) in prefixes:
+        held += 1
+    copies = tuple(c for c in MTP_COPIES if held and mtp_prefix(spec, 0) + c in names)
+    return dataclasses.replace(spec, mtp_layers=held, mtp_copies=copies)
 
 
 def inspect_checkpoint(spec: HFModelSpec, directory: Path | None = None) -> HFCheckpoint:

@@ -183,8 +183,7 @@ class LoraFinetuning(ModelConverter):
             return PeftModel.from_pretrained(model, resumed, is_trainable=True)
         ft = self.finetuning
         spec = read_hf_config(model_path)
-        targets = resolve_lora_targets(ft.lora_target, is_moe=spec.is_moe,
-                                       mixed_mlp=spec.mixed_mlp)
+        targets = resolve_lora_targets(ft.lora_target, spec.lora_model())
         parameters = targets.hf_parameters(spec.moe_prefix)
         # lora_alpha: peft annotates int but takes any number (scaling = alpha / r).
         lora = LoraConfig(r=ft.lora_rank, lora_alpha=lora_alpha(ft),  # type: ignore[arg-type]
@@ -206,7 +205,7 @@ class LoraFinetuning(ModelConverter):
 
         spec = read_hf_config(model_path)
         ft = self.finetuning
-        targets = resolve_lora_targets(ft.lora_target, is_moe=spec.is_moe, mixed_mlp=spec.mixed_mlp)
+        targets = resolve_lora_targets(ft.lora_target, spec.lora_model())
         save_peft_adapter(chunks, out, spec, targets,
                           ft, str(Path(model_path).resolve()))
         return "PEFT adapter"

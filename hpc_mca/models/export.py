@@ -14,29 +14,37 @@ files (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` plus
 ``model.safetensors.index.json`` beyond ``max_shard_bytes``) in transformers' own naming, so
 ``AutoModelForCausalLM.from_pretrained`` loads it, and the files every export of either
 backend has beside its weights (:func:`write_companion_files`).
+
+MTP modules (deepseek_v3, glm4_moe): the model's MTP layers are written as HF layers
+``num_hidden_layers + k``, their copies of the vocabulary matrices from the main embedding and
+head; modules the source checkpoint holds past the model's MTP layers (a run without them) are
+copied from the source files unchanged, so that such a checkpoint round-trips whole.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hpc_mca.models.checkpoint import INDEX_FILE, SINGLE_FILE
 from hpc_mca.models.errors import ModelLoadError
-from hpc_mca.models.hf_config import HFModelSpec, read_hf_config
-from hpc_mca.models.mapping import Piece, hf_tensor_shapes
-from hpc_mca.models.weights import local_plans
+from hpc_mca.models.hf_config import _MTP_TYPES, HFModelSpec, read_hf_config
+from hpc_mca.models.mapping import MTP_COPIES, Piece, hf_tensor_shapes, mtp_prefix
+from hpc_mca.models.weights import local_plans, unwrap
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "GENERATION_CONFIG", "TOKENIZER_FILES", "ExportItem",
-           "export_tensors", "save_hf_checkpoint", "write_companion_files"]
+           "SourceItem", "export_spec", "export_tensors", "mtp_export_note", "save_hf_checkpoint",
+           "write_companion_files"]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -67,6 +75,32 @@ class ExportItem:
         p = self.piece
         data = self.param.detach()
         return data if p.dim is None else data.narrow(p.dim, p.local_start, p.length)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor().shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.param.dtype
+
+
+@dataclass(frozen=True)
+class SourceItem:
+    """A whole tensor copied from the source checkpoint (rank 0 reads it when it is written,
+    one at a time): an MTP module the exported model does not hold."""
+
+    piece: Piece
+    path: Path
+    """The safetensors file holding it."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def tensor(self) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.path), framework="pt") as handle:
+            return handle.get_tensor(self.piece.hf_name)
 
 
 @dataclass(frozen=True)
@@ -102,21 +136,82 @@ def save_hf_checkpoint(
     if spec.directory is not None and out.resolve() == spec.directory.resolve():
         raise ModelLoadError(f"{out}: export directory is the source model directory")
     merged = _merged_weights(chunks) if merge_adapters else {}
-    items = [ExportItem(piece, merged.get(id(param), param)) for chunk in chunks
-             for plan, param in local_plans(chunk, spec) if plan.exported for piece in plan.pieces]
+    built = _mtp_depths(chunks)
+    spec, source_spec = export_spec(spec, built), spec
+    items: list[ExportItem | SourceItem] = [
+        ExportItem(piece, merged.get(id(param), param)) for chunk in chunks
+        for plan, param in local_plans(chunk, spec) if plan.exported
+        for piece in plan.pieces + plan.copies]
+    if _rank() == 0:
+        items += _source_mtp_items(source_spec, built)
     shapes = hf_tensor_shapes(spec)
     with _ShardWriter(out, max_shard_bytes) if _rank() == 0 else contextlib.nullcontext() as writer:
         out_dtype = export_tensors(items, shapes, dtype or _declared_dtype(spec),
                                    writer.add if writer is not None else None)
     if _rank() == 0:
-        _write_config(out, spec, out_dtype)
+        _write_config(out, spec, out_dtype, source_spec)
         if spec.directory is not None:
             write_companion_files(out, spec.directory)
     if dist.is_initialized():
         dist.barrier()
 
 
-def export_tensors(items: Sequence[ExportItem], shapes: dict[str, tuple[int, ...]],
+def _mtp_depths(chunks: Sequence[torch.nn.Module]) -> int:
+    """MTP layers of the model (its config is every rank's, whichever stage holds them)."""
+    configs = [getattr(unwrap(chunk), "config", None) for chunk in chunks]
+    return max((getattr(config, "mtp_num_layers", None) or 0 for config in configs), default=0)
+
+
+def export_spec(spec: HFModelSpec, depths: int) -> HFModelSpec:
+    """The spec of what an export of a model with ``depths`` MTP layers, built from ``spec``'s
+    checkpoint, holds: as many MTP modules as the model or the source has (families with
+    MTP modules only), with the source's copies of the vocabulary matrices (DeepSeek's both,
+    for a source without modules)."""
+    if spec.model_type not in _MTP_TYPES or depths <= spec.mtp_layers:
+        return spec
+    return dataclasses.replace(spec, mtp_layers=depths,
+                               mtp_copies=spec.mtp_copies if spec.mtp_layers else MTP_COPIES)
+
+
+def _source_mtp_items(spec: HFModelSpec, depths: int) -> list[SourceItem]:
+    """The source's MTP modules past the model's ``depths`` (not its copies of the
+    vocabulary matrices: those come from the model's)."""
+    if spec.mtp_layers <= depths or spec.directory is None:
+        return []
+    from hpc_mca.models.checkpoint import HFCheckpoint, read_header
+
+    ckpt = HFCheckpoint.open(spec.directory)
+    keep = [mtp_prefix(spec, depth) for depth in range(depths, spec.mtp_layers)]
+    copies = tuple(mtp_prefix(spec, depth) + c for depth in range(spec.mtp_layers)
+                   for c in MTP_COPIES)
+    headers: dict[str, dict[str, Any]] = {}
+    items = []
+    for name, shape in hf_tensor_shapes(spec).items():
+        if not name.startswith(tuple(keep)) or name in copies:
+            continue
+        file = ckpt.weight_map[name]
+        if file not in headers:
+            headers[file] = read_header(ckpt.directory / file)
+        dtype = _SAFETENSORS_DTYPES[headers[file][name].dtype]
+        items.append(SourceItem(Piece(name), ckpt.path_of(name), shape, dtype))
+    return items
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16}
+
+
+def mtp_export_note(spec: HFModelSpec, depths: int) -> str:
+    """What the HF export of a run with ``depths`` MTP layers does with them (a log line)."""
+    if spec.model_type in _MTP_TYPES:
+        first = spec.num_layers
+        return (f"model.mtp_num_layers={depths}: the MTP layers are in the HF export as its "
+                f"MTP modules (layers {first}..{first + depths - 1}, num_nextn_predict_layers)")
+    return (f"model.mtp_num_layers={depths}: the MTP layers are not in the HF export (HF "
+            "checkpoints of this family have none); the run's checkpoints keep them")
+
+
+def export_tensors(items: Sequence[ExportItem | SourceItem], shapes: dict[str, tuple[int, ...]],
                    dtype: torch.dtype | None, sink: Callable[[str, torch.Tensor], None] | None
                    ) -> torch.dtype:
     """Assemble the HF tensors ``shapes`` (in that order) from every rank's ``items`` on rank
@@ -125,7 +220,7 @@ def export_tensors(items: Sequence[ExportItem], shapes: dict[str, tuple[int, ...
     order = {name: i for i, name in enumerate(shapes)}
     items = sorted(items, key=lambda item: (order[item.piece.hf_name], item.piece.hf_start))
     plan = _gather_plan(items, shapes)
-    out_dtype = dtype or (items[0].param.dtype if items else torch.float32)
+    out_dtype = dtype or (items[0].dtype if items else torch.float32)
     if _rank() != 0:
         for item in items:
             dist.send(item.tensor().contiguous(), dst=0)
@@ -152,12 +247,10 @@ def _rank() -> int:
 
 
 def _gather_plan(
-    items: Sequence[ExportItem], shapes: dict[str, tuple[int, ...]]
+    items: Sequence[ExportItem | SourceItem], shapes: dict[str, tuple[int, ...]]
 ) -> dict[str, list[_Meta]]:
     """Every rank's pieces per HF tensor, checked to tile each tensor exactly once."""
-    mine = [
-        _Meta(_rank(), it.piece, tuple(it.tensor().shape), str(it.param.dtype)) for it in items
-    ]
+    mine = [_Meta(_rank(), it.piece, it.shape, str(it.dtype)) for it in items]
     everyone = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [[] for _ in range(dist.get_world_size())]
@@ -198,13 +291,14 @@ def _declared_dtype(spec: HFModelSpec) -> torch.dtype | None:
 def _assemble(
     shapes: dict[str, tuple[int, ...]],
     plan: dict[str, list[_Meta]],
-    items: Sequence[ExportItem],
+    items: Sequence[ExportItem | SourceItem],
     dtype: torch.dtype,
     sink: Callable[[str, torch.Tensor], None],
 ) -> None:
     """Rank 0: assemble each tensor from local and received pieces and hand it to ``sink``."""
     local = iter(items)
-    device = items[0].param.device if items else torch.device("cpu")
+    params = [item.param for item in items if isinstance(item, ExportItem)]
+    device = params[0].device if params else torch.device("cpu")
     for name, shape in shapes.items():
         full = torch.empty(shape, dtype=dtype)
         for meta in plan[name]:
@@ -270,9 +364,13 @@ class _ShardWriter:
         (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _write_config(out: Path, spec: HFModelSpec, dtype: torch.dtype) -> None:
-    """The source config as read, with the dtype key (whichever spelling it used) updated."""
+def _write_config(out: Path, spec: HFModelSpec, dtype: torch.dtype, source: HFModelSpec) -> None:
+    """The source config as read, with the dtype key (whichever spelling it used) updated, and
+    ``num_nextn_predict_layers`` raised to the MTP modules written where it was lower."""
     config = dict(spec.raw)
+    if spec.mtp_layers > source.mtp_layers and \
+            spec.mtp_layers > int(config.get("num_nextn_predict_layers") or 0):
+        config["num_nextn_predict_layers"] = spec.mtp_layers
     # transformers 5 writes "dtype", 4.x "torch_dtype"; both read "torch_dtype".
     key = "dtype" if "dtype" in config else "torch_dtype"
     config[key] = str(dtype).removeprefix("torch.")

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_mca.models.errors import ModelLoadError
+from hpc_mca.topology.lora import LoraModel
 from hpc_mca.topology.model import BUILDABLE_MODEL_TYPES
 
 if TYPE_CHECKING:  # transformers is imported lazily, where a config is parsed
@@ -72,6 +73,8 @@ _QK_NORM_OPTION_TYPES = {"glm4_moe": "use_qk_norm"}
 _MOE_TYPES = frozenset({"qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3"})
 _SIGMOID_ROUTER_TYPES = frozenset({"glm4_moe", "deepseek_v3"})
 _MLA_TYPES = frozenset({"deepseek_v3"})
+_MTP_TYPES = frozenset({"deepseek_v3", "glm4_moe"})
+"""Families whose checkpoints may hold MTP modules (``num_nextn_predict_layers``)."""
 _MLA_ROPE_TYPES = ("default", "yarn")
 """Families whose router scores experts with a sigmoid plus ``e_score_correction_bias``."""
 _ALWAYS_WINDOWED_TYPES = frozenset({"mistral", "mixtral"})
@@ -185,6 +188,14 @@ class HFModelSpec:
     stored_vocab_size: int | None = None
     """Rows of the checkpoint's embedding when ``vocab_size`` was grown past them
     (``model.resize_vocab``, :func:`record_vocab_growth`); None: not grown."""
+    mtp_layers: int = 0
+    """Multi-token-prediction modules the checkpoint holds after its decoder layers, at HF
+    layers ``num_layers .. num_layers + mtp_layers - 1`` (deepseek_v3 and glm4_moe:
+    ``num_nextn_predict_layers``, counted in the files, which transformers' saves leave
+    without them); 0 for the other families (:func:`hpc_mca.models.checkpoint.held_mtp`)."""
+    mtp_copies: tuple[str, ...] = ()
+    """What each MTP module also holds of the main vocabulary matrices (``embed_tokens.weight``,
+    ``shared_head.head.weight``: copies in DeepSeek's checkpoints)."""
 
     def stored(self) -> HFModelSpec:
         """The spec of the checkpoint's files (its own vocab_size, before any growth)."""
@@ -201,10 +212,10 @@ class HFModelSpec:
         """Whether 0-based ``layer`` has routed experts (not one of ``dense_layers``)."""
         return self.is_moe and layer not in self.dense_layers
 
-    @property
-    def mixed_mlp(self) -> bool:
-        """An MoE model that also has dense-MLP layers or shared experts."""
-        return self.is_moe and bool(self.dense_layers or self.shared_expert_ffn_hidden_size)
+    def lora_model(self) -> LoraModel:
+        """What decides this model's LoRA targets (:mod:`hpc_mca.topology.lora`)."""
+        latent = None if self.mla is None else self.mla.q_lora_rank is not None
+        return LoraModel(is_moe=self.is_moe, mla_query_latent=latent)
 
     @property
     def moe_expert_bias(self) -> bool:
@@ -244,6 +255,10 @@ def read_hf_config(source: str | Path | Mapping[str, Any]) -> HFModelSpec:
     cfg = _transformers_config(model_type, raw, where)
     _refuse_unsupported_options(cfg, model_type, where)
     spec = _spec_from_config(cfg, model_type, raw, where, directory)
+    if model_type in _MTP_TYPES:
+        from hpc_mca.models.checkpoint import held_mtp  # it imports this module
+
+        spec = held_mtp(spec, int(getattr(cfg, "num_nextn_predict_layers", 0) or 0))
     growth = vocab_growth(directory) if directory is not None else None
     if growth is None or growth.size <= spec.vocab_size:
         return spec

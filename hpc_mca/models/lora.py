@@ -72,7 +72,8 @@ class LoraSite:
     """HF name of the module (``model.layers.3.self_attn``, ``model.layers.3.mlp``,
     ``model.layers.3.mlp.experts``) the parts belong to."""
     kind: str
-    """qkv | fc1 | expert_fc1 (column-parallel bases) or row (linear_proj, linear_fc2)."""
+    """qkv | fc1 | expert_fc1 | column (one HF module: multi-latent attention's projections;
+    column-parallel bases) or row (linear_proj, linear_fc2)."""
     parts: tuple[str, ...]
     """HF names of the adapted parts (q_proj, ..., gate_up_proj, down_proj)."""
     expert: int | None = None
@@ -214,7 +215,7 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
             return site.query_groups * heads * site.head_dim
         if site.kind == "fc1":
             return base.output_size_per_partition // 2
-        if site.kind == "expert_fc1":
+        if site.kind in ("expert_fc1", "column"):
             return base.output_size_per_partition
         return base.output_size  # row-parallel: B is whole
 
@@ -309,7 +310,7 @@ class MegatronLoraLinear(torch.nn.Module, LoraLayer):
     def _assemble(self, parts: dict[str, torch.Tensor], lead: torch.Size) -> torch.Tensor:
         """The parts' outputs (last dim) laid out as the base linear's local output."""
         site = self.site
-        if site.kind in ("row", "expert_fc1"):
+        if site.kind in ("row", "expert_fc1", "column"):
             return next(iter(parts.values()))
 
         def part(name: str) -> torch.Tensor:
@@ -409,6 +410,8 @@ def site_of(name: str, rest: str, layer: int, targets: LoraTargets, spec: HFMode
                         head_dim=spec.head_dim)
     if rest.endswith("linear_proj"):
         return LoraSite(f"{prefix}.self_attn", "row", parts)
+    if rest.startswith("self_attention."):  # multi-latent attention: one HF module each
+        return LoraSite(f"{prefix}.self_attn", "column", parts)
     expert = _EXPERT.fullmatch(rest)
     if expert is not None:
         index = coords.ep_rank * (spec.num_experts // coords.ep_size) + int(expert.group(1))
@@ -433,8 +436,7 @@ def apply_lora(chunks: list[torch.nn.Module], finetuning: FinetuningArguments, *
 
     ft = finetuning
     spec = read_hf_config(model_path)
-    targets = resolve_lora_targets(ft.lora_target, is_moe=spec.is_moe, model_type=spec.model_type,
-                                   mixed_mlp=spec.mixed_mlp)
+    targets = resolve_lora_targets(ft.lora_target, spec.lora_model(), model_type=spec.model_type)
     for chunk in chunks:
         sites = lora_sites(chunk, targets, spec)
         # lora_alpha: peft annotates int but takes any number (scaling = alpha / r).

@@ -50,8 +50,7 @@ def mark_lora_sites(chunks: list[torch.nn.Module], model_path: str, *, seed: int
     from hpc_mca.topology.lora import resolve_lora_targets
 
     spec = read_hf_config(model_path)
-    every = resolve_lora_targets(["all"], is_moe=spec.is_moe, model_type=spec.model_type,
-                                 mixed_mlp=spec.mixed_mlp)
+    every = resolve_lora_targets(["all"], spec.lora_model(), model_type=spec.model_type)
     for chunk in chunks:
         modules = dict(chunk.named_modules())
         for name, site in lora_sites(chunk, every, spec).items():

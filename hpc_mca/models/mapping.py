@@ -18,6 +18,12 @@ dimension, which is what a :class:`Piece` describes:
 - experts: local expert j on EP rank e is global expert ``e*E/ep + j``, split over expert-TP
   ranks like the dense MLP.
 - norms and the router: whole tensors, replicated over TP.
+- MTP layer k (``mtp.layers.k``, deepseek_v3/glm4_moe checkpoints): HF layer
+  ``num_layers + k``; ``enorm``/``hnorm`` whole, ``eh_proj`` [H, 2H] split by rows like a
+  column-parallel linear (both concatenate ``[enorm(embedding); hnorm(hidden)]``),
+  ``final_layernorm`` is ``shared_head.norm``, and ``mtp_model_layer`` maps like a decoder
+  layer at that index. The module's copies of the vocabulary matrices (``embed_tokens``,
+  ``shared_head.head``) are export-only pieces of the main embedding / output layer.
 
 Export ownership: each HF element is sent by exactly one rank, the first data-parallel replica
 (expert-data-parallel for experts) and, for TP-replicated tensors, TP rank 0. A tied output
@@ -33,10 +39,12 @@ from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_config import HFModelSpec, MlaSpec
 
 __all__ = [
+    "MTP_COPIES",
     "ParamPlan",
     "Piece",
     "ShardCoords",
     "hf_tensor_shapes",
+    "mtp_prefix",
     "padded_vocab_size",
     "plan_param",
 ]
@@ -85,6 +93,9 @@ class ParamPlan:
     """This rank sends the pieces to rank 0 on export (exactly one rank does, per piece)."""
     padded: bool = False
     """Part of the parameter lies outside every piece (vocab padding): zero it on import."""
+    copies: tuple[Piece, ...] = ()
+    """Export-only pieces: the same elements written again under other HF names (an MTP
+    module's copies of the vocabulary matrices); never read on import."""
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) -> int:
@@ -100,6 +111,30 @@ def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) ->
 
 def _layer_prefix(layer: int) -> str:
     return f"model.layers.{layer}."
+
+
+MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+"""Copies of the main embedding and head an MTP module may hold, in checkpoint order."""
+
+
+def mtp_prefix(spec: HFModelSpec, depth: int) -> str:
+    """HF name prefix of MTP module ``depth`` (0-based): the layer after the decoder's."""
+    return _layer_prefix(spec.num_layers + depth)
+
+
+def _mtp_shapes(spec: HFModelSpec, depth: int) -> dict[str, tuple[int, ...]]:
+    p, h = mtp_prefix(spec, depth), spec.hidden_size
+    embed, head = MTP_COPIES
+    shapes: dict[str, tuple[int, ...]] = {}
+    if embed in spec.mtp_copies:
+        shapes[p + embed] = (spec.vocab_size, h)
+    shapes.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,),
+                   p + "eh_proj.weight": (h, 2 * h)})
+    shapes.update(_layer_shapes(spec, spec.num_layers + depth))
+    shapes[p + "shared_head.norm.weight"] = (h,)
+    if head in spec.mtp_copies:
+        shapes[p + head] = (spec.vocab_size, h)
+    return shapes
 
 
 def _expert_names(spec: HFModelSpec, layer: int, expert: int) -> tuple[str, str, str]:
@@ -185,6 +220,8 @@ def hf_tensor_shapes(spec: HFModelSpec) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size)}
     for layer in range(spec.num_layers):
         shapes.update(_layer_shapes(spec, layer))
+    for depth in range(spec.mtp_layers):
+        shapes.update(_mtp_shapes(spec, depth))
     shapes["model.norm.weight"] = (spec.hidden_size,)
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
@@ -240,7 +277,15 @@ def _whole(name: str) -> tuple[Piece, ...]:
     return (Piece(name),)
 
 
+def _vocab_copies(spec: HFModelSpec, c: ShardCoords, copies: tuple[str, ...]) -> tuple[Piece, ...]:
+    """The pieces of ``copies`` (names in an MTP module) in every module the spec holds."""
+    return tuple(piece for depth in range(spec.mtp_layers) for copy in copies
+                 if copy in spec.mtp_copies
+                 for piece in _vocab_pieces(mtp_prefix(spec, depth) + copy, spec, c))
+
+
 _LAYER_PARAM = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_MTP_PARAM = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
 _EXPERT_PARAM = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight")
 
 
@@ -251,17 +296,43 @@ def plan_param(spec: HFModelSpec, c: ShardCoords, name: str, global_layer: int |
     replicated_owner = dense_owner and c.tp_rank == 0
     if name == "embedding.word_embeddings.weight":
         pieces = _vocab_pieces("model.embed_tokens.weight", spec, c)
-        return ParamPlan(name, pieces, dense_owner, padded=True)
+        copies = MTP_COPIES if spec.tie_word_embeddings else MTP_COPIES[:1]
+        return ParamPlan(name, pieces, dense_owner, padded=True,
+                         copies=_vocab_copies(spec, c, copies))
     if name == "output_layer.weight":
         hf = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
         exported = dense_owner and not spec.tie_word_embeddings
-        return ParamPlan(name, _vocab_pieces(hf, spec, c), exported, padded=True)
+        return ParamPlan(name, _vocab_pieces(hf, spec, c), exported, padded=True,
+                         copies=_vocab_copies(spec, c, MTP_COPIES[1:]))
     if name == "decoder.final_layernorm.weight":
         return ParamPlan(name, _whole("model.norm.weight"), replicated_owner)
+    mtp = _MTP_PARAM.fullmatch(name)
+    if mtp is not None:
+        return _plan_mtp_param(spec, c, name, int(mtp.group(1)), mtp.group(2))
     match = _LAYER_PARAM.fullmatch(name)
     if match is None or global_layer is None:
         raise ModelLoadError(f"no Hugging Face tensor maps to Megatron parameter {name}")
     return _plan_layer_param(spec, c, name, global_layer, match.group(2))
+
+
+def _plan_mtp_param(spec: HFModelSpec, c: ShardCoords, name: str, depth: int,
+                    rest: str) -> ParamPlan:
+    """A parameter of MTP layer ``depth`` (see the module docstring)."""
+    if depth >= spec.mtp_layers:
+        raise ModelLoadError(f"Megatron parameter {name}: the checkpoint holds "
+                             f"{spec.mtp_layers} MTP modules")
+    p, layer = mtp_prefix(spec, depth), spec.num_layers + depth
+    if rest.startswith("mtp_model_layer."):
+        return _plan_layer_param(spec, c, name, layer, rest.removeprefix("mtp_model_layer."))
+    replicated_owner = c.dp_rank == 0 and c.tp_rank == 0
+    norms = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+             "final_layernorm.weight": "shared_head.norm.weight"}
+    if rest in norms:
+        return ParamPlan(name, _whole(p + norms[rest]), replicated_owner)
+    if rest == "eh_proj.weight":
+        start, stop = _split(spec.hidden_size, c.tp_rank, c.tp_size)
+        return ParamPlan(name, (Piece(p + rest, 0, start, stop, 0),), c.dp_rank == 0)
+    raise ModelLoadError(f"no Hugging Face tensor maps to Megatron parameter {name}")
 
 
 def _plan_layer_param(

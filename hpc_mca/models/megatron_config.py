@@ -257,18 +257,16 @@ def layer_spec(spec: HFModelSpec, core_attention: type[MegatronModule] | ModuleS
 
 
 def _mla_norms(layer: ModuleSpec, q_latent: bool) -> None:
-    """The latents' RMSNorms as :class:`TorchNorm`; without a query latent there is no query
-    norm, and the attention class keeps ``linear_q_proj`` a plain linear
-    (:class:`~hpc_mca.models.mla.PlainQueryMLASelfAttention`)."""
+    """The latents' RMSNorms as :class:`TorchNorm` (without a query latent there is no query
+    norm) and the attention class of :mod:`hpc_mca.models.mla`."""
     from megatron.core.transformer.identity_op import IdentityOp
 
-    from hpc_mca.models.mla import PlainQueryMLASelfAttention
+    from hpc_mca.models.mla import McaMLASelfAttention, PlainQueryMLASelfAttention
 
     attention = layer.submodules.self_attention
     attention.submodules.kv_layernorm = TorchNorm
     attention.submodules.q_layernorm = TorchNorm if q_latent else IdentityOp
-    if not q_latent:
-        attention.module = PlainQueryMLASelfAttention
+    attention.module = McaMLASelfAttention if q_latent else PlainQueryMLASelfAttention
 
 
 def block_spec(layers: LayerSpecs, config: TransformerConfig, vp_stage: int | None

@@ -16,6 +16,11 @@ on every rank, GPU or CPU):
    rescales per micro-batch by its own token ratio, so the result depends on how the batch
    is cut.) The summed loss and token count of each depth go to :data:`MTP_LOSSES`, for the
    trainer to reduce and log. Upstream's logging tracker is not fed.
+
+The MTP layers' weights come from the checkpoint where it holds MTP modules (deepseek_v3 and
+glm4_moe: module k at HF layer ``num_hidden_layers + k``, mapped by
+:mod:`hpc_mca.models.mapping`), else from :func:`initialise`; :func:`check_checkpoint` refuses
+a checkpoint that holds some modules but fewer than the run builds.
 """
 
 from __future__ import annotations
@@ -40,7 +45,10 @@ if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use 
     from megatron.core.transformer.transformer_config import TransformerConfig
     from torch.distributed import ProcessGroup
 
-__all__ = ["MTP_LOSSES", "MtpLosses", "initialise", "install", "mtp_block_spec"]
+    from hpc_mca.models.hf_config import HFModelSpec
+
+__all__ = ["MTP_LOSSES", "MtpLosses", "check_checkpoint", "initialise", "install",
+           "mtp_block_spec"]
 
 
 class MtpLosses:
@@ -92,11 +100,23 @@ def mtp_block_spec(config: TransformerConfig, layer: ModuleSpec, backend: str,
 _LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")
 
 
+def check_checkpoint(spec: HFModelSpec, depths: int, *, loading: bool) -> None:
+    """Refuse (one line, before anything is allocated) a run of ``depths`` MTP layers over a
+    checkpoint that holds some MTP modules but fewer: its layers would mix loaded and fresh
+    weights. A checkpoint with none gets :func:`initialise`'s weights."""
+    from hpc_mca.models.errors import ModelLoadError
+
+    if loading and 0 < spec.mtp_layers < depths:
+        raise ModelLoadError(f"model.mtp_num_layers={depths} but {spec.source} holds "
+                             f"{spec.mtp_layers} MTP module(s) (num_nextn_predict_layers); "
+                             f"valid: model.mtp_num_layers 0..{spec.mtp_layers}")
+
+
 def initialise(chunks: list[GPTModel], seed: int) -> None:
     """Fresh MTP weights that do not depend on the parallel layout.
 
-    MTP layers are not read from HF weights, and Megatron's random init depends on the
-    pipeline split (each stage draws its own layers). Here every MTP parameter is drawn whole
+    For checkpoints without MTP modules (the build loads those it holds). Megatron's random
+    init depends on the pipeline split (each stage draws its own layers). Here every MTP parameter is drawn whole
     (as one rank would hold it) from a generator seeded by ``seed`` and its name, global expert
     number included. Each rank then keeps its tensor-parallel share, chunked the way Megatron
     shards it (``partition_dim``, ``partition_stride``: fc1 holds [gate_r; up_r]). Init

@@ -31,12 +31,17 @@ hf_config refuses YaRN, so nothing is lost.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from torch import Tensor
+
+from hpc_mca.models.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from hpc_mca.models.hf_config import HFModelSpec
 
 __all__ = ["configure", "describe", "packed_rope", "thd_positions", "unpacked_rope"]
 
@@ -117,16 +122,25 @@ def describe(fused: bool) -> str:
     return "one compiled pass per stream" if fused else "one pass per stream"
 
 
-def configure(overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+def configure(overrides: Mapping[str, Any] | None, spec: HFModelSpec | None = None
+              ) -> dict[str, Any]:
     """The config overrides of a model about to be built, with RoPE's slots filled.
 
     ``overrides["apply_rope_fusion"]`` is the user's ``model.fusions: [rope]``: it decides
     whether the rotation is compiled. Either way Megatron's fused-RoPE slots get
     :func:`packed_rope`/:func:`unpacked_rope` and ``apply_rope_fusion`` is set, so that
-    Megatron calls them.
+    Megatron calls them. A model with multi-latent attention (``spec.mla``) applies its own
+    rope, unfused (Megatron's fused MLA rope is a Triton kernel): ``apply_rope_fusion`` off,
+    and ``fusions: [rope]`` refused.
     """
     global _rotate
     out = dict(overrides or {})
+    if spec is not None and spec.mla is not None:
+        if out.get("apply_rope_fusion"):
+            raise ModelLoadError(f"{spec.source}: model.fusions 'rope' with multi-latent attention "
+                                 f"({spec.model_type}) is not supported; valid: fusions without "
+                                 "'rope'")
+        return {**out, "apply_rope_fusion": False}
     _rotate = _compiled_rotate() if out.get("apply_rope_fusion") else _rotate_eager
     rope_utils.fused_apply_rotary_pos_emb_thd = packed_rope
     rope_utils.fused_apply_rotary_pos_emb = unpacked_rope

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # megatron is imported lazily, by the modules that build the 
 __all__ = ["load_hf_weights", "local_plans", "shard_coords", "unwrap"]
 
 _LAYER_INDEX = re.compile(r"decoder\.layers\.(\d+)\.")
+_MTP_INDEX = re.compile(r"mtp\.layers\.(\d+)\.")
 
 
 def _rank_and_size(group: ProcessGroup | None) -> tuple[int, int]:
@@ -88,9 +89,10 @@ _EXPERT_BIAS = "mlp.router.expert_bias"
 def local_plans(
     chunk: torch.nn.Module, spec: HFModelSpec
 ) -> Iterator[tuple[ParamPlan, torch.Tensor]]:
-    """(plan, tensor) for every base-model parameter of one GPTModel chunk (not its MTP
-    block, not LoRA adapters; a LoRA layer's base linear under its own name), and for the
-    buffers that hold HF tensors (:func:`_named_tensors`).
+    """(plan, tensor) for every base-model parameter of one GPTModel chunk (its MTP layers
+    too where the checkpoint holds their modules, ``spec.mtp_layers``; not LoRA adapters; a
+    LoRA layer's base linear under its own name), and for the buffers that hold HF tensors
+    (:func:`_named_tensors`).
 
     Layers are numbered model-wide through ``layer_number`` (1-based, set by Megatron from the
     pipeline/virtual-pipeline offset), which also covers uneven pipeline layouts.
@@ -100,9 +102,11 @@ def local_plans(
     layers = getattr(getattr(chunk, "decoder", None), "layers", [])
     global_index = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
     for name, param in _named_tensors(chunk):
-        if name.startswith("mtp.") or ".lora_" in name:
-            continue  # MTP layers have no HF tensors here: models.mtp.initialise fills them;
-            # LoRA adapters are not part of the base model (models.adapter_export writes them)
+        if ".lora_" in name:
+            continue  # not part of the base model (models.adapter_export writes them)
+        mtp = _MTP_INDEX.match(name)
+        if mtp is not None and int(mtp.group(1)) >= spec.mtp_layers:
+            continue  # no HF module for this MTP layer: models.mtp.initialise fills it
         name = name.replace(".base_layer.", ".")  # a linear inside its LoRA layer
         match = _LAYER_INDEX.match(name)
         layer = global_index[int(match.group(1))] if match else None

@@ -15,22 +15,22 @@ def attention_linears(model: ModelShape) -> list[_Linear]:
     """One layer's attention projections, as Megatron-Core builds them.
 
     GQA: QKV (K and V narrowed to the query groups) column-parallel, the output row-parallel.
-    MLA (MLASelfAttention): the down-projections to the query latent (q_a_proj, h → q_lora)
-    and to the key/value latent plus the shared RoPE key (kv_a_proj_with_mqa, h → kv_lora +
-    rope) are replicated on every TP rank (linear_q/kv_down_proj: duplicated TELinear, or a
-    plain Linear, in multi_latent_attention.py); the up-projections to the heads (q_b_proj:
-    q_lora → heads·(nope + rope); kv_b_proj: kv_lora → heads·(nope + v)) are column-parallel
-    and o_proj (heads·v → h) row-parallel. Without a q_lora_rank, q_proj (h → heads·(nope +
-    rope)) is column-parallel."""
+    MLA (MLASelfAttention, with the local layer spec the trainer builds): every projection
+    is column-parallel but o_proj (heads·v → h, row-parallel): the down-projections to the
+    query latent (q_a_proj, h → q_lora) and to the key/value latent plus the shared RoPE key
+    (kv_a_proj_with_mqa, h → kv_lora + rope), whose outputs Megatron gathers over TP (Transformer
+    Engine's spec would duplicate them instead), and the up-projections to the heads
+    (q_b_proj: q_lora → heads·(nope + rope); kv_b_proj: kv_lora → heads·(nope + v)). Without
+    a q_lora_rank, q_proj (h → heads·(nope + rope)) is column-parallel."""
     h, heads = model.hidden_size, model.num_attention_heads
     if not model.is_mla:
         hq, hkv = heads * model.kv_channels, model.num_query_groups * model.kv_channels
         return [(h, hq, "col"), (h, hkv, "col"), (h, hkv, "col"), (hq, h, "row")]
     assert model.kv_lora_rank is not None  # is_mla
     q_out = heads * model.qk_head_dim
-    q = ([(h, model.q_lora_rank, "rep"), (model.q_lora_rank, q_out, "col")]
+    q = ([(h, model.q_lora_rank, "col"), (model.q_lora_rank, q_out, "col")]
          if model.q_lora_rank else [(h, q_out, "col")])
-    return q + [(h, model.kv_lora_rank + model.qk_rope_head_dim, "rep"),
+    return q + [(h, model.kv_lora_rank + model.qk_rope_head_dim, "col"),
                 (model.kv_lora_rank, heads * (model.qk_nope_head_dim + model.v_head_dim), "col"),
                 (heads * model.v_head_dim, h, "row")]
 
@@ -46,10 +46,8 @@ def attention_weights(model: ModelShape) -> tuple[int, int]:
 
 
 def attention_gemm_flops(model: ModelShape) -> int:
-    """Forward FLOPs per token of one layer's attention projections, on one GPU times TP:
-    the TP-split ones run on every token over 1/TP of their width, and MLA's replicated
-    down-projections on the 1/TP of the tokens that sequence parallelism leaves a rank (their
-    latents are gathered before the up-projections)."""
+    """Forward FLOPs per token of one layer's attention projections, on one GPU times TP
+    (each runs on every token over 1/TP of its width)."""
     return 2 * sum(i * o for i, o, _ in attention_linears(model))
 
 

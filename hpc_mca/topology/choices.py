@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the help text imports this module: nothing heavier at run time
+    from .model import ModelShape
+
 TORCH_CP_COMM_TYPES = ("all_gather", "a2a")
 """The context-parallel exchanges hpc-mca's own attention runs (models.context_parallel)."""
 CP_COMM_TYPES = (*TORCH_CP_COMM_TYPES, "p2p")
@@ -15,7 +20,20 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")
 """The layer parts a selective recompute may name (Megatron-Core's recompute_modules that this
 trainer's layers have): mlp on dense models, moe on mixtures of experts. Not offered: moe_act
 (Megatron recomputes it only inside grouped-GEMM experts, which the local spec does not
-build), shared_experts, mla_up_proj, gdn_norm_out (no supported model has those parts)."""
+build), shared_experts, gdn_norm_out (no supported model has those parts); mla_up_proj only
+for multi-latent attention (:func:`recompute_parts`)."""
+
+
+def recompute_parts(shape: ModelShape, te_layers: bool = False) -> tuple[str, ...]:
+    """The parts ``selective:A,B`` (parallel.recompute_modules) may name for this model:
+    :func:`recompute_modules_for`'s, plus mlp where an MoE model has dense-MLP layers
+    (Megatron recomputes those layers' MLP only) and mla_up_proj under multi-latent attention
+    (MLA's up-projections, whose Q, K and V Megatron drops after the attention kernel and
+    rebuilds for its backward)."""
+    parts = recompute_modules_for(shape.is_moe, te_layers)
+    if shape.is_moe and shape.dense_layer_ids and "mlp" not in parts:
+        parts = ("mlp", *parts)
+    return parts + (("mla_up_proj",) if shape.is_mla else ())
 
 
 def recompute_modules_for(moe: bool, te_layers: bool = False) -> tuple[str, ...]:

@@ -6,23 +6,32 @@ names no module of the model stops every rank with one line before anything is a
 Users name modules as transformers does (LLaMA-Factory's ``lora_target``); Megatron fuses
 some of them, so one Megatron linear carries several HF adapters:
 
-====================  =========================================  ==========================
-HF name               Megatron linear (parallel kind)            adapter (A, B) per
-====================  =========================================  ==========================
-q_proj, k_proj,       ``self_attention.linear_qkv`` (column)      HF module: its own A and B
+====================  ===========================================  ========================
+HF name               Megatron linear (parallel kind)              adapter (A, B) per
+====================  ===========================================  ========================
+q_proj, k_proj,       ``self_attention.linear_qkv`` (column)        HF module: its own A, B
 v_proj
-o_proj                ``self_attention.linear_proj`` (row)        HF module
-gate_proj, up_proj    ``mlp.linear_fc1`` (column; dense models)   HF module: its own A and B
-down_proj             ``mlp.linear_fc2`` (row; dense models)      HF module
-gate_up_proj          experts' ``linear_fc1`` (column; MoE)       expert: one A, one B of 2F
-down_proj             experts' ``linear_fc2`` (row; MoE)          expert
-====================  =========================================  ==========================
+o_proj                ``self_attention.linear_proj`` (row)          HF module
+q_a_proj, q_b_proj,   multi-latent attention's ``linear_q_down_``   HF module
+q_proj (no q latent), ``proj``, ``linear_q_up_proj``,
+kv_a_proj_with_mqa,   ``linear_q_proj``, ``linear_kv_down_proj``,
+kv_b_proj             ``linear_kv_up_proj`` (column)
+gate_proj, up_proj    ``mlp.linear_fc1`` (column; dense models)     HF module: its own A, B
+down_proj             ``mlp.linear_fc2`` (row; dense models)        HF module
+gate_up_proj          experts' ``linear_fc1`` (column; MoE)         expert: one A, one B of 2F
+down_proj             experts' ``linear_fc2`` (row; MoE)            expert
+====================  ===========================================  ========================
 
 So the trainable parameters equal peft's on the transformers model with the same targets.
 transformers (5.x) keeps an MoE layer's experts as two 3-D parameters (``gate_up_proj``,
 ``down_proj``), which peft adapts through ``target_parameters``: one A and one B per expert
-over the fused gate and up rows; the MoE router is not an adapter target. ``all`` means every
-name valid for the model.
+over the fused gate and up rows. An MoE model's dense layers and shared experts take no
+adapters: on transformers 5, peft reads ``gate_proj``/``up_proj``/``down_proj`` in the
+``target_modules`` of these families (qwen2_moe, glm4_moe, deepseek_v3, ...) as the experts'
+pre-fusion names and moves them onto the fused expert weights (doubling gate_up_proj's rank),
+so no adapter on those linears would load as it was trained. The MoE router and qwen2_moe's
+shared-expert gate are not adapter targets either. ``all`` means every name valid for the
+model.
 """
 
 from __future__ import annotations
@@ -31,12 +40,34 @@ from dataclasses import dataclass
 
 from hpc_mca.errors import UserError
 
-__all__ = ["LoraTargetError", "LoraTargets", "resolve_lora_targets", "valid_lora_targets"]
+__all__ = ["LoraModel", "LoraTargetError", "LoraTargets", "MLA_LINEARS", "resolve_lora_targets",
+           "valid_lora_targets"]
 
 QKV_PARTS = ("q_proj", "k_proj", "v_proj")
 FC1_PARTS = ("gate_proj", "up_proj")
-_DENSE = (*QKV_PARTS, "o_proj", *FC1_PARTS, "down_proj")
-_MOE = (*QKV_PARTS, "o_proj", "gate_up_proj", "down_proj")
+MLA_LINEARS = {"q_a_proj": "linear_q_down_proj", "q_b_proj": "linear_q_up_proj",
+               "q_proj": "linear_q_proj", "kv_a_proj_with_mqa": "linear_kv_down_proj",
+               "kv_b_proj": "linear_kv_up_proj"}
+"""Multi-latent attention: HF module -> the Megatron linear (one each) of ``self_attention``."""
+
+
+@dataclass(frozen=True)
+class LoraModel:
+    """What of a model decides the LoRA targets it has."""
+
+    is_moe: bool = False
+    mla_query_latent: bool | None = None
+    """Multi-latent attention: whether queries have a latent (q_a_proj, q_b_proj) or a plain
+    q_proj; None: multi-head / grouped-query attention."""
+
+    def attention(self) -> tuple[str, ...]:
+        if self.mla_query_latent is None:
+            return (*QKV_PARTS, "o_proj")
+        query = ("q_a_proj", "q_b_proj") if self.mla_query_latent else ("q_proj",)
+        return (*query, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+    def mlp(self) -> tuple[str, ...]:
+        return ("gate_up_proj", "down_proj") if self.is_moe else (*FC1_PARTS, "down_proj")
 
 
 class LoraTargetError(UserError):
@@ -49,6 +80,8 @@ class LoraTargets:
 
     qkv: tuple[str, ...] = ()
     """Parts of ``linear_qkv`` with adapters, in q, k, v order."""
+    mla: tuple[str, ...] = ()
+    """Multi-latent attention's adapted HF modules (keys of :data:`MLA_LINEARS`)."""
     proj: bool = False
     """``o_proj`` on ``linear_proj``."""
     fc1: tuple[str, ...] = ()
@@ -67,6 +100,9 @@ class LoraTargets:
             return self.qkv
         if megatron_module.endswith("self_attention.linear_proj"):
             return ("o_proj",) if self.proj else ()
+        for hf, linear in MLA_LINEARS.items():
+            if megatron_module.endswith(f"self_attention.{linear}"):
+                return (hf,) if hf in self.mla else ()
         expert = ".local_experts." in megatron_module
         if megatron_module.endswith("linear_fc1"):
             return ("gate_up_proj",) if expert and self.expert_fc1 else () if expert else self.fc1
@@ -76,7 +112,7 @@ class LoraTargets:
 
     def hf_modules(self) -> list[str]:
         """peft's ``target_modules`` on the transformers model."""
-        names = [*self.qkv, *(["o_proj"] if self.proj else []), *self.fc1]
+        names = [*self.qkv, *self.mla, *(["o_proj"] if self.proj else []), *self.fc1]
         return names + (["down_proj"] if self.fc2 else [])
 
     def hf_parameters(self, moe_prefix: str) -> list[str]:
@@ -86,23 +122,16 @@ class LoraTargets:
         return [f"{moe_prefix}.experts.{name}" for name in names]
 
 
-_ATTENTION = (*QKV_PARTS, "o_proj")
+def valid_lora_targets(model: LoraModel) -> tuple[str, ...]:
+    """The HF names ``lora_target`` may use for ``model`` (besides ``all``)."""
+    return (*model.attention(), *model.mlp())
 
 
-def valid_lora_targets(is_moe: bool, mixed_mlp: bool = False) -> tuple[str, ...]:
-    """The HF names ``lora_target`` may use for a dense or an MoE model (besides ``all``);
-    ``mixed_mlp``: an MoE model that also has dense-MLP layers or shared experts, where only
-    attention takes adapters so far (their MLP modules share names with the experts')."""
-    if mixed_mlp:
-        return _ATTENTION
-    return _MOE if is_moe else _DENSE
-
-
-def resolve_lora_targets(names: list[str] | tuple[str, ...], *, is_moe: bool,
-                         model_type: str = "", mixed_mlp: bool = False) -> LoraTargets:
+def resolve_lora_targets(names: list[str] | tuple[str, ...], model: LoraModel, *,
+                         model_type: str = "") -> LoraTargets:
     """``finetuning.lora_target`` as :class:`LoraTargets`; LoraTargetError (one line naming the
-    value and the valid names) for a name no module of this model has or takes adapters on."""
-    valid = valid_lora_targets(is_moe, mixed_mlp)
+    value and the valid names) for a name no module of this model has."""
+    valid = valid_lora_targets(model)
     names = [names] if isinstance(names, str) else names
     wanted = [n.strip() for name in names for n in str(name).split(",") if n.strip()]
     if "all" in wanted:
@@ -110,20 +139,20 @@ def resolve_lora_targets(names: list[str] | tuple[str, ...], *, is_moe: bool,
     unknown = [n for n in wanted if n not in valid]
     if unknown or not wanted:
         why = ""
-        if mixed_mlp:
-            why = (" that takes adapters here (MLP adapters on a model with dense layers or "
-                   "shared experts besides its experts are not supported yet)")
-        elif is_moe and {"gate_proj", "up_proj"} & set(unknown):
-            why = " (its experts keep gate and up in one gate_up_proj weight)"
+        if model.is_moe and {"gate_proj", "up_proj"} & set(unknown):
+            why = (" (its experts keep gate and up in one gate_up_proj weight; dense layers' and "
+                   "shared experts' MLPs take no adapters)")
         raise LoraTargetError(f"finetuning.lora_target={list(names)!r} names no module of this "
-                          f"{model_type or 'model'}{why}: {', '.join(unknown) or 'nothing'}; "
-                          f"valid: all, {', '.join(valid)}")
+                              f"{model_type or 'model'}{why}: {', '.join(unknown) or 'nothing'}; "
+                              f"valid: all, {', '.join(valid)}")
     chosen = set(wanted)
+    mla = model.mla_query_latent is not None
     return LoraTargets(
-        qkv=tuple(p for p in QKV_PARTS if p in chosen),
+        qkv=() if mla else tuple(p for p in QKV_PARTS if p in chosen),
+        mla=tuple(p for p in MLA_LINEARS if p in chosen) if mla else (),
         proj="o_proj" in chosen,
         fc1=tuple(p for p in FC1_PARTS if p in chosen),
-        fc2="down_proj" in chosen and not is_moe,
+        fc2="down_proj" in chosen and not model.is_moe,
         expert_fc1="gate_up_proj" in chosen,
-        expert_fc2="down_proj" in chosen and is_moe,
+        expert_fc2="down_proj" in chosen and model.is_moe,
     )

@@ -29,6 +29,7 @@ headroom in :class:`hpc_mca.topology.hardware.GpuSpec`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -216,9 +217,9 @@ def _layer_counts_at(model: ModelShape, tp: int, ep: int, etp: int,
     expert = local_experts * mats * h * fe // etp
     # An expert's fused gate/up weight has one A (transformers keeps it as one parameter).
     lora_expert = local_experts * (2 * r * h + r * ((mats - 1) * fe + fe) // etp)
-    lora_shared = _lora_mlp(r, h, fs, mats, tp) if fs else 0
+    # A shared expert takes no adapters (topology.lora: peft moves its names onto the experts).
     return ParamCounts(dense=(attn + shared) // tp + router + 2 * h, expert=expert,
-                       adapters=lora_attn + lora_shared + lora_expert)
+                       adapters=lora_attn + lora_expert)
 
 
 def _lora_mlp(r: int, h: int, ffn: int, mats: int, tp: int) -> int:
@@ -258,6 +259,9 @@ def stage_counts(model: ModelShape, layout: Layout, rank: int, lora_rank: int,
     ``mtp_layers`` MTP depths (each a layer, a 2h→h projection and three norms)."""
     dense_layers, moe_layers = layer_kinds_on_rank(model, layout, rank)
     dense_kind = _layer_counts(layer_view(model, False), layout, lora_rank)
+    if model.is_moe:  # an MoE model's dense MLPs take no adapters (topology.lora)
+        dense_kind = dataclasses.replace(dense_kind, adapters=lora_attention(model, lora_rank,
+                                                                             layout.tp))
     moe_kind = _layer_counts(layer_view(model, True), layout, lora_rank) if moe_layers else \
         ParamCounts()
     mtp_kind = _layer_counts(mtp_view(model), layout, lora_rank)

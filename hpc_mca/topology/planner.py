@@ -24,7 +24,7 @@ from typing import Any, TypedDict, Unpack
 
 from hpc_mca.stages import STAGE_NAMES
 
-from .choices import MOE_DISPATCHERS, MOE_ROUTINGS, recompute_modules_for
+from .choices import MOE_DISPATCHERS, MOE_ROUTINGS, recompute_parts
 from .cost import StepTime
 from .errors import LayoutError, raise_if
 from .freeze import FreezeSizing
@@ -334,14 +334,8 @@ def _modules_problem(req: PlanRequest, value: object) -> str | None:
 
 
 def _recompute_parts(req: PlanRequest) -> tuple[str, ...]:
-    """The parts ``selective:A,B`` may name for this model: choices.recompute_modules_for's,
-    plus mlp where an MoE model has dense-MLP layers (Megatron recomputes those layers' MLP
-    only) and mla_up_proj under multi-latent attention (MLA's up-projections, whose Q, K and
-    V Megatron drops after the attention kernel and rebuilds for its backward)."""
-    parts = recompute_modules_for(req.shape.is_moe, req.te_layers)
-    if req.shape.is_moe and req.shape.dense_layer_ids and "mlp" not in parts:
-        parts = ("mlp", *parts)
-    return parts + (("mla_up_proj",) if req.shape.is_mla else ())
+    """The parts ``selective:A,B`` may name for this model (choices.recompute_parts)."""
+    return recompute_parts(req.shape, req.te_layers)
 
 
 def _block_n(value: object) -> int | None:

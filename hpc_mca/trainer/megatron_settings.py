@@ -113,10 +113,11 @@ def check_megatron_settings(config: TrainConfig, layout: Layout) -> None:
                           "where the optimizer state is on the CPU already; valid: false")
     model_dir = Path(config.model.model_name_or_path)
     overrides = model_overrides(config.model, config.parallel, config.training)
+    spec = read_hf_config(model_dir)
     try:
-        transformer_config(read_hf_config(model_dir), layout, dtype=torch_dtype(config.training),
+        transformer_config(spec, layout, dtype=torch_dtype(config.training),
                            gloo=not torch.cuda.is_available(), loading=any(model_dir.glob("*.safetensors")),
-                           overrides=rope.configure(overrides))
+                           overrides=rope.configure(overrides, spec))
         optimizer_config(config.training, config.parallel, min_lr=0.0)
         ddp_config(config.parallel)
     except (ValueError, AssertionError) as err:
