@@ -6,8 +6,9 @@ logits that module checks against transformers).
   below the first step's (measured: 4.60-4.68 -> 3.47-3.55, a drop of ~1.1; asserted: 0.5);
 * the run killed after its step-10 checkpoint continues with the uninterrupted run's numbers,
   exactly (same layout, as tests/test_checkpoint.py's resume);
-* the standard backend (``training.use_mca=false``) refuses each of them in one line, as it
-  refuses every mixture of experts (tests/test_standard.py).
+* the standard backend (``training.use_mca=false``) trains glm4_moe and deepseek_v3 (routers
+  balanced by their bias, no loss term on either backend) as the Megatron backend does, and
+  refuses qwen2_moe (its router_aux_loss_coef is a Megatron loss term) in one line.
 
 One Megatron run per family serves both its loss test and its resume test (trained on first use,
 kept in a module fixture), so the module launches six trainings.
@@ -84,20 +85,34 @@ def test_ep2_run_resumes_exactly_from_step_10(trained, name):
     assert got == want
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_the_standard_backend_refuses_the_family_in_one_line(trained, name):
-    """As every mixture of experts is. Right for qwen2_moe (router_aux_loss_coef 0.001: with
-    the refusal bypassed, 5 steps' gradient norms differ from the Megatron backend's by
-    1e-3 from step 1, losses by 1.8e-4 at step 5); glm4_moe and deepseek_v3 have no
-    balancing loss on either backend (Megatron's expert bias stays frozen), and bypassed they
-    matched the Megatron backend within 3.6e-7 per loss: lifting their refusal would need a
-    training test here instead."""
+def test_the_standard_backend_refuses_a_router_balanced_by_a_loss(trained):
+    """qwen2_moe's router_aux_loss_coef (0.001) is a loss term of Megatron's, not of the
+    standard backend's (measured with the refusal bypassed: gradient norms 1e-3 apart from
+    step 1): refused in one line."""
     from hpc_mca.config.loading import load_config
     from hpc_mca.config.sections import ConfigError
 
-    config = _config(trained["root"], name)
+    config = _config(trained["root"], "qwen2_moe")
     with pytest.raises(ConfigError) as err:
         load_config(config, ["training.use_mca=false"]).resolve(world_size=1)
     assert "\n" not in str(err.value)
-    assert (f"is a mixture of experts ({name}) with training.use_mca=false: the standard "
-            "backend trains dense models only") in str(err.value)
+    assert ("is a mixture of experts (qwen2_moe) with training.use_mca=false: the standard "
+            "backend's loss has no router load-balancing term") in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "deepseek_v3"])
+def test_a_router_balanced_by_its_bias_trains_alike_on_both_backends(trained, name):
+    """glm4_moe and deepseek_v3 have no balancing loss on either backend (the expert bias is
+    kept as loaded): 4 steps of transformers' model under the standard backend equal the
+    Megatron backend's on one process (losses and token counts)."""
+    config = _config(trained["root"], name)
+    root = trained["root"] / name
+    for backend, flag in (("standard", "false"), ("megatron", "true")):
+        proc = run_train(config, root / f"both_{backend}", 1, f"training.use_mca={flag}",
+                         "training.max_steps=4", "training.save_steps=100")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    standard, megatron = (steps(root / f"both_{b}") for b in ("standard", "megatron"))
+    assert [s["step"] for s in standard] == [s["step"] for s in megatron] == [1, 2, 3, 4]
+    for mine, ref in zip(standard, megatron):
+        assert mine["tokens"] == ref["tokens"]
+        assert mine["loss"] == pytest.approx(ref["loss"], abs=1e-5), (mine, ref)

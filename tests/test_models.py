@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_fixtures import run_ranks
+from trainer_fixtures import run_jobs
 
 WORKER = Path(__file__).with_name("models_worker.py")
 TOL = 1e-4
@@ -147,25 +147,19 @@ def models(tmp_path_factory) -> Path:
     return root
 
 
-def _launch(models: Path, out: Path, jobs: list[dict], nproc: int) -> Path:
-    proc = run_ranks(nproc, [WORKER, models, out, json.dumps(jobs)], timeout=400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
-
-
 @pytest.fixture(scope="module")
 def single(models, tmp_path_factory) -> Path:
-    return _launch(models, tmp_path_factory.mktemp("single"), SINGLE_JOBS, 1)
+    return run_jobs(WORKER, models, tmp_path_factory.mktemp("single"), SINGLE_JOBS, 1)
 
 
 @pytest.fixture(scope="module")
 def ranks2(models, tmp_path_factory) -> Path:
-    return _launch(models, tmp_path_factory.mktemp("ranks2"), TORCHRUN_JOBS, 2)
+    return run_jobs(WORKER, models, tmp_path_factory.mktemp("ranks2"), TORCHRUN_JOBS, 2)
 
 
 @pytest.fixture(scope="module")
 def ranks4(models, tmp_path_factory) -> Path:
-    return _launch(models, tmp_path_factory.mktemp("ranks4"), FOUR_RANK_JOBS, 4)
+    return run_jobs(WORKER, models, tmp_path_factory.mktemp("ranks4"), FOUR_RANK_JOBS, 4)
 
 
 def _max_diff(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_models import COMMON, FAMILIES, _randomise, _read_export, _write_tokenizer
-from trainer_fixtures import run_ranks
+from trainer_fixtures import run_jobs
 
 WORKER = Path(__file__).with_name("mtp_worker.py")
 TOL = 1e-5
@@ -95,20 +95,14 @@ def models(tmp_path_factory) -> Path:
     return root
 
 
-def _launch(models: Path, out: Path, jobs: list[dict], nproc: int) -> Path:
-    proc = run_ranks(nproc, [WORKER, models, out, json.dumps(jobs)], timeout=400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
-
-
 @pytest.fixture(scope="module")
 def single(models, tmp_path_factory) -> Path:
-    return _launch(models, tmp_path_factory.mktemp("mtp_single"), SINGLE_JOBS, 1)
+    return run_jobs(WORKER, models, tmp_path_factory.mktemp("mtp_single"), SINGLE_JOBS, 1)
 
 
 @pytest.fixture(scope="module")
 def ranks2(models, tmp_path_factory) -> Path:
-    return _launch(models, tmp_path_factory.mktemp("mtp_ranks2"), TWO_RANK_JOBS, 2)
+    return run_jobs(WORKER, models, tmp_path_factory.mktemp("mtp_ranks2"), TWO_RANK_JOBS, 2)
 
 
 # --- reference ------------------------------------------------------------------------------

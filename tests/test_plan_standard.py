@@ -221,8 +221,9 @@ def test_an_moe_model_on_the_standard_backend_is_one_line(tmp_path):
     result = _plan_cli(tmp_path, _config(tmp_path, model=TINY_MOE))
     assert _one_line_error(result) == (
         "Error: model tiny-moe is a mixture of experts (8 experts) with training.use_mca=false: "
-        "the standard backend trains dense models only (its loss has no router load-balancing "
-        "term); valid: a dense model, or training.use_mca=true")
+        "the standard backend's loss has no router load-balancing term; valid: a dense model or "
+        "one whose router is balanced by its bias (glm4_moe, deepseek_v3), or "
+        "training.use_mca=true")
 
 
 def test_a_model_too_big_for_one_gpu_is_one_line_with_the_estimate(tmp_path):

@@ -352,8 +352,8 @@ def test_the_standard_backend_refuses_moe_models(tmp_path):
     model = make_model_dir(tmp_path, layers=1, moe=True)
     config = write_config(tmp_path, model, make_sft_data(tmp_path, 8, seed=1, name="train"))
     with pytest.raises(ConfigError, match="is a mixture of experts .qwen3_moe. with "
-                                          "training.use_mca=false: the standard backend trains "
-                                          "dense models only"):
+                                          "training.use_mca=false: the standard backend's loss "
+                                          "has no router load-balancing term"):
         load_config(config, STANDARD).resolve(world_size=1)
 
 

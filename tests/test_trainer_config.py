@@ -182,7 +182,7 @@ def test_layout_rule_uses_topology_and_model_shape(run: Path):
      "parallel.recompute_modules has 'moe_act': Megatron-Core recomputes it only in "
      "grouped-GEMM experts, which this trainer does not build"),
     (["recompute_granularity=selective", "recompute_modules=[mla_up_proj]"],
-     "parallel.recompute_modules has 'mla_up_proj': not a module this trainer's layers have"),
+     "parallel.recompute_modules has 'mla_up_proj': this model has no multi-latent attention"),
     (["recompute_granularity=selective", "recompute_modules=[]"],
      "parallel.recompute_modules=[] names no module or one twice; valid: one or more of "
      "core_attn, layernorm, mlp"),

@@ -43,6 +43,14 @@ def make_model_dir(root: Path, layers: int = 4, moe: bool = False, **shape: int)
     return model_dir
 
 
+def run_jobs(worker: Path, models: Path, out: Path, jobs: list[dict], nproc: int) -> Path:
+    """``worker MODELS OUT JOBS_JSON`` on ``nproc`` ranks (tests/models_worker.py's protocol,
+    also tests/mtp_worker.py's); asserts it succeeded and returns ``out``."""
+    proc = run_ranks(nproc, [worker, models, out, json.dumps(jobs)], timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
 def make_family_dir(model_dir: Path, name: str) -> Path:
     """tests/test_models.py's tiny ``name`` config (qwen2_moe, glm4_moe, deepseek_v3, ...) on
     the demo tokenizer's vocabulary, with transformers' own initialisation (seeded), saved with

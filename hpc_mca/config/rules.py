@@ -323,12 +323,17 @@ def _check_standard(config: TrainConfig, world_size: int) -> None:
                               f"{runs!r}{also}, or training.use_mca=true")
     _check_standard_recompute(par)
     sp, shape = par.sequence_parallel_size, model_shape(config.model.model_name_or_path)
-    if shape.is_moe:
+    if shape.is_moe and not shape.moe_router_expert_bias:
         raise ConfigError(f"model.model_name_or_path={config.model.model_name_or_path!r} is a "
                           f"mixture of experts ({model_type(config.model.model_name_or_path)}) "
-                          "with training.use_mca=false: the standard backend trains dense models "
-                          "only (its loss has no router load-balancing term); valid: "
-                          "training.use_mca=true")
+                          "with training.use_mca=false: the standard backend's loss has no router "
+                          "load-balancing term; valid: a dense model or one whose router is "
+                          "balanced by its bias (glm4_moe, deepseek_v3), or training.use_mca=true")
+    if shape.is_mla and sp > 1:
+        raise ConfigError(f"parallel.sequence_parallel_size={sp} with multi-latent attention "
+                          f"({model_type(config.model.model_name_or_path)}) and "
+                          "training.use_mca=false: Ulysses is not built for its query/key and "
+                          "value heads of different widths; valid: 1, or training.use_mca=true")
     valid = [n for n in range(1, world_size + 1) if world_size % n == 0
              and shape.num_attention_heads % n == 0 and shape.num_query_groups % n == 0]
     if world_size % sp or shape.num_attention_heads % sp or shape.num_query_groups % sp:

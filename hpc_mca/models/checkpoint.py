@@ -12,115 +12,34 @@ memory stays near what it owns.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_config import HFModelSpec
-from hpc_mca.models.mapping import MTP_COPIES, Piece, hf_tensor_shapes, mtp_prefix
+from hpc_mca.models.hf_files import (
+    INDEX_FILE,
+    MAX_HEADER_BYTES,
+    SINGLE_FILE,
+    HFCheckpoint,
+    TensorInfo,
+    read_header,
+)
+from hpc_mca.models.mapping import Piece, hf_tensor_shapes
 
 __all__ = [
     "INDEX_FILE",
     "SINGLE_FILE",
     "HFCheckpoint",
     "SliceReader",
-    "held_mtp",
     "inspect_checkpoint",
     "read_header",
     "weights_fingerprint",
 ]
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-_MAX_HEADER_BYTES = 100 * 2**20  # the safetensors format's own limit
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    dtype: str
-    shape: tuple[int, ...]
-
-
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Tensor name -> dtype and shape, from the header of one safetensors file (no data read)."""
-    try:
-        with path.open("rb") as handle:
-            size = int.from_bytes(handle.read(8), "little")
-            if not 0 < size <= _MAX_HEADER_BYTES:
-                raise ValueError(f"header length {size} is out of range")
-            header = json.loads(handle.read(size))
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"{path}: not a readable safetensors file ({err})") from None
-    header.pop("__metadata__", None)
-    return {
-        name: TensorInfo(str(entry["dtype"]), tuple(int(n) for n in entry["shape"]))
-        for name, entry in header.items()
-    }
-
-
-@dataclass(frozen=True)
-class HFCheckpoint:
-    """Where each tensor of an HF checkpoint lives."""
-
-    directory: Path
-    weight_map: Mapping[str, str]
-    """Tensor name -> file name inside ``directory``."""
-    index_path: Path | None = None
-    """The index file of a sharded checkpoint; None for a single ``model.safetensors``."""
-
-    @classmethod
-    def open(cls, directory: Path) -> HFCheckpoint:
-        """Find the checkpoint in ``directory`` (index first, then a single file)."""
-        index = directory / INDEX_FILE
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as err:
-                raise ModelLoadError(f"{index}: unreadable index ({err!r})") from None
-            return cls(directory, dict(weight_map), index)
-        single = directory / SINGLE_FILE
-        if single.is_file():
-            return cls(directory, dict.fromkeys(read_header(single), SINGLE_FILE))
-        raise ModelLoadError(
-            f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints "
-            "are supported)"
-        )
-
-    @property
-    def listing(self) -> Path:
-        """The file that says which tensors exist: the index, or the single file."""
-        return self.index_path or self.directory / SINGLE_FILE
-
-    def path_of(self, tensor: str) -> Path:
-        return self.directory / self.weight_map[tensor]
-
-
-def held_mtp(spec: HFModelSpec, declared: int) -> HFModelSpec:
-    """``spec`` with the MTP modules its checkpoint holds, of the ``declared`` ones
-    (``num_nextn_predict_layers``): module k is held when any tensor of HF layer
-    ``num_layers + k`` is listed (:func:`inspect_checkpoint` then checks all of them), counting
-    from the first; the copies of the vocabulary matrices are those module 0 lists. Reads the
-    index or the single file's header only; no checkpoint (a config alone): none held."""
-    if declared <= 0 or spec.directory is None:
-        return spec
-    try:
-        names = set(HFCheckpoint.open(spec.directory).weight_map)
-    except ModelLoadError:
-        return spec  # no weights: a config for a random init; building with weights says why
-    prefixes = {name[: name.index(".", len("model.layers.")) + 1] for name in names
-                if name.startswith("model.layers.")}
-    held = 0
-    while held < declared and mtp_prefix(spec, held) in prefixes:
-        held += 1
-    copies = tuple(c for c in MTP_COPIES if held and mtp_prefix(spec, 0) + c in names)
-    return dataclasses.replace(spec, mtp_layers=held, mtp_copies=copies)
-
 
 def inspect_checkpoint(spec: HFModelSpec, directory: Path | None = None) -> HFCheckpoint:
     """Check that the checkpoint holds every tensor ``spec`` implies, with matching shapes.
@@ -270,7 +189,7 @@ def weights_fingerprint(directory: str | Path) -> str:
         digest.update(f"{path.name}:{size}".encode())
         with path.open("rb") as handle:
             header_size = int.from_bytes(handle.read(8), "little")
-            digest.update(handle.read(min(header_size, _MAX_HEADER_BYTES)))
+            digest.update(handle.read(min(header_size, MAX_HEADER_BYTES)))
             start = 8 + header_size
             span = max(size - start - _SAMPLE_BYTES, 0)
             for i in range(_SAMPLES):

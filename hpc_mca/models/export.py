@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from hpc_mca.models.checkpoint import INDEX_FILE, SINGLE_FILE
 from hpc_mca.models.errors import ModelLoadError
-from hpc_mca.models.hf_config import _MTP_TYPES, HFModelSpec, read_hf_config
+from hpc_mca.models.hf_config import MTP_TYPES, HFModelSpec, read_hf_config
 from hpc_mca.models.mapping import MTP_COPIES, Piece, hf_tensor_shapes, mtp_prefix
 from hpc_mca.models.weights import local_plans, unwrap
 
@@ -167,7 +167,7 @@ def export_spec(spec: HFModelSpec, depths: int) -> HFModelSpec:
     checkpoint, holds: as many MTP modules as the model or the source has (families with
     MTP modules only), with the source's copies of the vocabulary matrices (DeepSeek's both,
     for a source without modules)."""
-    if spec.model_type not in _MTP_TYPES or depths <= spec.mtp_layers:
+    if spec.model_type not in MTP_TYPES or depths <= spec.mtp_layers:
         return spec
     return dataclasses.replace(spec, mtp_layers=depths,
                                mtp_copies=spec.mtp_copies if spec.mtp_layers else MTP_COPIES)
@@ -203,7 +203,7 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
 
 def mtp_export_note(spec: HFModelSpec, depths: int) -> str:
     """What the HF export of a run with ``depths`` MTP layers does with them (a log line)."""
-    if spec.model_type in _MTP_TYPES:
+    if spec.model_type in MTP_TYPES:
         first = spec.num_layers
         return (f"model.mtp_num_layers={depths}: the MTP layers are in the HF export as its "
                 f"MTP modules (layers {first}..{first + depths - 1}, num_nextn_predict_layers)")

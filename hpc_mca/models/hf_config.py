@@ -29,20 +29,20 @@ deepseek_v3 multi-latent attention (q/kv low-rank projections with their norms, 
             routing and dense first layers, default or yarn rope with DeepSeek's mscale
 =========== ======================================================================
 
-RoPE types: default, linear, llama3 and yarn (full rotary; its attention factor becomes the
-softmax scale, the same product as transformers scaling cos and sin of q and k).
+RoPE is read by :mod:`hpc_mca.models.hf_rope` (default, linear, llama3, yarn).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_mca.models.errors import ModelLoadError
+from hpc_mca.models.hf_files import HFCheckpoint
+from hpc_mca.models.hf_rope import SUPPORTED_ROPE_TYPES, RopeSpec, read_rope
 from hpc_mca.topology.lora import LoraModel
 from hpc_mca.topology.model import BUILDABLE_MODEL_TYPES
 
@@ -62,7 +62,6 @@ __all__ = [
 ]
 
 SUPPORTED_MODEL_TYPES = BUILDABLE_MODEL_TYPES  # one list, the planner's too (topology.model)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 _QKV_BIAS_TYPES = frozenset({"qwen2"})
 _QKV_BIAS_OPTION_TYPES = {"seed_oss": "attention_bias", "glm4_moe": "attention_bias",
@@ -73,40 +72,14 @@ _QK_NORM_OPTION_TYPES = {"glm4_moe": "use_qk_norm"}
 _MOE_TYPES = frozenset({"qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3"})
 _SIGMOID_ROUTER_TYPES = frozenset({"glm4_moe", "deepseek_v3"})
 _MLA_TYPES = frozenset({"deepseek_v3"})
-_MTP_TYPES = frozenset({"deepseek_v3", "glm4_moe"})
+MTP_TYPES = frozenset({"deepseek_v3", "glm4_moe"})
+"""Families whose checkpoints may hold MTP modules after the last decoder layer."""
+MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+"""Copies of the main embedding and head an MTP module may hold, in checkpoint order."""
 """Families whose checkpoints may hold MTP modules (``num_nextn_predict_layers``)."""
-_MLA_ROPE_TYPES = ("default", "yarn")
 """Families whose router scores experts with a sigmoid plus ``e_score_correction_bias``."""
 _ALWAYS_WINDOWED_TYPES = frozenset({"mistral", "mixtral"})
 """Families where a non-null ``sliding_window`` applies to every layer (no layer_types)."""
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """Rotary embedding parameters in transformers' terms (``rope_parameters``)."""
-
-    theta: float
-    type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    attention_factor: float = 1.0
-    """yarn: the factor transformers multiplies cos and sin by (so q.k by its square)."""
-    partial_rotary_factor: float = 1.0
-    """The leading fraction of each head's dimensions that is rotated (the rest passes)."""
-    mscale: float = 1.0
-    """yarn (multi-latent attention): DeepSeek's ``mscale`` (1.0 unless it and
-    ``mscale_all_dim`` are both set, which is when transformers uses them)."""
-    mscale_all_dim: float = 0.0
-    """yarn (multi-latent attention): DeepSeek's ``mscale_all_dim`` (0: not used)."""
-
-    def rotary_dim(self, head_dim: int) -> int:
-        """Dimensions of a head that are rotated, as transformers computes them."""
-        return int(head_dim * self.partial_rotary_factor)
 
 
 @dataclass(frozen=True)
@@ -192,7 +165,7 @@ class HFModelSpec:
     """Multi-token-prediction modules the checkpoint holds after its decoder layers, at HF
     layers ``num_layers .. num_layers + mtp_layers - 1`` (deepseek_v3 and glm4_moe:
     ``num_nextn_predict_layers``, counted in the files, which transformers' saves leave
-    without them); 0 for the other families (:func:`hpc_mca.models.checkpoint.held_mtp`)."""
+    without them); 0 for the other families (:func:`_held_mtp`)."""
     mtp_copies: tuple[str, ...] = ()
     """What each MTP module also holds of the main vocabulary matrices (``embed_tokens.weight``,
     ``shared_head.head.weight``: copies in DeepSeek's checkpoints)."""
@@ -255,15 +228,36 @@ def read_hf_config(source: str | Path | Mapping[str, Any]) -> HFModelSpec:
     cfg = _transformers_config(model_type, raw, where)
     _refuse_unsupported_options(cfg, model_type, where)
     spec = _spec_from_config(cfg, model_type, raw, where, directory)
-    if model_type in _MTP_TYPES:
-        from hpc_mca.models.checkpoint import held_mtp  # it imports this module
-
-        spec = held_mtp(spec, int(getattr(cfg, "num_nextn_predict_layers", 0) or 0))
+    if model_type in MTP_TYPES:
+        spec = _held_mtp(spec, int(getattr(cfg, "num_nextn_predict_layers", 0) or 0))
     growth = vocab_growth(directory) if directory is not None else None
     if growth is None or growth.size <= spec.vocab_size:
         return spec
     return replace(spec, vocab_size=growth.size, stored_vocab_size=spec.vocab_size,
                    raw={**spec.raw, "vocab_size": growth.size})
+
+
+def _held_mtp(spec: HFModelSpec, declared: int) -> HFModelSpec:
+    """``spec`` with the MTP modules its checkpoint holds, of the ``declared`` ones
+    (``num_nextn_predict_layers``; transformers writes 1 whether or not it saved any): module k
+    is held when any tensor of HF layer ``num_layers + k`` is listed (inspect_checkpoint then
+    checks all of them), counting from the first; the copies of the vocabulary matrices are
+    those module 0 lists. Reads the index or the single file's header only; no checkpoint (a
+    config alone): none held."""
+    if declared <= 0 or spec.directory is None:
+        return spec
+    try:
+        names = set(HFCheckpoint.open(spec.directory).weight_map)
+    except ModelLoadError:
+        return spec  # no weights: a config for a random init; building with weights says why
+    prefixes = {name[: name.index(".", len("model.layers.")) + 1] for name in names
+                if name.startswith("model.layers.")}
+    held = 0
+    while held < declared and f"model.layers.{spec.num_layers + held}." in prefixes:
+        held += 1
+    first = f"model.layers.{spec.num_layers}."
+    copies = tuple(c for c in MTP_COPIES if held and first + c in names)
+    return replace(spec, mtp_layers=held, mtp_copies=copies)
 
 
 @dataclass(frozen=True)
@@ -428,88 +422,6 @@ def _num_experts(cfg: PreTrainedConfig) -> int:
     return int(getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0)
 
 
-def _rope_spec(cfg: PreTrainedConfig, where: str) -> RopeSpec:
-    """RoPE from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x)."""
-    params = getattr(cfg, "rope_parameters", None)
-    if params is None:
-        params = dict(getattr(cfg, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    rope_type = str(params.get("rope_type", params.get("type", "default")))
-    if getattr(cfg, "model_type", "") in _MLA_TYPES:
-        return _mla_rope_spec(params, rope_type, cfg, where)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(
-            f"{where}: rope_scaling type {rope_type!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
-    partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
-    partial = 1.0 if partial is None else float(partial)
-    spec = RopeSpec(theta=float(params["rope_theta"]), type=rope_type, partial_rotary_factor=partial)
-    if rope_type == "linear":
-        return replace(spec, factor=float(params["factor"]))
-    if rope_type == "llama3":
-        return replace(
-            spec,
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        )
-    if rope_type == "yarn":
-        return _yarn_spec(spec, params, cfg, where)
-    return spec
-
-
-def _mla_rope_spec(params: Mapping[str, Any], rope_type: str, cfg: PreTrainedConfig, where: str
-                   ) -> RopeSpec:
-    """Rope of multi-latent attention, which Megatron computes itself (its yarn equals
-    transformers' with ``truncate`` on and the attention factor from mscale/mscale_all_dim)."""
-    if rope_type not in _MLA_ROPE_TYPES:
-        raise ModelLoadError(f"{where}: rope_scaling type {rope_type!r} is not supported with "
-                             f"multi-latent attention (supported: {', '.join(_MLA_ROPE_TYPES)})")
-    spec = RopeSpec(theta=float(params["rope_theta"]), type=rope_type)
-    if rope_type == "default":
-        return spec
-    for key, fine in (("attention_factor", None), ("truncate", True)):
-        if params.get(key, fine) != fine:
-            raise ModelLoadError(f"{where}: rope yarn {key}={params[key]} is not supported with "
-                                 f"multi-latent attention (supported: {fine})")
-    mscale, mscale_all = params.get("mscale") or 0.0, params.get("mscale_all_dim") or 0.0
-    both = bool(mscale) and bool(mscale_all)  # transformers uses them only together
-    original = int(params["original_max_position_embeddings"])
-    return replace(spec, factor=float(params.get("factor") or cfg.max_position_embeddings / original),
-                   original_max_position_embeddings=original,
-                   beta_fast=float(params.get("beta_fast") or 32),
-                   beta_slow=float(params.get("beta_slow") or 1),
-                   mscale=float(mscale) if both else 1.0,
-                   mscale_all_dim=float(mscale_all) if both else 0.0)
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _yarn_spec(spec: RopeSpec, params: Mapping[str, Any], cfg: PreTrainedConfig, where: str
-               ) -> RopeSpec:
-    """yarn as transformers reads it (factor defaults to max / original positions; the
-    attention factor from mscale / mscale_all_dim when both are set)."""
-    if spec.partial_rotary_factor != 1.0:
-        # transformers scales cos/sin of the rotated dimensions only: no softmax scale equals it.
-        raise ModelLoadError(f"{where}: rope yarn with partial_rotary_factor="
-                             f"{spec.partial_rotary_factor} is not supported (supported: 1.0)")
-    original = int(params["original_max_position_embeddings"])
-    factor = params.get("factor") or cfg.max_position_embeddings / original
-    attention = params.get("attention_factor")
-    if attention is None:
-        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
-        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
-                     if mscale and mscale_all else _yarn_mscale(factor))
-    return replace(spec, factor=float(factor), original_max_position_embeddings=original,
-                   beta_fast=float(params.get("beta_fast") or 32),
-                   beta_slow=float(params.get("beta_slow") or 1),
-                   truncate=bool(params.get("truncate", True)), attention_factor=float(attention))
-
-
 def _sliding_window(cfg: PreTrainedConfig, model_type: str) -> int | None:
     """The window that some layer actually uses, or None when every layer attends fully."""
     window = getattr(cfg, "sliding_window", None)
@@ -545,7 +457,7 @@ def _spec_from_config(
         ffn_hidden_size=int(cfg.intermediate_size),
         vocab_size=int(cfg.vocab_size),
         rms_norm_eps=float(cfg.rms_norm_eps),
-        rope=_rope_spec(cfg, where),
+        rope=read_rope(cfg, where, mla=model_type in _MLA_TYPES),
         max_position_embeddings=int(cfg.max_position_embeddings),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         qkv_bias=model_type in _QKV_BIAS_TYPES
@@ -555,7 +467,9 @@ def _spec_from_config(
         sliding_window=_sliding_window(cfg, model_type),
         **_moe_fields(cfg, model_type, where),
         mla=_mla_spec(cfg) if model_type in _MLA_TYPES else None,
-        router_aux_loss_coef=float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0),
+        # transformers' sigmoid-routed families have no balancing loss (their bias balances)
+        router_aux_loss_coef=0.0 if model_type in _SIGMOID_ROUTER_TYPES
+        else float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0),
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
         initializer_range=float(getattr(cfg, "initializer_range", 0.02)),
         dtype=_dtype_name(cfg),

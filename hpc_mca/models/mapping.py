@@ -36,7 +36,7 @@ import re
 from dataclasses import dataclass
 
 from hpc_mca.models.errors import ModelLoadError
-from hpc_mca.models.hf_config import HFModelSpec, MlaSpec
+from hpc_mca.models.hf_config import MTP_COPIES, HFModelSpec, MlaSpec
 
 __all__ = [
     "MTP_COPIES",
@@ -113,8 +113,6 @@ def _layer_prefix(layer: int) -> str:
     return f"model.layers.{layer}."
 
 
-MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
-"""Copies of the main embedding and head an MTP module may hold, in checkpoint order."""
 
 
 def mtp_prefix(spec: HFModelSpec, depth: int) -> str:

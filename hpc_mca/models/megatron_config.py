@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from hpc_mca.models.hf_config import HFModelSpec, RopeSpec
+from hpc_mca.models.hf_config import HFModelSpec
+from hpc_mca.models.hf_rope import RopeSpec
 from hpc_mca.models.norm import TorchNorm
 from hpc_mca.topology import Layout, megatron_pipeline_layout
 

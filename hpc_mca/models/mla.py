@@ -23,7 +23,7 @@ with DeepSeek's interleaved rows and yarn mscale, the softmax scale); the layer 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from megatron.core.tensor_parallel.mappings import (
@@ -41,16 +41,24 @@ if TYPE_CHECKING:
 __all__ = ["McaMLASelfAttention", "PlainQueryMLASelfAttention"]
 
 
+class _TrailingCtx(Protocol):
+    """The autograd context of :class:`_SumTrailingGrad`: torch's, carrying its arguments."""
+
+    width: int
+    group: ProcessGroup | None
+
+
 class _SumTrailingGrad(torch.autograd.Function):
     """Identity forward; backward sums the gradient's last ``width`` columns over ``group``."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, width: int, group: ProcessGroup | None) -> torch.Tensor:
+    def forward(ctx: _TrailingCtx, x: torch.Tensor, width: int, group: ProcessGroup | None
+                ) -> torch.Tensor:
         ctx.width, ctx.group = width, group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: _TrailingCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         grad = grad.clone()
         trailing = grad[..., -ctx.width:].contiguous()
         torch.distributed.all_reduce(trailing, group=ctx.group)

@@ -417,7 +417,7 @@ def _install_yarn_cpu_init() -> None:
     original = YarnRotaryEmbedding.__init__
 
     @functools.wraps(original)
-    def __init__(self: YarnRotaryEmbedding, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: YarnRotaryEmbedding, *args: Any, **kwargs: Any) -> None:  # Any: Megatron's own
         original(self, *args, **{**kwargs, "use_cpu_initialization": True})
 
     YarnRotaryEmbedding.__init__ = __init__

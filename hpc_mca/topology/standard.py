@@ -57,8 +57,11 @@ def sp_with_megatron_line(given: str, cp: str = "context_parallel_size") -> str:
 
 def ulysses_sizes(req: PlanRequest) -> list[int]:
     """SP sizes the trainer accepts: divisors of the world size, the attention heads and the
-    key/value heads (each rank of a group gets whole heads of both)."""
+    key/value heads (each rank of a group gets whole heads of both); 1 under multi-latent
+    attention (config/rules.py refuses Ulysses there)."""
     shape = req.shape
+    if shape.is_mla:
+        return [1]
     return [n for n in divisors(req.world_size)
             if shape.num_attention_heads % n == 0 and shape.num_query_groups % n == 0]
 
@@ -83,12 +86,16 @@ def standard_request_violations(req: PlanRequest) -> list[str]:
     if req.mtp_num_layers:
         lines.append(megatron_only_line(f"mtp_num_layers={req.mtp_num_layers}", "0", _MTP))
     shape = req.shape
-    if shape.is_moe:
+    if shape.is_moe and not shape.moe_router_expert_bias:
         name = f"model {shape.name}" if shape.name else "the model"
         lines.append(f"{name} is a mixture of experts ({shape.num_experts} experts) with "
-                     "training.use_mca=false: the standard backend trains dense models only "
-                     "(its loss has no router load-balancing term); valid: a dense model, or "
-                     "training.use_mca=true")
+                     "training.use_mca=false: the standard backend's loss has no router "
+                     "load-balancing term; valid: a dense model or one whose router is balanced "
+                     "by its bias (glm4_moe, deepseek_v3), or training.use_mca=true")
+    elif shape.is_mla and sp not in (None, 1):
+        lines.append(f"sequence_parallel_size={sp} with multi-latent attention and "
+                     "training.use_mca=false: Ulysses is not built for its query/key and value "
+                     "heads of different widths; valid: 1, or training.use_mca=true")
     elif sp is not None and sp not in ulysses_sizes(req):
         lines.append(f"sequence_parallel_size={sp} must divide the world size {req.world_size}, "
                      f"num_attention_heads={shape.num_attention_heads} and num_key_value_heads="
