@@ -280,7 +280,9 @@ def test_multi_rank_export_round_trips_every_tensor_bit_exactly(models, ranks2, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job,family", [("tp2", "llama"), ("pp2", "qwen3"), ("ep2", "mixtral")])
+@pytest.mark.parametrize("job,family", [("tp2", "llama"), ("pp2", "qwen3"), ("ep2", "mixtral"),
+                                        ("tp2", "deepseek_v3"), ("pp2", "glm4_moe"),
+                                        ("ep2", "qwen2_moe")])
 def test_transformers_loads_the_export_with_the_same_logits(models, ranks2, job, family):
     import transformers
 
