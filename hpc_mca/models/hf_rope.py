@@ -103,13 +103,19 @@ def _mla_rope_spec(params: Mapping[str, Any], rope_type: str, cfg: PreTrainedCon
                                  f"multi-latent attention (supported: {fine})")
     mscale, mscale_all = params.get("mscale") or 0.0, params.get("mscale_all_dim") or 0.0
     both = bool(mscale) and bool(mscale_all)  # transformers uses them only together
+    return replace(_yarn_ranges(spec, params, cfg), mscale=float(mscale) if both else 1.0,
+                   mscale_all_dim=float(mscale_all) if both else 0.0)
+
+
+def _yarn_ranges(spec: RopeSpec, params: Mapping[str, Any], cfg: PreTrainedConfig) -> RopeSpec:
+    """yarn's factor (default: max over original positions, as transformers takes it), original
+    context, correction range and its rounding."""
     original = int(params["original_max_position_embeddings"])
-    return replace(spec, factor=float(params.get("factor") or cfg.max_position_embeddings / original),
-                   original_max_position_embeddings=original,
+    factor = params.get("factor") or cfg.max_position_embeddings / original
+    return replace(spec, factor=float(factor), original_max_position_embeddings=original,
                    beta_fast=float(params.get("beta_fast") or 32),
                    beta_slow=float(params.get("beta_slow") or 1),
-                   mscale=float(mscale) if both else 1.0,
-                   mscale_all_dim=float(mscale_all) if both else 0.0)
+                   truncate=bool(params.get("truncate", True)))
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -124,14 +130,10 @@ def _yarn_spec(spec: RopeSpec, params: Mapping[str, Any], cfg: PreTrainedConfig,
         # transformers scales cos/sin of the rotated dimensions only: no softmax scale equals it.
         raise ModelLoadError(f"{where}: rope yarn with partial_rotary_factor="
                              f"{spec.partial_rotary_factor} is not supported (supported: 1.0)")
-    original = int(params["original_max_position_embeddings"])
-    factor = params.get("factor") or cfg.max_position_embeddings / original
+    spec = _yarn_ranges(spec, params, cfg)
     attention = params.get("attention_factor")
     if attention is None:
         mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
-        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
-                     if mscale and mscale_all else _yarn_mscale(factor))
-    return replace(spec, factor=float(factor), original_max_position_embeddings=original,
-                   beta_fast=float(params.get("beta_fast") or 32),
-                   beta_slow=float(params.get("beta_slow") or 1),
-                   truncate=bool(params.get("truncate", True)), attention_factor=float(attention))
+        attention = (_yarn_mscale(spec.factor, mscale) / _yarn_mscale(spec.factor, mscale_all)
+                     if mscale and mscale_all else _yarn_mscale(spec.factor))
+    return replace(spec, attention_factor=float(attention))

@@ -74,6 +74,9 @@ def shard_coords(chunk: GPTModel) -> ShardCoords:
 _EMBEDDING = "embedding.word_embeddings.weight"
 
 
+_EXPERT_BIAS = "mlp.router.expert_bias"
+
+
 def _named_tensors(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The chunk's parameters, then the buffers that hold HF tensors: a sigmoid router's
     expert bias (transformers' ``e_score_correction_bias``, a buffer on both sides)."""
@@ -81,9 +84,6 @@ def _named_tensors(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     for name, buffer in chunk.named_buffers():
         if name.endswith(_EXPERT_BIAS) and buffer is not None:
             yield name, buffer
-
-
-_EXPERT_BIAS = "mlp.router.expert_bias"
 
 
 def local_plans(
