@@ -45,7 +45,8 @@ step() {  # step NAME SECONDS FUNCTION: run it, keep its output, note its exit s
 }
 
 gpu_tests() {
-  "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_packed_kernels.py
+  "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_packed_kernels.py \
+    tests/test_cross_entropy.py
 }
 
 attention() {  # the long-tailed SFT mix of packing_efficiency.py (log-normal 6 +- 1, <= 4096)
@@ -53,10 +54,12 @@ attention() {  # the long-tailed SFT mix of packing_efficiency.py (log-normal 6 
     --heads 32 --kv-heads 8 --head-dim 64 --log-mean 6 --log-std 1 --max-len 4096
 }
 
-throughput() {  # SIDES (default all three) and SAVE_STEPS (a save every N steps: first-save time)
+throughput() {  # SIDES (default all three), SAVE_STEPS (a save every N steps: first-save
+  # time) and PROFILE (non-empty: two more profiled steps a side, their operator tables)
   local extra=()
   [[ -z "${SAVE_STEPS:-}" ]] || extra=(--train-arg "training.save_steps=${SAVE_STEPS}"
                                        --train-arg training.save_total_limit=1)
+  [[ -z "${PROFILE:-}" ]] || extra+=(--profile)
   "$py" benchmarks/gpu_throughput.py --dir "$work" --sides "${SIDES:-hpc-mca,bf16,fp32-master}" \
     "${extra[@]}"
 }
@@ -69,8 +72,14 @@ kernels() {  # liger-kernel against Megatron's and compiled fusions, piece by pi
   "$py" benchmarks/kernel_options.py
 }
 
-torchtitan() {  # the second peer: torchtitan on the same 1B shape (its wheels on PYTHONPATH)
-  "$py" benchmarks/torchtitan_peer.py
+torchtitan() {  # the second peer: torchtitan on the same 1B shape (its wheels on PYTHONPATH),
+  # at each of TITAN_MICRO_BATCHES (default 2); with PROFILE, the first one profiled too
+  local size extra=()
+  [[ -z "${PROFILE:-}" ]] || extra=(--profile)
+  for size in ${TITAN_MICRO_BATCHES:-2}; do
+    "$py" benchmarks/torchtitan_peer.py --micro-batch "${size}" "${extra[@]}"
+    extra=()
+  done
 }
 
 rope() {  # the same SFT mix, one query-shaped tensor of the 1B shape (32 heads x 64)
@@ -132,14 +141,14 @@ steps=("$@")
 [[ ${#steps[@]} -gt 0 ]] || steps=(gpu-tests attention throughput ranks model-tests)
 for name in "${steps[@]}"; do
   case "$name" in
-    gpu-tests) step gpu-tests 120 gpu_tests ;;
+    gpu-tests) step gpu-tests "${GPU_TESTS_LIMIT:-240}" gpu_tests ;;
     attention) step attention 60 attention ;;
     rope) step rope 90 rope ;;
     throughput) step throughput "${THROUGHPUT_LIMIT:-160}" throughput ;;
     fusions) step fusions "${FUSIONS_LIMIT:-420}" fusions ;;
     staging) step staging 100 staging ;;
     kernels) step kernels 60 kernels ;;
-    torchtitan) step torchtitan 100 torchtitan ;;
+    torchtitan) step torchtitan "${TITAN_LIMIT:-100}" torchtitan ;;
     profile) step profile 260 profile ;;
     ranks) step ranks 40 ranks ;;
     model-tests) step model-tests 120 model_tests ;;

@@ -137,23 +137,28 @@ def run_hpc_mca(root: Path, args: argparse.Namespace, model_dir: Path, corpus: P
     tokens = sum(r["tokens"] for r in window)
     seconds = [r["seconds"] for r in window]
     kernel = re.findall(r"packed kernel \S+", proc.stdout)
+    peak = max((r.get("max_memory_gib", 0.0) for r in records), default=0.0)
+    if peak:
+        kernel.append(f"peak mem {peak:.1f} GiB")
     for line in re.findall(r"^checkpoint .* saved .*$", proc.stdout, re.M):  # each save's phases
         print(f"  {line}", flush=True)
     tables = sorted((run_dir / "profile").glob("*.txt")) if args.profile else []
     return {"tokens_per_s": tokens / sum(seconds), "step_s": statistics.median(seconds),
             "logged": logged_window(proc.stdout, records, args.steps),
-            "note": kernel[0] if kernel else "", "profile": tables[0].read_text() if tables else ""}
+            "note": ", ".join(kernel), "profile": tables[0].read_text() if tables else ""}
 
 
 def logged_window(stdout: str, records: list[dict], upto: int) -> tuple[float, float] | None:
     """The tok/s of the last progress line up to step ``upto`` and steps.jsonl's figure over
-    the same window (the steps after the previous progress line, up to and including its own)."""
+    the same window: the steps after the previous progress line or checkpoint save (a save
+    starts a new window, its time left out), up to and including the line's own."""
     logged = [(int(step), float(rate)) for step, rate in
               re.findall(r"step (\d+)/\d+ \|.*?tok/s (\d+)", stdout) if int(step) <= upto]
     if not logged:
         return None
-    first = logged[-2][0] if len(logged) > 1 else 0
     step, rate = logged[-1]
+    saves = [int(n) for n in re.findall(r"iter_(\d+) saved", stdout) if int(n) < step]
+    first = max([logged[-2][0] if len(logged) > 1 else 0, *saves])
     window = [r for r in records if first < r["step"] <= step]
     return rate, sum(r["tokens"] for r in window) / sum(r["seconds"] for r in window)
 
@@ -163,6 +168,8 @@ def run_transformers(args: argparse.Namespace, config: dict, fp32_master: bool) 
     import transformers
 
     device = torch.device(args.device)
+    if device.type == "cuda":  # this side's own peak, not an earlier side's
+        torch.cuda.reset_peak_memory_stats()
     hf = transformers.LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})
     torch.manual_seed(0)
     with device:
@@ -199,7 +206,9 @@ def run_transformers(args: argparse.Namespace, config: dict, fp32_master: bool) 
     model = optimizer = None  # type: ignore[assignment]  # freed before the other side runs
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"tokens_per_s": tokens / sum(window), "step_s": statistics.median(window), "note": "",
+    note = (f"peak mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+            if device.type == "cuda" else "")
+    return {"tokens_per_s": tokens / sum(window), "step_s": statistics.median(window), "note": note,
             "profile": table}
 
 

@@ -5,9 +5,10 @@ Each row is one forward + backward of one piece of the Llama-3.2-1B step (one mi
 it allocated above its inputs and its error against an fp32 computation of the same piece:
 
 * output layer + loss (2048 -> 128,256 vocabulary): the logits GEMM then Megatron's
-  vocabulary cross-entropy, unfused (hpc-mca's default) and fused (``model.fusions:
-  [cross_entropy]``), against liger-kernel's fused linear cross-entropy (chunks of the GEMM
-  and the loss together; the logits are never whole in memory);
+  vocabulary cross-entropy, unfused and fused, and hpc-mca's (``model.fusions:
+  [cross_entropy]``, hpc_mca.models.cross_entropy), against liger-kernel's fused linear
+  cross-entropy (chunks of the GEMM and the loss together; the logits are never whole in
+  memory);
 * RMSNorm (2048 wide): torch's eager ``rms_norm`` (what ``TorchNorm`` runs), compiled, and
   liger's Triton kernel;
 * SwiGLU (8192 wide): eager ``silu(a) * b``, Megatron's fused ``bias_swiglu_impl``
@@ -95,6 +96,8 @@ def output_layer_rows(args: argparse.Namespace, device: torch.device, dtype: tor
     from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
     from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
+    from hpc_mca.models.cross_entropy import vocab_parallel_cross_entropy as hpc_mca_cross_entropy
+
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = (torch.randn(args.tokens, args.hidden, generator=gen) * 0.5).to(device, dtype)
     w = (torch.randn(args.vocab, args.hidden, generator=gen) * 0.02).to(device, dtype)
@@ -111,8 +114,12 @@ def output_layer_rows(args: argparse.Namespace, device: torch.device, dtype: tor
     def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(x.float() @ w.float().t(), target, reduction="none")
 
-    rows = [("output+loss", "Megatron CE (default)", with_grads(unfused, x, w)),
-            ("output+loss", "Megatron fused CE", with_grads(fused, x, w))]
+    def ours(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return hpc_mca_cross_entropy((x @ w.t()).view(*sb, -1), target.view(sb), group)
+
+    rows = [("output+loss", "Megatron CE (unfused)", with_grads(unfused, x, w)),
+            ("output+loss", "Megatron fused CE", with_grads(fused, x, w)),
+            ("output+loss", "hpc-mca fused CE", with_grads(ours, x, w))]
     functional = liger()
     if functional is not None and device.type == "cuda":
         rows.append(("output+loss", "liger fused linear CE", with_grads(

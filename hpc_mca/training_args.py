@@ -126,7 +126,7 @@ class MegatronArguments:
         "The fused SwiGLU (model.fusions swiglu)."))
     apply_rope_fusion: bool = field(default=False, metadata=_help("The fused RoPE (model.fusions rope)."))
     cross_entropy_loss_fusion: bool = field(default=False, metadata=_help(
-        "The fused cross entropy (model.fusions cross_entropy; bf16 only)."))
+        "The fused cross entropy (model.fusions cross_entropy)."))
     moe_layer_recompute: bool = field(default=False, metadata=_help(
         "Refused when true: use recompute_granularity=selective with recompute_modules=moe."))
     moe_token_dispatcher_type: str = field(default="alltoall", metadata=_help(

@@ -151,8 +151,6 @@ def test_layout_rule_uses_topology_and_model_shape(run: Path):
                                 "cross_entropy"),
     (["fusions=swiglu", "use_mca=false", "tensor_model_parallel_size=1"],
      "model.fusions=['swiglu'] with training.use_mca=false"),
-    (["fusions=cross_entropy"], "model.fusions: 'cross_entropy' hands back the logits' "
-                                "gradient in bf16; valid with training.bf16=true only"),
     (["context_parallel_size=2", "sequence_packing=true", "pack_alignment=2"],
      "data.pack_alignment=2 is not a multiple of 2·CP=4 (parallel.context_parallel_size=2); "
      "valid: 4, 8, 16, or leave it unset"),

@@ -305,8 +305,7 @@ def test_fused_adam_trains_like_torchs_loop(root):
 def test_kernel_fusions_train_like_the_unfused_paths(root):
     """model.fusions turns on Megatron's compiled SwiGLU and cross-entropy and the compiled
     RoPE rotation, or compiles each decoder layer whole; here with TP=2 (the cross-entropy
-    reduces over the TP group; a compiled layer holds TP collectives) in bf16 (the only
-    precision the cross-entropy's backward keeps) on packed rows (RoPE on THD streams): the
+    reduces over the TP group; a compiled layer holds TP collectives) in bf16 on packed rows (RoPE on THD streams): the
     loss and gradient-norm curve equal the unfused run's within bf16 rounding (measured: up to
     3e-5 relative on the loss, 2e-4 on the gradient norm, both ways: the compiled SwiGLU's
     single rounding). Only the compiled layers give inductor the RMSNorm to fuse: their
@@ -334,6 +333,26 @@ def test_kernel_fusions_train_like_the_unfused_paths(root):
             assert fused["loss"] == pytest.approx(plain["loss"], rel=1e-4)
             assert fused["grad_norm"] == pytest.approx(plain["grad_norm"], rel=3e-3)
         assert curves[name][-1]["loss"] != curves[name][0]["loss"]  # the weights did move
+
+
+@pytest.mark.slow
+def test_fused_cross_entropy_trains_an_fp32_run_like_the_unfused_one(root):
+    """The fused cross-entropy hands the gradient back in the logits' dtype: an fp32 TP=2 run
+    with it follows the unfused run's curve to fp32 rounding (Megatron's own fused loss cast
+    the gradient to bf16 and moved the gradient norm by 1e-4 relative at the first step)."""
+    config = _config(root, training={"max_steps": 3, "logging_steps": 1, "global_batch_size": 4},
+                     parallel={"tensor_model_parallel_size": 2})
+    curves = {}
+    for name, fusions in (("unfused", "[]"), ("fused", "[cross_entropy]")):
+        run_dir = root / f"fp32_ce_{name}"
+        proc = run_ranks(2, ["train", str(config), f"training.output_dir={run_dir}",
+                             f"model.fusions={fusions}", "data.eval_dataset=null"])
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        curves[name] = steps(run_dir)
+    assert len(curves["fused"]) == 3
+    for fused, plain in zip(curves["fused"], curves["unfused"]):
+        assert fused["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+        assert fused["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
 
 
 @pytest.mark.slow

@@ -91,10 +91,11 @@ class ModelArguments(Freezable):
     """Weight of the MTP losses (their mean over depths) beside the main loss."""
     fusions: list[str] | None = None
     """Kernel fusions to turn on, each compiled by torch.compile: swiglu (Megatron's MLP gated
-    activation in one kernel, recomputed in backward), cross_entropy (Megatron's vocabulary
-    cross-entropy in fused pieces; bf16 runs only, as its backward writes the logits' gradient
-    in bf16), rope (RoPE's one pass over a packed stream, hpc_mca.models.rope) and layer (each
-    decoder layer compiled whole, core attention left eager: hpc_mca.models.layer_compile).
+    activation in one kernel, recomputed in backward), cross_entropy (the vocabulary-parallel
+    cross-entropy in two compiled reductions and one compiled backward pass, keeping no
+    softmax: hpc_mca.models.cross_entropy), rope (RoPE's one pass over a packed stream,
+    hpc_mca.models.rope) and layer (each decoder layer compiled whole, core attention left
+    eager: hpc_mca.models.layer_compile).
     Empty = Megatron's unfused paths, except that packed RoPE always runs in one pass. None
     (the default) = the fastest measured for the run, chosen on each rank: [layer,
     cross_entropy] for a bf16 Megatron-backend run of a dense model on CUDA without Transformer

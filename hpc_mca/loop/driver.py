@@ -197,6 +197,13 @@ class RunLoop:
             self.heartbeat.close()
         self.metrics.close()
 
+    def _peak_memory(self) -> dict[str, float]:
+        """``max_memory_gib``: the most device memory torch's allocator held at once since the
+        process started (its ``max_memory_allocated``), on CUDA; nothing elsewhere."""
+        if self.device.type != "cuda":
+            return {}
+        return {"max_memory_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)}
+
     # ---- the step end -----------------------------------------------------------------------
 
     def end_step(self, result: StepResult) -> Decision:
@@ -220,7 +227,7 @@ class RunLoop:
                                  input_tokens=result.input_tokens, grad_norm=result.grad_norm,
                                  lr=lr, skipped=result.skipped, seconds=round(result.seconds, 6),
                                  **{f"mtp_loss_{k}": v for k, v in enumerate(result.mtp_losses, 1)},
-                                 **result.metrics)
+                                 **result.metrics, **self._peak_memory())
         decision = self.boundary.decide(counters, backend.control)
         backend.control.should_save = decision.save
         backend.control.should_training_stop = decision.stop

@@ -4,7 +4,8 @@ progress line per logging step, progress.json.
 Only global rank 0 writes. Values arrive already reduced over the job (see ``step.py``).
 
 ``<run_dir>/steps.jsonl`` gets one line per optimizer step (step, loss, tokens, grad_norm, lr,
-skipped): the exact record that resume and layout-equivalence checks compare.
+skipped): the exact record that resume and layout-equivalence checks compare; on CUDA also
+``max_memory_gib``, the allocator's peak since the process started.
 
 ``<run_dir>/progress.json`` is the contract with ``hpc-mca status`` on the login node: a small
 JSON object rewritten atomically at every logging step (fields: step, max_steps, loss, lr,

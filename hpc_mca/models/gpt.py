@@ -37,6 +37,17 @@ class McaGPTModel(GPTModel):
             self._require_grads_hook.remove()
             self._require_grads_hook = None
 
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Per-token loss ``[b, s]`` of ``logits`` ``[s, b, vocab / TP]``: with the
+        cross-entropy fusion on, :mod:`.cross_entropy`'s (Megatron's fused one keeps an fp32
+        softmax of the logits' size); otherwise Megatron's own."""
+        if not self.config.cross_entropy_loss_fusion:
+            return super().compute_language_model_loss(labels, logits)
+        from .cross_entropy import vocab_parallel_cross_entropy
+
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.pg_collection.tp)
+        return loss.transpose(0, 1).contiguous()
+
     def get_input_embeddings(self) -> torch.nn.Module | None:
         """The word embedding (first pipeline stage only; None elsewhere)."""
         return self.embedding.word_embeddings if self.pre_process else None
