@@ -8,6 +8,8 @@ with ``training.hang_timeout=HANG_TIMEOUT_S`` and injects one of:
 * ``freeze``: SIGSTOP of a random rank at a random step (the process and its heartbeat stop);
 * ``block``: a random rank blocks, at a random step, in a barrier no other rank enters
   (tests/checkpoint_hooks: HPC_MCA_TEST_BLOCK; its heartbeat lives, its step falls behind);
+* ``freeze-start``: SIGSTOP of a random rank as soon as its first heartbeat says it is
+  starting (phase ``start``: before its process group; the others wait in the rendezvous);
 * ``slow``: one rank sleeps SLOW_S in every step, far longer in all than the hang timeout,
   but finishes each step (HPC_MCA_TEST_RANK_SLEEP): it must not be stopped.
 
@@ -34,7 +36,7 @@ import slurm_cluster as slurm
 
 HANG_TIMEOUT_S = 20
 SLOW_S, SLOW_TIMEOUT_S = 1.0, 8
-KINDS = ("freeze", "block", "slow")
+KINDS = ("freeze", "block", "freeze-start", "slow")
 NODES_BANNER = re.compile(r"hpc-mca \| nodes +\d+: (\S+)$")
 
 
@@ -91,6 +93,21 @@ def _node_of(pid: int) -> str:
     return "?"
 
 
+def _starting_pid(run_dir: Path, rank: int, deadline: float) -> int:
+    """The pid in ``rank``'s heartbeat while it says the rank is starting."""
+    path = run_dir / "heartbeat" / f"rank-{rank:05d}.json"
+    while time.monotonic() < deadline:
+        try:
+            beat = json.loads(path.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.05)
+            continue
+        if beat.get("phase") == "start":
+            return int(beat["pid"])
+        raise RuntimeError(f"rank {rank} was past its start ({beat.get('phase')}) when first seen")
+    raise RuntimeError(f"rank {rank}: no heartbeat at {path}")
+
+
 def _submit(work: Path, config: Path, nodes: int, timeout: float, **extra: str) -> str:
     env = {**campaign._job_env(**extra), "HPC_MCA_RUNS_ROOT": str(work / "runs")}
     done = subprocess.run(["sbatch", "--parsable", "--job-name=hang", f"--nodes={nodes}",
@@ -112,6 +129,11 @@ def trial(kind: str, config: Path, reference: list[dict], work: Path, rng: rando
                      **extra)
     run_dir, log = work / "runs" / f"hang_{job_id}", work / f"hang_{job_id}.out"
     node, faulted = "", None
+    if kind == "freeze-start":
+        step, pid = 0, _starting_pid(run_dir, rank, time.monotonic() + 300)
+        node = _node_of(pid)
+        os.kill(pid, signal.SIGSTOP)
+        faulted = time.monotonic()
     if kind in ("freeze", "block"):
         campaign._wait_logged(run_dir, step - 1, job_id)
         pid, until = None, time.monotonic() + 60

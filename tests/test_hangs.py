@@ -198,7 +198,7 @@ def setup(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 @pytest.mark.slurm
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["freeze", "block"])
+@pytest.mark.parametrize("kind", ["freeze", "block", "freeze-start"])
 def test_a_hung_rank_is_requeued_without_its_node_and_the_run_stays_exact(setup: dict, kind: str) -> None:
     import hang_campaign as campaign
 
@@ -209,7 +209,7 @@ def test_a_hung_rank_is_requeued_without_its_node_and_the_run_stays_exact(setup:
     assert t.requeue_s is not None and t.requeue_s <= campaign.HANG_TIMEOUT_S + 60, t
     [hang] = t.hangs
     assert [(r["rank"], r["node"]) for r in hang["ranks"]] == [(t.rank, t.node)], hang
-    why = "no heartbeat" if kind == "freeze" else "stuck in step"
+    why = "stuck in step" if kind == "block" else "no heartbeat"
     assert why in hang["ranks"][0]["why"] and hang["excluded"] == [t.node], hang
     hpc_mca = str(Path(sys.executable).with_name("hpc-mca"))
     shown = subprocess.run([hpc_mca, "status", t.job_id, "--runs-root", str(setup["root"] / kind / "runs")],
@@ -294,3 +294,122 @@ def test_the_batch_shell_kills_the_ranks_requeues_then_excludes(tmp_path: Path, 
     else:  # the ExcNodeList only once the job is pending again
         assert calls == ["requeue 4242", "update job=4242 ExcNodeList=n2"] and done.returncode == 0, out
         assert "hpc-mca | exclude        the next start runs without n2" in out, out
+
+
+@pytest.mark.parametrize("value", [1, 4])
+def test_a_hang_timeout_below_the_heartbeats_resolution_is_refused(value: int) -> None:
+    config = TrainConfig()
+    config.training.hang_timeout = value
+    with pytest.raises(ConfigError, match=rf"training.hang_timeout={value} is below 5 s"):
+        check_run_settings(config, 1)
+    config.training.hang_timeout = 5
+    check_run_settings(config, 1)
+
+
+def test_a_resume_refuses_a_hang_timeout_its_own_steps_would_exceed(tmp_path: Path) -> None:
+    """The run recorded 4 s steps: a 10 s hang timeout would take healthy steps for hangs."""
+    (tmp_path / "steps.jsonl").write_text("".join(
+        json.dumps({"step": n, "loss": 1.0, "seconds": 4.0 + 0.1 * (n % 2)}) + "\n" for n in range(1, 40)))
+    config = TrainConfig()
+    config.training.output_dir, config.training.hang_timeout = str(tmp_path), 10
+    with pytest.raises(ConfigError, match=r"hang_timeout=10 is below 3 x this run's median step "
+                                          r"time \(4\.1 s .*at least 13 s"):
+        check_run_settings(config, 1)
+    config.training.hang_timeout = 13
+    check_run_settings(config, 1)
+    config.training.hang_timeout, config.training.overwrite_output_dir = 10, True  # a new run
+    check_run_settings(config, 1)
+
+
+def test_a_configured_timeout_allows_three_of_the_slowest_ranks_steps() -> None:
+    beats = [beat(0, hang=5, median=0.5), beat(1, hang=5, median=4.0)]
+    assert timeout_s(beats) == 12.0
+    assert verdict([beat(0, hang=5, median=4.0, step_ago=11)], NOW) is None
+
+
+# ---- ranks that start: absent, frozen or stuck before training ----------------------------------
+
+
+def expected(ranks: int, started_ago: float, startup: float | None = None) -> watchdog.Expected:
+    return watchdog.Expected(ranks, NOW - started_ago, lambda r: f"n{r + 1}", startup)
+
+
+def test_a_rank_that_never_beat_is_named_with_its_node() -> None:
+    beats = [beat(0, phase="start", step=0, step_ago=70), beat(1, phase="start", step=0, step_ago=70)]
+    assert verdict(beats, NOW, expected(3, 59)) is None  # within a first beat's allowance
+    hang = verdict(beats, NOW, expected(3, 61))
+    assert hang is not None and [(b.rank, b.node) for b, _ in hang.named] == [(2, "n3")]
+    assert hang.nodes == ["n3"] and "never beat in 61 s" in hang.line()
+    # a rank that beat before and ended (its file removed) is not absent
+    assert verdict(beats, NOW, expected(3, 61), seen=frozenset({2})) is None
+
+
+def test_a_rank_frozen_while_it_starts_goes_stale_like_one_frozen_mid_run() -> None:
+    beats = [beat(0, phase="start", step=0, step_ago=30), beat(1, ago=25, phase="start", step=0, step_ago=30)]
+    hang = verdict(beats, NOW, expected(2, 30))
+    assert hang is not None and hang.nodes == ["n2"] and "(phase start)" in hang.line()
+    # Before its config a starting rank beats every 10 s: stale after 30 s, whatever the hang
+    # timeout (20 s here, from the configured rank), and only it is named then.
+    unconfigured = dataclasses.replace(beats[1], hang_timeout=None, ddp_timeout=None, interval=10.0)
+    assert verdict([beats[0], unconfigured], NOW, expected(2, 30)) is None
+    hang = verdict([beats[0], dataclasses.replace(unconfigured, time=NOW - 31)], NOW, expected(2, 31))
+    assert hang is not None and [b.rank for b, _ in hang.named] == [1]
+
+
+def test_a_rank_alive_but_stuck_starting_is_named_after_the_start_allowance() -> None:
+    """Floor 300 s, or 3 x the previous start's measured start-up."""
+    beats = [beat(0, phase="start", step=0, step_ago=310), beat(1, phase="first", step=0, step_ago=100)]
+    hang = verdict(beats, NOW, expected(2, 310))
+    assert hang is not None and hang.nodes == ["n1"] and "still starting after 310 s" in hang.line()
+    assert verdict(beats, NOW, expected(2, 310, startup=120.0)) is None  # allowance 360 s
+
+
+def test_the_task_layout_of_a_job_step() -> None:
+    from hpc_mca.slurm.tasks import UNKNOWN, TaskLayout, expand_counts
+
+    assert expand_counts("4(x2),2") == [4, 4, 2] and expand_counts("1") == [1]
+    assert expand_counts("junk") == [] and expand_counts("") == []
+    layout = TaskLayout("n[1-3]", "2(x2),1")
+    layout.__dict__["hosts"] = ["n1", "n2", "n3"]  # what scontrol show hostnames prints
+    assert [layout.node_of(t) for t in range(6)] == ["n1", "n1", "n2", "n2", "n3", UNKNOWN]
+
+
+def test_a_starting_process_beats_before_its_config_and_training_takes_it_over(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpc_mca.runtime import heartbeat
+
+    monkeypatch.setenv(HEARTBEAT_ENV, str(tmp_path))
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    monkeypatch.setenv("SLURMD_NODENAME", "n5")
+    early = heartbeat.begin()
+    try:
+        assert early is not None and heartbeat.begin() is early
+        [starting] = read_beats(tmp_path)
+        assert (starting.rank, starting.node, starting.phase, starting.hang_timeout) == (2, "n5", "start", None)
+        heartbeat.configure_process(20, 120.0)
+        early._write()
+        [configured] = read_beats(tmp_path)
+        assert (configured.hang_timeout, configured.ddp_timeout, configured.interval) == (20, 120.0, 2.0)
+        assert Heartbeat.from_env(2, hang_timeout=20, ddp_timeout=120.0) is early
+        early.start(0)
+        [training] = read_beats(tmp_path)
+        assert training.phase == "first" and training.step == 0
+    finally:
+        early.close() if early is not None else None
+    assert not heartbeat_file(tmp_path, 2).exists() and heartbeat._PROCESS is None
+
+
+def test_watch_names_a_rank_of_the_step_that_never_beat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_RESTART_COUNT": "0",
+                       exclusion.USABLE_ENV: "n1,n2,n3", exclusion.JOB_EXCLUDED_ENV: ""}.items():
+        monkeypatch.setenv(key, value)
+    directory = tmp_path / "heartbeat"
+    directory.mkdir()
+    b = beat(0, phase="start", step=0, ago=0.0, phase_ago=0.0)
+    heartbeat_file(directory, 0).write_text(json.dumps(dataclasses.asdict(b)))
+    times = iter([NOW - 61, NOW - 30, NOW])  # the first read sees rank 0's beat
+    env = {"SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_JOB_NODELIST": ""}
+    assert watchdog.watch(tmp_path, clock=lambda: next(times), sleep=lambda s: None, env=env) == watchdog.EXIT_HANG
+    [record] = [json.loads(line) for line in (tmp_path / HANGS_FILE).read_text().splitlines()]
+    assert [r["rank"] for r in record["ranks"]] == [1] and "never beat" in record["ranks"][0]["why"]
+    assert record["excluded"] == []  # no layout to tell its node: requeued, nothing excluded

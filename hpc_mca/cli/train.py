@@ -24,6 +24,9 @@ def train(config: Path, overrides: tuple[str, ...]) -> None:
     rank 0 prints the one line and leaves it in the run directory, so the job is never
     requeued for it.
     """
+    from hpc_mca.runtime import heartbeat
+
+    heartbeat.begin()  # first: a rank that freezes while it starts is watched too
     from hpc_mca.runtime.quiet import quiet_library_noise
 
     quiet_library_noise()  # before megatron is imported

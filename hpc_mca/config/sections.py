@@ -248,7 +248,9 @@ class TrainingArguments(Freezable):
     and 10 times the median step time so far, kept below ddp_timeout; 0 = no watchdog. The
     first step of each start, saves and evaluations get ddp_timeout instead (a collective in
     them waits that long anyway). Must be below ddp_timeout, whose collective timeout would
-    otherwise end the job first, without naming the node."""
+    otherwise end the job first, without naming the node; at least 5 s (the heartbeat's
+    resolution) and, on a resume, 3 times the median step time already recorded; while the
+    run goes, the watchdog never allows a step less than 3 times the slowest rank's median."""
     async_save: bool = False
     """Write checkpoint shards in a background process; the commit (tracker) follows at a later
     step boundary, only once every rank finished."""

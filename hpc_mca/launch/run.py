@@ -28,6 +28,7 @@ from hpc_mca.config.loading import load_resolved
 from hpc_mca.config.sections import TrainConfig
 from hpc_mca.errors import UserError
 from hpc_mca.loop.trackers import skip_unused_tracker_imports
+from hpc_mca.runtime import heartbeat
 from hpc_mca.runtime.env import from_environ
 
 __all__ = ["attention_backend_available", "data_files_exist", "run_training", "start_afresh_if_asked",
@@ -44,6 +45,7 @@ def run_training(config_path: str | Path | None, overrides: Iterable[str] = (),
     except UserError as err:
         err.on_every_rank = True  # every rank read the same file
         raise
+    heartbeat.configure_process(config.training.hang_timeout, config.training.ddp_timeout)
     config = check_inputs(config, env)
     skip_unused_tracker_imports(config.training.report_to)  # before megatron is imported
     if config.training.profile_steps:

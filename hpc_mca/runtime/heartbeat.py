@@ -20,10 +20,17 @@ with) and ``interval``.
 
 Written only when the batch script asks for it (``HPC_MCA_HEARTBEAT_DIR``): a torchrun or
 single-process run writes nothing.
+
+A rank beats from the start of its process (:func:`begin`, the first thing ``hpc-mca train``
+does), every :data:`START_INTERVAL_S` seconds, with ``phase`` ``start`` (imports, config,
+process group, model, data, checkpoint load) until training begins: a rank frozen while it
+starts goes stale like one frozen mid-run, and the watchdog counts the ranks it expects, so one
+that never beat at all is named too (:mod:`hpc_mca.slurm.watchdog`).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -40,6 +47,13 @@ from hpc_mca.rundir import HEARTBEAT_ENV, write_atomic
 MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 30.0
 AUTO_INTERVAL_S = 30.0
 """The beat interval with an automatic hang timeout (at least 300 s: a tenth of it)."""
+START_INTERVAL_S = 10.0
+"""The beat interval while a rank starts, before its config (and hang timeout) is read."""
+RANK_ENVS = ("SLURM_PROCID", "RANK")
+"""Where a starting process finds its global rank (srun's, torchrun's), before the process group."""
+
+_PROCESS: Heartbeat | None = None
+"""This process's heartbeat once :func:`begin` started it."""
 
 
 def beat_interval(hang_timeout: int | None) -> float:
@@ -57,9 +71,9 @@ class Heartbeat:
     """This rank's heartbeat thread and the loop's marks (see the module docstring)."""
 
     def __init__(self, directory: Path, rank: int, *, hang_timeout: int | None,
-                 ddp_timeout: float | None) -> None:
+                 ddp_timeout: float | None, interval: float | None = None) -> None:
         self.path = heartbeat_file(directory, rank)
-        self.interval = beat_interval(hang_timeout)
+        self.interval = interval or beat_interval(hang_timeout)
         now = time.time()
         self._state = {"rank": rank, "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
                        "pid": os.getpid(), "time": now, "step": 0, "step_time": now,
@@ -79,12 +93,35 @@ class Heartbeat:
         directory = os.environ.get(HEARTBEAT_ENV)
         if not directory:
             return None
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        beat = cls(Path(directory), rank, hang_timeout=hang_timeout, ddp_timeout=ddp_timeout)
+        beat = _PROCESS if _PROCESS is not None and _PROCESS.rank == rank else None
+        if beat is None:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            beat = cls(Path(directory), rank, hang_timeout=hang_timeout, ddp_timeout=ddp_timeout)
+        else:  # the start-up heartbeat goes on with the config's settings
+            beat.configure(hang_timeout=hang_timeout, ddp_timeout=ddp_timeout)
         if hang_timeout == 0:  # one beat says so, and the watchdog stops watching
+            beat.stop_beating()
             beat._write()
             return None
         return beat
+
+    @property
+    def rank(self) -> int:
+        return int(self._state["rank"])  # type: ignore[call-overload]  # an int, set in __init__
+
+    def configure(self, *, hang_timeout: int | None, ddp_timeout: float | None) -> None:
+        """The config is read: its hang timeout, collective timeout and their beat interval."""
+        self.interval = beat_interval(hang_timeout)
+        with self._lock:
+            self._state.update(hang_timeout=hang_timeout, ddp_timeout=ddp_timeout,
+                               interval=self.interval)
+
+    def stop_beating(self) -> None:
+        """Stop the beat thread (the file stays as last written)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self._thread = None
 
     def start(self, step: int) -> None:
         """Training starts at ``step`` (the checkpoint's): the first step's allowance begins."""
@@ -92,8 +129,13 @@ class Heartbeat:
         with self._lock:
             self._state.update(step=step, step_time=now, phase="first", phase_time=now)
         self._write()
-        self._thread = threading.Thread(target=self._run, name="hpc-mca-heartbeat", daemon=True)
-        self._thread.start()
+        self._start_thread()
+
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="hpc-mca-heartbeat", daemon=True)
+            self._thread.start()
 
     def step_done(self, step: int, seconds: float) -> None:
         """An optimizer step finished on this rank (before the step's collectives of the
@@ -119,10 +161,11 @@ class Heartbeat:
     def close(self) -> None:
         """Training is over on this rank (finished, stopped or failed): the file goes, so a
         rank that ends normally is never taken for a frozen one."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        global _PROCESS
+        self.stop_beating()
         self.path.unlink(missing_ok=True)
+        if _PROCESS is self:
+            _PROCESS = None
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -136,3 +179,36 @@ class Heartbeat:
             write_atomic(self.path, text)
         except OSError:  # a full or flaky file system must not stop training
             pass
+
+
+def begin() -> Heartbeat | None:
+    """Start this process's heartbeat in phase ``start``, under a batch script that asks for
+    heartbeats (None elsewhere, or where no rank variable names the rank yet); the training
+    loop takes it over (:meth:`Heartbeat.from_env`). A process that ends before training
+    removes its file (atexit), so a rank that stops on bad input is never taken for a frozen
+    one."""
+    global _PROCESS
+    directory = os.environ.get(HEARTBEAT_ENV)
+    rank = next((os.environ[name] for name in RANK_ENVS if os.environ.get(name, "").isdigit()), None)
+    if not directory or rank is None or _PROCESS is not None:
+        return _PROCESS
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    beat = Heartbeat(Path(directory), int(rank), hang_timeout=None, ddp_timeout=None,
+                     interval=START_INTERVAL_S)
+    with beat._lock:
+        beat._state.update(phase="start", interval=START_INTERVAL_S)
+    beat._write()
+    beat._start_thread()
+    _PROCESS = beat
+    atexit.register(beat.close)
+    return beat
+
+
+def configure_process(hang_timeout: int | None, ddp_timeout: float | None) -> None:
+    """The config is read: this process's start-up heartbeat (if any) carries its timeouts, so
+    the watchdog applies the run's own hang timeout to a rank that freezes while it starts."""
+    if _PROCESS is not None:
+        _PROCESS.configure(hang_timeout=hang_timeout, ddp_timeout=ddp_timeout)
