@@ -105,6 +105,17 @@ class Heartbeat:
             return None
         return beat
 
+    @classmethod
+    def starting(cls, directory: Path, rank: int) -> Heartbeat:
+        """A starting process's heartbeat (phase ``start``, every :data:`START_INTERVAL_S`
+        seconds), beating from now on."""
+        beat = cls(directory, rank, hang_timeout=None, ddp_timeout=None, interval=START_INTERVAL_S)
+        with beat._lock:
+            beat._state.update(phase="start")
+        beat._write()
+        beat._start_thread()
+        return beat
+
     @property
     def rank(self) -> int:
         return int(self._state["rank"])  # type: ignore[call-overload]  # an int, set in __init__
@@ -196,12 +207,7 @@ def begin() -> Heartbeat | None:
         Path(directory).mkdir(parents=True, exist_ok=True)
     except OSError:
         return None
-    beat = Heartbeat(Path(directory), int(rank), hang_timeout=None, ddp_timeout=None,
-                     interval=START_INTERVAL_S)
-    with beat._lock:
-        beat._state.update(phase="start", interval=START_INTERVAL_S)
-    beat._write()
-    beat._start_thread()
+    beat = Heartbeat.starting(Path(directory), int(rank))
     _PROCESS = beat
     atexit.register(beat.close)
     return beat
