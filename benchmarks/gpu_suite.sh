@@ -18,6 +18,12 @@
 # (Megatron's per-document RoPE against hpc-mca's one pass), profile (the throughput
 # comparison with two profiled steps per side and their operator tables) and checkpoint (the
 # 2-rank CPU benchmark on the box's disk, 216 s there) have their own calls.
+# On 2026-11-28 (15 minutes of device time in all) one call ran, with SIDES=hpc-mca
+# SAVE_STEPS=5 PROFILE=1 TITAN_MICRO_BATCHES="2 4" and FUSIONS="[layer,cross_entropy]
+# --micro-batch 4", "throughput torchtitan kernels fusions gpu-tests" past its 590 s: throughput
+# ~150 s, torchtitan (two sizes, one profiled) ~120 s, kernels ~40 s, fusions ~90 s; the GPU
+# tests, now 17 with the model families' bf16 runs (each a fresh `hpc-mca train` process), need
+# ~7 minutes alone: give them a call of their own (GPU_TESTS_LIMIT=450), first.
 #
 # Runs from the repository root with the python3 that has torch+CUDA; megatron-core and
 # submitit may come from PYTHONPATH (wheels installed with pip --target).

@@ -52,9 +52,11 @@ MANIFEST_FILE = "manifest.json"
 RESOLVED_CONFIG_FILE = "resolved_config.yaml"
 """Rank 0: the run config as the ranks resolved it."""
 HEARTBEAT_DIR = "heartbeat"
-"""Every rank under a batch script: ``rank-<5 digits>.json``, rewritten every few seconds by a
-thread (its last finished step, what it is doing, its node); read by the batch node's hang
-watchdog (hpc_mca.runtime.heartbeat, hpc_mca.slurm.watchdog). Removed at each start."""
+"""Under a batch script, one ``node-<node>.<id>.json`` per node holding its ranks' beats (each
+rank's last finished step, what it is doing, its node), rewritten every few seconds by one
+rank's thread (or, where a node has no local directory, ``rank-<5 digits>.json`` per rank);
+read by the batch node's hang watchdog (hpc_mca.runtime.heartbeat, hpc_mca.runtime.node_beats,
+hpc_mca.slurm.watchdog). Removed at each start."""
 HEARTBEAT_ENV = "HPC_MCA_HEARTBEAT_DIR"
 """Exported by the batch script when its watchdog runs: where the ranks write heartbeats."""
 HANGS_FILE = "hangs.jsonl"

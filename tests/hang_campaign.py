@@ -10,6 +10,9 @@ with ``training.hang_timeout=HANG_TIMEOUT_S`` and injects one of:
   (tests/checkpoint_hooks: HPC_MCA_TEST_BLOCK; its heartbeat lives, its step falls behind);
 * ``freeze-start``: SIGSTOP of a random rank as soon as its first heartbeat says it is
   starting (phase ``start``: before its process group; the others wait in the rendezvous);
+* ``freeze-pg``, ``freeze-data``, ``freeze-load``: a random rank stops itself (SIGSTOP) just
+  after its process group is made, as data preparation begins, or as the checkpoint load of
+  the job's first restart begins (an outside requeue after the first save); see FREEZE_POINTS;
 * ``slow``: one rank sleeps SLOW_S in every step, far longer in all than the hang timeout,
   but finishes each step (HPC_MCA_TEST_RANK_SLEEP): it must not be stopped.
 
@@ -34,10 +37,13 @@ from pathlib import Path
 import fault_campaign as campaign
 import slurm_cluster as slurm
 
+from hpc_mca.slurm.watchdog import read_beats
+
 HANG_TIMEOUT_S = 20
 SLOW_S, SLOW_TIMEOUT_S = 1.0, 8
-KINDS = ("freeze", "block", "freeze-start", "slow")
+KINDS = ("freeze", "block", "freeze-start", "freeze-pg", "freeze-data", "freeze-load", "slow")
 NODES_BANNER = re.compile(r"hpc-mca \| nodes +\d+: (\S+)$")
+REQUEUE_LINE = re.compile(r"^hpc-mca \| requeue ")
 
 
 @dataclass
@@ -76,11 +82,11 @@ def _excluded(job_id: str) -> list[str]:
     return _hostnames(match.group(1)) if match else []
 
 
-def _wait_line(log: Path, pattern: str, deadline: float) -> float | None:
-    """When a line matching ``pattern`` is first in the log (None at the deadline)."""
+def _wait_line(log: Path, pattern: str, deadline: float, count: int = 1) -> float | None:
+    """When the ``count``-th line matching ``pattern`` is in the log (None at the deadline)."""
     regex = re.compile(pattern)
     while time.monotonic() < deadline:
-        if any(regex.search(line) for line in campaign._log_lines(log)):
+        if sum(bool(regex.search(line)) for line in campaign._log_lines(log)) >= count:
             return time.monotonic()
         time.sleep(0.1)
     return None
@@ -94,18 +100,17 @@ def _node_of(pid: int) -> str:
 
 
 def _starting_pid(run_dir: Path, rank: int, deadline: float) -> int:
-    """The pid in ``rank``'s heartbeat while it says the rank is starting."""
-    path = run_dir / "heartbeat" / f"rank-{rank:05d}.json"
+    """The pid in ``rank``'s heartbeat (its node's file) while it says the rank is starting."""
+    directory = run_dir / "heartbeat"
     while time.monotonic() < deadline:
-        try:
-            beat = json.loads(path.read_text())
-        except (OSError, ValueError):
+        beat = next((b for b in read_beats(directory) if b.rank == rank), None)
+        if beat is None:
             time.sleep(0.05)
             continue
-        if beat.get("phase") == "start":
-            return int(beat["pid"])
-        raise RuntimeError(f"rank {rank} was past its start ({beat.get('phase')}) when first seen")
-    raise RuntimeError(f"rank {rank}: no heartbeat at {path}")
+        if beat.phase == "start":
+            return beat.pid
+        raise RuntimeError(f"rank {rank} was past its start ({beat.phase}) when first seen")
+    raise RuntimeError(f"rank {rank}: no heartbeat in {directory}")
 
 
 def _submit(work: Path, config: Path, nodes: int, timeout: float, **extra: str) -> str:
@@ -118,6 +123,12 @@ def _submit(work: Path, config: Path, nodes: int, timeout: float, **extra: str) 
     return done.stdout.strip().split(";")[0]
 
 
+FREEZE_POINTS = {"freeze-pg": "process_group", "freeze-data": "data", "freeze-load": "load"}
+"""Kinds that freeze a rank while it starts, at tests/checkpoint_hooks' HPC_MCA_TEST_FREEZE
+points: its process group just made, data preparation begun, the checkpoint load begun (on the
+job's first restart: an outside requeue after the first save makes one to load)."""
+
+
 def trial(kind: str, config: Path, reference: list[dict], work: Path, rng: random.Random,
           nodes: int = 2) -> HangTrial:
     work.mkdir(parents=True)
@@ -125,33 +136,20 @@ def trial(kind: str, config: Path, reference: list[dict], work: Path, rng: rando
     extra = {"HPC_MCA_TEST_BLOCK": f"{step}:{rank}@0"} if kind == "block" else {}
     if kind == "slow":
         extra = {"HPC_MCA_TEST_RANK_SLEEP": f"{SLOW_S}:{rank}"}
+    if kind in FREEZE_POINTS:
+        restart = 1 if kind == "freeze-load" else 0
+        extra = {"HPC_MCA_TEST_FREEZE": f"{FREEZE_POINTS[kind]}:{rank}@{restart}"}
     job_id = _submit(work, config, nodes, SLOW_TIMEOUT_S if kind == "slow" else HANG_TIMEOUT_S,
                      **extra)
     run_dir, log = work / "runs" / f"hang_{job_id}", work / f"hang_{job_id}.out"
-    node, faulted = "", None
-    if kind == "freeze-start":
-        step, pid = 0, _starting_pid(run_dir, rank, time.monotonic() + 300)
-        node = _node_of(pid)
-        os.kill(pid, signal.SIGSTOP)
-        faulted = time.monotonic()
-    if kind in ("freeze", "block"):
-        campaign._wait_logged(run_dir, step - 1, job_id)
-        pid, until = None, time.monotonic() + 60
-        while pid is None and time.monotonic() < until:
-            pid = campaign._rank_pid(job_id, rank)
-        if pid is None:
-            raise RuntimeError(f"job {job_id}: rank {rank} not found")
-        node = _node_of(pid)
-        if kind == "freeze":
-            campaign._wait_logged(run_dir, step, job_id)
-            time.sleep(rng.uniform(0, 0.25))  # a random moment within the step
-            os.kill(pid, signal.SIGSTOP)
-            faulted = time.monotonic()
-        else:
-            faulted = _wait_line(log, rf"test hook: rank {rank} blocks", time.monotonic() + 300)
+    step, node, faulted = _inject(kind, job_id, run_dir, log, step, rank, rng)
+    # The requeue and the restart that follow the fault (freeze-load's restart came first).
+    lines = campaign._log_lines(log)
+    requeues = sum(bool(REQUEUE_LINE.search(line)) for line in lines)
+    restarts = sum(bool(campaign.RESTART_BANNER.match(line)) for line in lines)
     deadline = time.monotonic() + 600
-    requeued = _wait_line(log, r"^hpc-mca \| requeue ", deadline) if faulted else None
-    resumed = campaign._first_resumed_step(log, 0, deadline) if faulted else None
+    requeued = _wait_line(log, REQUEUE_LINE.pattern, deadline, requeues + 1) if faulted else None
+    resumed = campaign._first_resumed_step(log, restarts, deadline) if faulted else None
     excluded = _excluded(job_id) if resumed else []
     state = slurm.wait_for_job(job_id, timeout=600)
     for pid in campaign.job_processes(job_id):  # never leave them to the next trial
@@ -166,6 +164,38 @@ def trial(kind: str, config: Path, reference: list[dict], work: Path, rng: rando
                      None if requeued is None else round(requeued - faulted, 1),
                      None if resumed is None else round(resumed - faulted, 1), excluded,
                      _hostnames(banners[-1]) if len(banners) > 1 else [], hangs)
+
+
+def _inject(kind: str, job_id: str, run_dir: Path, log: Path, step: int, rank: int,
+            rng: random.Random) -> tuple[int, str, float | None]:
+    """The fault of ``kind``: (its step, the node it hit, when)."""
+    if kind == "freeze-start":
+        pid = _starting_pid(run_dir, rank, time.monotonic() + 300)
+        node = _node_of(pid)
+        os.kill(pid, signal.SIGSTOP)
+        return 0, node, time.monotonic()
+    if kind in FREEZE_POINTS:
+        if kind == "freeze-load":  # a checkpoint to load, then a restart that loads it
+            campaign._wait_logged(run_dir, campaign.SAVE_EVERY + 1, job_id)
+            subprocess.run(["scontrol", "requeue", job_id], check=True)
+        faulted = _wait_line(log, rf"test hook: rank {rank} freezes at ", time.monotonic() + 300)
+        pid = campaign._rank_pid(job_id, rank)
+        return 0, _node_of(pid) if pid else "?", faulted
+    if kind not in ("freeze", "block"):
+        return step, "", None
+    campaign._wait_logged(run_dir, step - 1, job_id)
+    pid, until = None, time.monotonic() + 60
+    while pid is None and time.monotonic() < until:
+        pid = campaign._rank_pid(job_id, rank)
+    if pid is None:
+        raise RuntimeError(f"job {job_id}: rank {rank} not found")
+    node = _node_of(pid)
+    if kind == "freeze":
+        campaign._wait_logged(run_dir, step, job_id)
+        time.sleep(rng.uniform(0, 0.25))  # a random moment within the step
+        os.kill(pid, signal.SIGSTOP)
+        return step, node, time.monotonic()
+    return step, node, _wait_line(log, rf"test hook: rank {rank} blocks", time.monotonic() + 300)
 
 
 def table(trials: list[HangTrial]) -> str:

@@ -3,20 +3,34 @@ reads to tell a job that makes progress from one that stopped, and which rank st
 
 Why files in the run directory, written by a thread of every rank: the watchdog must see a
 rank that cannot speak for itself. A rank frozen by SIGSTOP, a dead GPU driver or a node
-that stopped answering stops all its threads, so its file stops changing (a *stale*
-heartbeat); a rank blocked inside a collective still has a live thread, so its file keeps
+that stopped answering stops all its threads, so its beat stops changing (a *stale*
+heartbeat); a rank blocked inside a collective still has a live thread, so its beat keeps
 changing but its last finished step falls behind the others'. The rendezvous store was the
 other candidate, but it lives in rank 0's process and dies with it; and the batch shell's
-own node could not see the other nodes' processes. One small file per rank, rewritten every
-``interval`` seconds (a tenth of the hang timeout, 1-30 s), bounds the metadata load.
+own node could not see the other nodes' processes.
 
-Each file (``<run dir>/heartbeat/rank-<5 digits>.json``) holds: ``rank``, ``node``, ``pid``,
+Why one file per node: a rank rewrites its beat every ``interval`` seconds (a tenth of the hang
+timeout, 1-30 s), and at 8,192 ranks one file per rank is 8,192 creates and renames per
+interval on the shared file system, and 8,192 files for the watchdog to read. So a rank
+writes its beat into a directory on its own node, twice an interval (memory, not the shared
+file system), and one rank of each node copies its node's beats into one shared file every
+interval (:mod:`hpc_mca.runtime.node_beats`): 8 times fewer shared operations at 8 ranks a
+node (``benchmarks/heartbeat_scale.py``). A frozen rank's beat is copied as it stands and
+goes stale; a frozen copier's node file goes stale whole, and the watchdog names every rank
+of that node. A beat the watchdog reads is at most about 1.5 intervals old (half an interval
+locally, one in the node file), below the 3 that make it stale. Where no node-local directory
+is usable every rank writes its own ``rank-<5 digits>.json`` to the shared directory, as
+before.
+
+Each beat (a ``beats`` entry of ``<run dir>/heartbeat/node-<node>.<id>.json``, or a
+``rank-<5 digits>.json`` file) holds: ``rank``, ``node``, ``pid``,
 ``time`` (this beat), ``step`` (the last finished optimizer step) and ``step_time`` (when it
 finished; the start of training before the first), ``phase`` (``first``: the first step of
 this process is under way; ``step``; ``save``; ``eval``) and ``phase_time`` (when it began),
 ``median_step_s`` (of this process's steps so far), ``hang_timeout`` (the config's: null =
 automatic, 0 = no watchdog), ``ddp_timeout`` (the collective timeout the process group runs
-with) and ``interval``.
+with) and ``interval``. A node file also holds ``node``, ``time`` (when it was written: the
+watchdog takes no beat in it as newer) and ``writer`` (the copying rank).
 
 Written only when the batch script asks for it (``HPC_MCA_HEARTBEAT_DIR``): a torchrun or
 single-process run writes nothing.
@@ -44,9 +58,14 @@ from pathlib import Path
 
 from hpc_mca.rundir import HEARTBEAT_ENV, write_atomic
 
+from .node_beats import local_directory, local_ranks, rank_file, roll_up
+
 MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 30.0
 AUTO_INTERVAL_S = 30.0
 """The beat interval with an automatic hang timeout (at least 300 s: a tenth of it)."""
+LOCAL_BEATS = 2
+"""Beats a rank writes to its node-local directory per interval: the node file, written once an
+interval, then carries beats at most half an interval old."""
 START_INTERVAL_S = 10.0
 """The beat interval while a rank starts, before its config (and hang timeout) is read."""
 RANK_ENVS = ("SLURM_PROCID", "RANK")
@@ -64,18 +83,24 @@ def beat_interval(hang_timeout: int | None) -> float:
 
 
 def heartbeat_file(directory: Path, rank: int) -> Path:
-    return Path(directory) / f"rank-{rank:05d}.json"
+    """A rank's own beat file in ``directory`` (node-local, or the shared one without it)."""
+    return rank_file(directory, rank)
 
 
 class Heartbeat:
     """This rank's heartbeat thread and the loop's marks (see the module docstring)."""
 
     def __init__(self, directory: Path, rank: int, *, hang_timeout: int | None,
-                 ddp_timeout: float | None, interval: float | None = None) -> None:
-        self.path = heartbeat_file(directory, rank)
+                 ddp_timeout: float | None, interval: float | None = None, node: str | None = None) -> None:
+        self.shared = Path(directory)
+        self.node = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        # The node-local directory of this node's ranks (None: this rank's own file is shared).
+        self.local = local_directory(self.shared, self.node)
+        self.path = heartbeat_file(self.local or self.shared, rank)
+        self.node_file: Path | None = None  # the node file this process wrote last (None: none, or removed)
         self.interval = interval or beat_interval(hang_timeout)
         now = time.time()
-        self._state = {"rank": rank, "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        self._state = {"rank": rank, "node": self.node,
                        "pid": os.getpid(), "time": now, "step": 0, "step_time": now,
                        "phase": "first", "phase_time": now, "median_step_s": None,
                        "hang_timeout": hang_timeout, "ddp_timeout": ddp_timeout,
@@ -93,28 +118,34 @@ class Heartbeat:
         directory = os.environ.get(HEARTBEAT_ENV)
         if not directory:
             return None
-        beat = _PROCESS if _PROCESS is not None and _PROCESS.rank == rank else None
-        if beat is None:
+        hb = _PROCESS if _PROCESS is not None and _PROCESS.rank == rank else None
+        if hb is None:
             Path(directory).mkdir(parents=True, exist_ok=True)
-            beat = cls(Path(directory), rank, hang_timeout=hang_timeout, ddp_timeout=ddp_timeout)
+            hb = cls(Path(directory), rank, hang_timeout=hang_timeout, ddp_timeout=ddp_timeout)
         else:  # the start-up heartbeat goes on with the config's settings
-            beat.configure(hang_timeout=hang_timeout, ddp_timeout=ddp_timeout)
+            hb.configure(hang_timeout=hang_timeout, ddp_timeout=ddp_timeout)
         if hang_timeout == 0:  # one beat says so, and the watchdog stops watching
-            beat.stop_beating()
-            beat._write()
+            hb.stop_beating()
+            hb.beat()
+            atexit.register(hb.close)  # nothing is left on the node (the run's file: until the next start)
             return None
-        return beat
+        return hb
 
     @classmethod
     def starting(cls, directory: Path, rank: int) -> Heartbeat:
         """A starting process's heartbeat (phase ``start``, every :data:`START_INTERVAL_S`
         seconds), beating from now on."""
-        beat = cls(directory, rank, hang_timeout=None, ddp_timeout=None, interval=START_INTERVAL_S)
-        with beat._lock:
-            beat._state.update(phase="start")
-        beat._write()
-        beat._start_thread()
-        return beat
+        hb = cls(directory, rank, hang_timeout=None, ddp_timeout=None, interval=START_INTERVAL_S)
+        with hb._lock:
+            hb._state.update(phase="start")
+        hb.beat()
+        hb._start_thread()
+        return hb
+
+    @property
+    def beats_per_interval(self) -> int:
+        """How many beats the thread writes per interval (the node's shared file: one of them)."""
+        return LOCAL_BEATS if self.local is not None else 1
 
     @property
     def rank(self) -> int:
@@ -139,7 +170,7 @@ class Heartbeat:
         now = time.time()
         with self._lock:
             self._state.update(step=step, step_time=now, phase="first", phase_time=now)
-        self._write()
+        self.beat()
         self._start_thread()
 
     def _start_thread(self) -> None:
@@ -162,7 +193,7 @@ class Heartbeat:
         """A save or an evaluation: the watchdog gives it the collective timeout's allowance."""
         with self._lock:
             self._state.update(phase=name, phase_time=time.time())
-        self._write()
+        self.beat()
         try:
             yield
         finally:
@@ -170,25 +201,50 @@ class Heartbeat:
                 self._state.update(phase="step", phase_time=time.time())
 
     def close(self) -> None:
-        """Training is over on this rank (finished, stopped or failed): the file goes, so a
-        rank that ends normally is never taken for a frozen one."""
+        """Training is over on this rank (finished, stopped or failed): its beat goes, so a
+        rank that ends normally is never taken for a frozen one (the node file is written
+        without it at once, or removed by the node's last rank)."""
         global _PROCESS
         self.stop_beating()
         self.path.unlink(missing_ok=True)
+        self._roll_up()
         if _PROCESS is self:
             _PROCESS = None
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._write()
+        ticks = 0
+        while not self._stop.wait(self.interval / self.beats_per_interval):
+            ticks += 1
+            self.beat(aggregate=ticks % self.beats_per_interval == 0)
 
-    def _write(self) -> None:
+    def beat(self, *, aggregate: bool = True) -> None:
+        """Write this rank's beat now; with ``aggregate``, where this rank is its node's
+        aggregator (the lowest rank with a beat in the node-local directory), the node file
+        too. The thread beats :attr:`beats_per_interval` times an interval, the last with
+        ``aggregate``; a start, a phase and the config's hang timeout 0 beat at once."""
         with self._lock:
             self._state["time"] = time.time()
             text = json.dumps(self._state)
         try:
-            write_atomic(self.path, text)
+            try:
+                write_atomic(self.path, text)
+            except FileNotFoundError:
+                if self.local is None:
+                    raise
+                # the node's other ranks all ended, and the last took the directory with it
+                self.local.mkdir(mode=0o700, parents=True, exist_ok=True)
+                write_atomic(self.path, text)
         except OSError:  # a full or flaky file system must not stop training
+            return
+        if aggregate and self.local is not None and local_ranks(self.local)[:1] == [self.rank]:
+            self._roll_up()
+
+    def _roll_up(self) -> None:
+        if self.local is None:
+            return
+        try:
+            self.node_file = roll_up(self.shared, self.local, self.node, self.rank, self.node_file)
+        except OSError:  # as a beat's: training goes on; an unwritten node file goes stale
             pass
 
 

@@ -1,5 +1,6 @@
 """The hang watchdog: on the batch node, beside srun, it reads every rank's heartbeat
-(:mod:`hpc_mca.runtime.heartbeat`) and stops a job that no longer makes progress.
+(:mod:`hpc_mca.runtime.heartbeat`: one file per node holding its ranks' beats, or one per rank)
+and stops a job that no longer makes progress.
 
 A job hangs when some rank has finished no optimizer step for longer than its allowance:
 
@@ -48,6 +49,7 @@ from pathlib import Path
 
 from hpc_mca.rundir import HANGS_FILE, HEARTBEAT_DIR, PROGRESS_FILE, RANKS_ENDED_FILE
 from hpc_mca.runtime.heartbeat import START_INTERVAL_S
+from hpc_mca.runtime.node_beats import NODE_PREFIX, RANK_PREFIX
 
 from .exclusion import decide_for_job
 from .tasks import UNKNOWN, TaskLayout
@@ -125,15 +127,40 @@ class Hang:
 
 
 def read_beats(directory: Path) -> list[Beat]:
-    """The heartbeats present (a file being replaced or unreadable is skipped this time)."""
-    beats = []
-    for path in sorted(Path(directory).glob("rank-*.json")):
+    """The heartbeats present, one per rank, lowest rank first: the node files' and any rank's
+    own file (a file being replaced or unreadable is skipped this time). A beat is never newer
+    than the node file that carries it: a node whose writer stopped goes stale whole."""
+    found: dict[int, Beat] = {}
+    for path in heartbeat_files(directory):
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            beats.append(Beat(**{f.name: data[f.name] for f in dataclasses.fields(Beat)}))
+            if path.name.startswith(NODE_PREFIX):
+                written = float(data["time"])
+                beats = [_beat(entry, written) for entry in data["beats"]]
+            else:
+                beats = [_beat(data, None)]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    return beats
+        for beat in beats:  # a rank in two files (a node-local directory made anew): the newer beat
+            if beat.rank not in found or beat.time > found[beat.rank].time:
+                found[beat.rank] = beat
+    return [found[rank] for rank in sorted(found)]
+
+
+def heartbeat_files(directory: Path) -> list[Path]:
+    """The node files and rank files in the heartbeat directory (in no order: beats are
+    ordered by rank)."""
+    return [path for prefix in (NODE_PREFIX, RANK_PREFIX) for path in Path(directory).glob(f"{prefix}*.json")]
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Beat))
+
+
+def _beat(data: dict, written: float | None) -> Beat:
+    fields = {name: data[name] for name in _FIELDS}
+    if written is not None:
+        fields["time"] = min(fields["time"], written)
+    return Beat(**fields)
 
 
 def timeout_s(beats: Sequence[Beat]) -> float | None:
@@ -275,7 +302,7 @@ def watch(run_dir: Path, *, clock: Callable[[], float] = time.time,
         beats = read_beats(directory)
         if beats and timeout_s(beats) is None:
             return 0
-        if seen and not beats and not any(directory.glob("rank-*.json")):
+        if seen and not beats and not heartbeat_files(directory):
             return 0  # every rank ended and removed its heartbeat
         now = clock()
         if beats and not seen:  # the first beat: the others' allowance starts now

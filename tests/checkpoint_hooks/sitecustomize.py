@@ -21,6 +21,10 @@ HPC_MCA_TEST_BLOCK=STEP:RANK[@R]  global rank RANK, at the end of step STEP (bef
                                its heartbeat thread lives (the watchdog's "behind" case).
 HPC_MCA_TEST_RANK_SLEEP=S:RANK  global rank RANK sleeps S seconds at the end of every step: a
                                slow rank that still makes progress.
+HPC_MCA_TEST_FREEZE=POINT:RANK[@R]  global rank RANK stops itself (SIGSTOP: its heartbeat
+                               thread too) at POINT: process_group (its process group just
+                               made), data (data preparation begins) or load (the checkpoint
+                               load begins); only while SLURM_RESTART_COUNT is R when given.
 HPC_MCA_TEST_PREFLIGHT_FAIL=NODEID@R  the preflight's matmul on the node with SLURM_NODEID
                                NODEID comes back with one entry off by 1, only while
                                SLURM_RESTART_COUNT is R: that node fails its node check.
@@ -251,7 +255,46 @@ def _install_preflight_fail(spec: str) -> None:
     _patch_after_import("hpc_mca.runtime.node_check", patch)
 
 
-_HOOKS = {"HPC_MCA_TEST_STEP_SLEEP": _install_sleep, "HPC_MCA_TEST_KILL": _install_kill,
+_FREEZE_POINTS = {
+    # point: (module, attribute path, freeze before (True) or after the call)
+    "process_group": ("hpc_mca.runtime.distributed", ("init_distributed",), False),
+    "data": ("hpc_mca.data.dataset", ("build_datasets",), True),
+    "load": ("hpc_mca.checkpoint.checkpointer", ("Checkpointer", "resume"), True),
+}
+
+
+def _install_freeze(spec: str) -> None:
+    spec, _, restart = spec.partition("@")
+    point, rank = spec.split(":")
+    if _rank() != int(rank) or (restart and os.environ.get("SLURM_RESTART_COUNT", "0") != restart):
+        return
+    module_name, path, before = _FREEZE_POINTS[point]
+
+    def freeze():
+        print(f"test hook: rank {rank} freezes at {point}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops, its heartbeat's too
+
+    def patch(module):
+        owner = module
+        for name in path[:-1]:
+            owner = getattr(owner, name)
+        original = getattr(owner, path[-1])
+
+        def frozen(*args, **kwargs):
+            if before:
+                freeze()
+            out = original(*args, **kwargs)
+            if not before:
+                freeze()
+            return out
+
+        setattr(owner, path[-1], frozen)
+
+    _patch_after_import(module_name, patch)
+
+
+_HOOKS = {"HPC_MCA_TEST_FREEZE": _install_freeze,
+          "HPC_MCA_TEST_STEP_SLEEP": _install_sleep, "HPC_MCA_TEST_KILL": _install_kill,
           "HPC_MCA_TEST_SAVE_SLEEP": _install_save_sleep, "HPC_MCA_TEST_BLOCK": _install_block,
           "HPC_MCA_TEST_RANK_SLEEP": _install_rank_sleep,
           "HPC_MCA_TEST_PREFLIGHT_FAIL": _install_preflight_fail}
