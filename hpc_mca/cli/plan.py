@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+from hpc_mca.errors import UserError
+
+if TYPE_CHECKING:
+    from hpc_mca.slurm.jobplan import JobPlan
 
 from ._options import ops_errors, plan_options, plan_options_from, slurm_options, submit_options_from
 
@@ -23,11 +29,19 @@ from ._options import ops_errors, plan_options, plan_options_from, slurm_options
 @click.option("--explain", is_flag=True,
               help="Also show the 5 fastest layouts the planner compared (with a forced layout: "
                    "it, then the search's), each with its estimated step time by cost term.")
+@click.option("--dry-run", is_flag=True,
+              help="Also build the planned ranks' model, DDP and optimizer on the meta device "
+                   "(one process, a fake process group) and print their exact bytes beside the "
+                   "planner's estimate; refuse a layout that does not fit.")
+@click.option("--rank", "ranks", type=int, multiple=True,
+              help="With --dry-run: the global rank(s) to build; default: the first and last "
+                   "pipeline stage's.")
 @click.option("--at-job-start", is_flag=True, hidden=True,
               help="Inside a batch job (the raw template): plan for its allocation, record "
                    "$HPC_MCA_RUN_DIR/job_plan.json, print the overrides (hpc_mca/slurm/startplan.py).")
 def plan(config: Path | None, overrides: tuple[str, ...], show_sbatch: bool, as_json: bool,
-         explain: bool, at_job_start: bool, **options: object) -> None:
+         explain: bool, dry_run: bool, ranks: tuple[int, ...], at_job_start: bool,
+         **options: object) -> None:
     """Plan TP/PP/CP/EP/DP, micro-batch, recompute and memory for a job; submit nothing.
 
     CONFIG is a run config (YAML) with key=value OVERRIDES, as for submit; without one, give
@@ -37,6 +51,8 @@ def plan(config: Path | None, overrides: tuple[str, ...], show_sbatch: bool, as_
         from hpc_mca.slurm.startplan import main
 
         raise SystemExit(main(config, overrides))
+    if ranks and not dry_run:
+        raise click.UsageError("--rank applies to --dry-run; valid: add --dry-run")
     if as_json and show_sbatch:
         raise click.UsageError("--json and --sbatch print different things; valid: one of them")
     from hpc_mca.slurm.jobplan import make_job_plan, make_script_plan, plan_summary
@@ -64,9 +80,26 @@ def plan(config: Path | None, overrides: tuple[str, ...], show_sbatch: bool, as_
             table += "\n  trainer     " + " ".join(job.plan_overrides)
         if explain:
             table += "\n" + format_explain(job.plan)
+        if dry_run:
+            table += "\n" + _dry_run(job, list(ranks))
         if not show_sbatch:
             click.echo(table)
             return
         click.echo(table, err=True)
         assert rendered is not None  # rendered above whenever show_sbatch is set
         click.echo(rendered.script, nl=False)
+
+
+def _dry_run(job: JobPlan, ranks: list[int]) -> str:
+    """The dry run's table; its refusals (the trainer's, or a layout that does not fit) as
+    the command's one-line error."""
+    from hpc_mca.slurm.errors import OpsError
+    from hpc_mca.slurm.jobplan import load_train_config
+    from hpc_mca.trainer.dry_run_report import dry_run_plan
+
+    finetuning = (load_train_config(job.config_path, job.user_overrides).finetuning
+                  if job.config_path is not None else None)
+    try:
+        return dry_run_plan(job.plan, ranks=ranks or None, finetuning=finetuning)
+    except UserError as err:  # LayoutError, ModelLoadError: what the trainer would say
+        raise OpsError(f"dry run: {err}") from None

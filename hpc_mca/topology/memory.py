@@ -8,7 +8,7 @@ The estimate is the sum of four parts, each per GPU and in bytes:
   parameter (2 B when a run reduces in bf16), allocated in full even with the distributed
   optimizer (it reduce-scatters into them but does not shrink them).
 * optimizer state: Adam's two moments plus the fp32 master copy, 12 B per trainable parameter
-  (fp32 runs need no master copy: 8 B). The distributed optimizer shards this over the
+  (fp32 runs, and LoRA's float32 adapters, need no master copy: 8 B). The distributed optimizer shards this over the
   data-parallel ranks: DP·CP for dense weights, the expert-data-parallel ranks for experts.
 * activations: what the backward pass needs, after Korthikanti et al. ("Reducing Activation
   Recomputation in Large Transformer Models"), whose per-layer figure is s·b·h·(34 + 5·a·s/h)
@@ -178,7 +178,9 @@ def _state_memory(counts: ParamCounts, layout: Layout, work: Workload,
     dense parameters that train, when not all of them do (freeze)."""
     w = weight_bytes(work.precision)
     base = counts.dense + counts.expert
-    params = base * w + (counts.adapters * w if work.lora else 0)
+    # LoRA adapters stay float32 whatever the base's dtype (models.lora): 4 B each, and the
+    # optimizer steps them directly (Adam's two moments, no master copy), as the dry run shows.
+    params = base * w + (counts.adapters * 4 if work.lora else 0)
     if get_stage(work.stage).reference_model and work.reference and (
             not work.lora or work.separate_reference):
         params += base * w  # frozen reference model (with LoRA the base itself is, unless ref_model)
@@ -186,7 +188,7 @@ def _state_memory(counts: ParamCounts, layout: Layout, work: Workload,
     if trainable is not None:
         dense = trainable  # freeze: dense models only (the config rules refuse MoE)
     grads = grad_bytes(work) * (dense + expert)
-    per_param = 8 if work.precision == "fp32" else 12
+    per_param = 8 if work.precision == "fp32" or work.lora else 12
     dp = layout.dp or 1
     dense_shard, expert_shard = 1, 1
     if work.use_distributed_optimizer:
@@ -418,14 +420,19 @@ def busiest_ranks(model: ModelShape, layout: Layout) -> list[int]:
 
 def estimate_memory(model: ModelShape, layout: Layout, work: Workload) -> MemoryEstimate:
     """Per-GPU memory of the busiest pipeline stage (first or last) for a resolved layout."""
-    estimates = []
     per_layer = _layer_activation_bytes(model, layout, work)
-    for rank in busiest_ranks(model, layout):
-        counts = stage_counts(model, layout, rank, work.lora_rank,
-                              mtp_on_rank(layout, work, rank))
-        trainable = (frozen_trainable(model, layout, rank, work.freeze)
-                     if work.freeze is not None and not work.lora else None)
-        params, grads, optimizer = _state_memory(counts, layout, work, trainable)
-        estimates.append(MemoryEstimate(params, grads, optimizer,
-                                        _activation_memory(model, layout, work, rank, per_layer)))
-    return max(estimates, key=lambda e: e.total)
+    return max((rank_memory(model, layout, work, rank, per_layer)
+                for rank in busiest_ranks(model, layout)), key=lambda e: e.total)
+
+
+def rank_memory(model: ModelShape, layout: Layout, work: Workload, rank: int,
+                per_layer: LayerActivations | None = None) -> MemoryEstimate:
+    """Per-GPU memory of pipeline rank ``rank`` (``hpc-mca plan --dry-run`` compares its
+    static terms with what Megatron builds there)."""
+    per_layer = per_layer or _layer_activation_bytes(model, layout, work)
+    counts = stage_counts(model, layout, rank, work.lora_rank, mtp_on_rank(layout, work, rank))
+    trainable = (frozen_trainable(model, layout, rank, work.freeze)
+                 if work.freeze is not None and not work.lora else None)
+    params, grads, optimizer = _state_memory(counts, layout, work, trainable)
+    return MemoryEstimate(params, grads, optimizer,
+                          _activation_memory(model, layout, work, rank, per_layer))
