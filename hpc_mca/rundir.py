@@ -77,6 +77,13 @@ PREFLIGHT_DIR = "preflight"
 """The preflight (``HPC_MCA_PREFLIGHT=1``): ``<node>.json`` per node, its checks and their
 times (hpc_mca.runtime.node_check), read by the verdict on the batch node
 (hpc_mca.slurm.preflight). Removed at each start."""
+PREFLIGHT_ENDED_FILE = "step_ended"
+"""In PREFLIGHT_DIR: the batch shell, once the preflight's srun returned: the verdict stops
+waiting for reports that can no longer come."""
+REQUEUES_FILE = "requeues"
+"""The batch shell: one ``time=<t> job=<id> restart=<n> why=<one line>`` line per requeue it
+made or saw Slurm make (kept across starts); ``status`` and ``watch`` say why a pending job
+went back to the queue."""
 JOB_NODES_ENV = "HPC_MCA_JOB_NODES"
 """Exported by the batch script (train, run): the job's nodes, expanded, comma-separated, in
 Slurm's order (``SLURM_NODEID`` indexes it)."""

@@ -107,7 +107,10 @@ def test_an_absent_node_is_blamed_not_the_ones_that_waited_for_it() -> None:
     waited = "all-reduce across 3 node(s) failed after 60.0 s; never joined: n3: timeout"
     reports = {"n1": _report("n1", failing="all-reduce", detail=waited, absent=["n3"]),
                "n2": _report("n2", failing="all-reduce", detail=waited, absent=["n3"])}
-    assert judge(["n1", "n2", "n3"], reports).failed == {"n3": "sent no report"}
+    # Silent and named: what the others saw, not merely that it wrote nothing.
+    verdict = judge(["n1", "n2", "n3"], reports)
+    assert verdict.failed == {"n3": "never joined the all-reduce"}
+    assert verdict.line == "preflight: n3 never joined the all-reduce"
     # It came late (its own all-reduce failed too): still it, by the others' word.
     reports["n3"] = _report("n3", failing="all-reduce", detail="the rendezvous did not answer")
     assert judge(["n1", "n2", "n3"], reports).failed == {"n3": "never joined the all-reduce"}
@@ -304,7 +307,7 @@ def test_a_node_alone_names_the_absent_one_after_the_rendezvous_timeout(tmp_path
     report = read_reports(tmp_path)["localhost"]
     assert report["absent"] == ["127.0.0.1"] and report["local_ok"]
     verdict = judge(list(NODES), read_reports(tmp_path))
-    assert verdict.failed == {"127.0.0.1": "sent no report"}
+    assert verdict.failed == {"127.0.0.1": "never joined the all-reduce"}
 
 
 # --- submit and resume ------------------------------------------------------------------------

@@ -188,6 +188,13 @@ case "${FAKE_MODE}" in
     stop_on_signal)  # what the ranks do on the lead-time signal: save, exit 0, not finished
         touch "${HPC_MCA_RUN_DIR}/ready"
         while [[ ! -s "${HPC_MCA_SIGNAL_FILE}" ]]; do sleep 0.1; done ;;
+    outside_requeue)  # the first start waits for an outside requeue; the next one finishes
+        if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then
+            touch "${HPC_MCA_RUN_DIR}/ready"
+            while [[ ! -s "${HPC_MCA_SIGNAL_FILE}" ]]; do sleep 0.1; done
+        else
+            echo '{"step": 10}' >"${HPC_MCA_RUN_DIR}/finished"
+        fi ;;
 esac
 exit 0
 """
@@ -258,3 +265,43 @@ def test_retry_budget_stops_a_job_that_keeps_failing(fake_home: Path) -> None:
                      r"most 2", log), log
     assert re.search(r"task 0 on n\d failed: exit code 1 \(srun exit code 1\): not requeued, "
                      r"retry budget spent \(2 restarts\)", log), log
+
+
+def test_an_outside_requeue_leaves_no_failed_batch_step_and_status_and_watch_say_why(
+        fake_home: Path) -> None:
+    """An outside ``scontrol requeue``: the batch shell of that start exits 0 (before: 75,
+    which sacct kept as a FAILED 75:0 batch step for every such start); while the job is
+    pending again, status and watch say why, in the same words."""
+    from hpc_mca.slurm.status import job_status
+    from hpc_mca.slurm.watch import JobSource, status_line
+
+    job_id, run_dir, work = _fake_job(fake_home, "outside_requeue")
+    _wait_file(run_dir / "ready")
+    subprocess.run(["scontrol", "requeue", job_id], check=True)
+    runs, pending, watched = work / "runs", None, None
+    deadline = time.monotonic() + 60
+    while (pending is None or watched is None) and time.monotonic() < deadline:
+        status = job_status(job_id, runs)
+        if status.note is not None and status.note.label == "pending":
+            pending = status.note.text
+        snap = JobSource(job_id, runs).poll()
+        if snap.note is not None and snap.note.startswith("requeued at "):
+            watched = status_line(snap)
+        time.sleep(0.2)
+    assert slurm.wait_for_job(job_id) == "COMPLETED"
+    log = log_of(work, "outside_requeue", job_id)
+    why = "requeued by Slurm (scontrol requeue or preemption)"
+    assert pending is not None and pending.endswith(f"(restart 0): {why}"), log
+    assert watched is not None and watched.endswith(f"| {pending}"), watched
+    assert re.search(rf"^hpc-mca \| end +{re.escape(why)}.*; exit code 0 after ", log, re.M), log
+    batch: list[list[str]] = []
+    deadline = time.monotonic() + 30  # accounting records each start's batch step as it ends
+    while len(batch) < 2 and time.monotonic() < deadline:
+        done = subprocess.run(["sacct", "-j", job_id, "--duplicates", "-n", "-P", "-o",
+                               "JobID,State,ExitCode"], capture_output=True, text=True, check=True)
+        batch = [line.split("|")[1:] for line in done.stdout.splitlines()
+                 if line.startswith(f"{job_id}.batch|")]
+        time.sleep(0.5)
+    assert len(batch) == 2 and not any(state.startswith("FAILED") for state, _ in batch), done.stdout
+    assert batch[0][1] == "0:0", done.stdout
+    print(f"\njob {job_id}: batch steps {batch}; pending: {pending}")

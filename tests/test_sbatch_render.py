@@ -385,6 +385,13 @@ VERDICTS = {
 }
 
 
+RECORDED = {"lead signal": "time limit ahead (SIGUSR1 ",
+            "outside scontrol requeue": "requeued by Slurm (scontrol requeue or preemption)",
+            "time limit reached": "time limit reached (SIGTERM)",
+            "controller unreachable": "SIGUSR1 (Slurm did not say when the job ends"}
+"""The cause each requeue leaves in <run dir>/requeues (its start)."""
+
+
 def _calls(env: dict[str, str], name: str) -> list[str]:
     """The stand-in's calls, one line of arguments each."""
     path = Path(env["FAKE_DIR"]) / f"{name}.calls"
@@ -429,9 +436,18 @@ def test_requeue_decision(tmp_path: Path, name: str) -> None:
         cause = {"COMPLETING|None|0|": "cancelled", "COMPLETING|None|1|": "requeued",
                  "COMPLETING|TimeLimit|0|": "timelimit"}[squeue]
         assert signal_file.read_text().splitlines()[-1].endswith(f"cause={cause}")
-    # Not finished and not requeued by this shell: "stopped, not coming back" (75); bad input 2.
-    expected = 2 if name == "bad input" else 0 if scontrol and not scancel else 75
+    # Not finished and not requeued: "stopped, not coming back" (75); bad input 2; requeued by
+    # this shell or by Slurm (the job comes back: no FAILED batch step in accounting) 0.
+    requeued = bool(scontrol and not scancel) or name == "outside scontrol requeue"
+    expected = 2 if name == "bad input" else 0 if requeued else 75
     assert proc.returncode == expected, out
+    # Each requeue, made or seen, is recorded with its cause for hpc-mca status and watch.
+    from hpc_mca.slurm.status import read_requeues
+
+    records = read_requeues(run_dir)
+    assert [(r["job"], r["restart"]) for r in records] == ([("4242", "0")] if requeued else []), records
+    if requeued:
+        assert records[0]["why"].startswith(RECORDED[name]), records
 
 
 def test_the_script_reads_the_run_dir_files_by_their_contract_names() -> None:
@@ -439,7 +455,8 @@ def test_the_script_reads_the_run_dir_files_by_their_contract_names() -> None:
 
     script = render_script()
     for name in (rundir.SIGNAL_FILE, rundir.CANCEL_FILE, rundir.BAD_INPUT_FILE,
-                 rundir.FINISHED_FILE):
+                 rundir.FINISHED_FILE, rundir.REQUEUES_FILE,
+                 f"{rundir.PREFLIGHT_DIR}/{rundir.PREFLIGHT_ENDED_FILE}"):
         assert f'"${{HPC_MCA_RUN_DIR}}/{name}"' in script, name
     exported = next(line for line in script.splitlines() if line.startswith("export HPC_MCA_HOME"))
     assert rundir.RUN_DIR_ENV in exported.split()

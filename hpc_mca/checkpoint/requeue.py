@@ -44,7 +44,8 @@ This docstring is the contract between the batch script (``sbatch/train.sbatch``
    * the run directory's file system has no byte left (even that record could not be
      written): never requeued.
    * ``cancelled``: never requeued, whatever signals came before (a lead-time USR1 included).
-   * ``requeued``: nothing to do; Slurm restarts the job.
+   * ``requeued``: nothing to do; Slurm restarts the job. Exit 0: this start did not fail
+     (an exit 75 here left accounting a FAILED batch step for every outside requeue).
    * ``timelimit`` or ``preempted``, or a USR1 was recorded: ``scontrol requeue
      $SLURM_JOB_ID`` (same job id; Slurm bumps SLURM_RESTART_COUNT; the job restarts after
      the requeue hold) if SLURM_RESTART_COUNT < HPC_MCA_MAX_REQUEUES, else exit 75
@@ -53,12 +54,15 @@ This docstring is the contract between the batch script (``sbatch/train.sbatch``
    * only a TERM was recorded (``scancel --signal=TERM``): no requeue; exit 75 if the ranks
      stopped early.
 
-   The requeue line names the reason: a USR1 is the lead-time signal when it came at most
-   lead + 60 s before the limit (the lead from the script's ``#SBATCH --signal`` line; Slurm
-   checks every 30 s), else one sent by hand (``scancel --signal=USR1``); ranks that exited
-   non-zero are named first, from srun's own line on the first failed task (``task 1 on n2
-   failed: killed by SIGKILL (srun exit code 143)``: srun's exit code alone can say 143 for
-   a SIGKILLed rank), else by srun's exit code and its signal (``137 (SIGKILL)``).
+   Every requeue the shell makes, or sees Slurm make, is appended with its reason to
+   ``requeues`` in the run directory (``hpc-mca status`` and ``watch`` show it while the job
+   is pending). The requeue line names the reason: a USR1 is the lead-time signal when it
+   came at most lead + 60 s before the limit (the lead from the script's ``#SBATCH
+   --signal`` line; Slurm checks every 30 s), else one sent by hand (``scancel
+   --signal=USR1``); ranks that exited non-zero are named first, from srun's own line on
+   the first failed task (``task 1 on n2 failed: killed by SIGKILL (srun exit code 143)``:
+   srun's exit code alone can say 143 for a SIGKILLed rank), else by srun's exit code and
+   its signal (``137 (SIGKILL)``).
    * rc != 0 and rc != 2 (2 = bad input; retrying cannot help) and
      HPC_MCA_REQUEUE_ON_FAILURE=1: requeue within the same budget, so a crash on a flaky node
      resumes from the last checkpoint while a job that keeps failing stops after

@@ -14,10 +14,19 @@ requeues the job before any training starts. What one node checks:
   device cannot hang it), one process per node, rendezvous at a TCPStore on the first node
   of ``HPC_MCA_JOB_NODES``. A node whose own checks failed still joins, so the others are not
   left waiting; a node that never joins is named by the others once
-  :data:`RENDEZVOUS_TIMEOUT_S` has passed.
+  :data:`RENDEZVOUS_TIMEOUT_S` has passed, and so is one that joined but stopped answering in
+  the all-reduce (it never says, within :data:`AFTER_FAILURE_S`, that its all-reduce failed
+  too), or the first node when its store stops answering.
+
+Each node records its phase as it goes (:mod:`hpc_mca.runtime.preflight_records`): the batch
+node names who is behind while the preflight runs, and stops waiting for a node the others
+named (:mod:`hpc_mca.slurm.preflight`).
 
 The local checks run in a thread bounded by :data:`CHECK_TIMEOUT_S`: a device that hangs
-fails its check instead of holding the node (the process leaves the thread behind).
+fails its check instead of holding the node (the process leaves the thread behind). So does
+the all-reduce as a whole (:func:`~hpc_mca.runtime.preflight_records.all_reduce_bound_s`), and
+each question to the store after a failure (:func:`bounded`): the store of a stopped first
+node never answers, and none of its timeouts covers that.
 
 Each node writes ``<run dir>/preflight/<node>.json`` (:func:`write_report`) and prints one
 line. The matmul operands are small integers, so every fp32 path (TF32 included) must give
@@ -36,19 +45,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from hpc_mca.errors import UserError
 from hpc_mca.rundir import JOB_NODES_ENV, PREFLIGHT_DIR, RUN_DIR_ENV, write_atomic
 from hpc_mca.runtime.env import job_nodes_from, port_for_job
+from hpc_mca.runtime.preflight_records import (
+    AFTER_FAILURE_S,
+    CHECK_TIMEOUT_S,
+    LEAVE_S,
+    RENDEZVOUS_TIMEOUT_S,
+    all_reduce_bound_s,
+    write_phase,
+)
 
-RENDEZVOUS_TIMEOUT_S = 60.0
-"""How long a node waits for the others at the all-reduce: one absent node cannot hang the
-rest of the job for longer."""
-CHECK_TIMEOUT_S = 120.0
-"""How long the local checks may take in all (a hung device fails instead of hanging)."""
 MIN_FREE_GPU_FRACTION = 0.8
 """Free memory each GPU must have, as a fraction of its total: before training nothing of
 this job holds any, so much less means another process (a previous job's leftover) does."""
@@ -64,6 +76,7 @@ node shared by jobs a clash needs ids exactly 8500 apart."""
 
 CheckFn = Callable[[], tuple[bool, str]]
 """A check: whether it passed, and what it found (one line)."""
+R = TypeVar("R")
 
 
 class PreflightInputError(UserError):
@@ -258,6 +271,9 @@ class Gathered:
     check: Check
     absent: list[str] = field(default_factory=list)
     """Nodes that never joined (named only when the all-reduce failed)."""
+    stopped: list[str] = field(default_factory=list)
+    """Nodes that joined and then stopped answering: silent after the all-reduce itself
+    failed, or the first node when the store it serves stopped answering."""
 
 
 def all_reduce(me: NodeEnv, timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> Gathered:
@@ -270,9 +286,10 @@ def all_reduce(me: NodeEnv, timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> Gathered
     port = preflight_port(me.job_id)
     timeout = datetime.timedelta(seconds=timeout_s)
 
-    def result(ok: bool, detail: str, absent: list[str] | None = None) -> Gathered:
+    def result(ok: bool, detail: str, absent: list[str] | None = None,
+               stopped: list[str] | None = None) -> Gathered:
         return Gathered(Check("all-reduce", ok, detail, round(time.monotonic() - start, 3)),
-                        absent or [])
+                        absent or [], stopped or [])
 
     try:
         store = dist.TCPStore(host, port, None, me.node_id == 0, timeout,
@@ -282,27 +299,59 @@ def all_reduce(me: NodeEnv, timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> Gathered
             return result(False, f"cannot host the rendezvous at {host}:{port}: {_first_line(err)}")
         return result(False, f"the rendezvous at {host}:{port} did not answer within "
                              f"{timeout_s:g} s: {_first_line(err)}", [host])
+    reducing = False  # every node joined the process group: only the all-reduce itself is left
+    stopped: list[str] = []
+    store_gone = False  # its server stopped answering: nothing to leave
     try:
         store.set(f"joined/{me.node_id}", me.node)
+        write_phase(me.run_dir, me.node, me.restart, "joined")
         dist.init_process_group("gloo", store=dist.PrefixStore("preflight", store),
                                 rank=me.node_id, world_size=world, timeout=timeout)
         try:
             row = torch.zeros(world)
             row[me.node_id] = 1.0
+            reducing = True
             dist.all_reduce(row)
         finally:
             dist.destroy_process_group()
     except RuntimeError as err:  # a timeout, or a peer that went away
-        absent = _absent(store, me)
+        # A stopped first node never answers its store's questions (no timeout covers them).
+        answered, named = bounded(lambda: _absent(store, me, reducing), 2 * AFTER_FAILURE_S)
+        absent, stopped = named if answered and named else ([], [] if me.node_id == 0 else [host])
+        store_gone = not answered
         who = f"; never joined: {','.join(absent)}" if absent else ""
+        who += f"; stopped answering: {','.join(stopped)}" if stopped else ""
         return result(False, f"all-reduce across {world} node(s) failed after "
-                             f"{time.monotonic() - start:.1f} s{who}: {_first_line(err)}", absent)
+                             f"{time.monotonic() - start:.1f} s{who}: {_first_line(err)}",
+                      absent, stopped)
     finally:
-        _leave(store, me, timeout_s)
+        if not store_gone:
+            bounded(lambda: _leave(store, me, stopped), LEAVE_S + AFTER_FAILURE_S)
     if not torch.equal(row, torch.ones(world)):
         return result(False, f"all-reduce across {world} node(s) returned {row.tolist()}, "
                              f"expected {world} ones")
     return result(True, f"{world} node(s) in {time.monotonic() - start:.2f} s")
+
+
+def bounded(fn: Callable[[], R], timeout_s: float) -> tuple[bool, R | None]:
+    """``fn()`` in a daemon thread: (True, its result) when it returns within ``timeout_s``,
+    else (False, None) and the thread is left behind, blocked (a TCPStore whose server
+    process is stopped never answers, and no timeout of the store covers its questions)."""
+    box: list[R] = []
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            box.append(fn())
+        except BaseException as err:  # re-raised in the caller's thread
+            errors.append(err)
+
+    thread = threading.Thread(target=call, name="preflight-store", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if errors:
+        raise errors[0]
+    return (True, box[0]) if box else (False, None)
 
 
 def _first_line(err: BaseException) -> str:
@@ -311,24 +360,40 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(err).__name__
 
 
-def _absent(store: torch.distributed.Store, me: NodeEnv) -> list[str]:
-    """The nodes whose join key is not in the store (empty when the store cannot say)."""
+def _absent(store: torch.distributed.Store, me: NodeEnv,
+            reducing: bool) -> tuple[list[str], list[str]]:
+    """Whom to name after a failed all-reduce: (never joined, stopped answering). Never
+    joined: the nodes whose join key is not in the store. When all joined and the all-reduce
+    itself failed (they entered it together), stopped: those that do not say within
+    :data:`AFTER_FAILURE_S` that theirs failed too (frozen, or cut off); and the first node
+    when its store does not answer (its process is what serves it)."""
     try:
-        return [me.nodes[i] for i in range(len(me.nodes))
-                if not store.check([f"joined/{i}"])]
+        absent = [me.nodes[i] for i in range(len(me.nodes)) if not store.check([f"joined/{i}"])]
+        if absent or not reducing:
+            return absent, []
+        store.set(f"failed/{me.node_id}", me.node)
+        deadline = time.monotonic() + AFTER_FAILURE_S
+        while True:
+            silent = [me.nodes[i] for i in range(len(me.nodes))
+                      if not store.check([f"failed/{i}"]) and not store.check([f"left/{i}"])]
+            if not silent or time.monotonic() >= deadline:
+                return [], silent
+            time.sleep(0.05)
     except RuntimeError:
-        return []
+        return [], [] if me.node_id == 0 else [me.nodes[0]]
 
 
-def _leave(store: torch.distributed.Store, me: NodeEnv, timeout_s: float) -> None:
+def _leave(store: torch.distributed.Store, me: NodeEnv, stopped: list[str]) -> None:
     """The first node hosts the store: it waits (bounded) until every node that joined is
-    done with it, so none of them loses the store while it still names the absent."""
+    done with it, so none of them loses the store while it still names the absent; not for
+    the ``stopped`` ones, which never will be."""
     try:
         store.set(f"left/{me.node_id}", me.node)
         if me.node_id != 0:
             return
-        deadline = time.monotonic() + min(timeout_s, 10.0)
-        joined = [i for i in range(len(me.nodes)) if store.check([f"joined/{i}"])]
+        deadline = time.monotonic() + LEAVE_S
+        joined = [i for i in range(len(me.nodes))
+                  if store.check([f"joined/{i}"]) and me.nodes[i] not in stopped]
         while time.monotonic() < deadline:
             if store.check([f"left/{i}" for i in joined]):
                 return
@@ -372,12 +437,21 @@ def run(env: Mapping[str, str] | None = None, *, rendezvous_timeout_s: float = R
     env = os.environ if env is None else env
     started = _process_start()
     me = NodeEnv.from_environ(env)
+    write_phase(me.run_dir, me.node, me.restart, "checks")
     checks = run_local_checks(local_plan(env, me.run_dir), check_timeout_s)
-    gathered = all_reduce(me, rendezvous_timeout_s)
+    write_phase(me.run_dir, me.node, me.restart, "all-reduce")
+    bound = all_reduce_bound_s(rendezvous_timeout_s)
+    finished, gathered = bounded(lambda: all_reduce(me, rendezvous_timeout_s), bound)
+    if not finished or gathered is None:  # blocked on the first node's store: it stopped
+        host = me.nodes[0]
+        gathered = Gathered(Check("all-reduce", False, f"all-reduce did not finish within {bound:g} s: "
+                                  f"the rendezvous store on {host} stopped answering", bound),
+                            stopped=[] if me.node_id == 0 else [host])
     checks.append(gathered.check)
     report = {"node": me.node, "node_id": me.node_id, "nodes": list(me.nodes), "job": me.job_id,
               "restart": me.restart, "ok": all(c.ok for c in checks),
               "local_ok": all(c.ok for c in checks[:-1]), "absent": gathered.absent,
+              "stopped": gathered.stopped,
               "checks": [asdict(c) for c in checks], "started": round(started, 3),
               "seconds": round(time.time() - started, 3)}
     try:

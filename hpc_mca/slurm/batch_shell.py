@@ -231,6 +231,11 @@ ranks_failure() {  # the first failed task as srun saw it, and srun's exit code
     esac
     echo "${task} on ${node} failed: ${how} (srun exit code ${rc})"
 }
+requeues_file="${HPC_MCA_RUN_DIR}/requeues"  # why each requeue: hpc-mca status and watch show it
+record_requeue() {  # best effort: the requeue goes ahead whatever the file system says
+    printf 'time=%s job=%s restart=%s why=%s\n' "$(date +%s)" "${SLURM_JOB_ID}" \
+        "${SLURM_RESTART_COUNT:-0}" "${1//$'\n'/ }" >>"${requeues_file}" 2>/dev/null || true
+}
 cancel_file="${HPC_MCA_RUN_DIR}/cancel_requested"
 cancel_asked() {  # hpc-mca cancel writes "job=<id> ..." here before it calls scancel
     grep -qs "^job=${SLURM_JOB_ID} " "${cancel_file}"
@@ -254,7 +259,7 @@ node_facts() {
     nodes=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd, -) || true
     export HPC_MCA_USABLE_NODES="${usable}" HPC_MCA_JOB_EXCLUDED="${excluded}" HPC_MCA_JOB_NODES="${nodes}"
 }
-# shellcheck disable=SC2317  # invoked by on_hang
+# shellcheck disable=SC2317  # invoked by on_hang (and after the preflight's verdict)
 kill_ranks() {  # every job step but this shell's: SIGKILL reaches a stopped (frozen) rank too
     local step=""
     while read -r step; do
@@ -301,16 +306,41 @@ trap 'on_signal TERM' TERM
 
 # --- preflight (train, HPC_MCA_PREFLIGHT=1): every node checks itself before training ----------
 rc=0
-skip=0
+skip=0    # no training this start
+judged=0  # the preflight's verdict excluded nodes
 if ((trains)) && [[ "${HPC_MCA_PREFLIGHT}" == 1 ]]; then
-    # One task per node; each bounds its own checks and the all-reduce. A node that fails (or
-    # never reports) is excluded and the job requeued by the verdict below.
-    srun --unbuffered --ntasks-per-node=1 --ntasks="${SLURM_JOB_NUM_NODES:-1}" \
-        --kill-on-bad-exit=0 --time=10 "${launcher}" preflight || true
+    # One task per node; each bounds its own checks and the all-reduce. Beside it the verdict
+    # waits until every node reported or was named absent by the others, srun returned, or the
+    # preflight's deadline (hpc_mca/slurm/preflight.py): a node stopped in its preflight holds
+    # the job no longer than that, its step is killed here (srun's --time is only a backstop).
+    # A node that fails (or never reports) is excluded and the job requeued by the verdict.
+    pre_ended="${HPC_MCA_RUN_DIR}/preflight/step_ended"  # srun returned: the verdict stops waiting
+    (
+        srun --unbuffered --ntasks-per-node=1 --ntasks="${SLURM_JOB_NUM_NODES:-1}" \
+            --kill-on-bad-exit=0 --time=10 "${launcher}" preflight || true
+        { mkdir -p "${pre_ended%/*}" && : >"${pre_ended}"; } || true
+    ) &
+    pre_pid=$!
     pre_rc=0
     "${launcher}" preflight --verdict || pre_rc=$?
+    for i in {1..350}; do  # nodes that reported leave at once (5 s); after a kill, 30 s more
+        [[ ! -e "${pre_ended}" ]] || break
+        if ((i == 50)); then
+            banner "preflight" "a node still runs its preflight: killing the step at $(date '+%H:%M:%S')"
+            kill_ranks
+        fi
+        sleep 0.1
+    done
+    if [[ -e "${pre_ended}" ]]; then
+        wait "${pre_pid}" || true
+    else
+        banner "preflight" "the preflight's srun did not end after SIGKILL: going on without it"
+    fi
     if ((pre_rc == 3)); then  # failed nodes: ${verdict_file} says which and what to exclude
         skip=1
+        judged=1
+    elif ((pre_rc != 0)) && [[ -s "${HPC_MCA_SIGNAL_FILE}" ]]; then
+        skip=1  # a TERM ended the verdict (scancel, a requeue, the time limit): Slurm's view decides
     elif ((pre_rc != 0)); then
         banner "end" "the preflight's verdict failed (exit code ${pre_rc}), not requeued"
         exit "${pre_rc}"
@@ -369,6 +399,7 @@ fi
 why=""
 outcome=""
 exclude=""
+outside=0
 if ((trains)); then
     verdict=$(slurm_verdict)
     ! cancel_asked || verdict=cancelled
@@ -383,7 +414,13 @@ if ((trains)); then
         outcome="cancelled: not requeued"
     elif [[ "${verdict}" == requeued ]]; then
         outcome="requeued by Slurm (scontrol requeue or preemption)"
-    elif ((hung || skip)); then  # the watchdog's or the preflight's verdict
+        record_requeue "${outcome}"
+        # The job comes back: this start did not fail (exit 75 would leave accounting a FAILED
+        # batch step per outside requeue). srun's own code is in the line.
+        ((rc == 0)) || outcome+=" after srun's exit code ${rc}"
+        rc=0
+        outside=1
+    elif ((hung || judged)); then  # the watchdog's or the preflight's verdict
         read_verdict
         if [[ -n "${v_end}" ]]; then
             outcome="${v_why}: ${v_end}"
@@ -419,6 +456,7 @@ if [[ -n "${why}" ]]; then
         if ! scontrol requeue "${SLURM_JOB_ID}"; then
             banner "requeue" "scontrol requeue failed: not requeued"
         elif ! cancel_asked; then
+            record_requeue "${why}"
             # Slurm takes an ExcNodeList only while the job is pending: now.
             if [[ -n "${exclude}" ]]; then
                 if scontrol update job="${SLURM_JOB_ID}" ExcNodeList="${exclude}"; then
@@ -436,7 +474,7 @@ if [[ -n "${why}" ]]; then
         banner "requeue" "${why}: not requeued, retry budget spent (${restarts} restarts)"
     fi
 fi
-if ((trains)) && [[ ! -f "${HPC_MCA_RUN_DIR}/finished" ]] && ((rc == 0)); then
+if ((trains && !outside)) && [[ ! -f "${HPC_MCA_RUN_DIR}/finished" ]] && ((rc == 0)); then
     rc=75  # the ranks stopped early and the job is not coming back: not a success
 fi
 banner "end" "${outcome:+${outcome}; }exit code ${rc} after $((SECONDS - started)) s"

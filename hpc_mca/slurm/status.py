@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_mca.rundir import HANGS_FILE, read_bad_input
+from hpc_mca.rundir import HANGS_FILE, REQUEUES_FILE, read_bad_input
+from hpc_mca.runtime.preflight_records import read_state
 
 from . import commands
 from .commands import JobState
@@ -17,6 +18,16 @@ from .errors import OpsError
 from .exclusion import read_excluded
 from .manifest import Run, current_job_id, find_run, iter_manifests, run_from_manifest
 from .progress import Progress, read_progress
+
+
+@dataclass(frozen=True)
+class Note:
+    """Why a job is where it is, as status and watch both say it."""
+
+    label: str
+    """status's name for the line: ``pending`` (why it went back to the queue) or
+    ``preflight`` (its nodes are being checked)."""
+    text: str
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,8 @@ class RunStatus:
     """The hang watchdog's records (hangs.jsonl), oldest first."""
     excluded: tuple[dict, ...] = ()
     """The nodes the run excluded from its next starts, with why (excluded_nodes.json)."""
+    note: Note | None = None
+    """Why the job is where it is (:func:`job_note`): watch shows the same text."""
 
     @property
     def state(self) -> str:
@@ -59,6 +72,7 @@ class RunStatus:
             "bad_input": self.bad_input,
             "total_elapsed_s": self.total_elapsed_s, "runs": self.runs,
             "hangs": list(self.hangs), "excluded_nodes": list(self.excluded),
+            "note": self.note.text if self.note else None,
         }
 
 
@@ -79,11 +93,55 @@ def job_status(job_id: str, runs_root: Path) -> RunStatus:
     total, runs = run_totals(job_id, job, run)
     hangs = tuple(read_hangs(run.run_dir)) if run else ()
     excluded = tuple(read_excluded(run.run_dir)) if run else ()
+    note = job_note(run.run_dir, job_id, job, progress) if run else None
     if current is None or current == job_id:
         return RunStatus(job_id, job, run, progress, bad_input=bad, total_elapsed_s=total, runs=runs,
-                         hangs=hangs, excluded=excluded)
+                         hangs=hangs, excluded=excluded, note=note)
     return RunStatus(job_id, job, run, progress, current, commands.job_state(current), bad,
-                     total, runs, hangs=hangs, excluded=excluded)
+                     total, runs, hangs=hangs, excluded=excluded, note=note)
+
+
+PENDING_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
+
+
+def read_requeues(run_dir: Path) -> list[dict[str, str]]:
+    """The batch shell's requeue records (``time= job= restart= why=`` lines), oldest first."""
+    try:
+        lines = (Path(run_dir) / REQUEUES_FILE).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    records = []
+    for line in lines:
+        head, sep, why = line.partition(" why=")
+        fields = dict(part.split("=", 1) for part in head.split() if "=" in part)
+        if sep and {"time", "job", "restart"} <= fields.keys():
+            records.append({**fields, "why": why})
+    return records
+
+
+def job_note(run_dir: Path, job_id: str, job: JobState | None,
+             progress: Progress | None) -> Note | None:
+    """Pending after a requeue: the newest requeue of this job and why (a hang and its node,
+    a failed preflight and its nodes, a time limit, an outside requeue...). Running its
+    preflight: the batch node's line on it (whom it waits for, then the verdict), until
+    training has made progress since."""
+    if job is None:
+        return None
+    if job.state in PENDING_STATES:
+        mine = [r for r in read_requeues(run_dir) if r["job"] == job_id]
+        if not mine:
+            return None
+        last = mine[-1]
+        try:
+            when = time.strftime("%H:%M:%S", time.localtime(float(last["time"])))
+        except (ValueError, OverflowError):
+            when = "?"
+        return Note("pending", f"requeued at {when} (restart {last['restart']}): {last['why']}")
+    state = read_state(run_dir)
+    if job.state != "RUNNING" or state is None or state.get("job") != job_id:
+        return None
+    trained_since = progress is not None and (progress.updated or 0) >= state["time"]
+    return None if state.get("passed") and trained_since else Note("preflight", state["line"])
 
 
 def read_hangs(run_dir: Path) -> tuple[dict, ...]:
@@ -198,6 +256,8 @@ def format_status(status: RunStatus, now: float | None = None) -> str:
     else:
         head = f"job {status.job_id}  {status.state} (Slurm has no record of it)"
     lines = [head]
+    if status.note is not None:
+        lines.append(f"  {status.note.label:<11} {status.note.text}")
     if status.current_job_id is not None:
         current = status.current_job.state if status.current_job else "unknown to Slurm"
         lines.append(f"  continued   by job {status.current_job_id} ({current}): hpc-mca status "

@@ -2,7 +2,9 @@
 
 Each poll joins Slurm's view of the job (:func:`hpc_mca.slurm.commands.job_state`: state,
 squeue's pending reason, requeues) with the run's ``progress.json`` (step/total, loss,
-tokens/s, ETA, eval loss). On a terminal the view is one tqdm bar redrawn in place; on
+tokens/s, ETA, eval loss) and what ``hpc-mca status`` says of why the job is where it is
+(:func:`hpc_mca.slurm.status.job_note`: why a pending job was requeued, whom a running
+preflight waits for). On a terminal the view is one tqdm bar redrawn in place; on
 anything else (a pipe, a log file, CI) it is one plain line per change, so a log holds no
 carriage returns and no line repeats while nothing moves.
 
@@ -25,7 +27,7 @@ from .commands import TERMINAL_STATES, JobState
 from .errors import OpsError
 from .manifest import find_run
 from .progress import Progress, read_progress
-from .status import progress_fields
+from .status import job_note, progress_fields
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -52,6 +54,9 @@ class Snapshot:
     job: JobState | None
     progress: Progress | None
     bad_input: str | None = None
+    note: str | None = None
+    """Why the job is where it is: the text ``hpc-mca status`` shows (why a pending job was
+    requeued, whom a running preflight waits for)."""
 
     @property
     def finished(self) -> bool:
@@ -92,8 +97,10 @@ class JobSource:
                 pass  # a raw sbatch job before Slurm reports its work dir: try next poll
         if self.run_dir is None:
             return Snapshot(self.job_id, job, None)
-        return Snapshot(self.job_id, job, read_progress(self.run_dir),
-                        read_bad_input(self.run_dir))
+        progress = read_progress(self.run_dir)
+        note = job_note(self.run_dir, self.job_id, job, progress)
+        return Snapshot(self.job_id, job, progress, read_bad_input(self.run_dir),
+                        note.text if note else None)
 
 
 def step_text(progress: Progress | None) -> str | None:
@@ -126,6 +133,8 @@ def status_line(snap: Snapshot) -> str:
     parts.append(f"requeues {snap.requeues}")
     if snap.bad_input:
         parts.append(f"bad input: {snap.bad_input}")
+    if snap.note:
+        parts.append(snap.note)
     return " | ".join(parts)
 
 
@@ -173,7 +182,8 @@ class BarView:
         total = progress.max_steps if progress else None
         # tqdm's own rate, ETA and postfix would describe this poller, not the trainer: the
         # format carries the trainer's numbers (braces escaped for str.format).
-        fields = " | ".join(progress_fields(progress) + [f"requeues {snap.requeues}"])
+        fields = " | ".join(progress_fields(progress) + [f"requeues {snap.requeues}"]
+                            + ([snap.note] if snap.note else []))
         fields = fields.replace("{", "{{").replace("}", "}}")
         if step is not None and total:
             bar.total, bar.n = total, min(step, total)

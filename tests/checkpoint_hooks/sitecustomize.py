@@ -28,6 +28,13 @@ HPC_MCA_TEST_FREEZE=POINT:RANK[@R]  global rank RANK stops itself (SIGSTOP: its 
 HPC_MCA_TEST_PREFLIGHT_FAIL=NODEID@R  the preflight's matmul on the node with SLURM_NODEID
                                NODEID comes back with one entry off by 1, only while
                                SLURM_RESTART_COUNT is R: that node fails its node check.
+HPC_MCA_TEST_PREFLIGHT_FREEZE=NODEID@R[:reduce]  the preflight process of the node with
+                               SLURM_NODEID NODEID stops itself (SIGSTOP) as it reaches the
+                               all-reduce, before joining it (with :reduce: after joining, as
+                               it enters the all-reduce itself), only while SLURM_RESTART_COUNT
+                               is R: a node hung in its preflight.
+HPC_MCA_TEST_PREFLIGHT_RENDEZVOUS=S  the preflight's nodes wait S seconds for each other at the
+                               all-reduce (instead of 60): a fast test of an absent node.
 """
 
 from __future__ import annotations
@@ -293,11 +300,60 @@ def _install_freeze(spec: str) -> None:
     _patch_after_import(module_name, patch)
 
 
+def _install_preflight_freeze(spec: str) -> None:
+    spec, _, restart = spec.partition("@")
+    restart, _, where = restart.partition(":")
+    if os.environ.get("SLURM_NODEID") != spec or os.environ.get("SLURM_RESTART_COUNT", "0") != restart:
+        return
+
+    def stop(what: str) -> None:
+        print(f"test hook: node {spec} ({os.environ.get('SLURMD_NODENAME', '?')}, pid {os.getpid()}) "
+              f"stops (SIGSTOP) {what}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    def patch(module):
+        if where == "reduce":
+            import torch.distributed as dist
+
+            real = dist.all_reduce
+
+            def all_reduce(*args, **kwargs):
+                stop("in the all-reduce, after joining it")
+                return real(*args, **kwargs)
+
+            dist.all_reduce = all_reduce
+            return
+        original = module.all_reduce
+
+        def all_reduce(*args, **kwargs):
+            stop("before joining the all-reduce")
+            return original(*args, **kwargs)
+
+        module.all_reduce = all_reduce
+
+    _patch_after_import("hpc_mca.runtime.node_check", patch)
+
+
+def _install_preflight_rendezvous(spec: str) -> None:
+    def patch(module):
+        original = module.run
+
+        def run(env=None, **kwargs):
+            kwargs.setdefault("rendezvous_timeout_s", float(spec))
+            return original(env, **kwargs)
+
+        module.run = run
+
+    _patch_after_import("hpc_mca.runtime.node_check", patch)
+
+
 _HOOKS = {"HPC_MCA_TEST_FREEZE": _install_freeze,
           "HPC_MCA_TEST_STEP_SLEEP": _install_sleep, "HPC_MCA_TEST_KILL": _install_kill,
           "HPC_MCA_TEST_SAVE_SLEEP": _install_save_sleep, "HPC_MCA_TEST_BLOCK": _install_block,
           "HPC_MCA_TEST_RANK_SLEEP": _install_rank_sleep,
-          "HPC_MCA_TEST_PREFLIGHT_FAIL": _install_preflight_fail}
+          "HPC_MCA_TEST_PREFLIGHT_FAIL": _install_preflight_fail,
+          "HPC_MCA_TEST_PREFLIGHT_FREEZE": _install_preflight_freeze,
+          "HPC_MCA_TEST_PREFLIGHT_RENDEZVOUS": _install_preflight_rendezvous}
 for _name, _install in _HOOKS.items():
     if os.environ.get(_name):
         _install(os.environ[_name])
