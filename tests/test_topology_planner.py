@@ -116,14 +116,16 @@ def test_recipe_memory_matches_hand_count():
 
 
 def test_mtp_depths_are_counted_on_the_last_stage():
-    """One MTP depth: the last pipeline stage gains a layer, a 2h→h projection and three norms
-    of parameters (TP4 PP2), and, on TP4 CP2 (one stage), a layer's activations, its 2h-wide
+    """One MTP depth: the last pipeline stage gains a layer, a 2h→h projection, three norms
+    and its own copy of the embedding (Megatron's MTP embeds its input there) of parameters
+    (TP4 PP2), and, on TP4 CP2 (one stage), a layer's activations, its 2h-wide
     projection input and one more set of logits."""
     h = 4096
     layer = (4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336) // 4 + 2 * h
     piped = Layout(tp=4, pp=2, cp=2).resolved(16)
     params = [stage_counts(LLAMA3_8B, piped, 1, 16, mtp).dense for mtp in (0, 1)]
-    assert params[1] - params[0] == layer + 2 * h * h // 4 + 3 * h
+    embedding = 128512 * h // 4  # Llama-3's 128,256 rows padded to a multiple of 128 × TP4
+    assert params[1] - params[0] == layer + 2 * h * h // 4 + 3 * h + embedding
     assert stage_counts(LLAMA3_8B, piped, 0, 16) == stage_counts(LLAMA3_8B, piped, 0, 16, 0)
     layout = Layout(tp=4, cp=2).resolved(16)
     work = Workload(seq_length=16384, num_microbatches=256, cp_comm_type="p2p")

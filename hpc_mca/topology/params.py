@@ -122,7 +122,8 @@ def checkpoint_parameters(model: ModelShape) -> tuple[int, int]:
 def stage_counts(model: ModelShape, layout: Layout, rank: int, lora_rank: int,
                  mtp_layers: int = 0) -> ParamCounts:
     """Parameters on one GPU of pipeline rank ``rank``: its layers plus embedding/output, and
-    ``mtp_layers`` MTP depths (each a layer, a 2h→h projection and three norms)."""
+    ``mtp_layers`` MTP depths (each a layer, a 2h→h projection and three norms, and with
+    PP > 1 an embedding copy on the last stage)."""
     dense_layers, moe_layers = layer_kinds_on_rank(model, layout, rank)
     dense_kind = layer_counts(layer_view(model, False), layout, lora_rank)
     if model.is_moe:  # an MoE model's dense MLPs take no adapters (topology.lora)
@@ -137,6 +138,9 @@ def stage_counts(model: ModelShape, layout: Layout, rank: int, lora_rank: int,
     # The output layer is its own matrix unless tied; with PP > 1 even a tied one is copied to
     # the last stage, which is where Megatron keeps its gradient in sync with the embedding.
     tables = int(first) + int(last and (layout.pp > 1 or not model.tie_word_embeddings))
+    # MTP embeds its input tokens itself: a last stage that is not also the first builds its
+    # own copy of the embedding (Megatron's mtp_process), beside the output layer.
+    tables += int(last and not first and mtp_layers > 0)
     mtp = mtp_layers * (mtp_kind.dense + 2 * h * h // layout.tp + 3 * h)
     return ParamCounts(
         dense=dense_layers * dense_kind.dense + moe_layers * moe_kind.dense + tables * table

@@ -4,7 +4,8 @@ One process plays rank R of the planned world: torch's fake process group (every
 returns at once, no peers, no network) under the trainer's own :func:`init_distributed` (so a
 layout the trainer refuses is refused here with its error), Megatron's parallel state of the
 planned TP/PP/VP/CP/EP/ETP, then the trainer's builders: :func:`build_model` and the
-finetuning type's converter (LoRA, freeze), :func:`wrap_ddp` and :func:`build_optimizer`.
+finetuning type's converter (LoRA, freeze), a dpo/kto run's frozen reference
+(:func:`reference_chunks`), :func:`wrap_ddp` and :func:`build_optimizer`.
 Every tensor is created on the meta device (shapes and dtypes, no storage), so a 405B
 layout's rank is built in seconds in a few hundred MiB. The bytes are then read from what
 Megatron built: the DDP's parameter and gradient buffers (their padded sizes), the
@@ -31,6 +32,7 @@ from hpc_mca.loop.optimizer import optimizer_config
 from hpc_mca.runtime.distributed import init_distributed, shutdown
 from hpc_mca.runtime.env import RankEnv
 from hpc_mca.topology import Layout, ModelShape
+from hpc_mca.trainer.reference import reference_chunks
 from hpc_mca.trainer.trainer import build_optimizer, wrap_ddp
 
 if TYPE_CHECKING:
@@ -49,7 +51,8 @@ class RankBytes:
     rank: int
     pipeline_rank: int
     params: dict[str, int]
-    """Weights: the DDP's parameter buffers (padded) and the parameters outside them."""
+    """Weights: the DDP's parameter buffers (padded), the parameters outside them and a dpo/kto
+    run's frozen reference copy (outside DDP and the optimizer, as the trainer keeps it)."""
     grads: dict[str, int]
     """The DDP's gradient buffers (main_grad), padded as Megatron pads its buckets."""
     master: dict[str, int]
@@ -103,13 +106,23 @@ def dry_run(source: str | Path | Mapping[str, Any], layout: Layout, world_size: 
         overrides = {"bf16": training.bf16, "fp16": training.fp16,
                      "sequence_parallel": parallel.sequence_parallel and layout.tp > 1,
                      **(model_overrides or {})}
+        model_source = source
+
+        def build(source: Path | None = None, load_weights: bool | None = None
+                  ) -> list[torch.nn.Module]:  # the trainer's ChunkBuilder: no weights read
+            return build_model(model_source if source is None else source, ctx,
+                               seq_length=seq_length, load_weights=False, dtype=dtype,
+                               config_overrides=overrides)
+
         with _MetaFactories():
-            chunks = build_model(source, ctx, seq_length=seq_length, load_weights=False,
-                                 dtype=dtype, config_overrides=overrides)
+            chunks = build()
+            reference: list[torch.nn.Module] = []
             if finetuning is not None:
                 path = str(source) if not isinstance(source, Mapping) else ""
-                chunks = converter_for(finetuning).convert_chunks(chunks, model_path=path,
-                                                                  seed=training.seed)
+                converter = converter_for(finetuning)
+                chunks = converter.convert_chunks(chunks, model_path=path, seed=training.seed)
+                # dpo/kto: the frozen reference as the trainer attaches it (before DDP).
+                reference = reference_chunks(chunks, build, finetuning, converter)
             model = wrap_ddp(chunks, parallel, half_precision=half)
         with _CudaTypeNames():
             optimizer = build_optimizer(model, optimizer_config(training, parallel, min_lr=0.0))
@@ -117,6 +130,9 @@ def dry_run(source: str | Path | Mapping[str, Any], layout: Layout, world_size: 
 
         pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
         params, grads = _model_bytes(model)
+        if reference is not chunks:  # with LoRA the policy's own frozen base is the reference
+            for param in (p for chunk in reference for p in chunk.parameters()):
+                _add(params, param)
         master, moments = _optimizer_bytes(optimizer)
     return RankBytes(rank, pipeline_rank, params, grads, master, moments,
                      time.monotonic() - start)

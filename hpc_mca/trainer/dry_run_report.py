@@ -49,6 +49,8 @@ def dry_run_plan(plan: Plan, *, ranks: list[int] | None = None,
                                  sequence_parallel=plan.sequence_parallel)
     work = memory_workload(req, workload(req, layout, plan.micro_batch_size, plan.recompute))
     overrides = {"mtp_num_layers": req.mtp_num_layers} if req.mtp_num_layers else {}
+    if finetuning is None and not req.lora:  # --model without a run config: the planned stage
+        finetuning = FinetuningArguments(stage=req.stage, use_ref_model=req.reference)
     blocks = []
     for rank in ranks or default_ranks(layout, world):
         got = dry_run(source, replace(layout, dp=None), world, rank, training=training,
