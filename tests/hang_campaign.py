@@ -10,9 +10,10 @@ with ``training.hang_timeout=HANG_TIMEOUT_S`` and injects one of:
   (tests/checkpoint_hooks: HPC_MCA_TEST_BLOCK; its heartbeat lives, its step falls behind);
 * ``freeze-start``: SIGSTOP of a random rank as soon as its first heartbeat says it is
   starting (phase ``start``: before its process group; the others wait in the rendezvous);
-* ``freeze-pg``, ``freeze-data``, ``freeze-load``: a random rank stops itself (SIGSTOP) just
-  after its process group is made, as data preparation begins, or as the checkpoint load of
-  the job's first restart begins (an outside requeue after the first save); see FREEZE_POINTS;
+* ``freeze-pg``, ``freeze-data``, ``freeze-load``, ``freeze-save``: a random rank stops itself
+  (SIGSTOP) just after its process group is made, as data preparation begins, as the
+  checkpoint load of the job's first restart begins (an outside requeue after the first save),
+  or as its first save begins (the others wait in the save's collectives); see FREEZE_POINTS;
 * ``slow``: one rank sleeps SLOW_S in every step, far longer in all than the hang timeout,
   but finishes each step (HPC_MCA_TEST_RANK_SLEEP): it must not be stopped.
 
@@ -41,7 +42,8 @@ from hpc_mca.slurm.watchdog import read_beats
 
 HANG_TIMEOUT_S = 20
 SLOW_S, SLOW_TIMEOUT_S = 1.0, 8
-KINDS = ("freeze", "block", "freeze-start", "freeze-pg", "freeze-data", "freeze-load", "slow")
+KINDS = ("freeze", "block", "freeze-start", "freeze-pg", "freeze-data", "freeze-load", "freeze-save",
+         "slow")
 NODES_BANNER = re.compile(r"hpc-mca \| nodes +\d+: (\S+)$")
 REQUEUE_LINE = re.compile(r"^hpc-mca \| requeue ")
 
@@ -123,10 +125,11 @@ def _submit(work: Path, config: Path, nodes: int, timeout: float, **extra: str) 
     return done.stdout.strip().split(";")[0]
 
 
-FREEZE_POINTS = {"freeze-pg": "process_group", "freeze-data": "data", "freeze-load": "load"}
-"""Kinds that freeze a rank while it starts, at tests/checkpoint_hooks' HPC_MCA_TEST_FREEZE
-points: its process group just made, data preparation begun, the checkpoint load begun (on the
-job's first restart: an outside requeue after the first save makes one to load)."""
+FREEZE_POINTS = {"freeze-pg": "process_group", "freeze-data": "data", "freeze-load": "load",
+                 "freeze-save": "save"}
+"""Kinds that freeze a rank at tests/checkpoint_hooks' HPC_MCA_TEST_FREEZE points: its process
+group just made, data preparation begun, the checkpoint load begun (on the job's first restart:
+an outside requeue after the first save makes one to load), its first save begun."""
 
 
 def trial(kind: str, config: Path, reference: list[dict], work: Path, rng: random.Random,

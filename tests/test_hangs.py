@@ -144,10 +144,15 @@ def test_the_heartbeat_files_the_watchdog_reads(tmp_path: Path, monkeypatch: pyt
     assert off.hang_timeout == 0 and timeout_s([off]) is None
 
 
-def test_watch_records_a_hang_and_exits_3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _job_of_two_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch environment of job 7 on two of the usable nodes n1-n3, nothing excluded."""
     for key, value in {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_RESTART_COUNT": "0",
                        exclusion.USABLE_ENV: "n1,n2,n3", exclusion.JOB_EXCLUDED_ENV: ""}.items():
         monkeypatch.setenv(key, value)
+
+
+def test_watch_records_a_hang_and_exits_3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _job_of_two_nodes(monkeypatch)
     beats = tmp_path / "heartbeat"
     beats.mkdir()
     for b in (beat(0, step_ago=25), beat(1, ago=24, step_ago=25)):
@@ -208,11 +213,12 @@ def setup(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["freeze", "block", "freeze-start", "freeze-pg", "freeze-data",
-                                  "freeze-load"])
+                                  "freeze-load", "freeze-save"])
 def test_a_hung_rank_is_requeued_without_its_node_and_the_run_stays_exact(setup: dict, kind: str) -> None:
-    """A rank frozen mid-step, blocked in a collective, or frozen while it starts (at its first
+    """A rank frozen mid-step, blocked in a collective, frozen while it starts (at its first
     heartbeat, after its process group, in data preparation, in the checkpoint load of a
-    restart): named, its node excluded, the run's numbers those of an uninterrupted run."""
+    restart) or in its first save: named, its node excluded, the run's numbers those of an
+    uninterrupted run."""
     import hang_campaign as campaign
 
     t = campaign.trial(kind, setup["config"], setup["reference"], setup["root"] / kind, random.Random())
@@ -414,9 +420,7 @@ def test_a_starting_process_beats_before_its_config_and_training_takes_it_over(
 
 
 def test_watch_names_a_rank_of_the_step_that_never_beat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_RESTART_COUNT": "0",
-                       exclusion.USABLE_ENV: "n1,n2,n3", exclusion.JOB_EXCLUDED_ENV: ""}.items():
-        monkeypatch.setenv(key, value)
+    _job_of_two_nodes(monkeypatch)
     directory = tmp_path / "heartbeat"
     directory.mkdir()
     b = beat(0, phase="start", step=0, ago=0.0, phase_ago=0.0)

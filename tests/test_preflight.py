@@ -214,7 +214,7 @@ def test_a_node_id_outside_the_node_list_is_refused_in_one_line(tmp_path: Path) 
                               "SLURM_NODEID": "2"})
 
 
-def _free_job_id() -> str:
+def free_job_id() -> str:
     """A job id whose preflight port is free on this machine now."""
     from hpc_mca.runtime.node_check import preflight_port
 
@@ -230,7 +230,7 @@ def _free_job_id() -> str:
     raise RuntimeError("no free preflight port")
 
 
-def _node_env(run_dir: Path, node_id: int, job_id: str, **extra: str) -> dict[str, str]:
+def node_env(run_dir: Path, node_id: int, job_id: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPC_MCA_", "SLURM"))}
     env.update(HPC_MCA_RUN_DIR=str(run_dir), HPC_MCA_JOB_NODES=",".join(NODES),
                SLURMD_NODENAME=NODES[node_id], SLURM_NODEID=str(node_id), SLURM_JOB_ID=job_id,
@@ -240,9 +240,9 @@ def _node_env(run_dir: Path, node_id: int, job_id: str, **extra: str) -> dict[st
 
 def _check_nodes(run_dir: Path, **extra: str) -> list[subprocess.CompletedProcess]:
     """``hpc-mca preflight`` as the job's two nodes (two processes here)."""
-    job_id = _free_job_id()
+    job_id = free_job_id()
     procs = [subprocess.Popen([sys.executable, "-m", "hpc_mca", "preflight"],
-                              env=_node_env(run_dir, i, job_id, **extra), text=True,
+                              env=node_env(run_dir, i, job_id, **extra), text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for i in range(len(NODES))]
     outputs = [p.communicate(timeout=180) for p in procs]
@@ -251,7 +251,7 @@ def _check_nodes(run_dir: Path, **extra: str) -> list[subprocess.CompletedProces
 
 
 def _verdict(run_dir: Path) -> subprocess.CompletedProcess:
-    env = _node_env(run_dir, 0, "1", HPC_MCA_USABLE_NODES="localhost,127.0.0.1,n3,n4",
+    env = node_env(run_dir, 0, "1", HPC_MCA_USABLE_NODES="localhost,127.0.0.1,n3,n4",
                     SLURM_JOB_NUM_NODES="2")
     return subprocess.run([sys.executable, "-m", "hpc_mca", "preflight", "--verdict"], env=env,
                           capture_output=True, text=True, timeout=60)
@@ -299,7 +299,7 @@ def test_a_failing_check_is_reported_with_its_detail_and_the_other_node_passes(
 def test_a_node_alone_names_the_absent_one_after_the_rendezvous_timeout(tmp_path: Path) -> None:
     code = ("from hpc_mca.runtime.node_check import run\n"
             "raise SystemExit(0 if run(rendezvous_timeout_s=3)['ok'] else 1)\n")
-    done = subprocess.run([sys.executable, "-c", code], env=_node_env(tmp_path, 0, _free_job_id()),
+    done = subprocess.run([sys.executable, "-c", code], env=node_env(tmp_path, 0, free_job_id()),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr
     assert re.match(r"preflight localhost: FAILED: all-reduce across 2 node\(s\) failed after "
@@ -355,7 +355,7 @@ def test_the_batch_script_clears_the_reports_by_their_contract_name() -> None:
 # --- on the local Slurm -----------------------------------------------------------------------
 
 
-def _hostnames(nodelist: str) -> list[str]:
+def hostnames(nodelist: str) -> list[str]:
     out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
                          text=True, check=True).stdout
     return out.split()
@@ -389,7 +389,7 @@ def test_a_node_failing_its_preflight_is_excluded_and_the_run_trains_on_the_othe
     log = (tmp_path / f"preflight_{job_id}.out").read_text()
     assert state == "COMPLETED", log[-4000:]
     assert slurm.job_restart_count(job_id) == 1, log[-4000:]
-    starts = [_hostnames(m.group(1)) for m in
+    starts = [hostnames(m.group(1)) for m in
               re.finditer(r"^hpc-mca \| nodes +2: (\S+)$", log, re.M)]
     assert len(starts) == 2, log
     bad = starts[0][0]  # SLURM_NODEID 0 of the first start

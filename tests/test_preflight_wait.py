@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from test_preflight import free_job_id, hostnames, node_env
 
 from hpc_mca.runtime.preflight_records import DEADLINE_S, read_state, write_phase
 from hpc_mca.slurm.commands import JobState
@@ -186,30 +185,10 @@ def test_status_and_watch_say_the_same_why_for_a_pending_job_and_a_running_prefl
 # --- two local nodes, one stopped inside the all-reduce ---------------------------------------
 
 
-def _free_job_id() -> str:
-    """A job id whose preflight port is free on this machine now."""
-    from hpc_mca.runtime.node_check import preflight_port
-
-    rng = random.Random()
-    for _ in range(100):
-        job_id = str(rng.randint(10**6, 10**7))
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", preflight_port(job_id)))
-            except OSError:
-                continue
-            return job_id
-    raise RuntimeError("no free preflight port")
-
-
 def _node_env(run_dir: Path, node_id: int, job_id: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPC_MCA_", "SLURM"))}
-    env.update(HPC_MCA_RUN_DIR=str(run_dir), HPC_MCA_JOB_NODES=",".join(NODES),
-               SLURMD_NODENAME=NODES[node_id], SLURM_NODEID=str(node_id), SLURM_JOB_ID=job_id,
-               SLURM_RESTART_COUNT="0", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(HOOKS), str(REPO), os.environ.get("PYTHONPATH", "")]),
-               **extra)
-    return env
+    """test_preflight's node environment, with the test hooks and this checkout importable."""
+    path = os.pathsep.join([str(HOOKS), str(REPO), os.environ.get("PYTHONPATH", "")])
+    return node_env(run_dir, node_id, job_id, PYTHONPATH=path, **extra)
 
 
 @pytest.mark.parametrize("frozen", [1, 0], ids=["peer", "first-node"])
@@ -218,7 +197,7 @@ def test_a_node_stopped_inside_the_all_reduce_is_named_by_the_other(tmp_path: Pa
     times out (3 s here) and it names the stopped one: a peer by its silence, the first node
     by its store, which stops answering with it (no timeout of the store covers a stopped
     server: the questions, and the all-reduce as a whole, are bounded by threads)."""
-    job_id = _free_job_id()
+    job_id = free_job_id()
     code = ("import os\nfrom hpc_mca.runtime.node_check import run\n"
             "os._exit(0 if run(rendezvous_timeout_s=3)['ok'] else 1)\n")
     procs = [subprocess.Popen([sys.executable, "-c", code], text=True, stdout=subprocess.PIPE,
@@ -281,7 +260,7 @@ def test_the_batch_shell_kills_a_node_hung_in_its_preflight_and_requeues_without
         (fake / name).write_text(text)
         (fake / name).chmod(0o755)
     (tmp_path / "c.yaml").write_text("{}\n")
-    job_id = _free_job_id()
+    job_id = free_job_id()
     run_dir = tmp_path / "runs" / f"pf_{job_id}"
     run_dir.mkdir(parents=True)
     write_manifest(run_dir, {"job_id": job_id, "job_name": "pf", "run_dir": str(run_dir)})
@@ -385,12 +364,6 @@ def test_a_requeue_during_the_preflight_is_slurms_not_a_failed_verdict(tmp_path:
 # --- on the local Slurm: the acceptance ----------------------------------------------------------
 
 
-def _hostnames(nodelist: str) -> list[str]:
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                         text=True, check=True).stdout
-    return out.split()
-
-
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.parametrize("freeze", ["1@0", "1@0:reduce"], ids=["peer-before-joining", "peer-in-the-all-reduce"])
@@ -456,7 +429,7 @@ def test_a_node_frozen_in_its_preflight_is_excluded_within_the_deadline(
         slurm.cancel(job_id)
     text = log.read_text()
     assert state == "COMPLETED" and slurm.job_restart_count(job_id) == 1, text[-4000:]
-    starts = [_hostnames(m.group(1)) for m in re.finditer(r"^hpc-mca \| nodes +2: (\S+)$", text, re.M)]
+    starts = [hostnames(m.group(1)) for m in re.finditer(r"^hpc-mca \| nodes +2: (\S+)$", text, re.M)]
     node_id = int(freeze.split("@")[0])
     frozen = starts[0][node_id]
     assert f"test hook: node {node_id} ({frozen}, pid " in text, text[-4000:]

@@ -23,8 +23,9 @@ HPC_MCA_TEST_RANK_SLEEP=S:RANK  global rank RANK sleeps S seconds at the end of 
                                slow rank that still makes progress.
 HPC_MCA_TEST_FREEZE=POINT:RANK[@R]  global rank RANK stops itself (SIGSTOP: its heartbeat
                                thread too) at POINT: process_group (its process group just
-                               made), data (data preparation begins) or load (the checkpoint
-                               load begins); only while SLURM_RESTART_COUNT is R when given.
+                               made), data (data preparation begins), load (the checkpoint
+                               load begins) or save (the first save of the process begins);
+                               only while SLURM_RESTART_COUNT is R when given.
 HPC_MCA_TEST_PREFLIGHT_FAIL=NODEID@R  the preflight's matmul on the node with SLURM_NODEID
                                NODEID comes back with one entry off by 1, only while
                                SLURM_RESTART_COUNT is R: that node fails its node check.
@@ -267,6 +268,7 @@ _FREEZE_POINTS = {
     "process_group": ("hpc_mca.runtime.distributed", ("init_distributed",), False),
     "data": ("hpc_mca.data.dataset", ("build_datasets",), True),
     "load": ("hpc_mca.checkpoint.checkpointer", ("Checkpointer", "resume"), True),
+    "save": ("hpc_mca.checkpoint.checkpointer", ("Checkpointer", "save"), True),
 }
 
 
