@@ -114,7 +114,7 @@ def test_the_refused_keys_are_the_classes_keys_with_their_defaults():
     ("fsdp", "full_shard", "Megatron-Core's parallelism replaces it"),
     ("preserve_thinking", True, "reasoning templates drop earlier answers' thoughts"),
     ("export_size", 2, "LLaMA-Factory's export stage: use hpc-mca export"),
-    ("image_max_pixels", 1000, "vision/audio inputs are not supported yet (issue #63)"),
+    ("video_max_pixels", 1000, "videos and audios are not supported (images are"),
     ("training.swanlab_project", "p", "SwanLab is not a tracker here"),
 ])
 def test_another_value_is_refused_in_one_line(key: str, value: object, replacement: str):
@@ -167,7 +167,7 @@ def test_without_dataset_dir_a_name_is_looked_up_in_data(tmp_path: Path, monkeyp
     assert resolve_sources(DataArguments(dataset=["identity"]))[0].path == "identity"
 
 
-def test_images_are_refused_in_one_line(tmp_path: Path):
+def test_videos_are_refused_in_one_line(tmp_path: Path):
     from hpc_mca.data.arguments import DataArguments
     from hpc_mca.data.conversation import example_of
     from hpc_mca.data.errors import DataError
@@ -176,16 +176,18 @@ def test_images_are_refused_in_one_line(tmp_path: Path):
 
     (tmp_path / "dataset_info.json").write_text(json.dumps(
         {"mllm_demo": {"file_name": "mllm.json", "formatting": "sharegpt",
-                       "columns": {"messages": "messages", "images": "images"}}}))
+                       "columns": {"messages": "messages", "videos": "videos"}}}))
     with pytest.raises(DataError) as err:
         resolve_sources(DataArguments(dataset=["mllm_demo"], dataset_dir=str(tmp_path)))
     assert str(err.value) == (
-        f"{tmp_path}/dataset_info.json: dataset 'mllm_demo': columns.images: vision/audio inputs are not "
-        "supported yet (issue #63); valid: text columns (messages, system, tools, chosen, rejected, kto_tag)")
-    record = Record("mllm.json:1", {"instruction": "<image>What is it?", "output": "a cat",
-                                    "images": ["cat.jpg"]})
+        f"{tmp_path}/dataset_info.json: dataset 'mllm_demo': columns.videos: videos and audios are not "
+        "supported (images are, with a vision-language template: qwen2_vl, qwen3_vl, qwen3_vl_nothink); "
+        "valid: messages, system, tools, chosen, rejected, kto_tag, images")
+    record = Record("mllm.json:1", {"instruction": "<video>What is it?", "output": "a cat",
+                                    "videos": ["cat.mp4"]})
     with pytest.raises(DataError) as err:
         example_of(record, "alpaca", ranking=False)
-    assert str(err.value) == ("mllm.json:1: 'images': vision/audio inputs are not supported yet (issue #63); "
-                              "valid: text-only records (no 'images', or an empty list)")
-    assert example_of(Record("a:1", {"instruction": "q", "output": "a", "images": []}), "alpaca", False)
+    assert str(err.value) == ("mllm.json:1: 'videos': videos and audios are not supported (images are, with a "
+                              "vision-language template: qwen2_vl, qwen3_vl, qwen3_vl_nothink); valid: records "
+                              "without 'videos' (or an empty list)")
+    assert example_of(Record("a:1", {"instruction": "q", "output": "a", "videos": []}), "alpaca", False)

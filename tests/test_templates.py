@@ -167,8 +167,8 @@ def test_named_template_matches_llamafactory(name: str, tokenizer: str):
 
 
 def test_every_template_was_compared():
-    """The parametrization covers all names (17 named templates, two tokenizers)."""
-    assert len(NAMED) == 17 and set(NAMED) <= set(lf_peer.LF_TEMPLATES)
+    """The parametrization covers all names (20 named templates, two tokenizers)."""
+    assert len(NAMED) == 20 and set(NAMED) <= set(lf_peer.LF_TEMPLATES)
 
 
 def test_reasoning_cases_are_exercised():

@@ -39,7 +39,8 @@ class Family:
 
 _NOTHING_DOWNLOADED = ("nothing is downloaded or uploaded here: models and datasets are local "
                        "paths (model_name_or_path, data.dataset / data.dataset_dir)")
-_MEDIA = "vision/audio inputs are not supported yet (issue #63): text-only models and data"
+_MEDIA = ("videos and audios are not supported (images are: data.image_max_pixels, data.image_min_pixels, "
+          "data.media_dir with a vision-language template)")
 _INFERENCE = ("hpc-mca trains; it has no inference engine: serve the exported HF model "
               "(training.export_hf_dir) with one")
 _OPTIMIZERS = "training.optim: adam or sgd (parallel.use_distributed_optimizer shards its state)"
@@ -103,10 +104,10 @@ FAMILIES: tuple[Family, ...] = (
             "double_quantization": True, "quantization_device_map": None,
             "ref_model_quantization_bit": None}),
     Family(_MEDIA,
-           {"image_max_pixels": 589824, "image_min_pixels": 1024, "image_do_pan_and_scan": False,
+           {"image_do_pan_and_scan": False,
             "crop_to_patches": False, "video_max_pixels": 65536, "video_min_pixels": 256,
             "video_fps": 2.0, "video_maxlen": 128, "use_audio_in_video": False,
-            "audio_sampling_rate": 16000, "media_dir": None, "freeze_vision_tower": True,
+            "audio_sampling_rate": 16000, "freeze_vision_tower": True,
             "freeze_multi_modal_projector": True, "freeze_language_model": False}),
     Family("LLaMA-Factory's export stage: use hpc-mca export (a run's checkpoint -> an HF directory, "
            "unquantized; training.export_hf_dir / export_merged_dir write one after the last step)",

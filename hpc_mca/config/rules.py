@@ -165,6 +165,8 @@ def _check_data(config: TrainConfig, world_size: int) -> None:
     _at_least("data.cutoff_len", data.cutoff_len, 1)
     _at_least("data.pack_alignment", data.pack_alignment, 1)
     _at_least("data.max_samples", data.max_samples, 1)
+    _at_least("data.image_min_pixels", data.image_min_pixels, 1)
+    _at_least("data.image_max_pixels", data.image_max_pixels, data.image_min_pixels)
     _at_least("data.val_size", data.val_size, 0)
     if data.val_size and data.eval_dataset:
         raise ConfigError("data.val_size and data.eval_dataset are both set; valid: one of them")

@@ -84,6 +84,16 @@ class DataArguments(Freezable):
     tool_format: str | None = None
     """How tool definitions and calls are written (LLaMA-Factory's tool formats: default,
     glm4, llama3, mistral, qwen, ...); None = the template's own."""
+    image_max_pixels: int = 768 * 768
+    """Vision-language templates: an image with more pixels is scaled down (aspect kept) to this
+    many before the processor sees it (LLaMA-Factory's key and default)."""
+    image_min_pixels: int = 32 * 32
+    """Vision-language templates: an image with fewer pixels is scaled up to this many
+    (LLaMA-Factory's key and default)."""
+    media_dir: str | None = None
+    """Where relative image paths of the records are looked up first; None = ``dataset_dir``
+    (a dataset given as a path: its file's directory). A path not found there is read as
+    written (LLaMA-Factory's rule)."""
     preprocessing_num_workers: int | None = None
     """Tokenize sft/dpo records in this many processes (consecutive chunks, put back in order:
     the samples equal one process's byte for byte); None = one."""

@@ -55,13 +55,29 @@ class PackedBatch:
     tags: torch.Tensor | None = None
     """kto only: int64 [examples], 1 where the example's answer is desirable (its ``kto_tag``);
     the rows are answer, KL row, answer, KL row, ... (:mod:`hpc_mca.data.feedback`)."""
+    pixel_values: torch.Tensor | None = None
+    """Vision-language only: float32 [patches, C·T·P·P], the processor's pixel values of every
+    image of the micro-batch in the order their image tokens stand in ``input_ids`` read
+    row-major; None for text."""
+    image_grid_thw: torch.Tensor | None = None
+    """Vision-language only: int64 [images, 3], each image's (t, h, w) patch grid, same order."""
+    mrope_position_ids: torch.Tensor | None = None
+    """Vision-language only: int64 [3, B, S], M-RoPE positions (temporal, height, width) of
+    every slot, each document's as if it were alone (transformers' ``get_rope_index``)."""
 
     @classmethod
     def from_collated(cls, batch: Mapping[str, torch.Tensor]) -> PackedBatch:
         """From :func:`hpc_mca.data.rows.collate_rows`'s dict."""
         return cls(batch["input_ids"], batch["labels"], batch["loss_mask"],
                    batch["position_ids"], batch["attention_mask"],
-                   batch.get("cu_seqlens"), batch.get("cu_seqlens_padded"))
+                   batch.get("cu_seqlens"), batch.get("cu_seqlens_padded"),
+                   pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
+                   mrope_position_ids=batch.get("mrope_position_ids"))
+
+    @property
+    def has_images(self) -> bool:
+        """A vision-language batch (its rows carry M-RoPE positions, images or not)."""
+        return self.mrope_position_ids is not None
 
     @property
     def packed(self) -> bool:
@@ -111,10 +127,14 @@ class PackedBatch:
 
         last = self.position_ids[:, -1:]
         more = last + torch.arange(1, extra + 1, device=last.device)
+        mrope = self.mrope_position_ids
+        if mrope is not None:
+            steps = torch.arange(1, extra + 1, device=mrope.device)
+            mrope = torch.cat([mrope, mrope.amax(dim=(0, 2), keepdim=True).expand(3, -1, 1) + steps], dim=2)
         return dataclasses.replace(
             self, input_ids=padded(self.input_ids, 0), labels=padded(self.labels, -100),
             loss_mask=padded(self.loss_mask, 0), documents=padded(self.documents, 0),
-            position_ids=torch.cat([self.position_ids, more], dim=1))
+            position_ids=torch.cat([self.position_ids, more], dim=1), mrope_position_ids=mrope)
 
     def cp_shard(self, cp_size: int, cp_rank: int) -> PackedBatch:
         """This CP rank's slots: chunks ``cp_rank`` and ``2·cp_size-1-cp_rank`` of every
@@ -125,6 +145,9 @@ class PackedBatch:
             raise ValueError("this batch is already a context-parallel share")
         if cp_size == 1:
             return self
+        if self.has_images:
+            raise DataError(f"vision-language batches are not split over context parallelism "
+                            f"(parallel.context_parallel_size={cp_size}); valid: context_parallel_size 1")
         index = self.cp_slots(cp_size, cp_rank)
         if self.packed:
             fields = {k: v.reshape(-1)[index.to(v.device)].unsqueeze(0)

@@ -21,11 +21,14 @@ belongs, an unknown role) stays a one-line DataError naming ``path:line``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
+from typing import NoReturn
 
 from .errors import DataError
-from .records import Record, check_text_only
+from .records import Record, check_media
+from .vision import resolve_images
 
 USER, ASSISTANT, OBSERVATION, FUNCTION, SYSTEM = "user", "assistant", "observation", "function", "system"
 PROMPT_SIDE = (USER, OBSERVATION)
@@ -53,16 +56,27 @@ class Example:
     """System prompt ('' = the template's default)."""
     tools: str
     """Tool definitions as JSON text ('' = none)."""
+    images: tuple[str, ...] = ()
+    """The record's image paths, one per ``<image>`` placeholder in order (:mod:`.vision`)."""
 
 
-def example_of(record: Record, fmt: str, ranking: bool) -> Example | None:
+def example_of(record: Record, fmt: str, ranking: bool, media_root: str = "") -> Example | None:
     """The example of ``record`` in format ``fmt`` (alpaca or sharegpt); None when it breaks
-    sharegpt's turn alternation (LLaMA-Factory drops it)."""
-    check_text_only(record)
+    sharegpt's turn alternation (LLaMA-Factory drops it). Relative image paths are looked up
+    in ``media_root`` first."""
+    check_media(record)
+    example = None
     if fmt == "alpaca":
-        return _alpaca(record, ranking)
-    if fmt == "sharegpt":
-        return _sharegpt(record, ranking)
+        example = _alpaca(record, ranking)
+    elif fmt == "sharegpt":
+        example = _sharegpt(record, ranking)
+    else:
+        _bad_format(fmt)
+    images = resolve_images(record.data.get("images"), media_root, record.where)
+    return dataclasses.replace(example, images=images) if example is not None and images else example
+
+
+def _bad_format(fmt: str) -> NoReturn:
     raise DataError(f"data.dataset_format={fmt!r} is not a conversation format; valid: alpaca, sharegpt")
 
 

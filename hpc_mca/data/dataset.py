@@ -25,6 +25,7 @@ launcher can also let rank 0 go first and the others read its cache after a barr
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -42,6 +43,7 @@ from .encode import conversation_format, conversation_store, prepare_template, p
 from .errors import DataError
 from .feedback import feedback_rows, tokenize_feedback
 from .mix import mix_order, parse_probs
+from .multimodal import VisionInputs, vision_inputs
 from .packing import pack_alignment
 from .preference import pair_rows, split_pairs, tokenize_pairs
 from .records import Record, check_dataset_path, text_of
@@ -61,6 +63,7 @@ from .store import (
 )
 from .tokenize import encode_documents, load_tokenizer, pad_id, pt_samples, tokenizer_fingerprint
 from .training_data import TrainingData
+from .vision import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, ImageSettings
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -77,9 +80,11 @@ def _tokenize_pt(records: list[Record], tokenizer: PreTrainedTokenizerBase, data
     return SampleStore.from_samples(samples, {"records": len(records), "samples": len(samples)})
 
 
-def _tokenize_sft(records: list[Record], tokenizer: PreTrainedTokenizerBase, data: DataArguments) -> SampleStore:
+def _tokenize_sft(records: list[Record], tokenizer: PreTrainedTokenizerBase, data: DataArguments,
+                  vision: VisionInputs | None = None, media_root: str = "") -> SampleStore:
     fmt = conversation_format(records, data)
-    return conversation_store(records, tokenizer, prepare_template(tokenizer, data), data, fmt, ranking=False)
+    return conversation_store(records, tokenizer, prepare_template(tokenizer, data), data, fmt, ranking=False,
+                              vision=vision, media_root=media_root)
 
 
 _READERS: dict[str, Callable[[list[Record], PreTrainedTokenizerBase, DataArguments], SampleStore]] = {
@@ -135,10 +140,11 @@ def _indexed_source(path: str, data: DataArguments, stage: str, field: str) -> s
 
 def load_samples(path: str, tokenizer: PreTrainedTokenizerBase, data: DataArguments, stage: str,
                  field: str = "data.dataset", vocab_size: int | None = None,
-                 source: DatasetSource | None = None) -> Samples:
+                 source: DatasetSource | None = None, vision: VisionInputs | None = None) -> Samples:
     """Shifted samples of one dataset file, directory or indexed prefix (``data`` is a
     DataArguments; ``source`` a dataset_info entry for ``path``, None for a direct path);
-    with ``vocab_size``, every token id is checked to be below it (see check_token_ids)."""
+    with ``vocab_size``, every token id is checked to be below it (see check_token_ids). With
+    ``vision`` (:func:`run_vision`), sft samples keep their images."""
     _stage(stage)
     source = source or DatasetSource(path, path)
     fix_tokenizer(tokenizer, data, stage)  # before the fingerprint, which sees the fixed tokenizer
@@ -148,12 +154,16 @@ def load_samples(path: str, tokenizer: PreTrainedTokenizerBase, data: DataArgume
     if source.formatting is not None:  # records come out in the parsers' own field names
         data = dataclasses.replace(data, text_field="text", dataset_format=(
             "text" if _stage(stage).reads == TEXT else source.formatting))
+    media_root = getattr(data, "media_dir", None) or source.media_root or os.path.dirname(path)
+    vl = {} if vision is None else {"media_root": os.path.abspath(media_root), **vision.cache_settings()}
     key = cache_key([path], tokenizer_fingerprint(tokenizer),
-                    {**_settings(stage, data), **source.settings()})
+                    {**_settings(stage, data), **source.settings(), **vl})
     cache_dir = Path(data.preprocessing_cache_dir or default_cache_dir())
 
     def tokenize() -> SampleStore:
         records = source_records(source, stage, data.max_samples, field, cache_dir / "datasets")
+        if _stage(stage).reads == CONVERSATION:
+            return _tokenize_sft(records, tokenizer, data, vision, media_root)
         return _READERS[_stage(stage).reads](records, tokenizer, data)
 
     store, hit = cached(cache_dir / f"{stage}-{key}.npz", tokenize,
@@ -165,14 +175,14 @@ def load_samples(path: str, tokenizer: PreTrainedTokenizerBase, data: DataArgume
 
 
 def _load_all(data: DataArguments, field_name: str, tokenizer: PreTrainedTokenizerBase, stage: str,
-              vocab_size: int | None, seed: int) -> Samples:
+              vocab_size: int | None, seed: int, vision: VisionInputs | None = None) -> Samples:
     """The samples of ``data.dataset`` (mixed by ``data.mix_strategy``) or of
     ``data.eval_dataset`` (concatenated)."""
     field = f"data.{field_name}"
     sources = resolve_sources(data, field_name, seed)
     for source in sources:  # report a bad second file before tokenizing the first
         _indexed_source(source.path, data, stage, field)
-    parts = [load_samples(s.path, tokenizer, data, stage, field, vocab_size, s) for s in sources]
+    parts = [load_samples(s.path, tokenizer, data, stage, field, vocab_size, s, vision) for s in sources]
     samples = concat_samples(parts)
     strategy = getattr(data, "mix_strategy", "concat") if field_name == "dataset" else "concat"
     if strategy != "concat":
@@ -223,10 +233,11 @@ def build_datasets(data: DataArguments, run: DataRun, tokenizer: PreTrainedToken
 
         return blended_training_data(data, run, tokenizer, vocab_size)
     seed = run.seed
-    train = _load_all(data, "dataset", tokenizer, stage, vocab_size, seed)
+    vision = run_vision(tokenizer, data, run)
+    train = _load_all(data, "dataset", tokenizer, stage, vocab_size, seed, vision)
     evaluation = None
     if data.eval_dataset:
-        evaluation = _load_all(data, "eval_dataset", tokenizer, stage, vocab_size, seed)
+        evaluation = _load_all(data, "eval_dataset", tokenizer, stage, vocab_size, seed, vision)
     elif data.val_size and _stage(stage).rows_per_example == 2:  # pairs, kto examples
         kept, held = split_pairs(train, data.val_size, seed)
         train, evaluation = subset(train, kept), subset(train, held)
@@ -240,11 +251,23 @@ def build_datasets(data: DataArguments, run: DataRun, tokenizer: PreTrainedToken
     make_rows = row_makers.get(_stage(stage).reads, RowDataset)
 
     def rows(samples: Samples) -> RowDataset:
-        return make_rows(samples, seq_length, pad_id(tokenizer),
-                         packed=data.sequence_packing, align=align)
+        made = make_rows(samples, seq_length, pad_id(tokenizer), packed=data.sequence_packing, align=align)
+        made.vision = vision
+        return made
 
     return TrainingData(rows(train), rows(evaluation) if evaluation is not None else None,
                         tokenizer)
+
+
+def run_vision(tokenizer: PreTrainedTokenizerBase, data: DataArguments, run: DataRun) -> VisionInputs | None:
+    """The vision inputs of an sft run with a vision-language ``data.template`` (the image
+    processor of the model directory, ``run.tokenizer_path``); None otherwise (a record with
+    images is then refused in one line)."""
+    if _stage(run.stage).reads != CONVERSATION:
+        return None
+    settings = ImageSettings(getattr(data, "image_max_pixels", DEFAULT_MAX_PIXELS),
+                             getattr(data, "image_min_pixels", DEFAULT_MIN_PIXELS))
+    return vision_inputs(tokenizer, prepare_template(tokenizer, data), run.tokenizer_path, settings)
 
 
 # --- loaders -------------------------------------------------------------------------------

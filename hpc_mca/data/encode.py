@@ -20,6 +20,7 @@ import numpy as np
 from .arguments import DataArguments
 from .conversation import Example, check_kto, example_of
 from .errors import DataError
+from .multimodal import VisionInputs, check_no_images, vision_sample
 from .records import Record, detect_sft_format
 from .samples import Built, check_prompt_training, is_pairwise, is_supervised, pairwise_samples, supervised_sample
 from .store import SampleStore
@@ -76,13 +77,15 @@ def conversation_format(records: list[Record], data: DataArguments, feedback: bo
     return detect_sft_format(records[0]) if fmt == "auto" and records else fmt
 
 
-def examples_of(records: list[Record], fmt: str, ranking: bool) -> tuple[list[Example], int]:
+def examples_of(records: list[Record], fmt: str, ranking: bool,
+                media_root: str = "") -> tuple[list[Example], int]:
     """The examples of ``records`` in the shape the stage's processor accepts, and how many
-    records were invalid (broken turn alternation or a missing answer: dropped, as in LLaMA-Factory)."""
+    records were invalid (broken turn alternation or a missing answer: dropped, as in LLaMA-Factory).
+    Relative image paths are looked up in ``media_root`` first."""
     valid = is_pairwise if ranking else is_supervised
     examples = []
     for record in records:
-        example = example_of(record, fmt, ranking)
+        example = example_of(record, fmt, ranking, media_root)
         if example is not None and valid(example):
             examples.append(example)
     return examples, len(records) - len(examples)
@@ -92,7 +95,10 @@ def _encode_chunk(bounds: tuple[int, int]) -> list[tuple[Built, ...]]:
     job = _JOB
     out: list[tuple[Built, ...]] = []
     for example in job["examples"][bounds[0]:bounds[1]]:
-        if job["ranking"]:
+        if job["vision"] is not None:
+            out.append((vision_sample(job["template"], job["tokenizer"], example, job["cutoff_len"], job["vision"],
+                                      train_on_prompt=job["train_on_prompt"], mask_history=job["mask_history"]),))
+        elif job["ranking"]:
             out.append(pairwise_samples(job["template"], job["tokenizer"], example, job["cutoff_len"]))
         else:
             out.append((supervised_sample(job["template"], job["tokenizer"], example, job["cutoff_len"],
@@ -102,9 +108,10 @@ def _encode_chunk(bounds: tuple[int, int]) -> list[tuple[Built, ...]]:
 
 
 def encode_examples(examples: list[Example], tokenizer: PreTrainedTokenizerBase, template: Template,
-                    data: DataArguments, ranking: bool) -> list[tuple[Built, ...]]:
-    """One tuple of samples per example (sft: one; dpo: chosen, rejected), in order."""
-    _JOB.update(examples=examples, tokenizer=tokenizer, template=template, ranking=ranking,
+                    data: DataArguments, ranking: bool, vision: VisionInputs | None = None) -> list[tuple[Built, ...]]:
+    """One tuple of samples per example (sft: one; dpo: chosen, rejected), in order; with
+    ``vision``, sft samples with their images (:func:`~.multimodal.vision_sample`)."""
+    _JOB.update(examples=examples, tokenizer=tokenizer, template=template, ranking=ranking, vision=vision,
                 cutoff_len=data.cutoff_len, train_on_prompt=setting(data, "train_on_prompt"),
                 mask_history=setting(data, "mask_history"))
     try:
@@ -126,13 +133,21 @@ def _shifted(built: Built) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def conversation_store(records: list[Record], tokenizer: PreTrainedTokenizerBase, template: Template,
-                       data: DataArguments, fmt: str, ranking: bool) -> SampleStore:
+                       data: DataArguments, fmt: str, ranking: bool, vision: VisionInputs | None = None,
+                       media_root: str = "") -> SampleStore:
     """Shifted samples of sft records (or dpo pairs, chosen and rejected interleaved), with the
-    counts the data line reports: records, samples (pairs), invalid, truncated, dropped."""
-    examples, invalid = examples_of(records, fmt, ranking)
+    counts the data line reports: records, samples (pairs), invalid, truncated, dropped. With
+    ``vision`` (a vision-language template's), sft samples keep their images (and ``images``
+    counts them); relative image paths are looked up in ``media_root`` first."""
+    examples, invalid = examples_of(records, fmt, ranking, media_root)
+    if vision is None or ranking:
+        why = "images train with finetuning.stage='sft' only" if vision is not None else None
+        for example in examples:
+            check_no_images(example, template, why)
     counts: Counter[str] = Counter(records=len(records), invalid=invalid, truncated=0, dropped=0)
     samples: list[tuple[np.ndarray, np.ndarray]] = []
-    for built in encode_examples(examples, tokenizer, template, data, ranking):
+    images: list[tuple[tuple[str, ...], np.ndarray]] = []
+    for built in encode_examples(examples, tokenizer, template, data, ranking, None if ranking else vision):
         shifted = [_shifted(sample) for sample in built]
         kept = [sample for sample in shifted if sample is not None]
         counts["truncated"] += built[0].truncated
@@ -140,5 +155,9 @@ def conversation_store(records: list[Record], tokenizer: PreTrainedTokenizerBase
             counts["dropped"] += 1  # nothing left to train (the budget went to earlier turns)
             continue
         samples += kept
+        images.append((built[0].images, np.asarray(built[0].grids, dtype=np.int64).reshape(-1, 3)))
     counts["pairs" if ranking else "samples"] = len(samples) // (2 if ranking else 1)
-    return SampleStore.from_samples(samples, dict(counts))
+    if vision is None or ranking:
+        return SampleStore.from_samples(samples, dict(counts))
+    counts["images"] = sum(len(paths) for paths, _ in images)
+    return SampleStore.from_samples(samples, dict(counts), images)

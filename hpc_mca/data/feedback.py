@@ -40,6 +40,7 @@ from .batch import PackedBatch, collate_batch
 from .conversation import Example, example_of
 from .encode import conversation_format, prepare_template
 from .errors import DataError
+from .multimodal import check_no_images
 from .packing import PackingReport
 from .records import Record
 from .rows import RowDataset
@@ -71,6 +72,7 @@ def tokenize_feedback(records: list[Record], tokenizer: PreTrainedTokenizerBase,
         if example is None or not is_supervised(example):
             counts["invalid"] += 1  # LLaMA-Factory drops it with a warning
             continue
+        check_no_images(example, template, "images train with finetuning.stage='sft' only")
         prompt, answer = feedback_parts(template, tokenizer, example)
         kept = infer_seqlen(len(prompt), len(answer), data.cutoff_len)
         counts["truncated"] += kept != (len(prompt), len(answer))

@@ -15,7 +15,8 @@ Shapes:
   ``rejected``, optional ``system``, ``history`` of ``[prompt, response]`` pairs and ``tools``)
   or sharegpt records (``conversations`` of ``{"from", "value"}`` or ``messages`` of
   ``{"role", "content"}``, optional ``system`` and ``tools``), which :mod:`.conversation`
-  turns into LLaMA-Factory's examples.
+  turns into LLaMA-Factory's examples. Either may carry ``images`` (a path or a list of paths,
+  one per ``<image>`` placeholder: :mod:`.vision`); ``videos`` and ``audios`` are refused.
 """
 
 from __future__ import annotations
@@ -204,16 +205,19 @@ def _object(where: str, data: object) -> dict[str, Any]:
 
 MEDIA_COLUMNS = ("images", "videos", "audios")
 """LLaMA-Factory's multimodal columns (dataset_info.json) and record keys."""
-MEDIA_UNSUPPORTED = "vision/audio inputs are not supported yet (issue #63)"
+UNSUPPORTED_MEDIA = ("videos", "audios")
+"""The multimodal columns refused (videos need torchvision/av, not installed; audios a model)."""
+MEDIA_UNSUPPORTED = ("videos and audios are not supported (images are, with a vision-language "
+                     "template: qwen2_vl, qwen3_vl, qwen3_vl_nothink)")
 
 
-def check_text_only(record: Record) -> None:
-    """DataError (one line) for a record that carries images, videos or audios: they would not
-    reach the model."""
-    for key in MEDIA_COLUMNS:
+def check_media(record: Record) -> None:
+    """DataError (one line) for a record that carries videos or audios: they would not reach
+    the model. Images are read by :mod:`.vision`."""
+    for key in UNSUPPORTED_MEDIA:
         if record.data.get(key):
-            raise DataError(f"{record.where}: {key!r}: {MEDIA_UNSUPPORTED}; valid: text-only records "
-                            f"(no {key!r}, or an empty list)")
+            raise DataError(f"{record.where}: {key!r}: {MEDIA_UNSUPPORTED}; valid: records without "
+                            f"{key!r} (or an empty list)")
 
 
 def detect_sft_format(record: Record) -> str:

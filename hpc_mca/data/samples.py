@@ -43,6 +43,10 @@ class Built:
     """LLaMA-Factory's ``labels``: a token id, or IGNORE_INDEX where nothing is trained."""
     truncated: bool
     """Whether ``cutoff_len`` cut anything of the encoded turns."""
+    images: tuple[str, ...] = ()
+    """Vision-language samples: the image paths, in the order of their tokens."""
+    grids: tuple[tuple[int, int, int], ...] = ()
+    """Their ``image_grid_thw`` rows (:mod:`.vision`), one per image."""
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(tokens, trained, targets)`` for :func:`~hpc_mca.data.tokenize.causal_shift`."""

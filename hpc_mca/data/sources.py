@@ -21,7 +21,9 @@ then random repeats when it asks for more than the file has) with a generator se
 run's first such dataset gets the same records there), before ``data.max_samples`` cuts.
 Without ``data.dataset_dir``, a name that is not a file is looked up, as with LLaMA-Factory's
 default dataset_dir, in ``data/dataset_info.json`` under the working directory.
-``images``/``videos``/``audios`` columns are refused in one line (no vision or audio inputs yet).
+An ``images`` column (a path or a list of paths per record) is read for a vision-language
+template; relative paths are looked up in ``data.media_dir``, else the dataset_dir
+(:mod:`.vision`). ``videos``/``audios`` columns are refused in one line.
 ``split`` may only name ``train``, the one split a local file has; ``subset`` and ``folder``
 are read and ignored for a local file, as LLaMA-Factory does. ``history``, ``system`` and
 ``tools`` columns are read only when the entry names them (LLaMA-Factory's defaults), and
@@ -49,9 +51,9 @@ from hpc_mca.stages import FEEDBACK, PREFERENCE_PAIR, TEXT, get_stage, stages_wh
 
 from .errors import DataError
 from .records import (
-    MEDIA_COLUMNS,
     MEDIA_UNSUPPORTED,
     SFT_FORMATS,
+    UNSUPPORTED_MEDIA,
     Record,
     check_dataset_source,
     columns_of,
@@ -63,12 +65,12 @@ if TYPE_CHECKING:
 
 ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output",
                   "history": "history", "system": "system", "tools": "tools", "chosen": "chosen",
-                  "rejected": "rejected", "kto_tag": "kto_tag"}
+                  "rejected": "rejected", "kto_tag": "kto_tag", "images": "images"}
 """LLaMA-Factory's alpaca column names -> the record field each maps to (also the defaults)."""
-OPTIONAL_COLUMNS = ("history", "system", "tools", "kto_tag")
+OPTIONAL_COLUMNS = ("history", "system", "tools", "kto_tag", "images")
 """Columns LLaMA-Factory reads only when the entry names them (its default is none)."""
 SHAREGPT_COLUMNS = {"messages": "conversations", "system": "system", "tools": "tools",
-                    "chosen": "chosen", "rejected": "rejected", "kto_tag": "kto_tag"}
+                    "chosen": "chosen", "rejected": "rejected", "kto_tag": "kto_tag", "images": "images"}
 """LLaMA-Factory's sharegpt column names and their defaults."""
 SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human",
                  "assistant_tag": "gpt", "observation_tag": "observation",
@@ -113,6 +115,9 @@ class DatasetSource:
     """Records drawn from the file (the entry's ``num_samples``); None = all, in file order."""
     seed: int = 0
     """Seed of the ``num_samples`` draw (``training.seed``)."""
+    media_root: str = ""
+    """Where relative image paths are looked up first: the dataset_dir of an entry; for a
+    direct path, its file's directory."""
 
     def settings(self) -> dict[str, Any]:
         """What the tokenization cache key must include beyond the file contents."""
@@ -219,10 +224,10 @@ def _entry(name: str, entry: object, root: Path, info_path: Path, seed: int) -> 
         raise DataError(f"{where}: formatting={formatting!r}; valid: {', '.join(SFT_FORMATS)}")
     defaults = ALPACA_COLUMNS if formatting == "alpaca" else SHAREGPT_COLUMNS
     given = dict(entry.get("columns") or {})
-    media = [key for key in MEDIA_COLUMNS if key in given]
+    media = [key for key in UNSUPPORTED_MEDIA if key in given]
     if media:
-        raise DataError(f"{where}: columns.{media[0]}: {MEDIA_UNSUPPORTED}; valid: text columns "
-                        f"({', '.join(defaults)})")
+        raise DataError(f"{where}: columns.{media[0]}: {MEDIA_UNSUPPORTED}; valid: "
+                        f"{', '.join(defaults)}")
     unknown = sorted(set(given) - set(defaults))
     if unknown:
         raise DataError(f"{where}: unknown columns key {unknown[0]!r} for {formatting}; "
@@ -235,7 +240,7 @@ def _entry(name: str, entry: object, root: Path, info_path: Path, seed: int) -> 
                if key in given or key not in OPTIONAL_COLUMNS}
     return DatasetSource(name, str(root / entry["file_name"]), formatting,
                          bool(entry.get("ranking", False)), columns, tuple(sorted(given)), tags,
-                         entry.get("num_samples"), seed)
+                         entry.get("num_samples"), seed, str(root))
 
 
 def check_sources(data: DataArguments) -> None:
@@ -316,7 +321,7 @@ def _needed(source: DatasetSource, stage: str) -> list[str]:
 def _alpaca(source: DatasetSource, record: Record) -> dict[str, Any]:
     fields = {"prompt": "instruction", "query": "input", "response": "output",
               "history": "history", "system": "system", "tools": "tools", "chosen": "chosen",
-              "rejected": "rejected", "kto_tag": "kto_tag"}
+              "rejected": "rejected", "kto_tag": "kto_tag", "images": "images"}
     return {fields[key]: record.data[column] for key, column in source.columns.items()
             if column in record.data}
 
@@ -326,7 +331,7 @@ def _sharegpt(source: DatasetSource, record: Record) -> dict[str, Any]:
     out: dict[str, Any] = {"messages": data.get(cols["messages"])}
     if isinstance(out["messages"], list):
         out["messages"] = [_turn(source, record, turn) for turn in out["messages"]]
-    for key in ("system", "tools", "chosen", "rejected", "kto_tag"):
+    for key in ("system", "tools", "chosen", "rejected", "kto_tag", "images"):
         if key in cols and cols[key] in data:
             value = data[cols[key]]
             out[key] = _turn(source, record, value) if key in ("chosen", "rejected") else value

@@ -53,18 +53,48 @@ class SampleStore:
     """Sample boundaries, int64, leading 0."""
     stats: dict[str, int] = field(default_factory=dict)
     """Counts from tokenization: records, samples, truncated, dropped."""
+    image_paths: np.ndarray | None = None
+    """Vision-language samples only: every image path, str [images], sample by sample."""
+    image_grids: np.ndarray | None = None
+    """Their ``image_grid_thw``, int64 [images, 3]."""
+    image_offsets: np.ndarray | None = None
+    """Sample i's images are ``[image_offsets[i], image_offsets[i+1])``, int64, leading 0."""
 
     @classmethod
     def from_samples(cls, samples: list[tuple[np.ndarray, np.ndarray]],
-                     stats: dict[str, int] | None = None) -> SampleStore:
+                     stats: dict[str, int] | None = None,
+                     images: list[tuple[tuple[str, ...], np.ndarray]] | None = None) -> SampleStore:
+        """``images``: per sample, its image paths and grids [n, 3] (vision-language samples)."""
         lengths = np.asarray([len(ids) for ids, _ in samples], dtype=np.int64)
         offsets = np.zeros(len(samples) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         empty = np.zeros(0, dtype=np.int32)
-        return cls(
+        store = cls(
             input_ids=np.concatenate([ids for ids, _ in samples]) if samples else empty,
             labels=np.concatenate([lab for _, lab in samples]) if samples else empty,
             offsets=offsets, stats=dict(stats or {}))
+        if images is not None:
+            store.image_paths = np.asarray([p for paths, _ in images for p in paths], dtype=str)
+            grids = [np.asarray(g, dtype=np.int64).reshape(-1, 3) for _, g in images]
+            store.image_grids = np.concatenate(grids) if grids else np.zeros((0, 3), dtype=np.int64)
+            store.image_offsets = np.zeros(len(images) + 1, dtype=np.int64)
+            np.cumsum([len(paths) for paths, _ in images], out=store.image_offsets[1:])
+        return store
+
+    @property
+    def has_images(self) -> bool:
+        """Whether the samples are vision-language samples (each with its images, maybe none)."""
+        return self.image_offsets is not None
+
+    def images(self, index: int) -> tuple[tuple[str, ...], np.ndarray]:
+        """Sample ``index``'s image paths and grids [n, 3] (none for a text-only store)."""
+        if self.image_offsets is None or self.image_paths is None or self.image_grids is None:
+            return (), np.zeros((0, 3), dtype=np.int64)
+        lo, hi = int(self.image_offsets[index]), int(self.image_offsets[index + 1])
+        return tuple(str(p) for p in self.image_paths[lo:hi]), self.image_grids[lo:hi]
+
+    def _all_images(self) -> list[tuple[tuple[str, ...], np.ndarray]] | None:
+        return [self.images(i) for i in range(len(self))] if self.has_images else None
 
     @classmethod
     def concat(cls, stores: list[SampleStore]) -> SampleStore:
@@ -75,9 +105,14 @@ class SampleStore:
                 stats[key] = stats.get(key, 0) + value
             offsets.append(store.offsets[1:] + base)
             base += int(store.offsets[-1])
-        return cls(np.concatenate([s.input_ids for s in stores]).astype(np.int32),
-                   np.concatenate([s.labels for s in stores]).astype(np.int32),
-                   np.concatenate(offsets), stats)
+        out = cls(np.concatenate([s.input_ids for s in stores]).astype(np.int32),
+                  np.concatenate([s.labels for s in stores]).astype(np.int32),
+                  np.concatenate(offsets), stats)
+        if any(s.has_images for s in stores):
+            merged = cls.from_samples([], images=[s.images(i) for s in stores for i in range(len(s))])
+            out.image_paths, out.image_grids, out.image_offsets = (
+                merged.image_paths, merged.image_grids, merged.image_offsets)
+        return out
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -91,21 +126,28 @@ class SampleStore:
         return self.input_ids[lo:hi], self.labels[lo:hi]
 
     def subset(self, indices: np.ndarray) -> SampleStore:
-        return SampleStore.from_samples([self.sample(int(i)) for i in indices], self.stats)
+        images = self._all_images()
+        return SampleStore.from_samples([self.sample(int(i)) for i in indices], self.stats,
+                                        None if images is None else [images[int(i)] for i in indices])
 
     def save(self, path: Path) -> None:
         """Write atomically (concurrent ranks may race to write the same content)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npz")
-        np.savez(tmp, input_ids=self.input_ids, labels=self.labels, offsets=self.offsets,
-                 stats=np.asarray(json.dumps(self.stats)))
+        arrays = {"input_ids": self.input_ids, "labels": self.labels, "offsets": self.offsets,
+                  "stats": np.asarray(json.dumps(self.stats))}
+        if self.image_paths is not None and self.image_grids is not None and self.image_offsets is not None:
+            arrays.update(image_paths=self.image_paths, image_grids=self.image_grids,
+                          image_offsets=self.image_offsets)
+        np.savez(tmp, **arrays)  # type: ignore[arg-type]  # numpy types **kwds as its allow_pickle flag too
         os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: Path) -> SampleStore:
         with np.load(path, allow_pickle=False) as arrays:
+            vision = [arrays[k] if k in arrays else None for k in ("image_paths", "image_grids", "image_offsets")]
             return cls(arrays["input_ids"], arrays["labels"], arrays["offsets"],
-                       json.loads(str(arrays["stats"])))
+                       json.loads(str(arrays["stats"])), *vision)
 
 
 def check_token_ids(store: SampleStore, vocab_size: int, where: str) -> None:

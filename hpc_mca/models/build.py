@@ -7,13 +7,15 @@
    against the model (``topology.check_layout``) - all before anything is allocated, so every
    rank fails alone with the same one-line error instead of hanging in a collective;
 3. build one GPTModel per virtual pipeline chunk with the local layer spec and the selected
-   core attention, HF's RoPE frequencies, and padded vocabulary logits masked;
+   core attention, HF's RoPE frequencies, and padded vocabulary logits masked (a
+   vision-language model: :class:`~hpc_mca.models.vl.McaVLModel`, its tower on the first stage);
 4. load the weights each rank owns (:mod:`.weights`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +87,7 @@ def build_model(
     layers = layer_specs(spec, core_attention_class(backend, kernel or "sdpa"))
     vocab = padded_vocab_size(spec.vocab_size, ctx.layout.tp, make_vocab_size_divisible_by)
     max_len = seq_length or spec.max_position_embeddings
+    _check_vl(spec, ctx, config.mtp_num_layers)
     if config.mtp_num_layers:
         mtp.check_checkpoint(spec, config.mtp_num_layers, loading=load)
         mtp.install()
@@ -136,10 +139,8 @@ def _build_chunk(
 ) -> torch.nn.Module:
     from megatron.core import parallel_state
 
-    from hpc_mca.models.gpt import McaGPTModel
-
     vp_stage = stage if ctx.layout.vp else None
-    model = McaGPTModel(
+    model = _chunk_class(spec, ctx)(
         config=config,
         transformer_layer_spec=block_spec(layers, config, vp_stage),
         # MTP layers are built like the model's last layer (with experts in an MoE model)
@@ -160,6 +161,30 @@ def _build_chunk(
     if model.post_process:
         _mask_padded_vocab(model, spec.vocab_size)
     return model.to(ctx.device)
+
+
+def _chunk_class(spec: HFModelSpec, ctx: RankContext) -> Callable[..., GPTModel]:
+    """McaGPTModel, or for a vision-language model McaVLModel with its tower (seeded with the
+    run's seed: every replica starts from the same random tower)."""
+    if spec.vision is None:
+        from hpc_mca.models.gpt import McaGPTModel
+
+        return McaGPTModel
+    from hpc_mca.models.vl import McaVLModel
+
+    return functools.partial(McaVLModel, vision=spec.vision, seed=ctx.seed)
+
+
+def _check_vl(spec: HFModelSpec, ctx: RankContext, mtp_layers: int | None) -> None:
+    """What a vision-language model cannot run with here, one line each."""
+    if spec.vision is None:
+        return
+    if ctx.layout.cp > 1:
+        raise ModelLoadError(f"{spec.source}: {spec.model_type} with context parallelism "
+                             f"(cp={ctx.layout.cp}) is not supported; valid: cp 1")
+    if mtp_layers:
+        raise ModelLoadError(f"{spec.source}: {spec.model_type} with MTP layers "
+                             f"(mtp_num_layers={mtp_layers}) is not supported; valid: none")
 
 
 def _mask_padded_vocab(model: GPTModel, vocab_size: int) -> None:

@@ -56,6 +56,9 @@ TOKENIZER_FILES = (
     "merges.txt",
     "chat_template.jinja",
     "chat_template.json",
+    "preprocessor_config.json",  # a VL model's image processor
+    "processor_config.json",
+    "video_preprocessor_config.json",
 )
 """Files copied from the source model directory when present."""
 

@@ -27,6 +27,8 @@ glm4_moe    partial rotary, optional q/k/v biases and qk-norm, first_k_dense_rep
 deepseek_v3 multi-latent attention (q/kv low-rank projections with their norms, a decoupled
             rope head; rope interleaved as DeepSeek's checkpoints store it), the glm4_moe
             routing and dense first layers, default or yarn rope with DeepSeek's mscale
+qwen2_vl    a qwen2 language model with multimodal rope (``mrope_section``) and a vision
+qwen2_5_vl  tower (transformers' own module, on the first stage): :mod:`.vl_config`
 =========== ======================================================================
 
 RoPE is read by :mod:`hpc_mca.models.hf_rope` (default, linear, llama3, yarn).
@@ -43,6 +45,13 @@ from typing import TYPE_CHECKING, Any
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_files import HFCheckpoint
 from hpc_mca.models.hf_rope import SUPPORTED_ROPE_TYPES, RopeSpec, read_rope
+from hpc_mca.models.vl_config import (
+    VL_MODEL_TYPES,
+    VisionSpec,
+    refuse_unbuilt_vl,
+    text_config,
+    vision_spec,
+)
 from hpc_mca.topology.lora import LoraModel
 from hpc_mca.topology.model import BUILDABLE_MODEL_TYPES
 
@@ -63,7 +72,7 @@ __all__ = [
 
 SUPPORTED_MODEL_TYPES = BUILDABLE_MODEL_TYPES  # one list, the planner's too (topology.model)
 
-_QKV_BIAS_TYPES = frozenset({"qwen2"})
+_QKV_BIAS_TYPES = frozenset({"qwen2", *VL_MODEL_TYPES})
 _QKV_BIAS_OPTION_TYPES = {"seed_oss": "attention_bias", "glm4_moe": "attention_bias",
                           "qwen2_moe": "qkv_bias"}
 """Families whose option (the value) puts biases on q/k/v only (o_proj has none)."""
@@ -71,13 +80,12 @@ _QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe"})
 _QK_NORM_OPTION_TYPES = {"glm4_moe": "use_qk_norm"}
 _MOE_TYPES = frozenset({"qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3"})
 _SIGMOID_ROUTER_TYPES = frozenset({"glm4_moe", "deepseek_v3"})
+"""Families whose router scores experts with a sigmoid plus ``e_score_correction_bias``."""
 _MLA_TYPES = frozenset({"deepseek_v3"})
 MTP_TYPES = frozenset({"deepseek_v3", "glm4_moe"})
 """Families whose checkpoints may hold MTP modules after the last decoder layer."""
 MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 """Copies of the main embedding and head an MTP module may hold, in checkpoint order."""
-"""Families whose checkpoints may hold MTP modules (``num_nextn_predict_layers``)."""
-"""Families whose router scores experts with a sigmoid plus ``e_score_correction_bias``."""
 _ALWAYS_WINDOWED_TYPES = frozenset({"mistral", "mixtral"})
 """Families where a non-null ``sliding_window`` applies to every layer (no layer_types)."""
 
@@ -169,6 +177,11 @@ class HFModelSpec:
     mtp_copies: tuple[str, ...] = ()
     """What each MTP module also holds of the main vocabulary matrices (``embed_tokens.weight``,
     ``shared_head.head.weight``: copies in DeepSeek's checkpoints)."""
+    vision: VisionSpec | None = None
+    """The vision tower of a vision-language model (:mod:`.vl_config`); None: text only."""
+    mrope_section: tuple[int, ...] = ()
+    """Multimodal rope: the rotary frequencies each position row (time, height, width) turns;
+    empty: one position per token."""
 
     def stored(self) -> HFModelSpec:
         """The spec of the checkpoint's files (its own vocab_size, before any growth)."""
@@ -220,14 +233,20 @@ def read_hf_config(source: str | Path | Mapping[str, Any]) -> HFModelSpec:
         raw, where = _read_json(config_path), str(config_path)
         directory = config_path.parent
     model_type = raw.get("model_type")
+    refuse_unbuilt_vl(model_type, where)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
             f"{where}: model_type {model_type!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     cfg = _transformers_config(model_type, raw, where)
-    _refuse_unsupported_options(cfg, model_type, where)
-    spec = _spec_from_config(cfg, model_type, raw, where, directory)
+    text, section = text_config(cfg, where) if model_type in VL_MODEL_TYPES else (cfg, ())
+    _refuse_unsupported_options(text, model_type, where)
+    spec = _spec_from_config(text, model_type, raw, where, directory)
+    if section:  # a VL model: the tower, and the outer config's tying and dtype
+        spec = replace(spec, vision=vision_spec(cfg, model_type), mrope_section=section,
+                       tie_word_embeddings=bool(cfg.tie_word_embeddings),
+                       dtype=_dtype_name(cfg) or spec.dtype)
     if model_type in MTP_TYPES:
         spec = _held_mtp(spec, int(getattr(cfg, "num_nextn_predict_layers", 0) or 0))
     growth = vocab_growth(directory) if directory is not None else None

@@ -7,7 +7,7 @@ activations between pipeline stages) with ``forward_only=True``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +33,7 @@ def forward_logits(
     position_ids: torch.Tensor | None = None,
     packed_seq_params: PackedSeqParams | None = None,
     micro_batch_size: int | None = None,
+    model_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """Logits ``[batch, seq, vocab_size]`` on the ranks of the last pipeline stage, None on
     the others.
@@ -42,7 +43,9 @@ def forward_logits(
     rank's too), run as micro-batches of ``micro_batch_size`` rows (default: the whole batch, or
     single rows with virtual pipeline chunks, whose interleaved schedule needs at least PP
     micro-batches). Tensor-parallel vocabulary shards are gathered and Megatron's vocabulary
-    padding is cut off.
+    padding is cut off. ``model_inputs`` are further keyword arguments of every forward (a VL
+    model's ``pixel_values`` and ``image_grid_thw``), which belong to the whole batch: one
+    micro-batch only. Multimodal rope ``position_ids`` are ``[3, batch, seq]``.
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -51,11 +54,16 @@ def forward_logits(
     input_ids = input_ids.to(device)
     if position_ids is None:
         position_ids = torch.arange(input_ids.size(1), device=device).expand_as(input_ids)
-    size = micro_batch_size or (1 if len(chunks) > 1 else input_ids.size(0))
+    size = micro_batch_size or (1 if len(chunks) > 1 and not model_inputs else input_ids.size(0))
+    rows = 1 if position_ids.dim() == 3 else 0  # mrope positions: [3, batch, seq]
     batches = [
         {"tokens": tokens, "position_ids": positions}
-        for tokens, positions in zip(input_ids.split(size), position_ids.to(device).split(size))
+        for tokens, positions in zip(input_ids.split(size),
+                                     position_ids.to(device).split(size, dim=rows))
     ]
+    if model_inputs and len(batches) > 1:
+        raise ValueError(f"model_inputs {sorted(model_inputs)} belong to the whole batch; valid: "
+                         f"one micro-batch (micro_batch_size >= {input_ids.size(0)})")
     iterators: list[Iterator[_Batch]] | Iterator[_Batch] = (
         [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches))
     modes = [chunk.training for chunk in chunks]
@@ -64,7 +72,8 @@ def forward_logits(
     try:
         with torch.no_grad():
             outputs = get_forward_backward_func()(
-                forward_step_func=_logits_step(vocab_size, packed_seq_params),
+                forward_step_func=_logits_step(vocab_size, packed_seq_params, {
+                    key: value.to(device) for key, value in (model_inputs or {}).items()}),
                 data_iterator=iterators,
                 model=list(chunks) if len(chunks) > 1 else chunks[0],
                 num_microbatches=len(batches),
@@ -79,14 +88,16 @@ def forward_logits(
     return torch.cat([out["logits"] for out in outputs]) if outputs else None
 
 
-def _logits_step(vocab_size: int, packed_seq_params: PackedSeqParams | None) -> _ForwardStep:
+def _logits_step(vocab_size: int, packed_seq_params: PackedSeqParams | None,
+                 model_inputs: Mapping[str, torch.Tensor] | None = None) -> _ForwardStep:
     """A schedule forward step whose "loss" function hands back the gathered logits."""
+    extra = dict(model_inputs or {})
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     def forward_step(data_iterator: Iterator[_Batch], model: GPTModel) -> tuple[torch.Tensor, _Collect]:
         data = next(data_iterator)
         output = model(data["tokens"], data["position_ids"], None,
-                       packed_seq_params=packed_seq_params)
+                       packed_seq_params=packed_seq_params, **extra)
 
         def collect(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             full = gather_from_tensor_model_parallel_region(logits, group=model.pg_collection.tp)

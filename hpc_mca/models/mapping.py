@@ -18,6 +18,8 @@ dimension, which is what a :class:`Piece` describes:
 - experts: local expert j on EP rank e is global expert ``e*E/ep + j``, split over expert-TP
   ranks like the dense MLP.
 - norms and the router: whole tensors, replicated over TP.
+- a VL model's vision tower (``visual.*``, first stage only): transformers' own module under
+  the checkpoint's names, every tensor whole, replicated over TP.
 - MTP layer k (``mtp.layers.k``, deepseek_v3/glm4_moe checkpoints): HF layer
   ``num_layers + k``; ``enorm``/``hnorm`` whole, ``eh_proj`` [H, 2H] split by rows like a
   column-parallel linear (both concatenate ``[enorm(embedding); hnorm(hidden)]``),
@@ -223,6 +225,8 @@ def hf_tensor_shapes(spec: HFModelSpec) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (spec.hidden_size,)
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
+    if spec.vision is not None:
+        shapes.update(spec.vision.shapes())
     return shapes
 
 
@@ -304,6 +308,8 @@ def plan_param(spec: HFModelSpec, c: ShardCoords, name: str, global_layer: int |
                          copies=_vocab_copies(spec, c, MTP_COPIES[1:]))
     if name == "decoder.final_layernorm.weight":
         return ParamPlan(name, _whole("model.norm.weight"), replicated_owner)
+    if spec.vision is not None and name in spec.vision.shapes():
+        return ParamPlan(name, _whole(name), replicated_owner)  # the tower, under its HF names
     mtp = _MTP_PARAM.fullmatch(name)
     if mtp is not None:
         return _plan_mtp_param(spec, c, name, int(mtp.group(1)), mtp.group(2))

@@ -84,6 +84,8 @@ def transformer_config_kwargs(
         **_parallel_kwargs(layout, gloo),
         **_moe_kwargs(spec),
     }
+    if spec.mrope_section:
+        kwargs["mrope_section"] = list(spec.mrope_section)  # Megatron's multimodal rope
     if spec.mla is not None:
         _use_mla(kwargs, spec)
     elif spec.rope.attention_factor != 1.0:

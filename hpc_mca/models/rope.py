@@ -43,7 +43,7 @@ from hpc_mca.models.errors import ModelLoadError
 if TYPE_CHECKING:
     from hpc_mca.models.hf_config import HFModelSpec
 
-__all__ = ["configure", "describe", "packed_rope", "thd_positions", "unpacked_rope"]
+__all__ = ["configure", "describe", "packed_rope", "per_token", "thd_positions", "unpacked_rope"]
 
 
 def thd_positions(cu_seqlens: Tensor, tokens: int, cp_size: int = 1, cp_rank: int = 0) -> Tensor:
@@ -108,8 +108,21 @@ def packed_rope(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, cp_size: int = 1, 
                 interleaved: bool = False) -> Tensor:
     """RoPE on a THD stream ``t`` [tokens, heads, dim]; ``freqs`` [max_len, 1, 1, rot_dim] are
     Megatron's per-position angles. TE's ``fused_apply_rotary_pos_emb_thd`` signature."""
+    if getattr(freqs, _PER_TOKEN, False):  # multimodal rope: already each token's own angles
+        return _rotate(t.unsqueeze(1), freqs, interleaved).squeeze(1)
     positions = _positions.get(cu_seqlens, t.size(0), cp_size, cp_rank, t.device)
     return _rotate(t.unsqueeze(1), freqs[positions], interleaved).squeeze(1)
+
+
+_PER_TOKEN = "hpc_mca_per_token"
+
+
+def per_token(freqs: Tensor) -> Tensor:
+    """Mark ``freqs`` [tokens, 1, 1, rot_dim] as holding every token's own angles, not a table
+    indexed by position: multimodal rope computes them from each token's three position rows
+    (:mod:`.vl`), so a packed stream is rotated with them as they are, token by token."""
+    setattr(freqs, _PER_TOKEN, True)
+    return freqs
 
 
 def unpacked_rope(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:

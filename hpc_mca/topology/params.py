@@ -101,7 +101,7 @@ def _lora_mlp(r: int, h: int, ffn: int, mats: int, tp: int) -> int:
 def checkpoint_parameters(model: ModelShape) -> tuple[int, int]:
     """(main model, MTP layers) parameters of the HF checkpoint, as transformers counts them
     (buffers such as the router's score bias included): every layer of its kind, the
-    embedding, the output layer unless tied, the final norm; each MTP layer is an MoE (or
+    embedding, the output layer unless tied, the final norm, a VL model's vision tower; each MTP layer is an MoE (or
     dense) layer plus DeepSeek's eh_proj (2h→h), its three norms and its own copies of the
     embedding and the output head (``embed_tokens``, ``shared_head.head``)."""
     h, v = model.hidden_size, model.vocab_size
@@ -113,7 +113,7 @@ def checkpoint_parameters(model: ModelShape) -> tuple[int, int]:
     moe = model.num_moe_layers
     main = (moe * layer(layer_view(model, True)) if moe else 0) + \
         (model.num_layers - moe) * layer(layer_view(model, False))
-    main += v * h * (1 if model.tie_word_embeddings else 2) + h
+    main += v * h * (1 if model.tie_word_embeddings else 2) + h + model.vision_params
     mtp = model.checkpoint_mtp_layers * (layer(mtp_view(model)) + 2 * h * h + 3 * h + 2 * v * h)
     return main, mtp
 
@@ -144,6 +144,6 @@ def stage_counts(model: ModelShape, layout: Layout, rank: int, lora_rank: int,
     mtp = mtp_layers * (mtp_kind.dense + 2 * h * h // layout.tp + 3 * h)
     return ParamCounts(
         dense=dense_layers * dense_kind.dense + moe_layers * moe_kind.dense + tables * table
-        + int(last) * h + mtp,
+        + int(last) * h + mtp + int(first) * model.vision_params,
         expert=moe_layers * moe_kind.expert + mtp_layers * mtp_kind.expert,
         adapters=dense_layers * dense_kind.adapters + moe_layers * moe_kind.adapters)

@@ -50,7 +50,7 @@ from hpc_mca.runtime.distributed import RankContext
 from hpc_mca.stages import get_stage
 
 from .objective import ChunkBuilder, ForwardStep, LossOutput, Schedule
-from .step import model_inputs
+from .step import forward_with_loss, model_inputs
 
 __all__ = ["ReferenceScoring", "reference_chunks"]
 
@@ -186,9 +186,7 @@ class ReferenceScoring:
 
 def _forward(model: torch.nn.Module, batch: PackedBatch, device: torch.device) -> torch.Tensor:
     """The model's per-token loss of ``batch`` (Megatron's GPTModel with labels)."""
-    inputs = model_inputs(batch, device)
-    return model(inputs["input_ids"], inputs["position_ids"], None, labels=inputs["labels"],
-                 loss_mask=inputs["loss_mask"], packed_seq_params=inputs["packed_seq_params"])
+    return forward_with_loss(model, model_inputs(batch, device))
 
 
 def reference_chunks(chunks: list[torch.nn.Module], build: ChunkBuilder, ft: FinetuningArguments,

@@ -36,6 +36,9 @@ class ModelInputs(TypedDict):
     loss_mask: torch.Tensor
     packed_seq_params: PackedSeqParams | None
     """The THD stream's document boundaries; None for unpacked rows."""
+    vision: dict[str, torch.Tensor]
+    """A vision-language batch's images (``pixel_values``, ``image_grid_thw``) for the chunk's
+    vision tower; empty for text. ``position_ids`` is then the multimodal rope's ``[3, ...]``."""
 
 
 def model_inputs(batch: PackedBatch, device: torch.device) -> ModelInputs:
@@ -49,19 +52,26 @@ def model_inputs(batch: PackedBatch, device: torch.device) -> ModelInputs:
     """
     inputs = {
         "input_ids": batch.input_ids,
-        "position_ids": batch.position_ids,
         "labels": batch.labels.clamp(min=0),
         "loss_mask": batch.loss_mask.float(),
     }
+    mrope = batch.mrope_position_ids
+    positions = batch.position_ids if mrope is None else mrope
     packed = None
     if batch.packed:
         inputs = {key: value.reshape(1, -1) for key, value in inputs.items()}
+        positions = positions.reshape(*positions.shape[:-2], 1, -1)
         cu_seqlens = batch.cu_seqlens
         assert cu_seqlens is not None  # collate_rows gives a packed batch both boundaries
         packed = thd_packed_seq_params(cu_seqlens, batch.cu_seqlens_padded, batch.cp_size)
     out = {key: value.to(device, non_blocking=True) for key, value in inputs.items()}
-    return ModelInputs(input_ids=out["input_ids"], position_ids=out["position_ids"], labels=out["labels"],
-                       loss_mask=out["loss_mask"], packed_seq_params=packed)
+    vision = {}
+    if batch.pixel_values is not None and batch.image_grid_thw is not None:
+        vision = {"pixel_values": batch.pixel_values.to(device, non_blocking=True),
+                  "image_grid_thw": batch.image_grid_thw.to(device, non_blocking=True)}
+    return ModelInputs(input_ids=out["input_ids"], position_ids=positions.to(device, non_blocking=True),
+                       labels=out["labels"], loss_mask=out["loss_mask"], packed_seq_params=packed,
+                       vision=vision)
 
 
 def make_forward_step(device: torch.device) -> ForwardStep:
@@ -70,14 +80,16 @@ def make_forward_step(device: torch.device) -> ForwardStep:
     def forward_step(data_iterator: Iterator[PackedBatch], model: torch.nn.Module
                      ) -> tuple[torch.Tensor, Callable[[torch.Tensor], LossOutput]]:
         inputs = model_inputs(next(data_iterator), device)
-        output = model(
-            inputs["input_ids"], inputs["position_ids"], None,
-            labels=inputs["labels"], loss_mask=inputs["loss_mask"],
-            packed_seq_params=inputs["packed_seq_params"],
-        )
-        return output, partial(token_loss, inputs["loss_mask"])
+        return forward_with_loss(model, inputs), partial(token_loss, inputs["loss_mask"])
 
     return forward_step
+
+
+def forward_with_loss(model: torch.nn.Module, inputs: ModelInputs) -> torch.Tensor:
+    """The chunk's per-token loss of one micro-batch (its output tensor on other stages)."""
+    return model(inputs["input_ids"], inputs["position_ids"], None, labels=inputs["labels"],
+                 loss_mask=inputs["loss_mask"], packed_seq_params=inputs["packed_seq_params"],
+                 **inputs["vision"])
 
 
 def token_loss(loss_mask: torch.Tensor, per_token: torch.Tensor) -> LossOutput:

@@ -20,7 +20,7 @@ from hpc_mca.data.errors import DataError
 from .chat import ChatTemplate, PlainTemplate, tokenizer_template
 from .registry import REGISTRY
 from .slots import EOS, FunctionFormat
-from .template import Message, SlotTemplate, Template, Turn
+from .template import Message, SlotTemplate, Template, Turn, VisionTokens
 from .tools import TOOL_FORMATS
 
 if TYPE_CHECKING:
@@ -40,8 +40,16 @@ __all__ = [
     "SlotTemplate",
     "Template",
     "Turn",
+    "VisionTokens",
     "get_template",
+    "template_vision",
 ]
+
+
+def template_vision(template: Template) -> VisionTokens | None:
+    """How ``template`` writes images (a vision-language template), or None (text only: the
+    tokenizer's own ``chat`` and ``plain`` are text only too)."""
+    return getattr(template, "vision", None)
 
 
 def get_template(name: str, tokenizer: PreTrainedTokenizerBase, *, enable_thinking: bool | None = True,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, TypedDict, Unpack
 
 from .slots import BOS, EOS, Format, FunctionFormat, Slot
-from .template import SlotTemplate
+from .template import SlotTemplate, VisionTokens
 
 _CHATML_USER = "<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n"
 _CHATML_ASSISTANT = "{{content}}<|im_end|>\n"
@@ -35,6 +35,7 @@ class Flags(TypedDict, total=False):
     replace_jinja_template: bool
     fold_system: bool
     reasoning: bool
+    vision: VisionTokens
     enable_thinking: bool | None
     preserve_thinking: bool
 
@@ -105,8 +106,12 @@ REGISTRY: dict[str, SlotTemplate] = {template.name: template for template in (
            stop_words=("<|im_end|>",), replace_eos=True),
     define("qwen", default_system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
            **_QWEN_FAMILY),
+    define("qwen2_vl", default_system="You are a helpful assistant.", vision=VisionTokens("qwen2_vl"),
+           **_QWEN_FAMILY),
     define("qwen3", reasoning=True, **_QWEN_FAMILY),
     define("qwen3_nothink", **_QWEN_FAMILY),
+    define("qwen3_vl", reasoning=True, vision=VisionTokens("qwen3_vl"), **_QWEN_FAMILY),
+    define("qwen3_vl_nothink", vision=VisionTokens("qwen3_vl"), **_QWEN_FAMILY),
     define("vicuna", user=("USER: {{content}} ASSISTANT:",),
            default_system=("A chat between a curious user and an artificial intelligence assistant. "
                            "The assistant gives helpful, detailed, and polite answers to the user's questions."),

@@ -69,6 +69,22 @@ def _parse_tools(tools: str) -> list[dict[str, Any]]:
 
 
 @dataclass(frozen=True)
+class VisionTokens:
+    """How a vision-language template writes an image into the text (LLaMA-Factory's mm plugin
+    of the template): ``<image>`` becomes ``bos + image * n + eos``, n from the image's grid."""
+
+    plugin: str
+    """LLaMA-Factory's plugin name (``qwen2_vl``, ``qwen3_vl``): both expand an image to
+    ``grid.prod() // merge_size**2`` image tokens."""
+    image: str = "<|image_pad|>"
+    """The token repeated once per merged patch (the model config's ``image_token_id``)."""
+    start: str = "<|vision_start|>"
+    """Written before an image's tokens."""
+    end: str = "<|vision_end|>"
+    """Written after them."""
+
+
+@dataclass(frozen=True)
 class SlotTemplate(Template):
     """One of LLaMA-Factory's named templates (the registry's entries are these)."""
 
@@ -108,6 +124,8 @@ class SlotTemplate(Template):
     """Reasoning templates: True trains on the added empty thought, False/None puts it in the prompt
     (False also strips existing thoughts)."""
     preserve_thinking: bool = False
+    vision: VisionTokens | None = None
+    """Vision-language templates: how images are written; None = text only (images refused)."""
 
     # --- encoding ---------------------------------------------------------------------------
 

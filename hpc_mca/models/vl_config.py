@@ -1,0 +1,129 @@
+"""Vision-language families (``qwen2_vl``, ``qwen2_5_vl``): what their ``config.json`` adds to
+a Qwen2 language model.
+
+transformers' own config classes read the file (hub configs are flat, saves of transformers 5
+nest ``text_config``; both read the same): :func:`text_config` hands the language model's config
+to :mod:`.hf_config`, which makes the usual :class:`~.hf_config.HFModelSpec` of it, and
+:func:`vision_spec` describes the vision tower, which the first pipeline stage holds as
+transformers' own module (:func:`build_vision_tower`), its tensors listed by building it on the
+meta device (no formula to drift from transformers). The language model rotates with
+multimodal rope (three position rows, ``mrope_section`` frequencies each); Megatron's
+``mrope_section`` takes the same list.
+
+Refused, one line each: Qwen3-VL (deepstack visual features added inside the first decoder
+layers and interleaved mrope: not on this backend), a rope scaling other than the default
+(transformers' multimodal rope applies it, Megatron's does not), and mrope sections that do not
+cover half a head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hpc_mca.models.errors import ModelLoadError
+
+if TYPE_CHECKING:  # torch and transformers are imported where a tower is built
+    import torch
+    from transformers import PreTrainedConfig
+
+__all__ = ["VL_MODEL_TYPES", "VisionSpec", "build_vision_tower", "refuse_unbuilt_vl",
+           "text_config", "vision_spec"]
+
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+_TOWERS = {
+    "qwen2_vl": ("transformers.models.qwen2_vl.modeling_qwen2_vl",
+                 "Qwen2VisionTransformerPretrainedModel", "Qwen2VLVisionConfig"),
+    "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+                   "Qwen2_5_VisionTransformerPretrainedModel", "Qwen2_5_VLVisionConfig"),
+}
+"""Per family: transformers' vision module and its config class."""
+
+VISION_PREFIX = "visual."
+"""Where the vision tower's tensors live, in the checkpoint and in the chunk."""
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The vision tower of a VL model and its image placeholder token."""
+
+    model_type: str
+    """The family (a key of the towers transformers provides)."""
+    config: Mapping[str, Any] = field(compare=False, repr=False)
+    """The vision config as transformers reads it (``to_dict``)."""
+    image_token_id: int
+    video_token_id: int | None
+    spatial_merge_size: int
+    tensors: tuple[tuple[str, tuple[int, ...]], ...] = field(repr=False)
+    """Every tensor of the tower (``visual.`` names, as the checkpoint holds them) and its shape."""
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self.tensors)
+
+
+def refuse_unbuilt_vl(model_type: object, where: str) -> None:
+    """One line for a VL family this backend does not build."""
+    if model_type in ("qwen3_vl", "qwen3_vl_moe"):
+        raise ModelLoadError(
+            f"{where}: model_type {model_type!r} (deepstack visual features, interleaved mrope) is "
+            f"not supported on the Megatron backend; valid: {', '.join(VL_MODEL_TYPES)}")
+
+
+def text_config(cfg: PreTrainedConfig, where: str) -> tuple[PreTrainedConfig, tuple[int, ...]]:
+    """(the language model's config, its mrope sections) of a VL config."""
+    text = cfg.text_config
+    params = dict(getattr(text, "rope_parameters", None) or {})
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
+    if rope_type not in ("default", "mrope"):
+        raise ModelLoadError(f"{where}: rope type {rope_type!r} with multimodal rope is not "
+                             "supported (supported: 'default')")
+    section = tuple(int(n) for n in params.get("mrope_section") or ())
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    if len(section) != 3 or 2 * sum(section) != head_dim:
+        raise ModelLoadError(f"{where}: mrope_section {list(section)} must be three sizes summing "
+                             f"to half the head dimension ({head_dim // 2})")
+    return text, section
+
+
+def _tower_classes(model_type: str) -> tuple[type[torch.nn.Module], type[PreTrainedConfig]]:
+    import importlib
+
+    module, model_class, config_class = _TOWERS[model_type]
+    loaded = importlib.import_module(module)
+    config_module = importlib.import_module(module.replace(".modeling_", ".configuration_"))
+    return getattr(loaded, model_class), getattr(config_module, config_class)
+
+
+def vision_spec(cfg: PreTrainedConfig, model_type: str) -> VisionSpec:
+    """The tower of ``cfg`` (a VL config), its tensors listed from a meta-device build."""
+    import torch
+
+    vision = cfg.vision_config.to_dict()
+    tower_class, _ = _tower_classes(model_type)
+    with torch.device("meta"):
+        tower = tower_class(cfg.vision_config)
+    tensors = tuple((VISION_PREFIX + name, tuple(param.shape))
+                    for name, param in tower.named_parameters())
+    video = getattr(cfg, "video_token_id", None)
+    return VisionSpec(model_type=model_type, config=vision, image_token_id=int(cfg.image_token_id),
+                      video_token_id=None if video is None else int(video),
+                      spatial_merge_size=int(cfg.vision_config.spatial_merge_size),
+                      tensors=tensors)
+
+
+def build_vision_tower(vision: VisionSpec, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """transformers' vision module of the family, in ``dtype``, with sdpa attention; its random
+    initialisation is drawn from ``seed`` so that every rank holding a replica (each TP rank of
+    the first stage, each data-parallel replica) starts from the same tower."""
+    import torch
+
+    tower_class, config_class = _tower_classes(vision.model_type)
+    config = config_class.from_dict(dict(vision.config))
+    config._attn_implementation = "sdpa"  # eager's twin on every device; no flash-attn needed
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tower = tower_class(config)
+    return tower.to(dtype)
