@@ -55,6 +55,7 @@ def check_finetuning(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"finetuning.lora_dropout={ft.lora_dropout} must be in [0, 1)")
     if ft.finetuning_type == "freeze":
         _check_freeze(config)
+    _check_vision_freeze(config)
     _check_adapters(config)
     if ft.finetuning_type == "lora":
         if ft.lora_alpha is None:
@@ -67,6 +68,36 @@ def check_finetuning(config: TrainConfig, world_size: int) -> None:
     stage = get_stage(ft.stage)
     _check_loss_settings(config, stage)
     _check_objective(config, stage)
+
+
+VISION_FREEZE_DEFAULTS = {"freeze_vision_tower": True, "freeze_multi_modal_projector": True,
+                          "freeze_language_model": False}
+"""LLaMA-Factory's defaults for what of a vision-language model trains: the language model."""
+
+
+def _check_vision_freeze(config: TrainConfig) -> None:
+    """``freeze_vision_tower``/``_multi_modal_projector``/``_language_model`` choose what of a
+    vision-language model trains under ``finetuning_type: full``; elsewhere only their defaults
+    run (LoRA adapts the language model's linears, freeze picks its layers)."""
+    ft = config.finetuning
+    changed = {key: getattr(ft, key) for key, default in VISION_FREEZE_DEFAULTS.items()
+               if getattr(ft, key) != default}
+    if not changed:
+        return
+    key, value = next(iter(changed.items()))
+    if model_shape(config.model.model_name_or_path).vision_params == 0:
+        raise ConfigError(f"finetuning.{key}={value} with the text model "
+                          f"{config.model.model_name_or_path!r}: it has no vision tower; valid: "
+                          f"{VISION_FREEZE_DEFAULTS[key]} (a qwen2_vl or qwen2_5_vl model)")
+    if ft.finetuning_type != "full":
+        raise ConfigError(f"finetuning.{key}={value} with finetuning.finetuning_type="
+                          f"{ft.finetuning_type!r}: only full fine-tuning trains the vision side "
+                          f"or freezes the language model here; valid: {VISION_FREEZE_DEFAULTS[key]}, "
+                          "or finetuning_type='full'")
+    if ft.freeze_language_model and ft.freeze_vision_tower and ft.freeze_multi_modal_projector:
+        raise ConfigError("finetuning.freeze_language_model=true with the vision tower and the "
+                          "projector frozen: nothing would train; valid: freeze_vision_tower=false "
+                          "or freeze_multi_modal_projector=false")
 
 
 def _check_adapters(config: TrainConfig) -> None:

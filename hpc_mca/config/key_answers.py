@@ -107,8 +107,7 @@ FAMILIES: tuple[Family, ...] = (
            {"image_do_pan_and_scan": False,
             "crop_to_patches": False, "video_max_pixels": 65536, "video_min_pixels": 256,
             "video_fps": 2.0, "video_maxlen": 128, "use_audio_in_video": False,
-            "audio_sampling_rate": 16000, "freeze_vision_tower": True,
-            "freeze_multi_modal_projector": True, "freeze_language_model": False}),
+            "audio_sampling_rate": 16000}),
     Family("LLaMA-Factory's export stage: use hpc-mca export (a run's checkpoint -> an HF directory, "
            "unquantized; training.export_hf_dir / export_merged_dir write one after the last step)",
            {"export_size": 5, "export_device": "cpu", "export_quantization_bit": None,

@@ -132,9 +132,25 @@ class ModelConverter:
 
 
 class FullFinetuning(ModelConverter):
-    """Every parameter trains, as built (the base class's behaviour, under its own name)."""
+    """Every parameter trains, as built (the base class's behaviour, under its own name),
+    except the parts of a vision-language model its ``freeze_*`` settings keep frozen."""
 
     name: ClassVar[str] = "full"
+
+    def convert_chunks(self, chunks: list[torch.nn.Module], *, model_path: str,
+                       seed: int) -> list[torch.nn.Module]:
+        from hpc_mca.models.freeze import freeze_vision_parts
+
+        for chunk in chunks:
+            freeze_vision_parts(chunk, self.finetuning)
+        return chunks
+
+    def convert_hf_model(self, model: torch.nn.Module, *, model_path: str,
+                         seed: int) -> torch.nn.Module:
+        from hpc_mca.models.freeze import freeze_vision_parts
+
+        freeze_vision_parts(model, self.finetuning)
+        return model
 
 
 class LoraFinetuning(ModelConverter):

@@ -24,7 +24,7 @@ from hpc_mca.topology.freeze import FreezeRule, freeze_rule
 if TYPE_CHECKING:  # transformers is imported by the standard backend, not here
     from transformers import PreTrainedModel
 
-__all__ = ["freeze_chunks", "freeze_hf_model", "rule_for", "trains_part"]
+__all__ = ["freeze_chunks", "freeze_hf_model", "freeze_vision_parts", "rule_for", "trains_part"]
 
 _TRAINS_PART = "_hpc_mca_trains_part"
 
@@ -85,3 +85,24 @@ def freeze_hf_model(model: PreTrainedModel, finetuning: FinetuningArguments) -> 
     for name, param in model.named_parameters():
         param.requires_grad_(rule.trains(name))
     return model
+
+
+VISION_TOWER = ("visual.patch_embed", "visual.blocks")
+"""A Qwen2-VL/Qwen2.5-VL vision encoder's parameters, by name (LLaMA-Factory's keys; the same
+in the HF model and in a Megatron chunk, which holds transformers' tower as ``visual``)."""
+PROJECTOR = ("visual.merger",)
+"""The merger that projects vision features into the language model's width."""
+
+
+def freeze_vision_parts(model: torch.nn.Module, finetuning: FinetuningArguments) -> None:
+    """``freeze_vision_tower``/``freeze_multi_modal_projector``/``freeze_language_model`` on a
+    vision-language model (a Megatron chunk or the HF model): the parts they name stop
+    requiring gradients, as LLaMA-Factory's full fine-tuning does. The language model is
+    every parameter outside ``visual``; a text model has none of these parts to freeze."""
+    frozen = (VISION_TOWER if finetuning.freeze_vision_tower else ()) + \
+        (PROJECTOR if finetuning.freeze_multi_modal_projector else ())
+    for name, param in model.named_parameters():
+        vision = ".visual." in f".{name}"
+        if (vision and any(key in name for key in frozen)) or \
+                (not vision and finetuning.freeze_language_model):
+            param.requires_grad_(False)
