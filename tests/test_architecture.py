@@ -332,11 +332,12 @@ def library_patches(package: Path = PACKAGE) -> dict[str, list[str]]:
     return found
 
 
-def test_every_library_patch_is_listed_in_the_readme():
-    """README's table under "Running ranks" names every file that patches a library."""
+def test_every_library_patch_is_listed_in_the_docs():
+    """The table under "Library patches" (docs/internals.md) names every file that patches a
+    library."""
     import re
 
-    text = (PACKAGE.parent / "README.md").read_text()
+    text = (PACKAGE.parent / "docs" / "internals.md").read_text()
     table = text[text.index("| where | what it replaces | when |"):].split("\n\n", 1)[0]
     listed = set(re.findall(r"^\| `(hpc_mca/[\w/]+\.py)` \|", table, re.M))
     patches = library_patches()
@@ -402,15 +403,15 @@ def test_the_attribute_rule_catches_a_write_from_outside(tmp_path):
     ]
 
 
-def test_readme_layout_table_names_every_package():
-    """README's layout table and ARCHITECTURE.md's layer table name exactly the packages on
-    disk, and the layer table agrees with LAYERS."""
+def test_layout_table_names_every_package():
+    """The layout table (docs/internals.md) and ARCHITECTURE.md's layer table name exactly the
+    packages on disk, and the layer table agrees with LAYERS."""
     import re
 
     root = PACKAGE.parent
     on_disk = {p.name for p in PACKAGE.iterdir() if p.is_dir() and not p.name.startswith("_")}
-    readme = set(re.findall(r"^\| `hpc_mca/(\w+)/", (root / "README.md").read_text(), re.M))
-    assert readme == on_disk
+    listed = set(re.findall(r"^\| `hpc_mca/(\w+)/", (root / "docs" / "internals.md").read_text(), re.M))
+    assert listed == on_disk
     layers = {}
     for row in re.findall(r"^\| (\d+)(?:–\d+)? \| ([^|]+) \|", (root / "ARCHITECTURE.md").read_text(), re.M):
         for name in re.findall(r"`(\w+)`", row[1]):

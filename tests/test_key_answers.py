@@ -1,8 +1,8 @@
 """Every key of LLaMA-Factory 0.9.5's argument classes and of transformers'
 ``Seq2SeqTrainingArguments`` has one answer here (hpc_mca/config/key_answers.py): honoured (a
 field of this config), translated (LF_KEYS) or refused (its default accepted, any other value
-refused in one line naming the key, the value and what replaces it); README's table is the
-rendered one."""
+refused in one line naming the key, the value and what replaces it); the table on
+docs/llama-factory-keys.md is the rendered one."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from hpc_mca.config.lf_keys import LF_KEYS
 from hpc_mca.config.loading import load_items
 from hpc_mca.config.sections import field_section
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+KEY_PAGE = Path(__file__).resolve().parent.parent / "docs" / "llama-factory-keys.md"
 
 
 def _lf_module(name: str) -> ModuleType:
@@ -130,11 +130,11 @@ def test_a_later_default_clears_an_earlier_refusal():
     assert load_items([("use_dora", True, None), ("use_dora", False, None)])[1] == []
 
 
-def test_readme_table_is_the_rendered_one():
-    text = README.read_text()
+def test_the_key_table_page_is_the_rendered_one():
+    text = KEY_PAGE.read_text()
     start = text.index("<!-- key table: hpc_mca.config.key_answers.readme_table() -->\n")
     body = text[text.index("\n", start) + 1:text.index("<!-- end of the key table -->")]
-    assert body == readme_table(), "README's key table is stale: regenerate it (see its section)"
+    assert body == readme_table(), "docs/llama-factory-keys.md's table is stale: regenerate it (see the page)"
 
 
 # --- LLaMA-Factory's data keys: the default dataset_dir, multimodal columns -----------------------

@@ -13,8 +13,8 @@ to a setting that means something else, so no other guess is offered.
 LLaMA-Factory's keys that this config honours (:data:`hpc_mca.config.lf_keys.LF_KEYS`:
 ``packing``, ``flash_attn``, ``save_strategy`` ...) are translated into its own fields, and
 transformers' names of ``optim`` values into adam (:func:`optimizer_fields`); the ones it
-refuses say why in :data:`KNOWN_ELSEWHERE`. README.md's "LLaMA-Factory keys" lists each with
-its test.
+refuses say why in :data:`KNOWN_ELSEWHERE`. docs/llama-factory.md's "The keys with their tests" lists
+each.
 
 Pure Python; :mod:`hpc_mca.config.sections` calls these.
 """

@@ -10,8 +10,8 @@ DataArguments, FinetuningArguments, TrainingArguments) and transformers'
   in one line naming the key, the value and what replaces it.
 
 The loader (:mod:`.loading`) asks :func:`refusal` before it calls a key unknown;
-:func:`readme_table` renders README.md's "LLaMA-Factory keys" table from these tables
-(README's section gives the command that prints it), and tests/test_key_answers.py walks the
+:func:`readme_table` renders the table of docs/llama-factory-keys.md from these tables (the
+page gives the command that prints it), and tests/test_key_answers.py walks the
 classes' fields against :func:`answer`.
 """
 
@@ -297,7 +297,7 @@ def refusal(name: str, value: object) -> str | None:
 
 
 def readme_table() -> str:
-    """README.md's table: this config's own fields, then every translated and refused key."""
+    """docs/llama-factory-keys.md's table: this config's own fields, then every translated and refused key."""
     rows = ["| key | answer | what to use |", "|---|---|---|",
             "| every field of this config under its own name (`cutoff_len`, `learning_rate`, `lora_rank`, "
             "`output_dir`, ...: `hpc_mca/config/sections.py`) | honoured | the same meaning |"]

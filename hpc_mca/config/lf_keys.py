@@ -1,7 +1,7 @@
 """LLaMA-Factory's (and transformers') keys that this config honours by setting fields of its
 own (:data:`LF_KEYS`: ``packing``, ``flash_attn``, ``save_strategy`` ...), each applied after
 every plain key, and refusing the values it cannot honour in one line. The loader
-(:mod:`.loading`) reads them; README.md's "LLaMA-Factory keys" lists each with its test.
+(:mod:`.loading`) reads them; docs/llama-factory.md's "The keys with their tests" lists each.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _packing(key: str) -> Callable[[object, TrainConfig], Assignments]:
 def _liger(key: str) -> Callable[[object, TrainConfig], Assignments]:
     """LLaMA-Factory's ``enable_liger_kernel`` and transformers' ``use_liger_kernel``: false is
     what runs here; true is refused, since the kernels in use were as fast or faster on one H200
-    (README, "On one GPU": benchmarks/kernel_options.py)."""
+    (docs/gpu.md: benchmarks/kernel_options.py)."""
     def refuse_true(value: object, config: TrainConfig) -> Assignments:
         if _flag(key, value):
             raise ConfigError(f"{key}=true: liger-kernel is not used here (its fused linear "
@@ -314,4 +314,4 @@ LF_KEY_NOTES: dict[str, str] = {
     "enable_jit_checkpoint": "either value: a stop signal always writes a checkpoint before the job "
                              "is requeued",
 }
-"""What each LLaMA-Factory key becomes, one line for README.md's table."""
+"""What each LLaMA-Factory key becomes, one line for docs/llama-factory-keys.md's table."""

@@ -1,6 +1,6 @@
 """Megatron-Core on CPU: the patches to torch and Megatron that let it run without CUDA (the
-other places that patch a library, each for its own reason, are listed in README.md under
-"Running ranks").
+other places that patch a library, each for its own reason, are listed in docs/internals.md under
+"Library patches").
 
 Megatron-Core is written for CUDA. Its algorithms (tensor/pipeline/expert parallelism, DDP,
 the distributed optimizer, dist_checkpointing) are device-agnostic torch code, but it reaches

@@ -16,8 +16,10 @@ from hpc_mca.data.batch import PackedBatch
 from hpc_mca.data.dataset import eval_dataloader
 from hpc_mca.data.rows import RowDataset
 from hpc_mca.loop.exact_match import response_exact_match
-from hpc_mca.models.inference import forward_logits, thd_packed_seq_params
+from hpc_mca.models.inference import forward_logits
 from hpc_mca.models.weights import unwrap
+
+from .step import model_inputs
 
 
 def exact_match_accuracy(model: list[torch.nn.Module], eval_rows: RowDataset, run: DataRun,
@@ -99,10 +101,9 @@ def _whole_batch(share: torch.Tensor, batch: PackedBatch, group: dist.ProcessGro
 
 
 def _logits(chunks: list[torch.nn.Module], batch: PackedBatch, vocab_size: int) -> torch.Tensor | None:
-    if batch.packed:
-        cu_seqlens = batch.cu_seqlens
-        assert cu_seqlens is not None  # collate_rows gives a packed batch both boundaries
-        packed = thd_packed_seq_params(cu_seqlens, batch.cu_seqlens_padded, batch.cp_size)
-        return forward_logits(chunks, batch.input_ids.reshape(1, -1), vocab_size,
-                              position_ids=batch.position_ids.reshape(1, -1), packed_seq_params=packed)
-    return forward_logits(chunks, batch.input_ids, vocab_size, position_ids=batch.position_ids)
+    # A vision-language batch: its images and multimodal rope positions ([3, B, S]), as the
+    # training forward gets them (step.model_inputs).
+    inputs = model_inputs(batch, next(chunks[0].parameters()).device)
+    return forward_logits(chunks, inputs["input_ids"], vocab_size, position_ids=inputs["position_ids"],
+                          packed_seq_params=inputs["packed_seq_params"],
+                          model_inputs=inputs["vision"] or None)

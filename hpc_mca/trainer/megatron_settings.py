@@ -48,7 +48,7 @@ def torch_dtype(training: TrainingArguments) -> torch.dtype:
 FAST_GPU_FUSIONS = ("layer", "cross_entropy")
 """model.fusions of a bf16 run on CUDA when unset: the fastest setting measured on one H200
 (Llama-3.2-1B shape, seq 4096, micro-batch 2): 53,350 tokens/s against 47,784 unfused and
-52,879 with [swiglu, cross_entropy, rope] (README, "On one GPU"); 55,317 once the
+52,879 with [swiglu, cross_entropy, rope] (docs/gpu.md); 55,317 once the
 cross-entropy was hpc_mca.models.cross_entropy's."""
 
 
