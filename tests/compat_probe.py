@@ -1,7 +1,8 @@
 """Runs one Megatron-Core call per CPU-compat patch and prints {probe: "OK" | error} as JSON.
 
-Usage: python tests/compat_probe.py [PATCH_TO_SKIP ...]   (run in a fresh process per case,
-because patches are process-global and cannot be uninstalled).
+Usage: python tests/compat_probe.py [PATCH_TO_SKIP ...]   (run in a process of its own per case,
+because patches are process-global and cannot be uninstalled; tests/test_cpu_compat.py forks it
+from the warm launcher).
 """
 
 import json

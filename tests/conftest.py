@@ -72,6 +72,13 @@ def pytest_configure(config: pytest.Config) -> None:
     sets a variable of its own."""
     if not _selects_gpu_tests(config):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if "OMP_NUM_THREADS" not in os.environ:
+        # One intra-op thread for the tests' own tensors too, as for the ranks they start
+        # (trainer_fixtures.rank_env); os.environ is left alone: Slurm jobs take theirs from
+        # their allocation.
+        import torch
+
+        torch.set_num_threads(1)
     import trainer_fixtures
     import warm_launcher
 

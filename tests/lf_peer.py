@@ -117,3 +117,26 @@ def lf_get_template_and_fix_tokenizer(tokenizer: Any, **data_args: Any) -> Any:
 def lf_parse_template(tokenizer: Any) -> Any:
     """The template LLaMA-Factory derives from ``tokenizer.chat_template`` when none is named."""
     return lf_template_module.parse_template(tokenizer)
+
+
+def lf_lora_targets(model: Any, freeze_vision_tower: bool = True) -> list[str]:
+    """LLaMA-Factory's LoRA targets for ``lora_target: all`` on a transformers model
+    (``find_all_linear_modules``, then ``patch_target_modules`` for a vision-language model),
+    with its default freeze settings. Its ``model_utils`` modules are loaded from their files
+    alone: their package's ``__init__`` imports the model loader, which needs a newer trl."""
+    import llamafactory
+
+    modules = {}
+    for name in ("visual", "misc"):  # misc imports visual
+        dotted = f"llamafactory.model.model_utils.{name}"
+        if dotted not in sys.modules:
+            spec = importlib.util.spec_from_file_location(
+                dotted, f"{llamafactory.__path__[0]}/model/model_utils/{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[dotted] = module
+            spec.loader.exec_module(module)
+        modules[name] = sys.modules[dotted]
+    settings = types.SimpleNamespace(freeze_vision_tower=freeze_vision_tower,
+                                     freeze_multi_modal_projector=True, freeze_language_model=False)
+    names = modules["misc"].find_all_linear_modules(model, freeze_vision_tower)
+    return modules["visual"].patch_target_modules(model, settings, names)

@@ -1,11 +1,10 @@
 """Each CPU-compat patch is necessary: the Megatron call it answers fails without it."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from trainer_fixtures import run_ranks
 
 from hpc_mca.runtime import cpu_compat
 
@@ -24,8 +23,10 @@ NEEDED_BY = {
 
 
 def run_probe(*skip: str) -> dict[str, str]:
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(PROBE), *skip],
-                          capture_output=True, text=True, timeout=180)
+    """The probes in a process of their own (patches cannot be uninstalled), forked from the
+    warm launcher as a rank is: Megatron-Core is imported before the patches go in, as in
+    every training (the patches are installed at run time, tests/warm_launcher.py)."""
+    proc = run_ranks(1, [str(PROBE), *skip], timeout=180)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     return json.loads(lines[-1])

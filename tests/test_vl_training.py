@@ -76,20 +76,75 @@ def test_a_20_step_lora_sft_learns_the_demo_images(tmp_path, model_dir, backend)
     assert (tmp_path / "run" / "adapter_config.json").is_file()
 
 
-@pytest.mark.slow
-def test_both_backends_and_packing_give_the_same_first_step(tmp_path, model_dir):
-    config = _config(tmp_path, model_dir, **LORA, max_steps=1)
-    packed = _train(config, tmp_path / "packed", 1)[0]["loss"]
-    rows = _train(config, tmp_path / "rows", 1, "data.sequence_packing=false")[0]["loss"]
-    standard = _train(config, tmp_path / "standard", 1, "training.use_mca=false")[0]["loss"]
-    assert rows == pytest.approx(packed, abs=1e-5)
-    assert standard == pytest.approx(packed, abs=1e-5)
+@pytest.fixture(scope="module")
+def first_steps(tmp_path_factory, model_dir) -> dict[tuple[str, str], Path]:
+    """One-step LoRA runs (one rank) of each backend over the same eight samples (10 images):
+    packed into one row of 1024 slots, or one sample per row. Their run dirs."""
+    root = tmp_path_factory.mktemp("vl_first")
+    config = _config(root, model_dir, **LORA, max_steps=1, max_samples=8, seq_length=1024)
+    batch = {"packed": 1, "rows": 8}
+    runs = {}
+    for backend in ("megatron", "standard"):
+        for mode in ("packed", "rows"):
+            run = runs[backend, mode] = root / f"{backend}_{mode}"
+            _train(config, run, 1, f"training.use_mca={backend == 'megatron'}",
+                   f"data.sequence_packing={mode == 'packed'}",
+                   f"training.per_device_train_batch_size={batch[mode]}",
+                   f"training.global_batch_size={batch[mode]}")
+    return runs
 
 
 @pytest.mark.slow
-def test_a_resumed_run_continues_the_uninterrupted_curve(tmp_path, model_dir):
+def test_both_backends_and_packing_give_the_same_first_step(first_steps):
+    """The standard backend (transformers' Qwen2-VL, packed attention, M-RoPE rows under the
+    text positions) gives the Megatron backend's step-1 loss and gradient norm, and on each
+    backend the packed row gives the rows' loss (the same samples, images and answer tokens)."""
+    first = {key: steps(run)[0] for key, run in first_steps.items()}
+    for mode in ("packed", "rows"):
+        megatron, standard = first["megatron", mode], first["standard", mode]
+        assert standard["tokens"] == megatron["tokens"], mode
+        assert standard["loss"] == pytest.approx(megatron["loss"], abs=1e-5), mode
+        assert standard["grad_norm"] == pytest.approx(megatron["grad_norm"], abs=1e-5), mode
+    for backend in ("megatron", "standard"):
+        packed, rows = first[backend, "packed"], first[backend, "rows"]
+        assert packed["tokens"] == rows["tokens"], backend
+        assert packed["loss"] == pytest.approx(rows["loss"], abs=1e-5), backend
+
+
+@pytest.mark.slow
+def test_lora_adapts_the_linears_llamafactory_adapts_on_both_backends(first_steps, model_dir):
+    """lora_target all on a VL model: LLaMA-Factory's rule (the language model's linears; never
+    the merger, not the frozen tower) applied to transformers' model gives the trainable count
+    of both backends' PEFT adapters, which hold the same tensors under the same names and load
+    into transformers' model with peft."""
+    import torch
+    from lf_peer import lf_lora_targets
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir)
+    targets = lf_lora_targets(model)
+    assert targets and not [name for name in targets if "visual" in name]
+    rule = get_peft_model(model, LoraConfig(r=8, target_modules=targets)).get_nb_trainable_parameters()[0]
+    adapters = {backend: _weights(first_steps[backend, "packed"])
+                for backend in ("megatron", "standard")}
+    assert set(adapters["megatron"]) == set(adapters["standard"])
+    for backend, tensors in adapters.items():
+        assert sum(t.numel() for t in tensors.values()) == rule == 16384, backend
+        loaded = PeftModel.from_pretrained(Qwen2VLForConditionalGeneration.from_pretrained(model_dir),
+                                           first_steps[backend, "packed"])
+        state = {name: param for name, param in loaded.named_parameters()
+                 if "lora_" in name}
+        assert {name.replace(".default", "") for name in state} == set(tensors), backend
+        assert all(torch.equal(state[name], tensors[name.replace(".default", "")])
+                   for name in state), backend
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["megatron", "standard"])
+def test_a_resumed_run_continues_the_uninterrupted_curve(tmp_path, model_dir, backend):
     config = _config(tmp_path, model_dir, finetuning_type="full", max_steps=4, save_steps=2,
-                     learning_rate=1e-3, freeze_vision_tower=False)
+                     learning_rate=1e-3, freeze_vision_tower=False, use_mca=backend == "megatron")
     whole = _train(config, tmp_path / "whole", 2)
     resumed = rewind(tmp_path / "whole", tmp_path / "resumed", 2)
     (resumed / "steps.jsonl").write_text("".join(
@@ -107,11 +162,13 @@ FREEZE_CASES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(FREEZE_CASES))
-def test_the_freeze_settings_decide_which_parts_train(tmp_path, model_dir, case):
+@pytest.mark.parametrize("case,backend", [*((case, "megatron") for case in FREEZE_CASES),
+                                          ("tower", "standard")])
+def test_the_freeze_settings_decide_which_parts_train(tmp_path, model_dir, case, backend):
     settings, (tower, merger, language) = FREEZE_CASES[case]
     config = _config(tmp_path, model_dir, finetuning_type="full", max_steps=2,
-                     export_hf_dir=str(tmp_path / "export"), **settings)
+                     export_hf_dir=str(tmp_path / "export"), use_mca=backend == "megatron",
+                     **settings)
     _train(config, tmp_path / "run", 1)
     before, after = _weights(model_dir), _weights(tmp_path / "export")
     assert set(before) == set(after)
@@ -146,3 +203,11 @@ def test_vl_freeze_settings_on_a_text_model_are_refused(tmp_path):
                                       "output_dir": str(tmp_path / "run")}))
     with pytest.raises(ConfigError, match="has no vision tower"):
         load_config(config).resolve(1)
+
+
+def test_ulysses_with_a_vl_model_on_the_standard_backend_is_refused(tmp_path, model_dir):
+    config = _config(tmp_path, model_dir, **LORA, use_mca=False, sequence_parallel_size=2)
+    with pytest.raises(ConfigError) as err:
+        load_config(config).resolve(2)
+    assert "parallel.sequence_parallel_size=2 with a vision-language model" in str(err.value)
+    assert "\n" not in str(err.value)

@@ -131,10 +131,16 @@ def write_config(root: Path, model_dir: Path, train: Path, evaluation: Path | No
 
 
 def rank_env() -> dict[str, str]:
-    """This environment without any launcher's rank variables (Slurm's, torchrun's)."""
+    """This environment without any launcher's rank variables (Slurm's, torchrun's), and one
+    thread per process unless OMP_NUM_THREADS says otherwise: as forkrun gives each of several
+    ranks, and now a single rank too. The test models' operations are too small for intra-op
+    threads to help: two threads of a one-rank run on the 2-core VM spun on each other's
+    barriers, measured 5-20 times the step time of one thread (beside the Slurm lane and
+    other ranks) for the same numbers to the bit."""
     launcher = ("SLURM_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
     env.update(HPC_MCA_DIST_TIMEOUT="120", PYTHONWARNINGS="ignore")
+    env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 

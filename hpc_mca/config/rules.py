@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_mca.data.arguments import DataArguments
 from hpc_mca.data.choices import MIX_STRATEGIES, PT_CHUNKINGS
+from hpc_mca.data.multimodal import VL_TEMPLATES
 from hpc_mca.data.records import FORMATS_BY_READS
 from hpc_mca.data.templates import TEMPLATE_NAMES
 from hpc_mca.stages import (
+    PREFERENCE_PAIR,
     RESERVED_STAGES,
     STAGE_NAMES,
     TEXT,
@@ -319,6 +321,10 @@ def _check_standard(config: TrainConfig, world_size: int) -> None:
             raise ConfigError(f"{dotted}={value!r} with training.use_mca=false: {why}; valid: "
                               f"{runs!r}{also}, or training.use_mca=true")
     _check_standard_recompute(par)
+    if config.data.template in VL_TEMPLATES and get_stage(config.finetuning.stage).reads == PREFERENCE_PAIR:
+        raise ConfigError(f"data.template={config.data.template!r} with finetuning.stage={config.finetuning.stage!r} "
+                          "and training.use_mca=false: preference pairs with images train on the Megatron "
+                          "backend only; valid: training.use_mca=true, or a text-only template")
     sp, shape = par.sequence_parallel_size, model_shape(config.model.model_name_or_path)
     if shape.is_moe and not shape.moe_router_expert_bias:
         raise ConfigError(f"model.model_name_or_path={config.model.model_name_or_path!r} is a "
@@ -331,6 +337,11 @@ def _check_standard(config: TrainConfig, world_size: int) -> None:
                           f"({model_type(config.model.model_name_or_path)}) and "
                           "training.use_mca=false: Ulysses is not built for its query/key and "
                           "value heads of different widths; valid: 1, or training.use_mca=true")
+    if shape.vision_params and sp > 1:  # a slice's image tokens would not match its images
+        raise ConfigError(f"parallel.sequence_parallel_size={sp} with a vision-language model "
+                          f"({model_type(config.model.model_name_or_path)}) and "
+                          "training.use_mca=false: Ulysses does not split a row's images over "
+                          "the ranks; valid: 1")
     valid = [n for n in range(1, world_size + 1) if world_size % n == 0
              and shape.num_attention_heads % n == 0 and shape.num_query_groups % n == 0]
     if world_size % sp or shape.num_attention_heads % sp or shape.num_query_groups % sp:

@@ -144,7 +144,7 @@ def load_samples(path: str, tokenizer: PreTrainedTokenizerBase, data: DataArgume
     """Shifted samples of one dataset file, directory or indexed prefix (``data`` is a
     DataArguments; ``source`` a dataset_info entry for ``path``, None for a direct path);
     with ``vocab_size``, every token id is checked to be below it (see check_token_ids). With
-    ``vision`` (:func:`run_vision`), sft samples keep their images."""
+    ``vision`` (:func:`run_vision`), sft samples and dpo pairs keep their images."""
     _stage(stage)
     source = source or DatasetSource(path, path)
     fix_tokenizer(tokenizer, data, stage)  # before the fingerprint, which sees the fixed tokenizer
@@ -164,6 +164,8 @@ def load_samples(path: str, tokenizer: PreTrainedTokenizerBase, data: DataArgume
         records = source_records(source, stage, data.max_samples, field, cache_dir / "datasets")
         if _stage(stage).reads == CONVERSATION:
             return _tokenize_sft(records, tokenizer, data, vision, media_root)
+        if _stage(stage).reads == PREFERENCE_PAIR:
+            return tokenize_pairs(records, tokenizer, data, vision, media_root)
         return _READERS[_stage(stage).reads](records, tokenizer, data)
 
     store, hit = cached(cache_dir / f"{stage}-{key}.npz", tokenize,
@@ -260,10 +262,10 @@ def build_datasets(data: DataArguments, run: DataRun, tokenizer: PreTrainedToken
 
 
 def run_vision(tokenizer: PreTrainedTokenizerBase, data: DataArguments, run: DataRun) -> VisionInputs | None:
-    """The vision inputs of an sft run with a vision-language ``data.template`` (the image
-    processor of the model directory, ``run.tokenizer_path``); None otherwise (a record with
-    images is then refused in one line)."""
-    if _stage(run.stage).reads != CONVERSATION:
+    """The vision inputs of an sft or dpo run with a vision-language ``data.template`` (the
+    image processor of the model directory, ``run.tokenizer_path``); None otherwise (a record
+    with images is then refused in one line)."""
+    if _stage(run.stage).reads not in (CONVERSATION, PREFERENCE_PAIR):
         return None
     settings = ImageSettings(getattr(data, "image_max_pixels", DEFAULT_MAX_PIXELS),
                              getattr(data, "image_min_pixels", DEFAULT_MIN_PIXELS))

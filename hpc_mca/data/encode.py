@@ -20,7 +20,7 @@ import numpy as np
 from .arguments import DataArguments
 from .conversation import Example, check_kto, example_of
 from .errors import DataError
-from .multimodal import VisionInputs, check_no_images, vision_sample
+from .multimodal import VisionInputs, check_no_images, vision_pairwise, vision_sample
 from .records import Record, detect_sft_format
 from .samples import Built, check_prompt_training, is_pairwise, is_supervised, pairwise_samples, supervised_sample
 from .store import SampleStore
@@ -95,7 +95,9 @@ def _encode_chunk(bounds: tuple[int, int]) -> list[tuple[Built, ...]]:
     job = _JOB
     out: list[tuple[Built, ...]] = []
     for example in job["examples"][bounds[0]:bounds[1]]:
-        if job["vision"] is not None:
+        if job["vision"] is not None and job["ranking"]:
+            out.append(vision_pairwise(job["template"], job["tokenizer"], example, job["cutoff_len"], job["vision"]))
+        elif job["vision"] is not None:
             out.append((vision_sample(job["template"], job["tokenizer"], example, job["cutoff_len"], job["vision"],
                                       train_on_prompt=job["train_on_prompt"], mask_history=job["mask_history"]),))
         elif job["ranking"]:
@@ -110,7 +112,8 @@ def _encode_chunk(bounds: tuple[int, int]) -> list[tuple[Built, ...]]:
 def encode_examples(examples: list[Example], tokenizer: PreTrainedTokenizerBase, template: Template,
                     data: DataArguments, ranking: bool, vision: VisionInputs | None = None) -> list[tuple[Built, ...]]:
     """One tuple of samples per example (sft: one; dpo: chosen, rejected), in order; with
-    ``vision``, sft samples with their images (:func:`~.multimodal.vision_sample`)."""
+    ``vision``, samples with their images (:func:`~.multimodal.vision_sample`,
+    :func:`~.multimodal.vision_pairwise`)."""
     _JOB.update(examples=examples, tokenizer=tokenizer, template=template, ranking=ranking, vision=vision,
                 cutoff_len=data.cutoff_len, train_on_prompt=setting(data, "train_on_prompt"),
                 mask_history=setting(data, "mask_history"))
@@ -137,17 +140,17 @@ def conversation_store(records: list[Record], tokenizer: PreTrainedTokenizerBase
                        media_root: str = "") -> SampleStore:
     """Shifted samples of sft records (or dpo pairs, chosen and rejected interleaved), with the
     counts the data line reports: records, samples (pairs), invalid, truncated, dropped. With
-    ``vision`` (a vision-language template's), sft samples keep their images (and ``images``
-    counts them); relative image paths are looked up in ``media_root`` first."""
+    ``vision`` (a vision-language template's), samples keep their images (a pair's chosen and
+    rejected each all of the example's; ``images`` counts the examples' images); relative image
+    paths are looked up in ``media_root`` first."""
     examples, invalid = examples_of(records, fmt, ranking, media_root)
-    if vision is None or ranking:
-        why = "images train with finetuning.stage='sft' only" if vision is not None else None
+    if vision is None:
         for example in examples:
-            check_no_images(example, template, why)
+            check_no_images(example, template)
     counts: Counter[str] = Counter(records=len(records), invalid=invalid, truncated=0, dropped=0)
     samples: list[tuple[np.ndarray, np.ndarray]] = []
     images: list[tuple[tuple[str, ...], np.ndarray]] = []
-    for built in encode_examples(examples, tokenizer, template, data, ranking, None if ranking else vision):
+    for built in encode_examples(examples, tokenizer, template, data, ranking, vision):
         shifted = [_shifted(sample) for sample in built]
         kept = [sample for sample in shifted if sample is not None]
         counts["truncated"] += built[0].truncated
@@ -155,9 +158,10 @@ def conversation_store(records: list[Record], tokenizer: PreTrainedTokenizerBase
             counts["dropped"] += 1  # nothing left to train (the budget went to earlier turns)
             continue
         samples += kept
-        images.append((built[0].images, np.asarray(built[0].grids, dtype=np.int64).reshape(-1, 3)))
+        images += [(sample.images, np.asarray(sample.grids, dtype=np.int64).reshape(-1, 3)) for sample in built]
+        counts["images"] += len(built[0].images)
     counts["pairs" if ranking else "samples"] = len(samples) // (2 if ranking else 1)
-    if vision is None or ranking:
+    if vision is None:
+        del counts["images"]
         return SampleStore.from_samples(samples, dict(counts))
-    counts["images"] = sum(len(paths) for paths, _ in images)
     return SampleStore.from_samples(samples, dict(counts), images)

@@ -72,7 +72,7 @@ def tokenize_feedback(records: list[Record], tokenizer: PreTrainedTokenizerBase,
         if example is None or not is_supervised(example):
             counts["invalid"] += 1  # LLaMA-Factory drops it with a warning
             continue
-        check_no_images(example, template, "images train with finetuning.stage='sft' only")
+        check_no_images(example, template, "images train with finetuning.stage 'sft' or 'dpo' only")
         prompt, answer = feedback_parts(template, tokenizer, example)
         kept = infer_seqlen(len(prompt), len(answer), data.cutoff_len)
         counts["truncated"] += kept != (len(prompt), len(answer))

@@ -1,9 +1,13 @@
-"""Vision-language sft samples, as LLaMA-Factory 0.9.5's supervised processor builds them with
-the Qwen2-VL / Qwen3-VL plugin of its ``qwen2_vl`` / ``qwen3_vl`` templates.
+"""Vision-language sft samples and dpo pairs, as LLaMA-Factory 0.9.5's supervised and pairwise
+processors build them with the Qwen2-VL / Qwen3-VL plugin of its ``qwen2_vl`` / ``qwen3_vl``
+templates.
 
 Every ``<image>`` of the turns becomes ``<|vision_start|>`` + ``<|image_pad|>`` × n +
 ``<|vision_end|>``, n the image's ``grid_thw.prod() // merge_size²`` (:mod:`.vision`), and the
-turns are then encoded and cut to ``cutoff_len`` as text samples are (:mod:`.samples`).
+turns are then encoded and cut to ``cutoff_len`` as text samples are (:mod:`.samples`). A
+pair's chosen and rejected samples each carry all of the example's image tokens (its prompt
+with each answer, :func:`vision_pairwise`), so a micro-batch holds an image's pixels once per
+sample that uses it.
 Where LLaMA-Factory raises (placeholders and images that do not pair up) or would train a
 model on a cut image (its tokens no longer match the pixels), the sample is refused in one
 line naming it. The tokenization cache keeps each sample's image paths and grids; the pixels
@@ -21,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import DataError
-from .samples import Built, supervised_sample
+from .samples import Built, pairwise_samples, supervised_sample
 from .templates import template_vision
 from .vision import (
     ImageSettings,
@@ -38,7 +42,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from .conversation import Example
-    from .templates import Template, VisionTokens
+    from .templates import Message, Template, VisionTokens
 
 VL_TEMPLATES = ("qwen2_vl", "qwen3_vl", "qwen3_vl_nothink")
 """The templates that read images (named in the one-line refusals)."""
@@ -114,10 +118,7 @@ def vision_sample(template: Template, tokenizer: PreTrainedTokenizerBase, exampl
     images in order; DataError (one line) when they do not pair up, an image cannot be read or
     its tokens do not fit ``cutoff_len``."""
     messages = example.prompt + example.response
-    placeholders = count_placeholders(messages)
-    if placeholders != len(example.images):
-        raise DataError(f"{example.where}: {placeholders} <image> placeholder(s) in the turns but "
-                        f"{len(example.images)} image(s); valid: one image per <image>, in order")
+    _check_placeholders(example, messages)
     options = {"train_on_prompt": train_on_prompt, "mask_history": mask_history}
     if not example.images:
         return supervised_sample(template, tokenizer, example, cutoff_len, **options)
@@ -127,10 +128,44 @@ def vision_sample(template: Template, tokenizer: PreTrainedTokenizerBase, exampl
     split = len(example.prompt)
     built = supervised_sample(template, tokenizer, dataclasses.replace(
         example, prompt=expanded[:split], response=expanded[split:]), cutoff_len, **options)
+    _check_kept(example, built, counts, cutoff_len, vision)
+    return built.with_images(example.images, tuple((int(t), int(h), int(w)) for t, h, w in grids))
+
+
+def _check_placeholders(example: Example, messages: list[Message]) -> None:
+    placeholders = count_placeholders(messages)
+    if placeholders != len(example.images):
+        raise DataError(f"{example.where}: {placeholders} <image> placeholder(s) in the turns but "
+                        f"{len(example.images)} image(s); valid: one image per <image>, in order")
+
+
+def _check_kept(example: Example, built: Built, counts: list[int], cutoff_len: int, vision: VisionInputs) -> None:
     kept = built.tokens.count(vision.image_token_id)
     if kept != sum(counts):
         raise DataError(f"{example.where}: its {len(counts)} image(s) take {sum(counts)} image tokens, "
                         f"{kept} of which fit data.cutoff_len={cutoff_len}; "
                         "valid: a larger cutoff_len, or smaller images (data.image_max_pixels)")
-    return dataclasses.replace(built, images=example.images,
-                               grids=tuple((int(t), int(h), int(w)) for t, h, w in grids))
+
+
+def vision_pairwise(template: Template, tokenizer: PreTrainedTokenizerBase, example: Example, cutoff_len: int,
+                    vision: VisionInputs) -> tuple[Built, Built]:
+    """LLaMA-Factory's chosen and rejected samples of a (valid) pairwise example with images:
+    the prompt with each answer takes all of the example's images (the placeholders of the
+    prompt and that answer pair up with them, in order), so both samples carry the image
+    tokens; DataError (one line) as for :func:`vision_sample`, for either sample."""
+    sides = [example.prompt + [answer] for answer in example.response[:2]]
+    for messages in sides:
+        _check_placeholders(example, messages)
+    if not example.images:
+        return pairwise_samples(template, tokenizer, example, cutoff_len)
+    grids = vision.grids(example.images, example.where)
+    counts = image_token_counts(grids, vision.merge)
+    chosen, rejected = (expand_images(messages, counts, vision.tokens) for messages in sides)
+    split = len(example.prompt)
+    # The prompt is encoded from the chosen side, as LLaMA-Factory does; each answer from its own.
+    pair = pairwise_samples(template, tokenizer, dataclasses.replace(
+        example, prompt=chosen[:split], response=[chosen[split], rejected[split]]), cutoff_len)
+    rows = tuple((int(t), int(h), int(w)) for t, h, w in grids)
+    for built in pair:
+        _check_kept(example, built, counts, cutoff_len, vision)
+    return pair[0].with_images(example.images, rows), pair[1].with_images(example.images, rows)

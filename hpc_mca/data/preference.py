@@ -21,6 +21,11 @@ Rows keep pairs whole. Unpacked, each sample is a row, and a sampling unit is a 
 micro-batch of ``per_device_train_batch_size`` pairs holds rows ``[c1, r1, c2, r2, ...]``.
 Packed, whole pairs go into rows as neighbouring documents, and the unit is a packed row. In
 both cases the documents of a micro-batch alternate chosen, rejected.
+
+Pairs with images (a vision-language template, records with ``images`` and ``<image>``
+placeholders, as for sft): the chosen and the rejected sample each hold the example's image
+tokens, as LLaMA-Factory's pairwise processor writes them, so a micro-batch's pixels hold each
+image once per sample, in the order of the samples' image tokens.
 """
 
 from __future__ import annotations
@@ -42,14 +47,18 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from .arguments import DataArguments
+    from .multimodal import VisionInputs
 
 
-def tokenize_pairs(records: list[Record], tokenizer: PreTrainedTokenizerBase, data: DataArguments) -> SampleStore:
-    """Shifted samples of pairwise records, chosen and rejected interleaved."""
+def tokenize_pairs(records: list[Record], tokenizer: PreTrainedTokenizerBase, data: DataArguments,
+                   vision: VisionInputs | None = None, media_root: str = "") -> SampleStore:
+    """Shifted samples of pairwise records, chosen and rejected interleaved; with ``vision``
+    (a vision-language template's) each keeps the pair's images."""
     for record in records:
         check_pairwise(record)
     fmt = conversation_format(records, data)
-    return conversation_store(records, tokenizer, prepare_template(tokenizer, data), data, fmt, ranking=True)
+    return conversation_store(records, tokenizer, prepare_template(tokenizer, data), data, fmt, ranking=True,
+                              vision=vision, media_root=media_root)
 
 
 def check_pairwise(record: Record) -> None:

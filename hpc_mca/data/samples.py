@@ -48,6 +48,10 @@ class Built:
     grids: tuple[tuple[int, int, int], ...] = ()
     """Their ``image_grid_thw`` rows (:mod:`.vision`), one per image."""
 
+    def with_images(self, images: tuple[str, ...], grids: tuple[tuple[int, int, int], ...]) -> Built:
+        """This sample carrying ``images`` and their ``grids`` (its image tokens' order)."""
+        return Built(self.tokens, self.labels, self.truncated, images, grids)
+
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(tokens, trained, targets)`` for :func:`~hpc_mca.data.tokenize.causal_shift`."""
         labels = np.asarray(self.labels, dtype=np.int64)

@@ -36,6 +36,7 @@ from hpc_mca.models.export import ExportItem, export_tensors, write_companion_fi
 from hpc_mca.models.hf_config import HFModelSpec
 from hpc_mca.models.lora import MegatronLoraLinear, lora_alpha, lora_layers
 from hpc_mca.models.mapping import Piece, ShardCoords
+from hpc_mca.models.vl_config import LORA_EXCLUDED, lora_module_name
 from hpc_mca.models.weights import shard_coords, unwrap
 from hpc_mca.topology.lora import LoraTargets
 
@@ -145,9 +146,10 @@ def _peft_tensors(tensors: dict[str, torch.Tensor], targets: LoraTargets,
     """Assembled adapter tensors under peft's names (experts stacked as peft stacks them)."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    vl = spec.vision is not None  # its language model's modules are under model.language_model
     for name, tensor in tensors.items():
         if "[" not in name:
-            out[f"{_PEFT_PREFIX}{name}.weight"] = tensor.contiguous()
+            out[f"{_PEFT_PREFIX}{lora_module_name(name, vl)}.weight"] = tensor.contiguous()
             continue
         module, rest = name.split("[", 1)
         index, factor = rest.split("].")
@@ -177,7 +179,8 @@ def _lora_config(spec: HFModelSpec, targets: LoraTargets, finetuning: Finetuning
                       lora_dropout=finetuning.lora_dropout,
                       target_modules=targets.hf_modules() or None,
                       target_parameters=parameters or None, bias="none", task_type="CAUSAL_LM",
-                      base_model_name_or_path=base_model)
+                      base_model_name_or_path=base_model,
+                      exclude_modules=LORA_EXCLUDED if spec.vision is not None else None)
 
 
 def _save_lora_config(config: LoraConfig, out: Path) -> None:

@@ -34,6 +34,7 @@ from hpc_mca.models.adapter_export import ADAPTER_FILE, layer_pieces
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_config import HFModelSpec, read_hf_config
 from hpc_mca.models.lora import MegatronLoraLinear, apply_lora, lora_layers
+from hpc_mca.models.vl_config import lora_checkpoint_name
 from hpc_mca.models.weights import shard_coords, unwrap
 
 __all__ = ["adapter_finetuning", "load_adapter", "merge_adapter", "merge_adapters", "read_adapter_tensors",
@@ -73,7 +74,7 @@ def read_adapter_tensors(path: str, spec: HFModelSpec) -> dict[str, torch.Tensor
     wrapped = [name for name in _EXPERT_PARAMETERS if name in listed]
     out: dict[str, torch.Tensor] = {}
     for key, tensor in load_file(str(Path(path) / ADAPTER_FILE)).items():
-        name = key.removeprefix(_PEFT_PREFIX).removesuffix(".weight")
+        name = lora_checkpoint_name(key.removeprefix(_PEFT_PREFIX).removesuffix(".weight"))
         if ".experts." not in name:
             out[name] = tensor.float()
             continue

@@ -191,6 +191,7 @@ class LoraFinetuning(ModelConverter):
         from hpc_mca.models.adapter_import import split_adapters
         from hpc_mca.models.hf_config import read_hf_config
         from hpc_mca.models.lora import lora_alpha
+        from hpc_mca.models.vl_config import LORA_EXCLUDED
         from hpc_mca.topology.lora import resolve_lora_targets
 
         merged, resumed = split_adapters(self.adapters, self.finetuning.create_new_adapter)
@@ -205,7 +206,8 @@ class LoraFinetuning(ModelConverter):
         lora = LoraConfig(r=ft.lora_rank, lora_alpha=lora_alpha(ft),  # type: ignore[arg-type]
                           lora_dropout=ft.lora_dropout,
                           target_modules=targets.hf_modules() or None,
-                          target_parameters=parameters or None, task_type="CAUSAL_LM")
+                          target_parameters=parameters or None, task_type="CAUSAL_LM",
+                          exclude_modules=LORA_EXCLUDED if spec.vision is not None else None)
         model = get_peft_model(model, lora)
         _seed_hf_adapters(model, seed)
         return model
@@ -371,11 +373,14 @@ def _seed_hf_adapters(model: torch.nn.Module, seed: int) -> None:
     from peft.tuners.lora import LoraLayer
 
     from hpc_mca.models.lora import initial_a, linears
+    from hpc_mca.models.vl_config import lora_checkpoint_name
 
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, LoraLayer):
-                hf_name = name.removeprefix("base_model.model.")
+                # the checkpoint's name, which the Megatron backend draws by (a VL model's
+                # language model is under model.language_model here)
+                hf_name = lora_checkpoint_name(name.removeprefix("base_model.model."))
                 for a in linears(module.lora_A).values():
                     rank, fan_in = a.weight.shape
                     a.weight.copy_(initial_a(hf_name, rank, fan_in, seed))

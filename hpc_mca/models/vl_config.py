@@ -28,7 +28,8 @@ if TYPE_CHECKING:  # torch and transformers are imported where a tower is built
     import torch
     from transformers import PreTrainedConfig
 
-__all__ = ["VL_MODEL_TYPES", "VisionSpec", "build_vision_tower", "refuse_unbuilt_vl",
+__all__ = ["LORA_EXCLUDED", "VL_MODEL_TYPES", "VisionSpec", "build_vision_tower", "lora_checkpoint_name",
+           "lora_module_name", "refuse_unbuilt_vl",
            "text_config", "vision_spec"]
 
 VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
@@ -43,6 +44,33 @@ _TOWERS = {
 
 VISION_PREFIX = "visual."
 """Where the vision tower's tensors live, in the checkpoint and in the chunk."""
+
+LORA_EXCLUDED = r"(.*\.)?visual\..*"
+"""peft's ``exclude_modules`` for a VL model: no LoRA adapter anywhere in the vision side (tower
+and merger), as LLaMA-Factory's LoRA with the tower frozen (the only LoRA the config rules let
+through) and the Megatron backend, whose adapters are on its language model's linears only:
+Qwen2.5-VL's tower has MLPs named as the language model's (``gate_proj``, ``up_proj``,
+``down_proj``), which the target names alone would match."""
+
+
+_LANGUAGE_MODULES = "model.language_model."
+"""Where transformers' VL classes (Qwen2-VL since transformers 4.52, as LLaMA-Factory's LoRA
+names them in its adapters) hold the language model: the checkpoint's ``model.`` tensors."""
+
+
+def lora_module_name(checkpoint_name: str, vl: bool) -> str:
+    """The module path in transformers' model (what peft's adapter tensors are named after) of
+    a language-model tensor the checkpoint names ``checkpoint_name`` (``model.layers.3...``)."""
+    if vl and checkpoint_name.startswith("model."):
+        return _LANGUAGE_MODULES + checkpoint_name.removeprefix("model.")
+    return checkpoint_name
+
+
+def lora_checkpoint_name(module_name: str) -> str:
+    """:func:`lora_module_name`'s inverse (a text model's names are both)."""
+    if module_name.startswith(_LANGUAGE_MODULES):
+        return "model." + module_name.removeprefix(_LANGUAGE_MODULES)
+    return module_name
 
 
 @dataclass(frozen=True)

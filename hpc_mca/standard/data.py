@@ -24,7 +24,7 @@ from hpc_mca.data.dataset import eval_dataloader, train_dataloader
 from hpc_mca.data.rows import RowDataset
 from hpc_mca.runtime.sequence_parallel import slice_and_pad
 
-__all__ = ["StreamLoader", "eval_streams", "stream_of"]
+__all__ = ["StreamLoader", "eval_streams", "model_inputs", "stream_of"]
 
 
 def stream_of(batch: PackedBatch, *, sp_rank: int = 0, sp_size: int = 1,
@@ -33,12 +33,17 @@ def stream_of(batch: PackedBatch, *, sp_rank: int = 0, sp_size: int = 1,
     ``labels``, each ``[1, B·S / sp]`` (the stream padded to a multiple of ``sp_size``); for
     the per-document sums of dpo also ``documents`` (the document of each slot, numbered 0..
     over the micro-batch; SP padding counts to document 0 and carries no label) and
-    ``num_documents``; for kto ``tags``."""
+    ``num_documents``; for kto ``tags``. A vision-language batch (:func:`_vision_stream`) adds
+    its images and makes ``position_ids`` ``[4, 1, B·S]``."""
     ids, pos, labels = (getattr(batch, key).reshape(1, -1)
                         for key in ("input_ids", "position_ids", "labels"))
     documents = batch.document_index().reshape(1, -1)
     count = torch.tensor(batch.num_documents)
     extra = {"tags": batch.tags} if batch.tags is not None else {}  # kto's feedback
+    if batch.has_images:
+        if sp_size != 1:  # the config rules refuse it (a slice's image tokens ≠ its images)
+            raise ValueError(f"sequence_parallel_size={sp_size} with images; valid: 1")
+        extra.update(_vision_stream(batch, pos))
     if sp_size == 1:
         return {"input_ids": ids, "position_ids": pos, "labels": labels,
                 "documents": documents, "num_documents": count, **extra}
@@ -49,6 +54,27 @@ def stream_of(batch: PackedBatch, *, sp_rank: int = 0, sp_size: int = 1,
     return {"input_ids": part.input_ids, "position_ids": part.position_ids,
             "labels": part.labels, "documents": documents[:, sp_rank * width:(sp_rank + 1) * width],
             "num_documents": count, **extra}
+
+
+def _vision_stream(batch: PackedBatch, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What a vision-language batch adds to its stream: ``pixel_values`` and
+    ``image_grid_thw`` (already in the order of their image tokens in the flattened row, when
+    there are images), and ``position_ids`` ``[4, 1, B·S]`` as transformers' Qwen2-VL takes
+    packed rows: the text positions first (restarting per document: what the packed attention
+    reads to tell documents apart), then the three M-RoPE rows (what its rope rotates by)."""
+    assert batch.mrope_position_ids is not None  # batch.has_images
+    mrope = batch.mrope_position_ids.reshape(3, 1, -1)
+    out = {"position_ids": torch.cat([positions[None], mrope.to(positions)], dim=0)}
+    if batch.pixel_values is not None and batch.image_grid_thw is not None:
+        out.update(pixel_values=batch.pixel_values, image_grid_thw=batch.image_grid_thw)
+    return out
+
+
+def model_inputs(stream: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The keyword arguments of the transformers model's forward in a stream: the tokens, their
+    positions and, for a vision-language batch with images, the images."""
+    return {key: stream[key] for key in ("input_ids", "position_ids", "pixel_values", "image_grid_thw")
+            if key in stream}
 
 
 class StreamLoader:

@@ -16,13 +16,14 @@ from hpc_mca.loop.optimizer import optimizer_config, use_fused_adam
 from hpc_mca.models import hf_attention
 from hpc_mca.models.converters import converter_for
 from hpc_mca.models.hf_config import vocab_growth
+from hpc_mca.models.vl_config import VL_MODEL_TYPES
 from hpc_mca.models.vocab import grow_hf_model
 
 if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
     from megatron.core.optimizer import OptimizerConfig
     from transformers import PreTrainedModel
 
-__all__ = ["LRSchedule", "build_hf_model", "build_optimizer", "export_model"]
+__all__ = ["LRSchedule", "build_hf_model", "build_optimizer", "export_model", "load_hf_model"]
 
 
 class LRSchedule(Protocol):
@@ -41,25 +42,47 @@ def build_hf_model(config: TrainConfig, device: torch.device) -> torch.nn.Module
     weights, or (a config-only directory) transformers' own initialisation seeded with
     ``training.seed``; its vocabulary grown when ``model.resize_vocab`` needs it
     (:mod:`hpc_mca.models.vocab`); then as the finetuning type's converter makes it (LoRA:
-    wrapped by peft)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    name = hf_attention.register()
+    wrapped by peft). A vision-language model (``qwen2_vl``, ``qwen2_5_vl``) is transformers'
+    image-text-to-text class of its family, the packed attention on its language model only
+    (:func:`_attention`)."""
     path = Path(config.model.model_name_or_path)
-    model: torch.nn.Module  # transformers' model, then as the converter returns it (LoRA: peft's)
-    if any(path.glob("*.safetensors")):
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name,
-                                                     dtype=torch.float32)
-    else:
-        torch.manual_seed(config.training.seed)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path),
-                                                 attn_implementation=name, dtype=torch.float32)
+    model = load_hf_model(path, seed=config.training.seed)
     growth = vocab_growth(path)  # model.resize_vocab, recorded by the run's checks
-    if growth is not None:  # AutoModelForCausalLM made a PreTrainedModel
+    if growth is not None:  # the auto classes made a PreTrainedModel
         grow_hf_model(cast("PreTrainedModel", model), growth)
     model = converter_for(config.finetuning, config.model.adapter_name_or_path).convert_hf_model(
         model, model_path=config.model.model_name_or_path, seed=config.training.seed)
     return model.to(device)
+
+
+def load_hf_model(path: Path, *, seed: int | None = None) -> torch.nn.Module:
+    """transformers' model of the directory ``path`` in float32 on the CPU, with the packed
+    attention (:func:`_attention`): its weights, or for a config-only directory transformers'
+    own initialisation (drawn after ``torch.manual_seed(seed)`` when a seed is given). A
+    vision-language config (``qwen2_vl``, ``qwen2_5_vl``) makes the family's image-text-to-text
+    class, a text one the causal LM."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    hf_config = AutoConfig.from_pretrained(path)
+    vl = getattr(hf_config, "model_type", None) in VL_MODEL_TYPES
+    auto = AutoModelForImageTextToText if vl else AutoModelForCausalLM
+    model: torch.nn.Module
+    if any(path.glob("*.safetensors")):
+        model = auto.from_pretrained(path, attn_implementation=_attention(vl), dtype=torch.float32)
+    else:
+        if seed is not None:
+            torch.manual_seed(seed)
+        model = auto.from_config(hf_config, attn_implementation=_attention(vl), dtype=torch.float32)
+    return model
+
+
+def _attention(vl: bool) -> str | dict[str, str]:
+    """transformers' ``attn_implementation``: ``hpc_mca_packed`` (registered here); for a
+    vision-language model on the language model only. Its vision tower attends within each
+    image itself (one call per image, no position ids to tell packed documents apart) and keeps
+    sdpa, as the Megatron backend's tower does (:func:`hpc_mca.models.vl_config.build_vision_tower`)."""
+    name = hf_attention.register()
+    return {"": name, "text_config": name, "vision_config": "sdpa"} if vl else name
 
 
 def _param_groups(model: torch.nn.Module, opt_config: OptimizerConfig) -> list[dict[str, Any]]:

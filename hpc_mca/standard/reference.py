@@ -36,11 +36,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hpc_mca.loop.preference import sum_over_group, uses_reference
-from hpc_mca.models import hf_attention
 from hpc_mca.models.converters import converter_for, merge_hf_adapters
 from hpc_mca.runtime.sequence_parallel import IGNORE_INDEX
 from hpc_mca.stages import get_stage
 
+from .data import model_inputs
+from .model import load_hf_model
 from .trainer import batch_count
 
 if TYPE_CHECKING:
@@ -76,16 +77,7 @@ def frozen_reference(model: torch.nn.Module, ft: FinetuningArguments, base_is_re
 
 
 def _load_hf(path: Path, device: torch.device) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    name = hf_attention.register()
-    if any(path.glob("*.safetensors")):
-        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name,
-                                                                      dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), attn_implementation=name,
-                                                 dtype=torch.float32)
-    return model.to(device)
+    return load_hf_model(path).to(device)
 
 
 class ReferenceScoring:
@@ -138,8 +130,7 @@ class ReferenceScoring:
         (:meth:`reference_logps`), not here, or an eval pass of a LoRA policy would be the
         reference's."""
         with torch.no_grad() if not grad else contextlib.nullcontext():
-            logits = model(input_ids=inputs["input_ids"],
-                           position_ids=inputs["position_ids"]).logits
+            logits = model(**model_inputs(inputs)).logits
             labels = inputs["labels"].flatten()
             per_token = F.cross_entropy(logits.flatten(0, 1).float(), labels,
                                         ignore_index=IGNORE_INDEX, reduction="none")

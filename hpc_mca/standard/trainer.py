@@ -42,7 +42,7 @@ from hpc_mca.loop.records import StepResult
 from hpc_mca.runtime.sequence_parallel import IGNORE_INDEX, gather_and_unpad
 
 from .checkpoint import save_checkpoint
-from .data import eval_streams
+from .data import eval_streams, model_inputs
 from .hf_adapter import AdaptedTrainer
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ class StandardTrainer(AdaptedTrainer):
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
                      return_outputs: bool = False, num_items_in_batch: torch.Tensor | int | None = None
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
+        logits = model(**model_inputs(inputs)).logits
         loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), inputs["labels"].flatten(),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
         self.tally.loss_sum += float(loss_sum.detach())
@@ -245,7 +245,7 @@ class StandardTrainer(AdaptedTrainer):
         """This rank's float64 sums of one eval micro-batch: token loss, tokens, and for sft
         the exactly matched answers and the answers."""
         run = self.run
-        logits = model(input_ids=stream["input_ids"], position_ids=stream["position_ids"]).logits
+        logits = model(**model_inputs(stream)).logits
         labels = stream["labels"]
         sums = torch.zeros(4, dtype=torch.float64, device=run.device)
         sums[0] = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),

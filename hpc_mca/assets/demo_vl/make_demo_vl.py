@@ -16,7 +16,10 @@ learn from:
 * ``data/``: ``dataset_info.json`` (LLaMA-Factory's format, entry ``shapes``: sharegpt with an
   ``images`` column) and ``shapes.json``, questions about small drawn images of coloured shapes
   in ``data/images/`` (the colour, the shape, or whether two images share a colour): answers
-  that only the image tells.
+  that only the image tells. Entry ``shapes_pref`` (``ranking: true``, sharegpt with ``chosen``,
+  ``rejected`` and ``images``), ``shapes_pref.json``: preference pairs over the same images, the
+  right colour or shape chosen and a wrong answer rejected (of the other kind, or, in one pair
+  of three, another colour or shape).
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ if TYPE_CHECKING:
 VL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
              "<|video_pad|>"]
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 50), "blue": (40, 60, 220), "yellow": (235, 210, 30)}
+COLOURS_LIST = tuple(COLOURS)
 SHAPES = ("square", "circle", "triangle")
 SIZES = ((56, 56), (84, 56))
 """Image sizes (width, height): 2×2 and 3×2 merged patches of 28 pixels, 4 and 6 image tokens."""
 RECORDS = 240
+PAIRS = 60
 SEED = 63
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -122,6 +127,27 @@ def records(rng: random.Random) -> list[dict]:
     return out
 
 
+def pairs(rng: random.Random) -> list[dict]:
+    """Questions whose chosen answer is the image's colour or shape. The rejected answer is of
+    the other kind (a shape for a colour question: the question tells) for two pairs in three,
+    and another colour or shape (only the image tells) for the third."""
+    out = []
+    for index in range(PAIRS):
+        colour, shape, size = rng.choice(COLOURS_LIST), rng.choice(SHAPES), rng.choice(SIZES)
+        others: tuple[tuple[str, ...], tuple[str, ...]]
+        if index % 2:
+            question, right, others = "<image>What shape is it?", shape, (SHAPES, COLOURS_LIST)
+        else:
+            question, right, others = "What colour is <image> this?", colour, (COLOURS_LIST, SHAPES)
+        same_kind = index % 3 == 2
+        wrong = rng.choice([a for a in others[0] if a != right]) if same_kind else rng.choice(others[1])
+        out.append({"messages": [{"role": "user", "content": question}],
+                    "chosen": {"role": "assistant", "content": right},
+                    "rejected": {"role": "assistant", "content": wrong},
+                    "images": [image_name(colour, shape, size)]})
+    return out
+
+
 def write_json(path: Path, data: object) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
@@ -139,10 +165,15 @@ def main(out: Path) -> None:
                 draw(colour, shape, size).save(out / "data" / image_name(colour, shape, size), optimize=True)
     lines = ",\n".join(json.dumps(record) for record in records(random.Random(SEED)))
     (out / "data" / "shapes.json").write_text(f"[\n{lines}\n]\n")
-    write_json(out / "data" / "dataset_info.json", {"shapes": {
-        "file_name": "shapes.json", "formatting": "sharegpt",
-        "columns": {"messages": "messages", "images": "images"},
-        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}})
+    preferred = ",\n".join(json.dumps(record) for record in pairs(random.Random(SEED + 1)))
+    (out / "data" / "shapes_pref.json").write_text(f"[\n{preferred}\n]\n")
+    tags = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}
+    write_json(out / "data" / "dataset_info.json", {
+        "shapes": {"file_name": "shapes.json", "formatting": "sharegpt",
+                   "columns": {"messages": "messages", "images": "images"}, "tags": tags},
+        "shapes_pref": {"file_name": "shapes_pref.json", "formatting": "sharegpt", "ranking": True,
+                        "columns": {"messages": "messages", "chosen": "chosen", "rejected": "rejected",
+                                    "images": "images"}, "tags": tags}})
 
 
 if __name__ == "__main__":
