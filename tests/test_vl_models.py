@@ -1,10 +1,11 @@
-"""Vision-language models (qwen2_vl, qwen2_5_vl) on Megatron against transformers, with real
+"""Vision-language models (qwen2_vl, qwen2_5_vl, qwen3_vl) on Megatron against transformers, with real
 ranks: logits equal transformers' at TP1, TP2 (also with sequence parallelism) and PP2; the two
 rows packed into one THD stream equal the rows run apart; the export loads in transformers'
 own class with the same logits and round-trips every tensor; the vision tower's gradients on
 TP2 equal one process's.
 
-Tiny random models (text: 2 layers, hidden 64, vocab 200; vision: depth 2, patch 14, merge 2)
+Tiny random models (text: 2 layers, hidden 64, vocab 200; vision: depth 2, patch 14, merge 2;
+qwen3_vl: 4 layers with qk-norm, interleaved mrope, deepstack sets added after layers 0 and 1)
 made with transformers' config classes and ``save_pretrained``; every weight is randomised. The
 batch holds 3 images of 3 sizes in 2 rows (two in the first row), so the features' row-major
 order across rows is exercised; mrope positions come from transformers' ``get_rope_index``.
@@ -30,12 +31,19 @@ TOKENS = dict(image_token_id=190, video_token_id=191, vision_start_token_id=192,
               vision_end_token_id=193)
 VISION = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
 FAMILIES = {
-    # name: (config class, vision config, tie_word_embeddings)
-    "qwen2_vl": ("Qwen2VLConfig", dict(VISION, embed_dim=32, hidden_size=64), False),
+    # name: (config class, vision config, tie_word_embeddings, text config changes)
+    "qwen2_vl": ("Qwen2VLConfig", dict(VISION, embed_dim=32, hidden_size=64), False, {}),
     # windowed attention in block 0 (window 56 px = 2 merged tokens), full in block 1
     "qwen2_5_vl": ("Qwen2_5_VLConfig", dict(VISION, hidden_size=32, intermediate_size=48,
                                             out_hidden_size=64, window_size=56,
-                                            fullatt_block_indexes=[1]), True),
+                                            fullatt_block_indexes=[1]), True, {}),
+    # two deepstack sets (after blocks 0 and 1) join decoder layers 0 and 1: PP2's first stage
+    # holds both
+    "qwen3_vl": ("Qwen3VLConfig", dict(VISION, hidden_size=32, intermediate_size=48,
+                                       out_hidden_size=64, num_position_embeddings=16,
+                                       deepstack_visual_indexes=[0, 1]), False,
+                 dict(num_hidden_layers=4, head_dim=16, rope_parameters={
+                     **TEXT["rope_parameters"], "mrope_interleaved": True})),
 }
 GRIDS = [[1, 4, 6], [1, 2, 4], [1, 4, 4]]  # 6, 2 and 4 image tokens
 SINGLE_JOBS = [{"name": "tp1", "layout": {}, "models": list(FAMILIES), "packed": True,
@@ -92,8 +100,9 @@ def models(tmp_path_factory) -> Path:
     import transformers
 
     root = tmp_path_factory.mktemp("hf_vl")
-    for seed, (name, (config_class, vision, tie)) in enumerate(FAMILIES.items()):
-        config = getattr(transformers, config_class)(text_config=TEXT, vision_config=vision,
+    for seed, (name, (config_class, vision, tie, text)) in enumerate(FAMILIES.items()):
+        config = getattr(transformers, config_class)(text_config={**TEXT, **text},
+                                                     vision_config=vision,
                                                      tie_word_embeddings=tie, **TOKENS)
         torch.manual_seed(seed)
         model = transformers.AutoModelForImageTextToText.from_config(config)
@@ -237,8 +246,10 @@ def test_vision_tower_gradients_on_tp2_equal_one_process(request, single, ranks2
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_spec_and_planner_sizes_of_a_vl_config(models, family):
-    """The language model reads as qwen2's (q/k/v biases) with the mrope sections; the planner
-    counts the vision tower as transformers builds it (its tensors in the saved file)."""
+    """The language model reads as qwen2's (q/k/v biases; qwen3_vl: qwen3's qk-norm, interleaved
+    mrope, two deepstack layers) with the mrope sections; the planner counts the vision tower as
+    transformers builds it (its tensors in the saved file, nested under ``model.`` for
+    qwen3_vl)."""
     import math
 
     from safetensors import safe_open
@@ -247,12 +258,17 @@ def test_spec_and_planner_sizes_of_a_vl_config(models, family):
     from hpc_mca.topology.model import ModelShape
 
     spec = read_hf_config(models / family)
-    assert (spec.qkv_bias, spec.mrope_section, spec.num_layers) == (True, (2, 3, 3), 2)
+    qwen3 = family == "qwen3_vl"
+    assert (spec.qkv_bias, spec.qk_norm, spec.mrope_section, spec.num_layers) == \
+        (not qwen3, qwen3, (2, 3, 3), 4 if qwen3 else 2)
     assert spec.tie_word_embeddings == FAMILIES[family][2]
+    assert spec.vision is not None and spec.vision.deepstack_layers == (2 if qwen3 else 0)
+    assert spec.mrope_interleaved == qwen3
+    prefix = "model.visual." if qwen3 else "visual."
     with safe_open(str(models / family / "model.safetensors"), "pt") as handle:
-        tower = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()
-                 if name.startswith("visual.")}
-    assert spec.vision is not None and spec.vision.shapes() == tower
+        tower = {"visual." + name.removeprefix(prefix): tuple(handle.get_slice(name).get_shape())
+                 for name in handle.keys() if name.startswith(prefix)}
+    assert spec.vision.shapes() == tower
     shape = ModelShape.from_hf_config(models / family)
     assert shape.vision_params == sum(math.prod(s) for s in tower.values())
     assert shape.tie_word_embeddings == FAMILIES[family][2]
@@ -269,7 +285,7 @@ def test_unbuilt_vl_families_and_options_are_refused_in_one_line(models):
 
     text = _config(models, "qwen2_vl")["text_config"]
     cases = {
-        "qwen3_vl": ({"model_type": "qwen3_vl"}, "deepstack"),
+        "qwen3_vl_moe": ({"model_type": "qwen3_vl_moe"}, "mixture-of-experts Qwen3-VL"),
         "yarn": ({"text_config": {**text, "rope_parameters": {
             "rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
             "mrope_section": [2, 3, 3]}}}, "rope type 'yarn'"),
@@ -286,6 +302,8 @@ def test_unbuilt_vl_families_and_options_are_refused_in_one_line(models):
 @pytest.mark.parametrize("layout,overrides,words", [
     ({"cp": 2}, {}, "context parallelism (cp=2)"),
     ({}, {"mtp_num_layers": 1}, "MTP layers (mtp_num_layers=1)"),
+    ({}, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+     "recompute_granularity='full' is not supported"),
 ])
 def test_vl_with_context_parallel_or_mtp_is_refused_before_building(models, layout, overrides,
                                                                     words):
@@ -299,3 +317,24 @@ def test_vl_with_context_parallel_or_mtp_is_refused_before_building(models, layo
                           device=torch.device("cpu"), backend="gloo", seed=0)
     with pytest.raises(ModelLoadError, match=words.replace("(", r"\(").replace(")", r"\)")):
         build_model(models / "qwen2_vl", ctx, config_overrides=overrides, load_weights=False)
+
+
+@pytest.mark.parametrize("layout,overrides,words", [
+    ({"pp": 4}, {}, "adds deepstack features to its first 2 decoder layers, but the first "
+                    "pipeline stage holds 1"),
+    ({}, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+     "recompute_granularity='full' is not supported"),
+])
+def test_qwen3_vl_deepstack_outside_the_first_stage_or_with_full_recompute_is_refused(
+        models, layout, overrides, words):
+    from types import SimpleNamespace
+
+    from hpc_mca.models.build import build_model
+    from hpc_mca.models.errors import ModelLoadError
+    from hpc_mca.topology import Layout
+
+    ctx = SimpleNamespace(layout=Layout(**layout), env=SimpleNamespace(world_size=4),
+                          device=torch.device("cpu"), backend="gloo", seed=0)
+    with pytest.raises(ModelLoadError) as err:
+        build_model(models / "qwen3_vl", ctx, config_overrides=overrides, load_weights=False)
+    assert words in str(err.value) and "\n" not in str(err.value)

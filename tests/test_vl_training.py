@@ -211,3 +211,51 @@ def test_ulysses_with_a_vl_model_on_the_standard_backend_is_refused(tmp_path, mo
         load_config(config).resolve(2)
     assert "parallel.sequence_parallel_size=2 with a vision-language model" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def qwen3_model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen3-VL (the demo's language model with qk-norm and interleaved mrope, a tower of
+    16-pixel patches whose two deepstack sets join both decoder layers) over the demo's tokenizer,
+    with a Qwen3-VL image processor; random weights written out as transformers 5 saves them."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    root = tmp_path_factory.mktemp("qwen3_vl_model")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO / name, root / name)
+    processor = {**json.loads((DEMO / "preprocessor_config.json").read_text()), "patch_size": 16,
+                 "processor_class": "Qwen3VLProcessor"}
+    (root / "preprocessor_config.json").write_text(json.dumps(processor))
+    demo = AutoConfig.from_pretrained(DEMO)
+    text = {**demo.text_config.to_dict(), "head_dim": 16}
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True}
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+              "out_hidden_size": 64, "patch_size": 16, "num_position_embeddings": 16,
+              "deepstack_visual_indexes": [0, 1]}
+    tokens = {key: getattr(demo, key) for key in ("image_token_id", "video_token_id",
+                                                  "vision_start_token_id", "vision_end_token_id")}
+    torch.manual_seed(3)
+    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision,
+                                                          tie_word_embeddings=False, **tokens))
+    model.save_pretrained(root)
+    return root
+
+
+@pytest.mark.slow
+def test_qwen3_vl_first_step_is_the_same_on_both_backends(tmp_path, qwen3_model_dir):
+    """Full fine-tuning with the tower training (its deepstack mergers too), one packed row of
+    eight samples: transformers' Qwen3-VL on the standard backend gives the Megatron backend's
+    step-1 loss and gradient norm."""
+    config = _config(tmp_path, qwen3_model_dir, template="qwen3_vl", finetuning_type="full",
+                     freeze_vision_tower=False, max_steps=1, max_samples=8, seq_length=1024,
+                     per_device_train_batch_size=1, global_batch_size=1)
+    first = {backend: _train(config, tmp_path / backend, 1,
+                             f"training.use_mca={backend == 'megatron'}")[0]
+             for backend in ("megatron", "standard")}
+    assert first["standard"]["tokens"] == first["megatron"]["tokens"]
+    assert first["standard"]["loss"] == pytest.approx(first["megatron"]["loss"], abs=1e-5)
+    assert first["standard"]["grad_norm"] == pytest.approx(first["megatron"]["grad_norm"], abs=1e-5)
+    print(f"qwen3_vl step 1: {first}")

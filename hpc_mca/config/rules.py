@@ -17,11 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_mca.data.arguments import DataArguments
 from hpc_mca.data.choices import MIX_STRATEGIES, PT_CHUNKINGS
-from hpc_mca.data.multimodal import VL_TEMPLATES
 from hpc_mca.data.records import FORMATS_BY_READS
 from hpc_mca.data.templates import TEMPLATE_NAMES
 from hpc_mca.stages import (
-    PREFERENCE_PAIR,
     RESERVED_STAGES,
     STAGE_NAMES,
     TEXT,
@@ -321,10 +319,6 @@ def _check_standard(config: TrainConfig, world_size: int) -> None:
             raise ConfigError(f"{dotted}={value!r} with training.use_mca=false: {why}; valid: "
                               f"{runs!r}{also}, or training.use_mca=true")
     _check_standard_recompute(par)
-    if config.data.template in VL_TEMPLATES and get_stage(config.finetuning.stage).reads == PREFERENCE_PAIR:
-        raise ConfigError(f"data.template={config.data.template!r} with finetuning.stage={config.finetuning.stage!r} "
-                          "and training.use_mca=false: preference pairs with images train on the Megatron "
-                          "backend only; valid: training.use_mca=true, or a text-only template")
     sp, shape = par.sequence_parallel_size, model_shape(config.model.model_name_or_path)
     if shape.is_moe and not shape.moe_router_expert_bias:
         raise ConfigError(f"model.model_name_or_path={config.model.model_name_or_path!r} is a "

@@ -87,7 +87,7 @@ def build_model(
     layers = layer_specs(spec, core_attention_class(backend, kernel or "sdpa"))
     vocab = padded_vocab_size(spec.vocab_size, ctx.layout.tp, make_vocab_size_divisible_by)
     max_len = seq_length or spec.max_position_embeddings
-    _check_vl(spec, ctx, config.mtp_num_layers)
+    _check_vl(spec, ctx, config.mtp_num_layers, config.recompute_granularity)
     if config.mtp_num_layers:
         mtp.check_checkpoint(spec, config.mtp_num_layers, loading=load)
         mtp.install()
@@ -172,13 +172,32 @@ def _chunk_class(spec: HFModelSpec, ctx: RankContext) -> Callable[..., GPTModel]
         return McaGPTModel
     from hpc_mca.models.vl import McaVLModel
 
-    return functools.partial(McaVLModel, vision=spec.vision, seed=ctx.seed)
+    return functools.partial(McaVLModel, vision=spec.vision, seed=ctx.seed,
+                             mrope_interleaved=spec.mrope_interleaved)
 
 
-def _check_vl(spec: HFModelSpec, ctx: RankContext, mtp_layers: int | None) -> None:
-    """What a vision-language model cannot run with here, one line each."""
+def _check_vl(spec: HFModelSpec, ctx: RankContext, mtp_layers: int | None,
+              recompute: str | None) -> None:
+    """What a vision-language model cannot run with here, one line each. Deepstack features
+    (Qwen3-VL) are made on the first stage and added there (:mod:`.vl`): its first virtual
+    stage must hold every layer that takes them."""
     if spec.vision is None:
         return
+    levels, layout = spec.vision.deepstack_layers, ctx.layout
+    first = layout.pipeline_layout[0] if layout.pipeline_layout else \
+        spec.num_layers // layout.num_virtual_stages
+    if levels > first:
+        raise ModelLoadError(f"{spec.source}: {spec.model_type} adds deepstack features to its "
+                             f"first {levels} decoder layers, but the first pipeline stage holds "
+                             f"{first} ({layout.describe()}); valid: a layout whose first stage "
+                             f"holds at least {levels} layers")
+    if recompute == "full":
+        # The recomputed layers get detached copies of their inputs: the packed rope's
+        # per-token mark on the M-RoPE angles (and Qwen3-VL's deepstack features riding on
+        # them) would be lost, and the recomputation would differ from the forward.
+        raise ModelLoadError(f"{spec.source}: {spec.model_type} with "
+                             "parallel.recompute_granularity='full' is not supported; valid: "
+                             "selective or none")
     if ctx.layout.cp > 1:
         raise ModelLoadError(f"{spec.source}: {spec.model_type} with context parallelism "
                              f"(cp={ctx.layout.cp}) is not supported; valid: cp 1")

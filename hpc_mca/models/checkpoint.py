@@ -84,7 +84,7 @@ def _check_tied_head(ckpt: HFCheckpoint, spec: HFModelSpec) -> None:
 
     with safe_open(str(ckpt.path_of(_HEAD)), framework="pt") as head_file, \
             safe_open(str(ckpt.path_of(_EMBED)), framework="pt") as embed_file:
-        head, embed = head_file.get_tensor(_HEAD), embed_file.get_tensor(_EMBED)
+        head, embed = head_file.get_tensor(ckpt.key(_HEAD)), embed_file.get_tensor(ckpt.key(_EMBED))
     if head.shape != embed.shape or not torch.equal(head, embed):
         raise ModelLoadError(
             f"{ckpt.path_of(_HEAD)}: {_HEAD} differs from {_EMBED} while {spec.source} ties them "
@@ -114,7 +114,7 @@ def _check_tensor(
     header: Mapping[str, TensorInfo],
 ) -> None:
     path = ckpt.path_of(name)
-    info = header.get(name)
+    info = header.get(ckpt.key(name))
     if info is None:
         raise ModelLoadError(f"{path}: tensor {name} is missing (listed in {ckpt.listing})")
     if info.shape != shape:
@@ -151,8 +151,8 @@ class SliceReader(contextlib.AbstractContextManager["SliceReader"]):
             self._files[file] = self._stack.enter_context(safe_open(str(path), framework="pt"))
         handle = self._files[file]
         if piece.dim is None:
-            return handle.get_tensor(piece.hf_name)
-        view = handle.get_slice(piece.hf_name)
+            return handle.get_tensor(self._ckpt.key(piece.hf_name))
+        view = handle.get_slice(self._ckpt.key(piece.hf_name))
         if piece.dim == 0:
             return view[piece.hf_start : piece.hf_stop]
         return view[:, piece.hf_start : piece.hf_stop]

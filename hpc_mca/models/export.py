@@ -39,7 +39,9 @@ import torch.distributed as dist
 from hpc_mca.models.checkpoint import INDEX_FILE, SINGLE_FILE
 from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_config import MTP_TYPES, HFModelSpec, read_hf_config
+from hpc_mca.models.hf_files import file_key
 from hpc_mca.models.mapping import MTP_COPIES, Piece, hf_tensor_shapes, mtp_prefix
+from hpc_mca.models.vl_config import NESTED_KEY_TYPES
 from hpc_mca.models.weights import local_plans, unwrap
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "GENERATION_CONFIG", "TOKENIZER_FILES", "ExportItem",
@@ -148,9 +150,11 @@ def save_hf_checkpoint(
     if _rank() == 0:
         items += _source_mtp_items(source_spec, built)
     shapes = hf_tensor_shapes(spec)
+    nested = spec.vision is not None and spec.vision.model_type in NESTED_KEY_TYPES
     with _ShardWriter(out, max_shard_bytes) if _rank() == 0 else contextlib.nullcontext() as writer:
-        out_dtype = export_tensors(items, shapes, dtype or _declared_dtype(spec),
-                                   writer.add if writer is not None else None)
+        sink = None if writer is None else \
+            (lambda name, tensor: writer.add(file_key(name, nested), tensor))
+        out_dtype = export_tensors(items, shapes, dtype or _declared_dtype(spec), sink)
     if _rank() == 0:
         _write_config(out, spec, out_dtype, source_spec)
         if spec.directory is not None:

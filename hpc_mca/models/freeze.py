@@ -87,9 +87,12 @@ def freeze_hf_model(model: PreTrainedModel, finetuning: FinetuningArguments) -> 
     return model
 
 
-VISION_TOWER = ("visual.patch_embed", "visual.blocks")
-"""A Qwen2-VL/Qwen2.5-VL vision encoder's parameters, by name (LLaMA-Factory's keys; the same
-in the HF model and in a Megatron chunk, which holds transformers' tower as ``visual``)."""
+VISION_TOWER = ("visual.patch_embed", "visual.blocks", "visual.pos_embed",
+                "visual.deepstack_merger_list")
+"""A Qwen2-VL/Qwen2.5-VL/Qwen3-VL vision encoder's parameters, by name (LLaMA-Factory's keys;
+Qwen3-VL's also name its position embeddings and deepstack mergers, which the other towers lack;
+the same in the HF model and in a Megatron chunk, which holds transformers' tower as
+``visual``)."""
 PROJECTOR = ("visual.merger",)
 """The merger that projects vision features into the language model's width."""
 

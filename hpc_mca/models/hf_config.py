@@ -29,6 +29,8 @@ deepseek_v3 multi-latent attention (q/kv low-rank projections with their norms, 
             routing and dense first layers, default or yarn rope with DeepSeek's mscale
 qwen2_vl    a qwen2 language model with multimodal rope (``mrope_section``) and a vision
 qwen2_5_vl  tower (transformers' own module, on the first stage): :mod:`.vl_config`
+qwen3_vl    a qwen3 language model (qk-norm) with interleaved multimodal rope and a tower
+            whose deepstack features join the first decoder layers' outputs
 =========== ======================================================================
 
 RoPE is read by :mod:`hpc_mca.models.hf_rope` (default, linear, llama3, yarn).
@@ -46,6 +48,7 @@ from hpc_mca.models.errors import ModelLoadError
 from hpc_mca.models.hf_files import HFCheckpoint
 from hpc_mca.models.hf_rope import SUPPORTED_ROPE_TYPES, RopeSpec, read_rope
 from hpc_mca.models.vl_config import (
+    INTERLEAVED_MROPE_TYPES,
     VL_MODEL_TYPES,
     VisionSpec,
     refuse_unbuilt_vl,
@@ -72,11 +75,11 @@ __all__ = [
 
 SUPPORTED_MODEL_TYPES = BUILDABLE_MODEL_TYPES  # one list, the planner's too (topology.model)
 
-_QKV_BIAS_TYPES = frozenset({"qwen2", *VL_MODEL_TYPES})
+_QKV_BIAS_TYPES = frozenset({"qwen2", "qwen2_vl", "qwen2_5_vl"})
 _QKV_BIAS_OPTION_TYPES = {"seed_oss": "attention_bias", "glm4_moe": "attention_bias",
                           "qwen2_moe": "qkv_bias"}
 """Families whose option (the value) puts biases on q/k/v only (o_proj has none)."""
-_QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe"})
+_QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "qwen3_vl"})
 _QK_NORM_OPTION_TYPES = {"glm4_moe": "use_qk_norm"}
 _MOE_TYPES = frozenset({"qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3"})
 _SIGMOID_ROUTER_TYPES = frozenset({"glm4_moe", "deepseek_v3"})
@@ -182,6 +185,8 @@ class HFModelSpec:
     mrope_section: tuple[int, ...] = ()
     """Multimodal rope: the rotary frequencies each position row (time, height, width) turns;
     empty: one position per token."""
+    mrope_interleaved: bool = False
+    """The rows' bands are interleaved (Qwen3-VL), not consecutive (:func:`.vl_config.mrope_rows`)."""
 
     def stored(self) -> HFModelSpec:
         """The spec of the checkpoint's files (its own vocab_size, before any growth)."""
@@ -240,11 +245,13 @@ def read_hf_config(source: str | Path | Mapping[str, Any]) -> HFModelSpec:
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     cfg = _transformers_config(model_type, raw, where)
-    text, section = text_config(cfg, where) if model_type in VL_MODEL_TYPES else (cfg, ())
+    text, section = text_config(cfg, model_type, where) if model_type in VL_MODEL_TYPES \
+        else (cfg, ())
     _refuse_unsupported_options(text, model_type, where)
     spec = _spec_from_config(text, model_type, raw, where, directory)
     if section:  # a VL model: the tower, and the outer config's tying and dtype
         spec = replace(spec, vision=vision_spec(cfg, model_type), mrope_section=section,
+                       mrope_interleaved=model_type in INTERLEAVED_MROPE_TYPES,
                        tie_word_embeddings=bool(cfg.tie_word_embeddings),
                        dtype=_dtype_name(cfg) or spec.dtype)
     if model_type in MTP_TYPES:

@@ -1,5 +1,5 @@
-"""Vision-language families (``qwen2_vl``, ``qwen2_5_vl``): what their ``config.json`` adds to
-a Qwen2 language model.
+"""Vision-language families (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``): what their
+``config.json`` adds to a Qwen2 (Qwen3-VL: Qwen3, with qk-norm) language model.
 
 transformers' own config classes read the file (hub configs are flat, saves of transformers 5
 nest ``text_config``; both read the same): :func:`text_config` hands the language model's config
@@ -8,12 +8,17 @@ to :mod:`.hf_config`, which makes the usual :class:`~.hf_config.HFModelSpec` of 
 transformers' own module (:func:`build_vision_tower`), its tensors listed by building it on the
 meta device (no formula to drift from transformers). The language model rotates with
 multimodal rope (three position rows, ``mrope_section`` frequencies each); Megatron's
-``mrope_section`` takes the same list.
+``mrope_section`` takes the same list. Qwen3-VL differs in three ways: its rope bands are
+interleaved (band ``i`` turns with the height row when ``i % 3 == 1``, the width row when
+``i % 3 == 2``, within ``3 × section`` bands, else with time: :func:`mrope_rows`), its tower also
+returns one "deepstack" feature row per image token for each of the first
+``len(deepstack_visual_indexes)`` decoder layers (added to their outputs at the image tokens),
+and its checkpoints hold the language model under ``model.language_model.`` and the tower under
+``model.visual.`` (:mod:`.hf_files` reads either layout under one set of names).
 
-Refused, one line each: Qwen3-VL (deepstack visual features added inside the first decoder
-layers and interleaved mrope: not on this backend), a rope scaling other than the default
-(transformers' multimodal rope applies it, Megatron's does not), and mrope sections that do not
-cover half a head.
+Refused, one line each: Qwen3-VL-MoE, a rope scaling other than the default (transformers'
+multimodal rope applies it, Megatron's does not), and mrope sections that do not cover half a
+head.
 """
 
 from __future__ import annotations
@@ -28,17 +33,27 @@ if TYPE_CHECKING:  # torch and transformers are imported where a tower is built
     import torch
     from transformers import PreTrainedConfig
 
-__all__ = ["LORA_EXCLUDED", "VL_MODEL_TYPES", "VisionSpec", "build_vision_tower", "lora_checkpoint_name",
-           "lora_module_name", "refuse_unbuilt_vl",
-           "text_config", "vision_spec"]
+__all__ = ["INTERLEAVED_MROPE_TYPES", "LORA_EXCLUDED", "NESTED_KEY_TYPES", "VL_MODEL_TYPES",
+           "VisionSpec", "build_vision_tower", "lora_checkpoint_name", "lora_module_name",
+           "mrope_rows", "refuse_unbuilt_vl", "text_config", "vision_spec"]
 
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+INTERLEAVED_MROPE_TYPES = frozenset({"qwen3_vl"})
+"""Families whose multimodal rope interleaves the three rows' bands (transformers' Qwen3-VL
+does for every config; its ``mrope_interleaved`` flag is not read)."""
+_DEFAULT_SECTIONS: dict[str, tuple[int, ...]] = {"qwen3_vl": (24, 20, 20)}
+"""``mrope_section`` when the config has none (transformers' default of the family)."""
+NESTED_KEY_TYPES = frozenset({"qwen3_vl"})
+"""Families whose checkpoints transformers 5 saves as ``model.language_model.*`` and
+``model.visual.*`` (the Qwen2-VL families it saves as ``model.*`` and ``visual.*``)."""
 
 _TOWERS = {
     "qwen2_vl": ("transformers.models.qwen2_vl.modeling_qwen2_vl",
                  "Qwen2VisionTransformerPretrainedModel", "Qwen2VLVisionConfig"),
     "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
                    "Qwen2_5_VisionTransformerPretrainedModel", "Qwen2_5_VLVisionConfig"),
+    "qwen3_vl": ("transformers.models.qwen3_vl.modeling_qwen3_vl",
+                 "Qwen3VLVisionModel", "Qwen3VLVisionConfig"),
 }
 """Per family: transformers' vision module and its config class."""
 
@@ -86,6 +101,9 @@ class VisionSpec:
     spatial_merge_size: int
     tensors: tuple[tuple[str, tuple[int, ...]], ...] = field(repr=False)
     """Every tensor of the tower (``visual.`` names, as the checkpoint holds them) and its shape."""
+    deepstack_layers: int = 0
+    """Decoder layers (the first ones) whose outputs get the tower's deepstack features at the
+    image tokens (Qwen3-VL: ``len(deepstack_visual_indexes)``); 0: none."""
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return dict(self.tensors)
@@ -93,13 +111,14 @@ class VisionSpec:
 
 def refuse_unbuilt_vl(model_type: object, where: str) -> None:
     """One line for a VL family this backend does not build."""
-    if model_type in ("qwen3_vl", "qwen3_vl_moe"):
+    if model_type == "qwen3_vl_moe":
         raise ModelLoadError(
-            f"{where}: model_type {model_type!r} (deepstack visual features, interleaved mrope) is "
-            f"not supported on the Megatron backend; valid: {', '.join(VL_MODEL_TYPES)}")
+            f"{where}: model_type {model_type!r} (a mixture-of-experts Qwen3-VL) is not "
+            f"supported; valid vision-language types: {', '.join(VL_MODEL_TYPES)}")
 
 
-def text_config(cfg: PreTrainedConfig, where: str) -> tuple[PreTrainedConfig, tuple[int, ...]]:
+def text_config(cfg: PreTrainedConfig, model_type: str, where: str
+                ) -> tuple[PreTrainedConfig, tuple[int, ...]]:
     """(the language model's config, its mrope sections) of a VL config."""
     text = cfg.text_config
     params = dict(getattr(text, "rope_parameters", None) or {})
@@ -107,7 +126,8 @@ def text_config(cfg: PreTrainedConfig, where: str) -> tuple[PreTrainedConfig, tu
     if rope_type not in ("default", "mrope"):
         raise ModelLoadError(f"{where}: rope type {rope_type!r} with multimodal rope is not "
                              "supported (supported: 'default')")
-    section = tuple(int(n) for n in params.get("mrope_section") or ())
+    given = params.get("mrope_section") or _DEFAULT_SECTIONS.get(model_type) or ()
+    section = tuple(int(n) for n in given)
     heads = int(text.num_attention_heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
     if len(section) != 3 or 2 * sum(section) != head_dim:
@@ -136,10 +156,20 @@ def vision_spec(cfg: PreTrainedConfig, model_type: str) -> VisionSpec:
     tensors = tuple((VISION_PREFIX + name, tuple(param.shape))
                     for name, param in tower.named_parameters())
     video = getattr(cfg, "video_token_id", None)
+    deepstack = len(getattr(cfg.vision_config, "deepstack_visual_indexes", None) or ())
     return VisionSpec(model_type=model_type, config=vision, image_token_id=int(cfg.image_token_id),
                       video_token_id=None if video is None else int(video),
                       spatial_merge_size=int(cfg.vision_config.spatial_merge_size),
-                      tensors=tensors)
+                      tensors=tensors, deepstack_layers=deepstack)
+
+
+def mrope_rows(section: tuple[int, ...] | list[int], interleaved: bool) -> list[int]:
+    """Which position row (0 time, 1 height, 2 width) turns each of the ``sum(section)`` rotary
+    bands. Qwen2-VL: consecutive blocks of ``section`` bands; interleaved (Qwen3-VL): band ``i``
+    turns with row ``i % 3`` while ``i < 3 × section[i % 3]`` for rows 1 and 2, else with time."""
+    if not interleaved:
+        return [row for row, size in enumerate(section) for _ in range(size)]
+    return [i % 3 if i % 3 and i < 3 * section[i % 3] else 0 for i in range(sum(section))]
 
 
 def build_vision_tower(vision: VisionSpec, dtype: torch.dtype, seed: int) -> torch.nn.Module:

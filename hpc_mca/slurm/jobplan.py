@@ -314,6 +314,12 @@ def _from_config(config: TrainConfig, explicit: set[str],
         if ft.stage in STAGE_NAMES else True,
         "separate_reference": ft.ref_model is not None,
         "sequence_packing": data.sequence_packing,
+        "image_max_pixels": data.image_max_pixels,
+        # Only full fine-tuning trains the vision side (the config rules refuse the rest).
+        "vision_trains": frozenset(
+            part for part, frozen in (("tower", ft.freeze_vision_tower),
+                                      ("projector", ft.freeze_multi_modal_projector))
+            if not frozen and ft.finetuning_type == "full"),
     }
     if "per_device_train_batch_size" in explicit:
         fields["micro_batch_size"] = tr.per_device_train_batch_size
@@ -397,6 +403,7 @@ def plan_summary(result: Plan) -> dict[str, Any]:
         "sequence_parallel": result.sequence_parallel,
         "memory_bytes": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
                          "activations": mem.activations, "total": mem.total,
+                         "vision_activations": mem.vision_activations,
                          "usable": result.usable_bytes},
         "step_time_s": {"total": result.step_time.total,
                         **dataclasses.asdict(result.step_time)},

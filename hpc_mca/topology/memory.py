@@ -49,6 +49,7 @@ from .params import (  # noqa: F401 - importable from here as before
     padded_vocab,
     stage_counts,
 )
+from .vision import DEFAULT_IMAGE_MAX_PIXELS
 
 # Defined in choices.py (light enough for the CLI's --help); importable from here as before.
 TORCH_CP_COMM_TYPES = choices.TORCH_CP_COMM_TYPES
@@ -127,6 +128,12 @@ class Workload:
     expert gets what its router sends, and the busiest rank waits on more:
     routing.moe_load_imbalance). Times only: activation memory counts the mean load (a rank's
     memory sums its loads over many layers, whose busiest ranks differ)."""
+    image_max_pixels: int = DEFAULT_IMAGE_MAX_PIXELS
+    """A VL model: the largest image's pixels (data.image_max_pixels), for the vision tower's
+    activations (vision.py)."""
+    vision_trains: frozenset[str] = frozenset()
+    """A VL model: the parts of its vision side that train (VISION_PARTS: ``tower``,
+    ``projector``); empty, LLaMA-Factory's default, keeps no vision activations."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,8 @@ class MemoryEstimate:
     """Adam moments and fp32 master weights (this rank's shard)."""
     activations: int
     """Saved activations of the in-flight micro-batches plus the loss logits."""
+    vision_activations: int = 0
+    """Of ``activations``: what a VL model's vision tower keeps (first pipeline stage)."""
 
     @property
     def total(self) -> int:
@@ -434,5 +443,32 @@ def rank_memory(model: ModelShape, layout: Layout, work: Workload, rank: int,
     trainable = (frozen_trainable(model, layout, rank, work.freeze)
                  if work.freeze is not None and not work.lora else None)
     params, grads, optimizer = _state_memory(counts, layout, work, trainable)
+    vision = vision_activation_memory(model, layout, work) if rank == 0 else 0
     return MemoryEstimate(params, grads, optimizer,
-                          _activation_memory(model, layout, work, rank, per_layer))
+                          _activation_memory(model, layout, work, rank, per_layer) + vision,
+                          vision)
+
+
+def vision_activation_memory(model: ModelShape, layout: Layout, work: Workload) -> int:
+    """What a VL model's vision tower keeps on the first pipeline stage (each of its TP ranks
+    runs the whole tower on all the micro-batch's images): one micro-batch's worth
+    (vision.py) for each micro-batch whose first chunk is in flight at the stage's peak."""
+    if model.vision is None or not work.vision_trains:
+        return 0
+    rows = work.micro_batch_size * get_stage(work.stage).rows_per_example
+    per_microbatch = model.vision.microbatch_bytes(
+        seq_length=work.seq_length, rows=rows, max_pixels=work.image_max_pixels,
+        trains=work.vision_trains, element=2)  # 2 B an element, as layer_bytes_per_token
+    return per_microbatch * first_chunk_inflight(layout, work)
+
+
+def first_chunk_inflight(layout: Layout, work: Workload) -> int:
+    """Micro-batches whose first model chunk pipeline rank 0 holds at its peak: PP under 1F1B;
+    interleaved, the first chunk's share of the warm-up forwards, which run PP micro-batches
+    a chunk at a time (see _inflight_layers)."""
+    if layout.vp is None:
+        return min(layout.pp, work.num_microbatches)
+    warmup = 2 * (layout.pp - 1) + (layout.vp - 1) * layout.pp + 1
+    group = layout.pp * layout.vp
+    first = warmup // group * layout.pp + min(warmup % group, layout.pp)
+    return min(first, work.num_microbatches)

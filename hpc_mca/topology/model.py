@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from .errors import LayoutError, raise_if
+from .vision import VisionShape, vision_shape
 
 # model_type values whose MLP is a plain two-matrix MLP (fc1 -> act -> fc2). Everything else in
 # the families we train (llama, mistral, qwen, mixtral, gemma) uses a gated (SwiGLU/GeGLU) MLP,
 # which has a third matrix and a doubled fc1 output.
 BUILDABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "seed_oss",
-                         "qwen2_moe", "glm4_moe", "deepseek_v3", "qwen2_vl", "qwen2_5_vl")
+                         "qwen2_moe", "glm4_moe", "deepseek_v3", "qwen2_vl", "qwen2_5_vl",
+                         "qwen3_vl")
 """The HF ``model_type``s the trainer builds (hpc_mca.models.hf_config reads their configs):
 the planner plans nothing else, so it never proposes a job the trainer cannot run."""
 
@@ -119,8 +121,10 @@ class ModelShape:
     """Multi-token-prediction layers the checkpoint holds (``num_nextn_predict_layers``); a run
     trains them only when it sets mtp_num_layers (memory.Workload)."""
     vision_params: int = 0
-    """Parameters of a VL model's vision tower (qwen2_vl, qwen2_5_vl): whole on every TP rank
+    """Parameters of a VL model's vision tower (qwen2_vl, qwen2_5_vl, qwen3_vl): whole on every TP rank
     of the first pipeline stage; 0 for a text model."""
+    vision: VisionShape | None = None
+    """A VL model's vision tower, for its activations (vision.py); None for a text model."""
     name: str = ""
     """Label for reports, e.g. the HF model directory name."""
 
@@ -320,7 +324,7 @@ def _pick(config: Mapping[str, Any], name: str) -> Any:
 
 
 def _shape_from_dict(config: Mapping[str, Any], source: str) -> ModelShape:
-    vision = _vision_params(config)
+    vision = vision_shape(config)
     # Multimodal checkpoints (Qwen2.5-VL, Llama-4, Gemma-3) nest the language model's config;
     # transformers 5 keeps their tying outside it.
     if _pick(config, "num_layers") is None and isinstance(config.get("text_config"), Mapping):
@@ -365,48 +369,12 @@ def _shape_from_dict(config: Mapping[str, Any], source: str) -> ModelShape:
         dense_layer_ids=_dense_layer_ids(config, layers) if num_experts else (),
         checkpoint_mtp_layers=int(config.get("num_nextn_predict_layers")
                                   or config.get("num_mtp_layers") or 0),
-        vision_params=vision,
+        vision_params=vision.params if vision else 0,
+        vision=vision,
         name=str(config.get("_name_or_path") or (Path(source).parent.name if source != "config"
                                                     else "")),
         **mla,
     )
-
-
-_VISION_DEFAULTS: dict[str, dict[str, Any]] = {
-    # transformers' Qwen2VLVisionConfig / Qwen2_5_VLVisionConfig defaults
-    "qwen2_vl": {"depth": 32, "embed_dim": 1280, "hidden_size": 3584, "mlp_ratio": 4,
-                 "in_channels": 3, "patch_size": 14, "temporal_patch_size": 2,
-                 "spatial_merge_size": 2},
-    "qwen2_5_vl": {"depth": 32, "hidden_size": 3584, "intermediate_size": 3420,
-                   "out_hidden_size": 3584, "in_channels": 3, "patch_size": 14,
-                   "temporal_patch_size": 2, "spatial_merge_size": 2},
-}
-
-
-def _vision_params(config: Mapping[str, Any]) -> int:
-    """Parameters of the vision tower of a qwen2_vl / qwen2_5_vl config (0 for other types):
-    a patch convolution (no bias), ``depth`` blocks (two norms, qkv and output projections and
-    an MLP, all with biases) and the merger (a norm and a two-layer MLP over
-    ``spatial_merge_size``² patches). Qwen2-VL: LayerNorms, a GELU MLP ``mlp_ratio`` wide;
-    Qwen2.5-VL: RMSNorms, a gated MLP ``intermediate_size`` wide."""
-    family = str(config.get("model_type"))
-    if family not in _VISION_DEFAULTS:
-        return 0
-    vision = {**_VISION_DEFAULTS[family], **(config.get("vision_config") or {})}
-    merge = int(vision["spatial_merge_size"]) ** 2
-    channels = int(vision.get("in_chans") or vision["in_channels"])
-    patch = channels * int(vision["temporal_patch_size"]) * int(vision["patch_size"]) ** 2
-    if family == "qwen2_vl":
-        e, out, norm = int(vision["embed_dim"]), int(vision["hidden_size"]), 2
-        f = e * int(vision["mlp_ratio"])
-        mlp = 2 * e * f + f + e
-    else:
-        e, out, norm = int(vision["hidden_size"]), int(vision["out_hidden_size"]), 1
-        f = int(vision["intermediate_size"])
-        mlp = 3 * e * f + 2 * f + e
-    block = 2 * norm * e + 4 * e * e + 4 * e + mlp
-    merger = norm * e + (e * merge) ** 2 + e * merge + e * merge * out + out
-    return e * patch + int(vision["depth"]) * block + merger
 
 
 def _mla_fields(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from .search import (
 )
 from .standard import describe as describe_standard
 from .standard import standard_options, standard_reason, standard_request_violations
+from .vision import DEFAULT_IMAGE_MAX_PIXELS, VISION_PARTS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,6 +147,12 @@ class PlanRequest:
     sequence_parallel_size: int | None = None
     """Standard backend: force the Ulysses SP size (ranks sharing each row); None = planned.
     The Megatron backend takes only None or 1 (it splits sequences with CP)."""
+    image_max_pixels: int = DEFAULT_IMAGE_MAX_PIXELS
+    """A VL model: the largest image's pixels (data.image_max_pixels), for the vision tower's
+    activations."""
+    vision_trains: frozenset[str] = frozenset()
+    """A VL model: what of its vision side trains (``tower``, ``projector``: the config's
+    freeze_vision_tower/freeze_multi_modal_projector false); empty keeps no vision activations."""
     shape: ModelShape = field(init=False, repr=False, compare=False)
     """The model as a ModelShape (filled from ``model``)."""
 
@@ -206,6 +213,8 @@ class PlanFields(TypedDict, total=False):
     te_layers: bool
     backend: str
     sequence_parallel_size: int | None
+    image_max_pixels: int
+    vision_trains: frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -283,7 +292,11 @@ def _request_violations(req: PlanRequest) -> list[str]:
     lines = []
     if not isinstance(req.mtp_num_layers, int) or req.mtp_num_layers < 0:
         lines.append(f"mtp_num_layers={req.mtp_num_layers!r} must be a non-negative integer")
+    if not set(req.vision_trains) <= set(VISION_PARTS):
+        lines.append(f"vision_trains={sorted(req.vision_trains)!r} is not valid; valid: parts "
+                     f"from {', '.join(VISION_PARTS)}")
     for name in ("nodes", "seq_length", "global_batch_size", "gpus_per_node", "lora_rank",
+                 "image_max_pixels",
                  "micro_batch_size", "max_context_parallel", "sequence_parallel_size"):
         value = getattr(req, name)
         optional = name in ("gpus_per_node", "micro_batch_size", "max_context_parallel",

@@ -7,10 +7,10 @@ from typing import Any
 
 from .cost import StepTime
 from .hardware import GiB
-from .memory import block_layers, recompute_modules
+from .memory import block_layers, first_chunk_inflight, recompute_modules, vision_activation_memory
 from .model import ModelShape
 from .planner import Plan
-from .search import TIE, evaluate
+from .search import TIE, evaluate, memory_workload, workload
 
 
 def _gib(n: int) -> str:
@@ -114,12 +114,34 @@ def _rows(plan: Plan) -> list[tuple[str, str]]:
                        f"{_gib(mem.optimizer)} | activations {_gib(mem.activations)}"),
         ("", f"total {_gib(mem.total)} of {_gib(plan.usable_bytes)} usable "
              f"({plan.request.gpu_spec.name}: {_gib(plan.request.gpu_spec.memory_bytes)})"),
+        *_vision(plan),
         ("step time", _step_time(plan)),
         ("", _breakdown(plan)),
         *_routing(plan),
         *_versus_search(plan),
         ("why", plan.reason),
     ]
+
+
+def _vision(plan: Plan) -> list[tuple[str, str]]:
+    """For a VL model: the images a micro-batch holds and what its vision tower keeps on the
+    first pipeline stage (topology/vision.py), part of the activations above."""
+    req = plan.request
+    vision = req.shape.vision
+    if vision is None:
+        return []
+    patches = vision.image_patches(req.image_max_pixels)
+    tokens = patches // vision.merge_size ** 2
+    images = (f"images of {req.image_max_pixels} px: {patches} patches, {tokens} tokens each, "
+              f"up to {req.seq_length // tokens} a row")
+    if not req.vision_trains:
+        return [("vision", f"{images}; tower and projector frozen: no activations kept")]
+    work = memory_workload(req, workload(req, plan.layout, plan.micro_batch_size, plan.recompute))
+    kept = vision_activation_memory(req.shape, plan.layout, work)
+    inflight = first_chunk_inflight(plan.layout, work)
+    return [("vision", f"{images}; {' and '.join(sorted(req.vision_trains))} train: "
+                       f"{_gib(kept)} of activations on the first stage ({inflight} "
+                       "micro-batch(es) in flight)")]
 
 
 def _step_time(plan: Plan) -> str:

@@ -129,7 +129,8 @@ def workload(req: PlanRequest, layout: Layout, mbs: int, recompute: str) -> Work
         separate_reference=req.separate_reference, grad_reduce_in_fp32=req.grad_reduce_in_fp32,
         tp_comm_overlap=req.tp_comm_overlap, overlap_p2p_comm=req.overlap_p2p_comm,
         moe_comm_overlap=req.moe_comm_overlap, moe_dispatcher=req.moe_dispatcher,
-        moe_routing=req.moe_routing, te_layers=req.te_layers)
+        moe_routing=req.moe_routing, te_layers=req.te_layers,
+        image_max_pixels=req.image_max_pixels, vision_trains=frozenset(req.vision_trains))
 
 
 def memory_workload(req: PlanRequest, work: Workload) -> Workload:
