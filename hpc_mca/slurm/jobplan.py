@@ -315,11 +315,12 @@ def _from_config(config: TrainConfig, explicit: set[str],
         "separate_reference": ft.ref_model is not None,
         "sequence_packing": data.sequence_packing,
         "image_max_pixels": data.image_max_pixels,
-        # Only full fine-tuning trains the vision side (the config rules refuse the rest).
+        # What of the vision side trains: the config rules accept unfrozen parts under full
+        # fine-tuning only, so these two settings say it for every finetuning type.
         "vision_trains": frozenset(
             part for part, frozen in (("tower", ft.freeze_vision_tower),
                                       ("projector", ft.freeze_multi_modal_projector))
-            if not frozen and ft.finetuning_type == "full"),
+            if not frozen),
     }
     if "per_device_train_batch_size" in explicit:
         fields["micro_batch_size"] = tr.per_device_train_batch_size
