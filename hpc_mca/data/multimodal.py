@@ -40,6 +40,7 @@ from .vision import (
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+    from transformers.image_processing_utils import BaseImageProcessor
 
     from .conversation import Example
     from .templates import Message, Template, VisionTokens
@@ -53,7 +54,8 @@ class VisionInputs:
     """What turns a run's image paths into model inputs: the model's image processor, the
     sizing settings and the template's vision tokens (their ids in the fixed tokenizer)."""
 
-    processor: Any  # Any: transformers' image processor of the model (no common base type to name)
+    processor: BaseImageProcessor
+    """The model's image processor (transformers' PIL or torchvision backend)."""
     settings: ImageSettings
     tokens: VisionTokens
     image_token_id: int

@@ -23,7 +23,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from .errors import DataError
 
 if TYPE_CHECKING:
     from PIL.Image import Image
+    from transformers.image_processing_utils import BaseImageProcessor
 
     from .templates import Message, VisionTokens
 
@@ -115,8 +116,7 @@ def regularize(image: Image, settings: ImageSettings) -> Image:
     return image
 
 
-# Any: transformers' image processor classes (PIL and torchvision backends) share no base we can name.
-def load_image_processor(path: str | os.PathLike[str]) -> Any:  # Any: an image processor
+def load_image_processor(path: str | os.PathLike[str]) -> BaseImageProcessor:
     """The image processor of the model directory ``path`` (local files only): its
     ``AutoProcessor``'s, else (a processor whose video half needs torchvision) its
     ``AutoImageProcessor``. DataError (one line) when neither loads."""
@@ -141,14 +141,14 @@ def load_image_processor(path: str | os.PathLike[str]) -> Any:  # Any: an image 
                         "directory with the model's preprocessor_config.json") from None
 
 
-def processor_digest(processor: Any) -> dict[str, Any]:  # Any: an image processor (see load_image_processor)
+def processor_digest(processor: BaseImageProcessor) -> dict[str, str]:
     """What of the image processor changes grids or pixels (for the tokenization cache key)."""
     described = processor.to_dict() if hasattr(processor, "to_dict") else vars(processor)
     return {"class": type(processor).__name__,
             **{key: repr(value) for key, value in sorted(described.items())}}
 
 
-def merge_size(processor: Any) -> int:  # Any: an image processor (see load_image_processor)
+def merge_size(processor: BaseImageProcessor) -> int:
     """Patches merged per side into one image token (Qwen: 2)."""
     size = getattr(processor, "merge_size", None)
     if not isinstance(size, int) or size < 1:
@@ -157,7 +157,7 @@ def merge_size(processor: Any) -> int:  # Any: an image processor (see load_imag
     return size
 
 
-def image_inputs(processor: Any, paths: Sequence[str], settings: ImageSettings,  # Any: an image processor
+def image_inputs(processor: BaseImageProcessor, paths: Sequence[str], settings: ImageSettings,
                  where: str) -> tuple[np.ndarray, np.ndarray]:
     """``(pixel_values float32 [patches, C·T·P·P], image_grid_thw int64 [images, 3])`` of the
     images at ``paths``, in order (each image's patches after the previous image's)."""

@@ -65,7 +65,7 @@ class MropeEmbedding(torch.nn.Module):
         """The next forward's deepstack addends (:class:`McaVLModel`), put on its angles."""
 
     def forward(self, position_ids: Tensor, mrope_section: Sequence[int],
-                cp_group: Any = None) -> Tensor:  # Any: Megatron's call passes a process group or None
+                cp_group: torch.distributed.ProcessGroup | None = None) -> Tensor:
         positions = position_ids.to(self.inv_freq.device, torch.float32)
         freqs = positions[..., None] * self.inv_freq  # [3, b, s, rot/2]
         index = self.rows.expand(1, *freqs.shape[1:])
