@@ -154,7 +154,7 @@ def load_samples(path: str, tokenizer: PreTrainedTokenizerBase, data: DataArgume
     if source.formatting is not None:  # records come out in the parsers' own field names
         data = dataclasses.replace(data, text_field="text", dataset_format=(
             "text" if _stage(stage).reads == TEXT else source.formatting))
-    media_root = getattr(data, "media_dir", None) or source.media_root or os.path.dirname(path)
+    media_root = data.media_dir or source.media_root or os.path.dirname(path)
     vl = {} if vision is None else {"media_root": os.path.abspath(media_root), **vision.cache_settings()}
     key = cache_key([path], tokenizer_fingerprint(tokenizer),
                     {**_settings(stage, data), **source.settings(), **vl})
