@@ -19,10 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 from lf_peer import lf_data_args, lf_get_template_and_fix_tokenizer, lf_pairwise
 from test_vl_data import PROCESSORS, _draw, _lf_processor, _model_dir
-from trainer_fixtures import run_train, steps
+from vl_fixtures import DEMO, LORA, demo_model_dir, train, write_config
 
 from hpc_mca.data.arguments import DataArguments, DataRun
 from hpc_mca.data.batch import collate_batch
@@ -33,9 +32,6 @@ from hpc_mca.data.errors import DataError
 from hpc_mca.data.multimodal import vision_inputs, vision_pairwise
 from hpc_mca.data.tokenize import load_tokenizer
 from hpc_mca.data.vision import ImageSettings, image_inputs
-
-DEMO = Path(__file__).resolve().parents[1] / "hpc_mca" / "assets" / "demo_vl"
-LORA = {"finetuning_type": "lora", "lora_target": "all", "lora_rank": 8}
 
 
 @pytest.fixture(scope="module")
@@ -204,15 +200,7 @@ def test_kto_with_images_is_refused_in_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """The demo's Qwen2-VL with random weights written out (a directory a user brings)."""
-    from transformers import AutoConfig, Qwen2VLForConditionalGeneration
-
-    root = tmp_path_factory.mktemp("vl_model")
-    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
-        shutil.copy(DEMO / name, root / name)
-    torch.manual_seed(3)
-    Qwen2VLForConditionalGeneration(AutoConfig.from_pretrained(DEMO)).save_pretrained(root)
-    return root
+    return demo_model_dir(tmp_path_factory.mktemp("vl_model"))
 
 
 def _config(root: Path, model_dir: Path, **settings: object) -> Path:
@@ -224,20 +212,12 @@ def _config(root: Path, model_dir: Path, **settings: object) -> Path:
         "pref_beta": 0.5, "max_steps": 12, "logging_steps": 1, "seed": 11, "output_dir": str(root / "run"),
         **settings,
     }
-    path = root / f"config{len(list(root.glob('config*.yaml')))}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def _train(config: Path, run: Path, nproc: int, *overrides: str) -> list[dict]:
-    proc = run_train(config, run, nproc, *overrides)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return steps(run)
+    return write_config(root, config)
 
 
 @pytest.mark.slow
 def test_a_lora_dpo_on_the_demo_pairs_starts_at_ln2(tmp_path, model_dir):
-    curve = _train(_config(tmp_path, model_dir, **LORA, max_steps=4), tmp_path / "run", 1)
+    curve = train(_config(tmp_path, model_dir, **LORA, max_steps=4), tmp_path / "run", 1)
     assert len(curve) == 4 and all(s["pairs"] == 4 for s in curve)
     assert curve[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
     assert curve[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-4)
@@ -250,8 +230,8 @@ def test_packed_and_unpacked_pairs_give_the_same_first_step(tmp_path, model_dir,
     settings = LORA if finetuning == "lora" else {"finetuning_type": "full"}
     # 4 pairs: one step holds them all, packed (two pairs a row) or not (a pair a micro-batch)
     config = _config(tmp_path, model_dir, max_steps=1, max_samples=4, **settings)
-    packed = _train(config, tmp_path / "packed", 1)[0]
-    rows = _train(config, tmp_path / "rows", 1, "data.sequence_packing=false")[0]
+    packed = train(config, tmp_path / "packed", 1)[0]
+    rows = train(config, tmp_path / "rows", 1, "data.sequence_packing=false")[0]
     assert packed["pairs"] == rows["pairs"] == 4
     assert packed["loss"] == pytest.approx(math.log(2), abs=1e-4)
     for key in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
@@ -266,8 +246,8 @@ def test_the_standard_backends_first_step_equals_megatrons(tmp_path, model_dir, 
     log-probabilities of the chosen and rejected answers."""
     settings = LORA if finetuning == "lora" else {"finetuning_type": "full"}
     config = _config(tmp_path, model_dir, max_steps=1, max_samples=4, **settings)
-    megatron = _train(config, tmp_path / "megatron", 1)[0]
-    standard = _train(config, tmp_path / "standard", 1, "training.use_mca=false")[0]
+    megatron = train(config, tmp_path / "megatron", 1)[0]
+    standard = train(config, tmp_path / "standard", 1, "training.use_mca=false")[0]
     assert megatron["pairs"] == standard["pairs"] == 4
     assert standard["loss"] == pytest.approx(math.log(2), abs=1e-5)
     for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",

@@ -13,13 +13,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from trainer_fixtures import rewind, run_train, same_curve, steps
+from trainer_fixtures import rewind, same_curve, steps
+from vl_fixtures import DEMO, LORA, demo_model_dir, train, write_config
 
 from hpc_mca.config.loading import load_config
 from hpc_mca.config.sections import ConfigError
-
-DEMO = Path(__file__).resolve().parent.parent / "hpc_mca" / "assets" / "demo_vl"
-LORA = {"finetuning_type": "lora", "lora_target": "all", "lora_rank": 8}
 
 
 def _weights(model_dir: Path) -> dict:
@@ -33,17 +31,7 @@ def _weights(model_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """The demo's Qwen2-VL with random weights written out (a directory a user brings)."""
-    import torch
-    from transformers import AutoConfig, Qwen2VLForConditionalGeneration
-
-    root = tmp_path_factory.mktemp("vl_model")
-    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
-        shutil.copy(DEMO / name, root / name)
-    torch.manual_seed(3)
-    model = Qwen2VLForConditionalGeneration(AutoConfig.from_pretrained(DEMO))
-    model.save_pretrained(root)
-    return root
+    return demo_model_dir(tmp_path_factory.mktemp("vl_model"))
 
 
 def _config(root: Path, model_dir: Path, **settings: object) -> Path:
@@ -55,22 +43,14 @@ def _config(root: Path, model_dir: Path, **settings: object) -> Path:
         "max_steps": 20, "logging_steps": 1, "seed": 11, "output_dir": str(root / "run"),
         **settings,
     }
-    path = root / f"config{len(list(root.glob('config*.yaml')))}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def _train(config: Path, run: Path, nproc: int, *overrides: str) -> list[dict]:
-    proc = run_train(config, run, nproc, *overrides)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return steps(run)
+    return write_config(root, config)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["megatron", "standard"])
 def test_a_20_step_lora_sft_learns_the_demo_images(tmp_path, model_dir, backend):
     config = _config(tmp_path, model_dir, **LORA, use_mca=backend == "megatron")
-    curve = _train(config, tmp_path / "run", 2)
+    curve = train(config, tmp_path / "run", 2)
     first, last = curve[0]["loss"], sum(s["loss"] for s in curve[-5:]) / 5
     assert len(curve) == 20 and last < first - 0.5, (first, last)
     assert (tmp_path / "run" / "adapter_config.json").is_file()
@@ -87,7 +67,7 @@ def first_steps(tmp_path_factory, model_dir) -> dict[tuple[str, str], Path]:
     for backend in ("megatron", "standard"):
         for mode in ("packed", "rows"):
             run = runs[backend, mode] = root / f"{backend}_{mode}"
-            _train(config, run, 1, f"training.use_mca={backend == 'megatron'}",
+            train(config, run, 1, f"training.use_mca={backend == 'megatron'}",
                    f"data.sequence_packing={mode == 'packed'}",
                    f"training.per_device_train_batch_size={batch[mode]}",
                    f"training.global_batch_size={batch[mode]}")
@@ -145,11 +125,11 @@ def test_lora_adapts_the_linears_llamafactory_adapts_on_both_backends(first_step
 def test_a_resumed_run_continues_the_uninterrupted_curve(tmp_path, model_dir, backend):
     config = _config(tmp_path, model_dir, finetuning_type="full", max_steps=4, save_steps=2,
                      learning_rate=1e-3, freeze_vision_tower=False, use_mca=backend == "megatron")
-    whole = _train(config, tmp_path / "whole", 2)
+    whole = train(config, tmp_path / "whole", 2)
     resumed = rewind(tmp_path / "whole", tmp_path / "resumed", 2)
     (resumed / "steps.jsonl").write_text("".join(
         line + "\n" for line in (resumed / "steps.jsonl").read_text().splitlines()[:2]))
-    same_curve(_train(config, resumed, 2), whole, 0.0, "resumed at step 2")
+    same_curve(train(config, resumed, 2), whole, 0.0, "resumed at step 2")
 
 
 FREEZE_CASES = {
@@ -164,12 +144,12 @@ FREEZE_CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case,backend", [*((case, "megatron") for case in FREEZE_CASES),
                                           ("tower", "standard")])
-def test_the_freeze_settings_decide_which_parts_train(tmp_path, model_dir, case, backend):
+def test_the_freeze_settings_decide_which_partstrain(tmp_path, model_dir, case, backend):
     settings, (tower, merger, language) = FREEZE_CASES[case]
     config = _config(tmp_path, model_dir, finetuning_type="full", max_steps=2,
                      export_hf_dir=str(tmp_path / "export"), use_mca=backend == "megatron",
                      **settings)
-    _train(config, tmp_path / "run", 1)
+    train(config, tmp_path / "run", 1)
     before, after = _weights(model_dir), _weights(tmp_path / "export")
     assert set(before) == set(after)
     changed = {name for name in before if not before[name].equal(after[name])}
@@ -252,7 +232,7 @@ def test_qwen3_vl_first_step_is_the_same_on_both_backends(tmp_path, qwen3_model_
     config = _config(tmp_path, qwen3_model_dir, template="qwen3_vl", finetuning_type="full",
                      freeze_vision_tower=False, max_steps=1, max_samples=8, seq_length=1024,
                      per_device_train_batch_size=1, global_batch_size=1)
-    first = {backend: _train(config, tmp_path / backend, 1,
+    first = {backend: train(config, tmp_path / backend, 1,
                              f"training.use_mca={backend == 'megatron'}")[0]
              for backend in ("megatron", "standard")}
     assert first["standard"]["tokens"] == first["megatron"]["tokens"]
