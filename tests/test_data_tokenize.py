@@ -3,12 +3,12 @@
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from hpc_mca.data.addition import DEMO_DIR
+from hpc_mca.data.arguments import DataArguments
 from hpc_mca.data.conversation import example_of
 from hpc_mca.data.dataset import load_samples
 from hpc_mca.data.errors import DataError
@@ -23,12 +23,12 @@ def tok():
     return load_tokenizer(DEMO_DIR)
 
 
-def _data(tmp_path: Path, **overrides) -> SimpleNamespace:
+def _data(tmp_path: Path, **overrides) -> DataArguments:
     fields = dict(dataset_format="auto", text_field="text", template="chat", cutoff_len=64,
                   seq_length=None, pt_chunking="concat", train_on_prompt=False,
                   max_samples=None, preprocessing_cache_dir=str(tmp_path / "cache"),
                   overwrite_cache=False)
-    return SimpleNamespace(**{**fields, **overrides})
+    return DataArguments(**{**fields, **overrides})
 
 
 def _sft(tok, messages, template="chat", train_on_prompt=False, cutoff=64):

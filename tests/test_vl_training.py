@@ -144,7 +144,7 @@ FREEZE_CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case,backend", [*((case, "megatron") for case in FREEZE_CASES),
                                           ("tower", "standard")])
-def test_the_freeze_settings_decide_which_partstrain(tmp_path, model_dir, case, backend):
+def test_the_freeze_settings_decide_which_parts_train(tmp_path, model_dir, case, backend):
     settings, (tower, merger, language) = FREEZE_CASES[case]
     config = _config(tmp_path, model_dir, finetuning_type="full", max_steps=2,
                      export_hf_dir=str(tmp_path / "export"), use_mca=backend == "megatron",
