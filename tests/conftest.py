@@ -41,6 +41,21 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
+def _environment_left_as_found() -> Iterator[None]:
+    """Each test leaves ``os.environ`` as it found it. Library code a test runs in this process
+    may write there: Megatron-Core's LanguageModule sets NVTE_FLASH_ATTN, NVTE_FUSED_ATTN and
+    NVTE_UNFUSED_ATTN whenever it builds a model. Left behind, they reach every later launch's
+    environment, which then differs from the warm launcher's server (tests/warm_launcher.py),
+    so each launch was started fresh: 397 of 481 in a full main lane, paying ~7 s of imports
+    a rank each time, which made that lane ~1.7 times as long."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def _no_job_outlives_its_test(request: pytest.FixtureRequest,
                               tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """A test marked ``slurm`` ends with none of its jobs queued or running: whatever it
