@@ -74,14 +74,20 @@ def test_new_family_trains_in_bf16(tmp_path, family):
                           data={"cutoff_len": 64, "sequence_packing": True},
                           training={"max_steps": 4, "bf16": True, "report_to": ["none"]})
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "hpc_mca", "train", str(config),
-                           f"training.output_dir={run_dir}"],
+    records = _four_finite_steps([str(config), f"training.output_dir={run_dir}"], run_dir)
+    assert all(r["max_memory_gib"] > 0 for r in records)  # the GPU's own figure, per step
+
+
+def _four_finite_steps(train_args: list[str], run_dir: Path) -> list[dict]:
+    """``hpc-mca train TRAIN_ARGS`` on the GPU, which must end well with four step records in
+    ``run_dir``, every loss and gradient norm finite; the records."""
+    proc = subprocess.run([sys.executable, "-m", "hpc_mca", "train", *train_args],
                           env=_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
     assert len(records) == 4
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
-    assert all(r["max_memory_gib"] > 0 for r in records)  # the GPU's own figure, per step
+    return records
 
 
 def _check_bf16_logits(tmp_path: Path, family: str, hf: torch.nn.Module) -> None:
@@ -162,13 +168,7 @@ def test_vl_demo_trains_in_bf16(tmp_path, backend):
     """Four bf16 LoRA sft steps of the vision-language demo (a tiny Qwen2-VL, images of the
     bundled shapes data) on the GPU, on each backend: every loss and gradient norm finite."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "hpc_mca", "train",
-                           str(REPO / "hpc_mca" / "assets" / "demo_vl" / "sft_shapes.yaml"),
-                           "max_steps=4", "logging_steps=1", "bf16=true", "report_to=none",
-                           f"use_mca={'true' if backend == 'megatron' else 'false'}",
-                           f"output_dir={run_dir}"],
-                          env=_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
-    assert len(records) == 4
-    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+    _four_finite_steps([str(REPO / "hpc_mca" / "assets" / "demo_vl" / "sft_shapes.yaml"),
+                        "max_steps=4", "logging_steps=1", "bf16=true", "report_to=none",
+                        f"use_mca={'true' if backend == 'megatron' else 'false'}",
+                        f"output_dir={run_dir}"], run_dir)
