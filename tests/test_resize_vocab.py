@@ -20,8 +20,9 @@ from trainer_fixtures import make_model_dir, make_sft_data, run_train, write_con
 from hpc_mca.api.session import check_inputs, model_shape
 from hpc_mca.config.loading import load_resolved
 from hpc_mca.errors import UserError
-from hpc_mca.models.hf_config import read_hf_config, record_vocab_growth, vocab_growth
+from hpc_mca.models.hf_config import read_hf_config
 from hpc_mca.models.vocab import grown_rows, grown_size
+from hpc_mca.models.vocab_growth import record_vocab_growth, vocab_growth
 from hpc_mca.runtime.env import from_environ
 
 

@@ -143,13 +143,13 @@ def tokenizer_fits_model(config: TrainConfig, vocab_size: int) -> None:
     ``data.template`` added its special tokens (as LLaMA-Factory's templates add them) - is
     refused before the process group, whatever the data happens to use, unless
     ``model.resize_vocab`` grows the model to it: then the grown size is recorded for the
-    model directory (:func:`hpc_mca.models.hf_config.record_vocab_growth`), which the build,
+    model directory (:func:`hpc_mca.models.vocab_growth.record_vocab_growth`), which the build,
     the import, the checkpoint's records and the export read. The data's own ids are checked
     again when it is read (hpc_mca.data.store.check_token_ids)."""
     from hpc_mca.data.tokenize import load_tokenizer
     from hpc_mca.models.errors import ModelLoadError
-    from hpc_mca.models.hf_config import VocabGrowth, record_vocab_growth
     from hpc_mca.models.vocab import grown_size
+    from hpc_mca.models.vocab_growth import VocabGrowth, record_vocab_growth
 
     model = config.model
     path = model.tokenizer_name_or_path or model.model_name_or_path
@@ -212,7 +212,7 @@ def _shape_of(model_dir: str) -> ModelShape:
 def model_shape(model: ModelArguments) -> ModelShape:
     """The planner's shape of the config's model (read once per directory), with the
     vocabulary ``model.resize_vocab`` grew it to (recorded by :func:`check_inputs`)."""
-    from hpc_mca.models.hf_config import vocab_growth
+    from hpc_mca.models.vocab_growth import vocab_growth
 
     shape = _shape_of(model.model_name_or_path)
     growth = vocab_growth(model.model_name_or_path) if model.resize_vocab else None

@@ -394,7 +394,7 @@ def write_companion_files(out: Path, source: Path) -> None:
     text finds the same tokenizer and generation settings (rank 0 only)."""
     from transformers import GenerationConfig
 
-    from hpc_mca.models.hf_config import vocab_growth
+    from hpc_mca.models.vocab_growth import vocab_growth
 
     for name in TOKENIZER_FILES:
         if (source / name).is_file():

@@ -55,22 +55,20 @@ from hpc_mca.models.vl_config import (
     text_config,
     vision_spec,
 )
+from hpc_mca.models.vocab_growth import vocab_growth
 from hpc_mca.topology.lora import LoraModel
 from hpc_mca.topology.model import BUILDABLE_MODEL_TYPES
 
 if TYPE_CHECKING:  # transformers is imported lazily, where a config is parsed
-    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
+    from transformers import PreTrainedConfig
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "SUPPORTED_ROPE_TYPES",
     "HFModelSpec",
     "RopeSpec",
-    "VocabGrowth",
     "check_sequence_length",
     "read_hf_config",
-    "record_vocab_growth",
-    "vocab_growth",
 ]
 
 SUPPORTED_MODEL_TYPES = BUILDABLE_MODEL_TYPES  # one list, the planner's too (topology.model)
@@ -171,7 +169,7 @@ class HFModelSpec:
     """The config.json contents as read, written back (updated) on export."""
     stored_vocab_size: int | None = None
     """Rows of the checkpoint's embedding when ``vocab_size`` was grown past them
-    (``model.resize_vocab``, :func:`record_vocab_growth`); None: not grown."""
+    (``model.resize_vocab``, :func:`hpc_mca.models.vocab_growth.record_vocab_growth`); None: not grown."""
     mtp_layers: int = 0
     """Multi-token-prediction modules the checkpoint holds after its decoder layers, at HF
     layers ``num_layers .. num_layers + mtp_layers - 1`` (deepseek_v3 and glm4_moe:
@@ -284,38 +282,6 @@ def _held_mtp(spec: HFModelSpec, declared: int) -> HFModelSpec:
     first = f"model.layers.{spec.num_layers}."
     copies = tuple(c for c in MTP_COPIES if held and first + c in names)
     return replace(spec, mtp_layers=held, mtp_copies=copies)
-
-
-@dataclass(frozen=True)
-class VocabGrowth:
-    """This process's model directory trains with a grown vocabulary (``model.resize_vocab``)."""
-
-    size: int
-    """The grown vocab_size (the template-fixed tokenizer's length, rounded up to 64)."""
-    seed: int
-    """The run's seed, from which the new rows are drawn (:mod:`hpc_mca.models.vocab`)."""
-    tokenizer: PreTrainedTokenizerBase = field(compare=False, repr=False)
-    """The template-fixed tokenizer, saved with every export."""
-
-
-_GROWTH: dict[str, VocabGrowth] = {}
-
-
-def record_vocab_growth(directory: str | Path, growth: VocabGrowth | None) -> None:
-    """Make every later :func:`read_hf_config` of ``directory`` in this process describe the
-    model with ``growth.size`` vocabulary rows (None: forget it). The run's checks record it
-    on every rank before anything is built (``hpc_mca.api.session.check_inputs``), so the
-    build, the import of the weights, the checkpoint's records and the export agree."""
-    key = str(Path(directory).resolve())
-    if growth is None:
-        _GROWTH.pop(key, None)
-    else:
-        _GROWTH[key] = growth
-
-
-def vocab_growth(directory: str | Path) -> VocabGrowth | None:
-    """The growth recorded for ``directory``, if any."""
-    return _GROWTH.get(str(Path(directory).resolve()))
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -15,7 +15,7 @@ generator seeded with the run's seed, so its rows equal LLaMA-Factory's after
 and every resume computes the same rows from the full old matrices.
 
 The grown size of a run is recorded per model directory once the run's checks found it
-(:func:`hpc_mca.models.hf_config.record_vocab_growth`); both backends and the export read it
+(:func:`hpc_mca.models.vocab_growth.record_vocab_growth`); both backends and the export read it
 from there.
 """
 
@@ -29,7 +29,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from hpc_mca.models.hf_config import VocabGrowth
+    from hpc_mca.models.vocab_growth import VocabGrowth
 
 __all__ = ["PAD_TO_MULTIPLE_OF", "grow_hf_model", "grown_rows", "grown_size"]
 

@@ -163,8 +163,8 @@ class _GrownReader:
         return tensor.narrow(piece.dim, piece.hf_start, piece.length)
 
     def _grow(self) -> None:
-        from hpc_mca.models.hf_config import vocab_growth
         from hpc_mca.models.vocab import grown_rows
+        from hpc_mca.models.vocab_growth import vocab_growth
 
         growth = vocab_growth(self.spec.directory) if self.spec.directory is not None else None
         if growth is None:

@@ -15,9 +15,9 @@ from hpc_mca.config.sections import FinetuningArguments, TrainConfig
 from hpc_mca.loop.optimizer import optimizer_config, use_fused_adam
 from hpc_mca.models import hf_attention
 from hpc_mca.models.converters import converter_for
-from hpc_mca.models.hf_config import vocab_growth
 from hpc_mca.models.vl_config import VL_MODEL_TYPES
 from hpc_mca.models.vocab import grow_hf_model
+from hpc_mca.models.vocab_growth import vocab_growth
 
 if TYPE_CHECKING:  # megatron is imported lazily, inside the functions that use it
     from megatron.core.optimizer import OptimizerConfig
